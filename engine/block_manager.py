@@ -1,0 +1,51 @@
+"""Paged KV cache accounting: which blocks each request holds. No tensors here.
+
+A request holding `num_tokens` tokens of KV needs ceil(num_tokens / block_size)
+blocks. Block ids come from a FIFO free list: allocation takes from the front and
+freeing returns a request's blocks to the back, in table order, so ids are
+predictable and tests can assert them exactly.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from engine.request import Request
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block; got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def num_new_blocks(self, request: Request, num_new_tokens: int) -> int:
+        needed = self.blocks_for(request.num_computed_tokens + num_new_tokens)
+        return max(0, needed - len(request.block_table))
+
+    def can_allocate(self, request: Request, num_new_tokens: int) -> bool:
+        return self.num_new_blocks(request, num_new_tokens) <= len(self._free)
+
+    def allocate(self, request: Request, num_new_tokens: int) -> None:
+        """Grow the request's table to hold num_computed_tokens + num_new_tokens."""
+        count = self.num_new_blocks(request, num_new_tokens)
+        if count > len(self._free):
+            raise RuntimeError(f"request {request.request_id} needs {count} KV blocks, "
+                               f"{len(self._free)} free")
+        request.block_table.extend(self._free.popleft() for _ in range(count))
+
+    def free(self, request: Request) -> None:
+        self._free.extend(request.block_table)
+        request.block_table = []

@@ -1,0 +1,194 @@
+"""The model's shape (from config.json) and the engine's knobs."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.errors import EngineConfigError, ModelLoadError
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None  # {"rope_type": "llama3" | "linear", ...} or None
+    tie_word_embeddings: bool
+    qkv_bias: bool  # biases on q/k/v projections (Qwen2; Llama with attention_bias)
+    o_bias: bool  # bias on the output projection (Llama with attention_bias)
+    mlp_bias: bool
+    sliding_window: int  # 0: full attention
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+    torch_dtype: str | None  # the checkpoint's own dtype, when the config says
+
+    @classmethod
+    def from_dir(cls, model_dir: str | os.PathLike) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ModelLoadError(f"{path}: not found; a model directory needs a Hugging Face "
+                                 "config.json beside its *.safetensors")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ModelLoadError(f"{path}: not valid JSON ({exc})") from None
+        return cls.from_dict(raw, source=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ModelLoadError(
+                f"{source}: architectures {archs} not supported; fusegen runs "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        try:
+            num_heads = int(raw["num_attention_heads"])
+            hidden = int(raw["hidden_size"])
+            cfg = cls(
+                architecture=arch,
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(raw["intermediate_size"]),
+                num_layers=int(raw["num_hidden_layers"]),
+                num_heads=num_heads,
+                num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+                head_dim=int(raw.get("head_dim") or hidden // num_heads),
+                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(_rope_param(raw, "rope_theta", 10000.0)),
+                rope_scaling=_rope_scaling(raw),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
+                o_bias=arch == "LlamaForCausalLM" and bool(raw.get("attention_bias", False)),
+                mlp_bias=arch == "LlamaForCausalLM" and bool(raw.get("mlp_bias", False)),
+                sliding_window=_sliding_window(arch, raw),
+                bos_token_id=raw.get("bos_token_id"),
+                eos_token_ids=_as_list(raw.get("eos_token_id")),
+                torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            )
+        except KeyError as exc:
+            raise ModelLoadError(f"{source}: missing required key {exc.args[0]!r}") from None
+        if cfg.num_heads % cfg.num_kv_heads:
+            raise ModelLoadError(f"{source}: num_attention_heads ({cfg.num_heads}) is not a "
+                                 f"multiple of num_key_value_heads ({cfg.num_kv_heads})")
+        return cfg
+
+
+def _as_list(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def _rope_param(raw: dict, key: str, default):
+    # transformers 5 moved rope settings into `rope_parameters`.
+    params = raw.get("rope_parameters") or {}
+    return raw.get(key, params.get(key, default))
+
+
+def _rope_scaling(raw: dict) -> dict | None:
+    scaling = raw.get("rope_scaling") or raw.get("rope_parameters")
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind not in ("llama3", "linear"):
+        raise ModelLoadError(f"config.json: rope_scaling type {kind!r} not supported "
+                             "(fusegen supports llama3 and linear)")
+    return {**scaling, "rope_type": kind}
+
+
+def _sliding_window(arch: str, raw: dict) -> int:
+    window = raw.get("sliding_window")
+    if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
+        return 0
+    return int(window) if window else 0
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def cpu_supports_bf16() -> bool:
+    """bf16 only pays on CPUs with bf16 matrix units; elsewhere it is emulated and slow."""
+    cpu = getattr(torch, "cpu", None)
+    checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    return any(getattr(cpu, name, lambda: False)() for name in checks)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.startswith("cuda"):
+            return torch.bfloat16
+        return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+    if dtype not in _DTYPES:
+        raise EngineConfigError(f"dtype must be auto, {', '.join(_DTYPES)}; got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str  # a local Hugging Face checkpoint directory
+    dtype: str = "auto"  # auto: bf16 on GPUs and bf16-capable CPUs, fp32 otherwise
+    device: str = "auto"  # auto: cuda when present, else cpu
+    max_num_seqs: int | None = None  # running requests at most; None: from the machine
+    max_num_batched_tokens: int | None = None  # tokens per step; None: from the machine
+    block_size: int = 16  # tokens per KV block
+    kv_cache_memory: int | None = None  # bytes for the KV block pool; None: from free memory
+    num_kv_blocks: int | None = None  # exact pool size (overrides kv_cache_memory)
+    max_model_len: int | None = None  # context limit; None: max_position_embeddings
+    allow_pickle: bool = False  # load *.bin / *.pt checkpoints (weights_only) when True
+    seed: int = 0  # the engine-wide generator for requests without their own seed
+    model_config: ModelConfig | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        self.model = str(self.model)
+        if self.device == "auto":
+            self.device = default_device()
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise EngineConfigError(f"device must be auto, cpu or cuda[:N]; got {self.device!r}")
+        resolve_dtype(self.dtype, self.device)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory",
+                     "num_kv_blocks", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise EngineConfigError(f"{name} must be a positive integer; got {value!r}")
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise EngineConfigError(f"block_size must be a power of two up to 128; "
+                                    f"got {self.block_size}")
+        if self.model_config is None:
+            self.model_config = ModelConfig.from_dir(self.model)
+        limit = self.model_config.max_position_embeddings
+        if self.max_model_len is None:
+            self.max_model_len = limit
+        elif self.max_model_len > limit:
+            raise EngineConfigError(f"max_model_len {self.max_model_len} exceeds the model's "
+                                    f"max_position_embeddings {limit}")
+        on_gpu = self.device.startswith("cuda")
+        if self.max_num_seqs is None:
+            self.max_num_seqs = 256
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 8192 if on_gpu else 2048
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return resolve_dtype(self.dtype, self.device)

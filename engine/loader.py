@@ -1,0 +1,125 @@
+"""Reading a Hugging Face checkpoint directory into named tensors.
+
+Only safetensors are read by default: they hold data, never code. Pickle files
+(`*.bin`, `*.pt`) load only with `allow_pickle=True`, and then with
+`torch.load(weights_only=True)`, which refuses arbitrary objects. Nothing from the
+checkpoint directory is ever imported or executed.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.config import ModelConfig
+from engine.errors import ModelLoadError
+
+_PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth")
+# Buffers some exporters write that carry no weights.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def weight_files(model_dir: Path, allow_pickle: bool = False) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise ModelLoadError(f"{index}: not a valid safetensors index ({exc})") from None
+        files = [model_dir / n for n in names]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{index} lists shards that are missing: {', '.join(missing)}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(p for pat in _PICKLE_PATTERNS for p in model_dir.glob(pat))
+    if pickles and not allow_pickle:
+        raise ModelLoadError(
+            f"{model_dir}: only pickle weights found ({pickles[0].name}); pickle files can "
+            "run code when loaded, so fusegen refuses them. Convert the checkpoint to "
+            "safetensors, or opt in with allow_pickle=True (--allow-pickle), which loads "
+            "them with torch.load(weights_only=True).")
+    if pickles:
+        return pickles
+    raise ModelLoadError(f"{model_dir}: no *.safetensors weights found")
+
+
+def iter_tensors(files: list[Path]) -> Iterator[tuple[str, Path, torch.Tensor]]:
+    for path in files:
+        if path.suffix == ".safetensors":
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    for name in f.keys():
+                        yield name, path, f.get_tensor(name)
+            except (OSError, RuntimeError, ValueError) as exc:
+                raise ModelLoadError(f"{path}: cannot read safetensors ({exc})") from None
+        else:
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as exc:  # noqa: BLE001 - any failure is the file's
+                raise ModelLoadError(f"{path}: cannot load ({exc})") from None
+            for name, tensor in state.items():
+                yield name, path, tensor
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor name the checkpoint must hold, with its shape."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (cfg.intermediate_size, h),
+            p + "mlp.up_proj.weight": (cfg.intermediate_size, h),
+            p + "mlp.down_proj.weight": (h, cfg.intermediate_size),
+        }
+        if cfg.qkv_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                       p + "self_attn.v_proj.bias": (kv,)}
+        if cfg.o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if cfg.mlp_bias:
+            shapes |= {p + "mlp.gate_proj.bias": (cfg.intermediate_size,),
+                       p + "mlp.up_proj.bias": (cfg.intermediate_size,),
+                       p + "mlp.down_proj.bias": (h,)}
+    return shapes
+
+
+def load_state_dict(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
+                    allow_pickle: bool = False) -> dict[str, torch.Tensor]:
+    """All weights, checked name by name and shape by shape against the config."""
+    model_dir = Path(model_dir)
+    expected = expected_shapes(cfg)
+    state: dict[str, torch.Tensor] = {}
+    for name, path, tensor in iter_tensors(weight_files(model_dir, allow_pickle)):
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # tied: the embedding serves as the head
+        if name not in expected:
+            raise ModelLoadError(f"{path}: unexpected tensor {name!r} for "
+                                 f"{cfg.architecture} with this config.json")
+        if tuple(tensor.shape) != expected[name]:
+            raise ModelLoadError(
+                f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, but config.json "
+                f"implies {expected[name]}; the config does not match the weights")
+        state[name] = tensor.to(dtype)
+    missing = [n for n in expected if n not in state]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ModelLoadError(f"{model_dir}: weights missing for {', '.join(missing[:3])}{more}")
+    return state

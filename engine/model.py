@@ -1,0 +1,138 @@
+"""The decoder (Llama, Mistral, Qwen2) over one ragged token stream.
+
+A step's tokens from all requests are packed into one sequence of T tokens with no
+padding (ByteTransformer's idea); the attention metadata says where each request's
+tokens start and where its keys and values live in the paged cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+from kernels.kv_cache import write_kv_cache
+from kernels.paged_attention import paged_attention
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32, tokens in the cache after this step
+    query_start_loc: torch.Tensor  # [B+1] int32
+    max_query_len: int
+    max_seq_len: int
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Computed in fp32 and cast back before the weight, as Hugging Face does.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [T, H, D]; cos/sin [T, 1, D/2]; rotate-half (NeoX) layout.
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def _param(present: bool = True):
+    # Filled by `CausalLM.load`; None marks a bias the architecture does not have.
+    return nn.Parameter(torch.empty(0), requires_grad=False) if present else None
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d = cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+        self.eps = cfg.rms_norm_eps
+        self.sliding_window = cfg.sliding_window
+        self.scale = d ** -0.5
+        self.input_norm = _param()
+        self.qkv = _param()  # [q + 2 kv, hidden]: q, k, v stacked
+        self.qkv_bias = _param(cfg.qkv_bias)
+        self.o = _param()
+        self.o_bias = _param(cfg.o_bias)
+        self.post_norm = _param()
+        self.gate_up = _param()  # [2 * intermediate, hidden]: gate, up stacked
+        self.gate_up_bias = _param(cfg.mlp_bias)
+        self.down = _param()
+        self.down_bias = _param(cfg.mlp_bias)
+
+    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
+        # x [T, hidden]
+        x = x + self._attention(rms_norm(x, self.input_norm, self.eps), cos, sin, kv_cache, meta)
+        return x + self._mlp(rms_norm(x, self.post_norm, self.eps))
+
+    def _attention(self, x, cos, sin, kv_cache, meta):
+        num_tokens = x.shape[0]
+        qkv = F.linear(x, self.qkv, self.qkv_bias)  # [T, q + 2kv]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                              meta.query_start_loc, max_query_len=meta.max_query_len,
+                              max_seq_len=meta.max_seq_len, scale=self.scale,
+                              sliding_window=self.sliding_window)
+        return F.linear(out.reshape(num_tokens, self.q_size), self.o, self.o_bias)
+
+    def _mlp(self, x):
+        gate, up = F.linear(x, self.gate_up, self.gate_up_bias).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down, self.down_bias)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = _param()
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = _param()
+        self.lm_head = _param(not cfg.tie_word_embeddings)
+
+    def forward(self, input_ids, cos_sin, kv_caches, meta: AttentionMetadata):
+        # input_ids [T]; cos_sin [T, head_dim] (cos halves then sin halves)
+        cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
+        x = F.embedding(input_ids, self.embed)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kv_cache, meta)
+        return x  # [T, hidden], before the final norm
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden [N, hidden] of the tokens that sample -> [N, vocab] fp32
+        head = self.embed if self.lm_head is None else self.lm_head
+        return F.linear(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps), head).float()
+
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy Hugging Face-named tensors in, stacking q/k/v and gate/up."""
+        self.embed.data = state["model.embed_tokens.weight"]
+        self.norm.data = state["model.norm.weight"]
+        if self.lm_head is not None:
+            self.lm_head.data = state["lm_head.weight"]
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn, mlp = p + "self_attn.", p + "mlp."
+            layer.input_norm.data = state[p + "input_layernorm.weight"]
+            layer.post_norm.data = state[p + "post_attention_layernorm.weight"]
+            layer.qkv.data = torch.cat([state[attn + f"{n}_proj.weight"] for n in "qkv"])
+            if layer.qkv_bias is not None:
+                layer.qkv_bias.data = torch.cat([state[attn + f"{n}_proj.bias"] for n in "qkv"])
+            layer.o.data = state[attn + "o_proj.weight"]
+            if layer.o_bias is not None:
+                layer.o_bias.data = state[attn + "o_proj.bias"]
+            layer.gate_up.data = torch.cat([state[mlp + "gate_proj.weight"],
+                                            state[mlp + "up_proj.weight"]])
+            layer.down.data = state[mlp + "down_proj.weight"]
+            if layer.gate_up_bias is not None:
+                layer.gate_up_bias.data = torch.cat([state[mlp + "gate_proj.bias"],
+                                                     state[mlp + "up_proj.bias"]])
+                layer.down_bias.data = state[mlp + "down_proj.bias"]

@@ -1,0 +1,72 @@
+"""One request's state: plain integers and lists, no tensors."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued; also a preempted request waiting to be recomputed
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    token_ids: list[int] = field(default_factory=list)  # prompt + generated
+    # Tokens whose keys and values are in the KV cache. Prefill, chunked prefill,
+    # decode and recompute after preemption are all "compute num_tokens -
+    # num_computed_tokens more tokens".
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)  # KV block ids, in order
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self):
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def stop_reason(self, max_model_len: int) -> str | None:
+        """Why the request must stop after its newest token, or None to go on."""
+        last = self.token_ids[-1]
+        if not self.params.ignore_eos and last in self.eos_token_ids:
+            return "stop"
+        if last in self.params.stop_token_ids:
+            return "stop"
+        if self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len:
+            return "length"
+        return None

@@ -1,0 +1,149 @@
+"""Iteration-level scheduling (temporal fusion) over a paged KV cache. No tensors.
+
+Every step the scheduler builds a fresh batch: running requests first, each getting
+the tokens it has not computed yet (one for a decode, a chunk for a prefill), then
+waiting requests while the token budget, `max_num_seqs` and free KV blocks allow.
+Finished requests leave at once and free their blocks, so the batch stays full
+whatever each request's length.
+
+When a running request needs a block and none is free, the newest running request
+is preempted: its blocks are freed and it goes back to the front of the waiting queue
+to be recomputed. The oldest running request is therefore never preempted while
+another runs, and a request alone always fits (`add` refuses requests that could
+never fit the whole pool), so every request makes progress.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    requests: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)  # per request
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def add(self, request: Request, num_tokens: int) -> None:
+        self.requests.append(request)
+        self.num_scheduled_tokens.append(num_tokens)
+
+    def samples(self, index: int) -> bool:
+        """Whether request `index` produces a token this step (its last chunk runs)."""
+        req = self.requests[index]
+        return req.num_computed_tokens + self.num_scheduled_tokens[index] == req.num_tokens
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def check_fits(self, request: Request) -> str | None:
+        """Why the request can never run with this KV pool, or None."""
+        longest = min(request.num_prompt_tokens + request.params.max_tokens, self.max_model_len)
+        need = self.block_manager.blocks_for(longest)
+        if need > self.block_manager.num_blocks:
+            size = self.block_manager.block_size
+            return (f"the request may grow to {longest} tokens ({need} KV blocks of {size}), "
+                    f"but the KV cache holds {self.block_manager.num_blocks} blocks in all; "
+                    "lower max_tokens or give the KV cache more memory")
+        return None
+
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_uncomputed_tokens, budget)
+            if not self._make_room(req, n, batch):
+                break
+            self.block_manager.allocate(req, n)
+            batch.add(req, n)
+            budget -= n
+            i += 1
+        if batch.num_preempted:
+            return batch  # no admissions while short of blocks
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            n = min(req.num_uncomputed_tokens, budget)
+            if not self.block_manager.can_allocate(req, n):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(req, n)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            batch.add(req, n)
+            budget -= n
+        return batch
+
+    def _make_room(self, req: Request, num_tokens: int, batch: ScheduledBatch) -> bool:
+        """Preempt from the newest end until `req` fits; False if `req` itself went."""
+        while not self.block_manager.can_allocate(req, num_tokens):
+            victim = self.running.pop()
+            self._preempt(victim)
+            batch.num_preempted += 1
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Request]:
+        """Advance the batch's counters by what ran; append sampled tokens; return the
+        requests that finished (their blocks are already free)."""
+        finished = []
+        for req, n, token in zip(batch.requests, batch.num_scheduled_tokens, sampled):
+            req.num_computed_tokens += n
+            if token is None:
+                continue
+            req.append_token(token)
+            reason = req.stop_reason(self.max_model_len)
+            if reason is not None:
+                self._finish(req, reason)
+                finished.append(req)
+        if finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return finished
+
+    def finish(self, requests: list[Request], reason: str) -> None:
+        """End requests from outside a step (a stop string matched, an abort)."""
+        for req in requests:
+            self._finish(req, reason)
+        gone = set(map(id, requests))
+        self.running = [r for r in self.running if id(r) not in gone]
+        self.waiting = deque(r for r in self.waiting if id(r) not in gone)
+
+    def _finish(self, request: Request, reason: str) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.block_manager.free(request)

@@ -1,0 +1,45 @@
+"""fusegen: batch offline inference for large transformer language models."""
+from setuptools import setup
+
+setup(
+    name="fusegen",
+    version="0.1.0",
+    description="Batch offline LLM inference: Dask streams Parquet prompts through a "
+    "temporally fused generation engine with a heterogeneous memory pool.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=["engine", "kernels", "jobs", "workflows"],
+    install_requires=[
+        # A range, never a pin: on a CPU-only machine install the CPU build first
+        # (`pip install torch==2.13.0`) and this range keeps pip from replacing it.
+        "torch>=2.4",
+        "triton; platform_system == 'Linux'",
+        "safetensors>=0.4",
+        "tokenizers>=0.19",
+        "dask[distributed,dataframe]>=2024.6",
+        "pyarrow>=15",
+        "fsspec>=2024.3",
+        "click>=8.1",
+        "jinja2>=3.1",  # prompt templates and tokenizer chat templates
+        "pyyaml>=6",  # job and workflow files
+        "croniter>=2.0",  # workflow schedules: cron parsing with time zones
+        "psutil>=5.9",  # machine-derived defaults (free host memory)
+    ],
+    extras_require={
+        # Reading and writing s3:// URLs.
+        "s3": ["s3fs>=2024.3"],
+        # `fusegen bench` baselines: transformers `generate` and accelerate offload.
+        "bench": ["transformers>=4.45", "accelerate>=0.30"],
+        # The test suite: transformers is the token-exact reference; moto serves a
+        # local S3 API for the storage tests.
+        "test": [
+            "pytest>=8",
+            "transformers>=4.45",
+            "accelerate>=0.30",
+            "s3fs>=2024.3",
+            "moto[server]>=5",
+        ],
+    },
+    entry_points={"console_scripts": ["fusegen=jobs.cli:main"]},
+)
