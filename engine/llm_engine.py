@@ -10,6 +10,7 @@ from pathlib import Path
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.errors import ModelLoadError
 from engine.detokenizer import IncrementalDetokenizer, detokenize
 from engine.outputs import RequestOutput
 from engine.request import Request
@@ -48,7 +49,7 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.tokenizer = Tokenizer.from_dir(config.model)
+        self.tokenizer = _load_tokenizer(config.model)
         self.eos_token_ids = frozenset(_eos_token_ids(config, self.tokenizer))
         self.runner = ModelRunner(config)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
@@ -160,6 +161,15 @@ class LLMEngine:
             detokenize(self.tokenizer, req.prompt_token_ids, output_ids)
         return RequestOutput(req.request_id, text, output_ids, req.finish_reason,
                              req.num_prompt_tokens)
+
+
+def _load_tokenizer(model_dir: str) -> Tokenizer:
+    try:
+        return Tokenizer.from_dir(model_dir)
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any tokenizer failure is the checkpoint's
+        raise ModelLoadError(str(exc)) from exc
 
 
 def _eos_token_ids(config: EngineConfig, tokenizer: Tokenizer) -> list[int]:

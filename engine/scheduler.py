@@ -61,10 +61,12 @@ class Scheduler:
     def check_fits(self, request: Request) -> str | None:
         """Why the request can never run with this KV pool, or None."""
         longest = min(request.num_prompt_tokens + request.params.max_tokens, self.max_model_len)
-        need = self.block_manager.blocks_for(longest)
+        # The last sampled token is never fed back, so it needs no KV slot.
+        need = self.block_manager.blocks_for(longest - 1)
         if need > self.block_manager.num_blocks:
             size = self.block_manager.block_size
-            return (f"the request may grow to {longest} tokens ({need} KV blocks of {size}), "
+            return (f"the request may grow to {longest} tokens, which needs {need} KV blocks "
+                    f"of {size} tokens, "
                     f"but the KV cache holds {self.block_manager.num_blocks} blocks in all; "
                     "lower max_tokens or give the KV cache more memory")
         return None

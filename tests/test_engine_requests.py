@@ -1,0 +1,129 @@
+"""Per-request behaviour through the public API: seeded sampling, stop strings,
+bad requests, concurrent producers."""
+import math
+import threading
+
+import pytest
+
+from engine import LLM, SamplingParams
+
+PROMPTS = ["Hello there", "The quick brown fox jumps over the lazy dog.",
+           "Bonjour, comment allez-vous ?", "1 2 3 4 5 6 7 8 9 10"]
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    with LLM(str(llama_dir), dtype="float32", max_num_batched_tokens=32) as engine:
+        yield engine
+
+
+def greedy(max_tokens=10, **kw):
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def test_seeded_sampling_independent_of_batch(llm):
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95, seed=1234,
+                            ignore_eos=True)
+    alone = llm.generate([PROMPTS[1]], params)[0].token_ids
+    others = [SamplingParams(max_tokens=m, temperature=0.8, seed=s, ignore_eos=True)
+              for m, s in ((5, 1), (30, None), (9, 7))]
+    in_batch = llm.generate(PROMPTS[::-1] + [PROMPTS[1]], others[:3] + [greedy()] + [params])
+    reordered = llm.generate([PROMPTS[1], PROMPTS[0]], [params, others[1]])
+    assert len(alone) == 16
+    assert in_batch[-1].token_ids == alone
+    assert reordered[0].token_ids == alone
+    other_seed = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95, seed=99,
+                                ignore_eos=True)
+    assert llm.generate([PROMPTS[1]], other_seed)[0].token_ids != alone
+
+
+def test_degenerate_sampling_equals_greedy(llm):
+    want = [o.token_ids for o in llm.generate(PROMPTS, greedy())]
+    for params in (dict(temperature=1.0, top_k=1), dict(temperature=0.7, min_p=1.0),
+                   dict(temperature=2.0, top_p=1e-6)):
+        got = llm.generate(PROMPTS, SamplingParams(max_tokens=10, ignore_eos=True, **params))
+        assert [o.token_ids for o in got] == want, params
+
+
+def test_stop_string_cuts_text_across_tokens(llm):
+    full = llm.generate([PROMPTS[1]], greedy(max_tokens=24))[0]
+    text = full.text
+    # A stop string that straddles a token boundary in the middle of the output.
+    cut = len(llm.tokenizer.decode(full.token_ids[:8]))
+    stop = text[cut - 2:cut + 2]
+    assert len(stop) == 4
+    out = llm.generate([PROMPTS[1]], greedy(max_tokens=24, stop=[stop, "\x00never"]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == text[:text.index(stop)]
+    assert len(out.token_ids) < len(full.token_ids)
+    assert out.token_ids == full.token_ids[:len(out.token_ids)]
+
+
+def test_stop_token_id_ends_with_stop(llm):
+    full = llm.generate([PROMPTS[2]], greedy(max_tokens=12))[0].token_ids
+    out = llm.generate([PROMPTS[2]], greedy(max_tokens=12, stop_token_ids=[full[5]]))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == full[:full.index(full[5]) + 1]
+
+
+BAD = [
+    ("", greedy(), "empty_prompt"),
+    ([], greedy(), "empty_prompt"),
+    ([1, 2, 10_000], greedy(), "token_out_of_vocab: token id 10000 is outside"),
+    ([1, -3], greedy(), "token_out_of_vocab: token id -3"),
+    (None, greedy(), "invalid_prompt"),
+    ("x " * 400, greedy(), "prompt_too_long: the prompt has"),
+    ("ok", SamplingParams(temperature=math.nan), "invalid_params: temperature must be"),
+    ("ok", SamplingParams(temperature=-0.5), "invalid_params: temperature must be"),
+    ("ok", SamplingParams(top_p=0.0), "invalid_params: top_p must be in (0, 1]"),
+    ("ok", SamplingParams(top_p=1.5), "invalid_params: top_p must be in (0, 1]"),
+    ("ok", SamplingParams(max_tokens=0), "invalid_params: max_tokens must be an integer >= 1"),
+    ("ok", SamplingParams(top_k=-2), "invalid_params: top_k"),
+    ("ok", SamplingParams(min_p=2.0), "invalid_params: min_p"),
+]
+
+
+def test_bad_requests_fail_alone(llm):
+    good = llm.generate(PROMPTS, greedy())
+    prompts, params = list(PROMPTS), [greedy()] * len(PROMPTS)
+    for prompt, sp, _ in BAD:
+        prompts.insert(2, prompt)
+        params.insert(2, sp)
+    outs = llm.generate(prompts, params)
+    bad = outs[2:2 + len(BAD)][::-1]
+    for out, (_, _, expected) in zip(bad, BAD):
+        assert out.finish_reason == "error" and out.error.startswith(expected.split(":")[0])
+        assert expected in out.error, out.error
+        assert out.token_ids == [] and out.text == ""
+    rest = outs[:2] + outs[2 + len(BAD):]
+    assert [o.token_ids for o in rest] == [o.token_ids for o in good]
+    assert all(o.finish_reason == "length" and o.error is None for o in rest)
+    assert "limit is 256 (max_model_len)" in bad[5].error
+
+
+def test_submit_from_many_threads(llm):
+    want = {p: o.token_ids for p, o in zip(PROMPTS, llm.generate(PROMPTS, greedy(8)))}
+    results, errors = [], []
+
+    def producer(k):
+        try:
+            futures = [(p, llm.submit(p, greedy(8))) for p in PROMPTS[k:] + PROMPTS[:k]]
+            results.extend((p, f.result(timeout=120)) for p, f in futures)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=producer, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 16
+    assert all(out.token_ids == want[p] for p, out in results)
+
+
+def test_text_equals_decode_of_tokens(llm):
+    outs = llm.generate(PROMPTS, greedy(12))
+    for prompt, out in zip(PROMPTS, outs):
+        ids = llm.tokenizer.encode(prompt)
+        full = llm.tokenizer.decode(ids + out.token_ids)
+        assert out.text == full[len(llm.tokenizer.decode(ids)):]

@@ -1,0 +1,190 @@
+"""Scheduler and block manager policy, on plain integers: no tensors, no model."""
+import pytest
+
+from engine.block_manager import BlockManager
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+
+def make(request_id, prompt_len, max_tokens=8, eos=frozenset()):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    return Request(request_id, list(range(1, prompt_len + 1)), params, eos)
+
+
+def run_step(scheduler, token=7):
+    batch = scheduler.schedule()
+    sampled = [token if batch.samples(i) else None for i in range(len(batch))]
+    return batch, scheduler.update(batch, sampled)
+
+
+def test_block_manager_exact_ids_and_fifo_free_order():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    a, b = make(0, 5), make(1, 3)
+    bm.allocate(a, 5)  # 5 tokens -> 2 blocks
+    bm.allocate(b, 3)
+    assert a.block_table == [0, 1] and b.block_table == [2]
+    a.num_computed_tokens = 5
+    bm.allocate(a, 3)  # 8 tokens still fit 2 blocks
+    assert a.block_table == [0, 1]
+    bm.allocate(a, 4)  # 9..12 -> a third block
+    assert a.block_table == [0, 1, 3] and bm.num_free_blocks == 2
+    bm.free(a)
+    assert a.block_table == [] and list(bm._free) == [4, 5, 0, 1, 3]
+    bm.allocate(b, 9)  # 3 + ... : b has 0 computed, 9 tokens -> 3 blocks: [2] + [4, 5]
+    assert b.block_table == [2, 4, 5]
+    assert not bm.can_allocate(make(2, 13), 13)  # needs 4, 3 free
+    assert bm.can_allocate(make(3, 12), 12)
+
+
+def test_admission_respects_token_budget_and_max_num_seqs():
+    bm = BlockManager(num_blocks=100, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=10, max_model_len=64)
+    for i, n in enumerate((6, 6, 3)):
+        sched.add(make(i, n))
+    batch = sched.schedule()
+    # 6 tokens of request 0, then 4 of request 1's 6 (chunked); request 2 waits for a seat.
+    assert [r.request_id for r in batch.requests] == [0, 1]
+    assert batch.num_scheduled_tokens == [6, 4]
+    assert [batch.samples(i) for i in range(2)] == [True, False]
+    assert [r.request_id for r in sched.waiting] == [2]
+    assert [r.block_table for r in batch.requests] == [[0, 1], [2]]
+
+
+def test_chunked_prefill_then_decode_counts():
+    bm = BlockManager(num_blocks=100, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64)
+    req = make(0, 20, max_tokens=3)
+    sched.add(req)
+    scheduled = []
+    while sched.num_unfinished:
+        batch, _ = run_step(sched)
+        scheduled.append(batch.num_scheduled_tokens[0])
+    assert scheduled == [8, 8, 4, 1, 1]  # 20 prompt tokens in chunks, then 2 decodes
+    assert req.output_token_ids == [7, 7, 7] and req.finish_reason == "length"
+    assert bm.num_free_blocks == 100
+
+
+def test_finished_request_frees_blocks_at_once_and_admits_waiting():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    a, b = make(0, 8, max_tokens=1), make(1, 8, max_tokens=1)
+    sched.add(a)
+    sched.add(b)
+    batch, finished = run_step(sched)
+    assert finished == [a, b] and a.finish_reason == "length"
+    assert bm.num_free_blocks == 4 and not sched.running
+    c = make(2, 16, max_tokens=1)
+    sched.add(c)
+    batch = sched.schedule()
+    assert c.block_table == [0, 1, 2, 3]  # freed ids come back in FIFO order
+
+
+def test_eos_and_stop_token_ids_finish_with_stop():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    a = make(0, 3, eos=frozenset({9}))
+    b = Request(1, [1, 2], SamplingParams(max_tokens=8, stop_token_ids=[9]))
+    c = Request(2, [1, 2], SamplingParams(max_tokens=8, ignore_eos=True), frozenset({9}))
+    for r in (a, b, c):
+        sched.add(r)
+    _, finished = run_step(sched, token=9)
+    assert finished == [a, b]
+    assert a.finish_reason == b.finish_reason == "stop" and c.status is RequestStatus.RUNNING
+
+
+def test_max_model_len_ends_with_length():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=10)
+    req = make(0, 8, max_tokens=100)
+    sched.add(req)
+    while sched.num_unfinished:
+        run_step(sched)
+    assert req.num_tokens == 10 and req.finish_reason == "length"
+
+
+def test_preemption_takes_newest_and_recomputes():
+    # 5 blocks of 2 tokens. Three requests of 3 prompt tokens take 2 blocks each:
+    # only two fit at first.
+    bm = BlockManager(num_blocks=5, block_size=2)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    reqs = [make(i, 3, max_tokens=4) for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    batch, _ = run_step(sched)
+    assert [r.request_id for r in batch.requests] == [0, 1]
+    assert [r.block_table for r in reqs[:2]] == [[0, 1], [2, 3]]
+    # Step 2: both decode at position 3 (4 tokens fit 2 blocks); no admission of 2
+    # (needs 2 blocks, 1 free).
+    batch, _ = run_step(sched)
+    assert [r.request_id for r in batch.requests] == [0, 1] and bm.num_free_blocks == 1
+    # Step 3: position 4 needs a third block each: 0 takes the free one, 1 is preempted.
+    batch, _ = run_step(sched)
+    assert [r.request_id for r in batch.requests] == [0]
+    assert batch.num_preempted == 1 and reqs[0].block_table == [0, 1, 4]
+    assert reqs[1].num_computed_tokens == 0 and reqs[1].block_table == []
+    assert [r.request_id for r in sched.waiting] == [1, 2]  # preempted goes first
+    assert reqs[1].num_preemptions == 1
+    # Request 1 comes back and recomputes all 5 of its tokens (prompt + 2 generated).
+    while reqs[0].status is not RequestStatus.FINISHED:
+        run_step(sched)
+    batch = sched.schedule()
+    assert batch.requests[0] is reqs[1] and batch.num_scheduled_tokens[0] == 5
+
+
+def test_progress_under_tiny_block_budget():
+    # The pool holds exactly one request at full length: everything still finishes,
+    # oldest first, and no request is preempted forever.
+    bm = BlockManager(num_blocks=4, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=16, max_model_len=64)
+    reqs = [make(i, 4 + i, max_tokens=12 - 2 * i) for i in range(4)]  # 15 KV tokens at most
+    for r in reqs:
+        assert sched.check_fits(r) is None
+        sched.add(r)
+    order, steps = [], 0
+    while sched.num_unfinished:
+        _, finished = run_step(sched)
+        order += [r.request_id for r in finished]
+        steps += 1
+        assert steps < 500, "no progress"
+    assert sorted(order) == [0, 1, 2, 3] and order[0] == 0
+    assert all(r.num_output_tokens == r.params.max_tokens for r in reqs)
+    assert bm.num_free_blocks == 4
+
+
+def test_request_that_can_never_fit_is_refused_with_the_numbers():
+    bm = BlockManager(num_blocks=2, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=16, max_model_len=64)
+    message = sched.check_fits(make(0, 6, max_tokens=4))
+    assert "10 tokens, which needs 3 KV blocks of 4 tokens" in message
+    assert "holds 2 blocks" in message
+    assert sched.check_fits(make(1, 6, max_tokens=3)) is None  # 8 KV tokens fit 2 blocks
+
+
+def test_external_finish_removes_from_queues():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=1, max_num_batched_tokens=64, max_model_len=64)
+    a, b = make(0, 4), make(1, 4)
+    sched.add(a)
+    sched.add(b)
+    sched.schedule()
+    sched.finish([a, b], "stop")
+    assert sched.num_unfinished == 0 and bm.num_free_blocks == 16
+    assert a.finish_reason == b.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("budget", [1, 3, 64])
+def test_every_token_computed_exactly_once_per_admission(budget):
+    bm = BlockManager(num_blocks=64, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=3, max_num_batched_tokens=budget, max_model_len=64)
+    reqs = [make(i, 5 + 3 * i, max_tokens=3) for i in range(5)]
+    for r in reqs:
+        sched.add(r)
+    computed = {r.request_id: 0 for r in reqs}
+    while sched.num_unfinished:
+        batch, _ = run_step(sched)
+        assert batch.num_tokens <= budget and len(batch) <= 3
+        for r, n in zip(batch.requests, batch.num_scheduled_tokens):
+            computed[r.request_id] += n
+    # prompt + generated tokens minus the last sampled one (never fed back)
+    assert computed == {r.request_id: r.num_tokens - 1 for r in reqs}
