@@ -1,0 +1,130 @@
+"""`Tokenizer`: a checkpoint's tokenizer.json + tokenizer_config.json, and its chat template.
+
+Encoding and decoding run in the `tokenizers` library, so ids match transformers'
+`AutoTokenizer` (which drives the same library) for tokenizers that it loads from
+tokenizer.json. transformers 5 ignores `add_bos_token`/`add_eos_token` in
+tokenizer_config.json whenever tokenizer.json exists: the post-processor in tokenizer.json
+alone decides which special tokens `encode` adds, and a missing post-processor adds none.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+from datetime import datetime
+
+from tokenizers import Tokenizer as _Backend
+
+_SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+class Tokenizer:
+    def __init__(self, backend: _Backend, config: dict | None = None, chat_template: str | None = None):
+        config = config or {}
+        self._backend = backend
+        # Special tokens as strings, in the form chat templates see them (bos_token, eos_token ...).
+        self.special_tokens = {n: t for n in _SPECIAL_NAMES if (t := _token_content(config.get(n))) is not None}
+        self.vocab_size = max(backend.get_vocab(with_added_tokens=True).values()) + 1  # ids may have holes
+        self.bos_token_id = self._id_of("bos_token")
+        eos = self._id_of("eos_token")
+        self.eos_token_ids = [] if eos is None else [eos]
+        self.pad_token_id = self._id_of("pad_token")
+        self.chat_template = chat_template
+        self._compiled_template = None
+        # transformers skips this cleanup for BPE models; it matters only for WordPiece/Unigram ones.
+        self._clean_up_spaces = bool(config.get("clean_up_tokenization_spaces")) and (
+            type(backend.model).__name__ != "BPE"
+        )
+
+    @classmethod
+    def from_dir(cls, path) -> "Tokenizer":
+        path = pathlib.Path(path)
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            raise FileNotFoundError(
+                f"{file} not found: fusegen reads the fast-tokenizer file tokenizer.json. Create it with "
+                f"`transformers.AutoTokenizer.from_pretrained(dir).save_pretrained(dir)` on a machine with transformers."
+            )
+        backend = _Backend.from_file(str(file))
+        config = {}
+        for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the latter wins, as in transformers
+            if (path / name).is_file():
+                config.update(_read_json(path / name))
+        return cls(backend, config, _chat_template(path, config))
+
+    def _id_of(self, name: str) -> int | None:
+        token = self.special_tokens.get(name)
+        return None if token is None else self._backend.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        return [e.ids for e in self._backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        text = self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        return _clean_up_tokenization(text) if self._clean_up_spaces else text
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self.chat_template is None:
+            raise ValueError(
+                "this tokenizer has no chat template (no chat_template in tokenizer_config.json and no "
+                "chat_template.jinja): pass plain-text prompts, or add a template to the checkpoint"
+            )
+        if self._compiled_template is None:
+            self._compiled_template = _compile_template(self.chat_template)
+        return self._compiled_template.render(
+            messages=messages, tools=None, documents=None,
+            add_generation_prompt=add_generation_prompt, **self.special_tokens,
+        )
+
+
+def _token_content(token) -> str | None:
+    # tokenizer_config stores special tokens as strings or as serialized AddedToken dicts.
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _read_json(file: pathlib.Path) -> dict:
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON: {e}") from None
+
+
+def _chat_template(path: pathlib.Path, config: dict) -> str | None:
+    # Same precedence as transformers: chat_template.jinja beats the tokenizer_config entry;
+    # a list of named templates means the one called "default".
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t["name"]: t["template"] for t in template}
+        template = named.get("default")
+    return template
+
+
+def _compile_template(source: str):
+    # Chat templates come from the checkpoint, i.e. untrusted: render them sandboxed, with
+    # the same environment and helpers as transformers so they render identically.
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _clean_up_tokenization(text: str) -> str:
+    # transformers' clean_up_tokenization, for checkpoints that ask for it.
+    for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"),
+                          (" n't", "n't"), (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+        text = text.replace(before, after)
+    return text
