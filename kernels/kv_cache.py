@@ -1,0 +1,90 @@
+"""Writing a step's new keys and values into the paged KV cache.
+
+Shapes:
+  key/value      [T, Hkv, D]
+  k/v_cache      [num_blocks, block_size, Hkv, D]
+  slot_mapping   [T] int64: block_id * block_size + offset for each token
+
+Triton launch: one program per token copies its [Hkv, D] key and value rows into the
+slot (any block_size, any row strides, D padded to a power of two with a mask). A
+negative slot is skipped by the kernel (padding tokens); the reference requires every
+slot to be valid.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton on this platform: the reference still serves
+    from kernels._triton_stub import tl, triton
+
+
+def write_kv_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """Dispatcher: the Triton kernel on CUDA, the torch reference elsewhere."""
+    if key.is_cuda:
+        from kernels import _triton_available
+        if _triton_available():
+            return write_kv_cache_triton(key, value, k_cache, v_cache, slot_mapping)
+    return write_kv_cache_reference(key, value, k_cache, v_cache, slot_mapping)
+
+
+@triton.jit
+def _write_kv_cache_kernel(
+        key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+        stride_kt, stride_kh, stride_vt, stride_vh,
+        stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+        NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr,
+        HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    offs_h = tl.arange(0, HEADS_PAD)[:, None]
+    offs_d = tl.arange(0, HEAD_DIM_PAD)[None, :]
+    mask = (offs_h < NUM_KV_HEADS) & (offs_d < HEAD_DIM)
+    row = token.to(tl.int64)
+    k = tl.load(key_ptr + row * stride_kt + offs_h * stride_kh + offs_d, mask=mask)
+    v = tl.load(value_ptr + row * stride_vt + offs_h * stride_vh + offs_d, mask=mask)
+    tl.store(k_cache_ptr + block * stride_kcb + offset * stride_kcs + offs_h * stride_kch
+             + offs_d, k, mask=mask)
+    tl.store(v_cache_ptr + block * stride_vcb + offset * stride_vcs + offs_h * stride_vch
+             + offs_d, v, mask=mask)
+
+
+def write_kv_cache_triton(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """Launcher: checks shapes, strides and dtypes, then one program per token."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    assert value.shape == key.shape, f"value {tuple(value.shape)} != key {tuple(key.shape)}"
+    assert k_cache.shape == v_cache.shape, f"k_cache {k_cache.shape} != v_cache {v_cache.shape}"
+    assert k_cache.shape[2:] == (num_kv_heads, head_dim), \
+        f"cache [.., .., Hkv, D] = {tuple(k_cache.shape)} does not fit key {tuple(key.shape)}"
+    assert key.dtype == value.dtype == k_cache.dtype == v_cache.dtype, \
+        f"dtypes key {key.dtype}, value {value.dtype}, cache {k_cache.dtype}, {v_cache.dtype}"
+    assert slot_mapping.shape == (num_tokens,), \
+        f"slot_mapping {tuple(slot_mapping.shape)} != ({num_tokens},)"
+    assert slot_mapping.dtype in (torch.int32, torch.int64), f"slot_mapping is {slot_mapping.dtype}"
+    for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
+        assert t.stride(-1) == 1, f"{name}: the head dimension must be contiguous"
+        assert t.device == slot_mapping.device, \
+            f"{name} is on {t.device}, slot_mapping on {slot_mapping.device}"
+    if num_tokens == 0:
+        return
+    _write_kv_cache_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1],
+        num_warps=4)
+
+
+def write_kv_cache_reference(key, value, k_cache, v_cache, slot_mapping) -> None:
+    num_kv_heads, head_dim = k_cache.shape[2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)

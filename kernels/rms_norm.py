@@ -1,0 +1,89 @@
+"""RMSNorm, optionally fused with the residual add before it.
+
+Semantics are Hugging Face Llama's exactly: with a residual, h = x + residual in the
+input dtype (the decoder layer's add) and h is also returned as the next residual; then
+out = weight * (h.float() * rsqrt(mean(h.float()^2) + eps)).to(dtype).
+
+Shapes:
+  x, residual   [..., H]     same dtype as weight
+  weight        [H]
+  returns       out [..., H], or (out, h) with a residual
+
+Triton launch: one program per row, the whole row in one block (H padded to a power of
+two), fp32 math with the two roundings to the input dtype that the reference makes.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton on this platform: the reference still serves
+    from kernels._triton_stub import tl, triton
+
+
+def rms_norm(x, weight, eps: float, residual=None):
+    """Dispatcher: the Triton kernel on CUDA, the torch reference elsewhere."""
+    if x.is_cuda:
+        from kernels import _triton_available
+        if _triton_available():
+            return rms_norm_triton(x, weight, eps, residual)
+    return rms_norm_reference(x, weight, eps, residual)
+
+
+@triton.jit
+def _rms_norm_kernel(out_ptr, x_ptr, weight_ptr, residual_ptr, residual_out_ptr, eps,
+                     stride_out, stride_x, stride_res, stride_res_out,
+                     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < HIDDEN
+    dtype = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        res = tl.load(residual_ptr + row * stride_res + offs, mask=mask, other=0.0)
+        h = (x + res.to(tl.float32)).to(dtype)  # the add happens in the model dtype
+        tl.store(residual_out_ptr + row * stride_res_out + offs, h, mask=mask)
+        x = h.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(x * x, 0) / HIDDEN + eps)
+    normed = (x * rstd).to(dtype).to(tl.float32)
+    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + offs, (normed * weight).to(dtype), mask=mask)
+
+
+def rms_norm_triton(x, weight, eps: float, residual=None):
+    """Launcher: checks shapes, strides and dtypes, then one program per row."""
+    hidden = x.shape[-1]
+    assert weight.shape == (hidden,), f"weight {tuple(weight.shape)} != ({hidden},)"
+    assert weight.dtype == x.dtype, f"weight is {weight.dtype}, x is {x.dtype}"
+    assert x.stride(-1) == 1 and weight.stride(0) == 1, "the hidden dimension must be contiguous"
+    x2 = x.reshape(-1, hidden)
+    out = torch.empty_like(x2)
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype, \
+            f"residual {residual.dtype}{tuple(residual.shape)} != x {x.dtype}{tuple(x.shape)}"
+        assert residual.stride(-1) == 1, "the residual's hidden dimension must be contiguous"
+        res2 = residual.reshape(-1, hidden)
+        res_out = torch.empty_like(x2)
+    else:
+        res2 = res_out = x2  # unused
+    if x2.shape[0]:
+        block = triton.next_power_of_2(hidden)
+        _rms_norm_kernel[(x2.shape[0],)](
+            out, x2, weight, res2, res_out, eps,
+            out.stride(0), x2.stride(0), res2.stride(0), res_out.stride(0),
+            HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
+            num_warps=min(max(block // 256, 1), 8))
+    out = out.view(x.shape)
+    return out if residual is None else (out, res_out.view(x.shape))
+
+
+def rms_norm_reference(x, weight, eps: float, residual=None):
+    if residual is not None:
+        x = x + residual
+        residual = x
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * h.to(x.dtype)
+    return out if residual is None else (out, residual)

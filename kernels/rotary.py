@@ -1,0 +1,112 @@
+"""Rotary position embedding, neox style (rotate_half), applied in place to q and k.
+
+Semantics are Hugging Face Llama's exactly: the cos/sin rows of each token's position
+are cast to the input dtype, then with x1, x2 the two halves of the rotated part,
+  out_first  = x1 * cos - x2 * sin
+  out_second = x2 * cos + x1 * sin
+each product and sum rounded to the input dtype. Dimensions past the rotary width
+(2 * cos.shape[-1], partial rotary) pass through.
+
+Shapes:
+  positions  [T] int
+  q          [T, Hq, D]     any token and head strides (views of a fused qkv work)
+  k          [T, Hkv, D]
+  cos, sin   [max_positions, R / 2] half-width tables, R <= D, usually fp32
+
+Triton launch: one program per token rotates all its q and k heads, reading the
+token's cos/sin row once.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton on this platform: the reference still serves
+    from kernels._triton_stub import tl, triton
+
+
+def rotary_embedding(positions, q, k, cos, sin) -> None:
+    """Dispatcher: the Triton kernel on CUDA, the torch reference elsewhere."""
+    if q.is_cuda:
+        from kernels import _triton_available
+        if _triton_available():
+            return rotary_embedding_triton(positions, q, k, cos, sin)
+    return rotary_embedding_reference(positions, q, k, cos, sin)
+
+
+@triton.jit
+def _rotate(x_ptr, stride_t, stride_h, token, cos, sin, offs_r, NUM_HEADS: tl.constexpr,
+            HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    offs_h = tl.arange(0, HEADS_PAD)
+    mask = (offs_h[:, None] < NUM_HEADS) & (offs_r[None, :] < HALF)
+    first = x_ptr + token * stride_t + offs_h[:, None] * stride_h + offs_r[None, :]
+    dtype = x_ptr.dtype.element_ty
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    # Round every product and sum to the input dtype, as torch does in that dtype.
+    x1c = (x1 * cos).to(dtype).to(tl.float32)
+    x2s = (x2 * sin).to(dtype).to(tl.float32)
+    x2c = (x2 * cos).to(dtype).to(tl.float32)
+    x1s = (x1 * sin).to(dtype).to(tl.float32)
+    tl.store(first, (x1c - x2s).to(dtype), mask=mask)
+    tl.store(first + HALF, (x2c + x1s).to(dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(positions_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_cos,
+                   NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                   Q_HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
+                   HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    offs_r = tl.arange(0, HALF_PAD)
+    dtype = q_ptr.dtype.element_ty
+    cos = tl.load(cos_ptr + pos * stride_cos + offs_r, mask=offs_r < HALF, other=0.0)
+    sin = tl.load(sin_ptr + pos * stride_cos + offs_r, mask=offs_r < HALF, other=0.0)
+    cos = cos.to(dtype).to(tl.float32)[None, :]
+    sin = sin.to(dtype).to(tl.float32)[None, :]
+    _rotate(q_ptr, stride_qt, stride_qh, token, cos, sin, offs_r, NUM_Q_HEADS, Q_HEADS_PAD,
+            HALF, HALF_PAD)
+    _rotate(k_ptr, stride_kt, stride_kh, token, cos, sin, offs_r, NUM_KV_HEADS, KV_HEADS_PAD,
+            HALF, HALF_PAD)
+
+
+def rotary_embedding_triton(positions, q, k, cos, sin) -> None:
+    """Launcher: checks shapes, strides and dtypes, then one program per token."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    half = cos.shape[-1]
+    assert k.shape == (num_tokens, num_kv_heads, head_dim), \
+        f"k {tuple(k.shape)} does not fit q {tuple(q.shape)}"
+    assert q.dtype == k.dtype, f"q is {q.dtype}, k is {k.dtype}"
+    assert positions.shape == (num_tokens,), \
+        f"positions {tuple(positions.shape)} != ({num_tokens},)"
+    assert cos.shape == sin.shape and cos.dim() == 2, \
+        f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must be one [max_positions, R/2]"
+    assert 2 * half <= head_dim, f"rotary width {2 * half} > head_dim {head_dim}"
+    assert cos.stride() == sin.stride() and cos.stride(1) == 1, \
+        "cos and sin must have the same strides, contiguous along R/2"
+    assert q.stride(2) == 1 and k.stride(2) == 1, "the head dimension must be contiguous"
+    if num_tokens == 0:
+        return
+    _rotary_kernel[(num_tokens,)](
+        positions, q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        cos.stride(0), NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
+        Q_HEADS_PAD=triton.next_power_of_2(num_heads),
+        KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HALF=half, HALF_PAD=triton.next_power_of_2(half), num_warps=4)
+
+
+def rotary_embedding_reference(positions, q, k, cos, sin) -> None:
+    half = cos.shape[-1]
+    cos_t = cos[positions].unsqueeze(1)  # [T, 1, R/2]
+    sin_t = sin[positions].unsqueeze(1)
+    for x in (q, k):
+        c, s = cos_t.to(x.dtype), sin_t.to(x.dtype)
+        x1 = x[..., :half].clone()
+        x2 = x[..., half:2 * half].clone()
+        x[..., :half] = x1 * c - x2 * s
+        x[..., half:2 * half] = x2 * c + x1 * s
