@@ -15,6 +15,9 @@ from torch import nn
 from engine.config import ModelConfig
 from kernels.kv_cache import write_kv_cache
 from kernels.paged_attention import paged_attention
+from kernels.rms_norm import rms_norm
+from kernels.rotary import rotary_embedding
+from kernels.silu_mul import silu_and_mul
 
 
 @dataclass(slots=True)
@@ -25,19 +28,6 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [B+1] int32
     max_query_len: int
     max_seq_len: int
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Computed in fp32 and cast back before the weight, as Hugging Face does.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [T, H, D]; cos/sin [T, 1, D/2]; rotate-half (NeoX) layout.
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 def _param(present: bool = True):
@@ -65,18 +55,25 @@ class DecoderLayer(nn.Module):
         self.down = _param()
         self.down_bias = _param(cfg.mlp_bias)
 
-    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
-        # x [T, hidden]
-        x = x + self._attention(rms_norm(x, self.input_norm, self.eps), cos, sin, kv_cache, meta)
-        return x + self._mlp(rms_norm(x, self.post_norm, self.eps))
+    def forward(self, positions, x, residual, rope, kv_cache, meta: AttentionMetadata):
+        # x [T, hidden] is the previous layer's output, not yet added to the residual
+        # stream (the add is fused into the norm); residual is None at the first layer.
+        if residual is None:
+            residual, h = x, rms_norm(x, self.input_norm, self.eps)
+        else:
+            h, residual = rms_norm(x, self.input_norm, self.eps, residual=residual)
+        h = self._attention(positions, h, rope, kv_cache, meta)
+        h, residual = rms_norm(h, self.post_norm, self.eps, residual=residual)
+        return self._mlp(h), residual
 
-    def _attention(self, x, cos, sin, kv_cache, meta):
+    def _attention(self, positions, x, rope, kv_cache, meta):
         num_tokens = x.shape[0]
         qkv = F.linear(x, self.qkv, self.qkv_bias)  # [T, q + 2kv]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        rotary_embedding(positions, q, k, *rope)  # in place
         k_cache, v_cache = kv_cache
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
@@ -86,8 +83,8 @@ class DecoderLayer(nn.Module):
         return F.linear(out.reshape(num_tokens, self.q_size), self.o, self.o_bias)
 
     def _mlp(self, x):
-        gate, up = F.linear(x, self.gate_up, self.gate_up_bias).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down, self.down_bias)
+        gate_up = F.linear(x, self.gate_up, self.gate_up_bias)  # [T, 2 * intermediate]
+        return F.linear(silu_and_mul(gate_up), self.down, self.down_bias)
 
 
 class CausalLM(nn.Module):
@@ -99,18 +96,19 @@ class CausalLM(nn.Module):
         self.norm = _param()
         self.lm_head = _param(not cfg.tie_word_embeddings)
 
-    def forward(self, input_ids, cos_sin, kv_caches, meta: AttentionMetadata):
-        # input_ids [T]; cos_sin [T, head_dim] (cos halves then sin halves)
-        cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
-        x = F.embedding(input_ids, self.embed)
+    def forward(self, input_ids, positions, cos_sin, kv_caches, meta: AttentionMetadata):
+        # input_ids, positions [T]; cos_sin [max_len, head_dim] (cos halves, sin halves)
+        rope = cos_sin.chunk(2, dim=-1)
+        x, residual = F.embedding(input_ids, self.embed), None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta)
-        return x  # [T, hidden], before the final norm
+            x, residual = layer(positions, x, residual, rope, kv_cache, meta)
+        return x, residual  # [T, hidden] each: the stream is x + residual
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden [N, hidden] of the tokens that sample -> [N, vocab] fp32
+    def logits(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        # rows [N, hidden] of the tokens that sample -> [N, vocab] fp32
         head = self.embed if self.lm_head is None else self.lm_head
-        return F.linear(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps), head).float()
+        h, _ = rms_norm(x, self.norm, self.cfg.rms_norm_eps, residual=residual)
+        return F.linear(h, head).float()
 
     def load(self, state: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named tensors in, stacking q/k/v and gate/up."""

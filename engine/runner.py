@@ -89,13 +89,14 @@ class ModelRunner:
             max_query_len=max(batch.num_scheduled_tokens),
             max_seq_len=max(seq_lens),
         )
-        positions_t = self._tensor(positions, torch.int64)
-        hidden = self.model(self._tensor(input_ids, torch.int64), self.cos_sin[positions_t],
-                            self.kv_cache, meta)
+        x, residual = self.model(self._tensor(input_ids, torch.int64),
+                                 self._tensor(positions, torch.int64), self.cos_sin,
+                                 self.kv_cache, meta)
         out: list[int | None] = [None] * len(batch)
         if not sample_rows:
             return out
-        logits = self.model.logits(hidden[self._tensor(sample_rows, torch.int64)])
+        rows = self._tensor(sample_rows, torch.int64)
+        logits = self.model.logits(x[rows], residual[rows])
         reqs = [batch.requests[i] for i in sample_reqs]
         sampling = SamplingBatch([r.params for r in reqs], [self._generator(r) for r in reqs])
         for i, token in zip(sample_reqs, self.sampler(logits, sampling).tolist()):

@@ -322,21 +322,39 @@ def _prefill(q, k_cache, v_cache, block_table, seq_len, scale, window):
     return o.transpose(0, 1)
 
 
+_DECODE_GROUP = 16  # sequences per batched decode pass: bounds the gathered KV copy
+_DECODE_SPREAD = 0.8  # a group's shortest sequence is at least this fraction of its longest
+
+
 def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window):
-    # q [B, Hq, D], one query per sequence at position seq_len - 1.
+    # q [B, Hq, D], one query per sequence at position seq_len - 1. Sequences run in
+    # groups of similar length, so the padding each group gathers stays small.
+    order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__, reverse=True)
+    out = torch.empty_like(q)
+    start = 0
+    while start < len(order):
+        longest, end = seq_lens[order[start]], start + 1
+        while (end < len(order) and end - start < _DECODE_GROUP
+               and seq_lens[order[end]] >= _DECODE_SPREAD * longest):
+            end += 1
+        group = order[start:end]
+        out[group] = _decode_group(q[group], k_cache, v_cache, block_tables[group],
+                                   [seq_lens[i] for i in group], scale, window)
+        start = end
+    return out
+
+
+def _decode_group(q, k_cache, v_cache, block_tables, seq_lens, scale, window):
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    max_len = max(seq_lens)
-    k = _gather(k_cache, block_tables, max_len)  # [B, L, Hkv, D]
-    v = _gather(v_cache, block_tables, max_len)
+    k = _gather(k_cache, block_tables, max(seq_lens)).transpose(1, 2)  # [b, Hkv, L, D]
+    v = _gather(v_cache, block_tables, max(seq_lens)).transpose(1, 2)
     lens = torch.tensor(seq_lens).unsqueeze(1)
-    pos = torch.arange(max_len).unsqueeze(0)
-    valid = pos < lens  # [B, L]
+    pos = torch.arange(k.shape[2]).unsqueeze(0)
+    valid = pos < lens  # [b, L]
     if window:
         valid &= pos >= lens - window
+    # The query heads sharing a KV head become that head's query rows.
     qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.einsum("bhgd,blhd->bhgl", qg, k).float() * scale
-    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
-    probs = scores.softmax(-1).to(v.dtype)
-    o = torch.einsum("bhgl,blhd->bhgd", probs, v)
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=valid[:, None, None, :], scale=scale)
     return o.reshape(batch, num_heads, head_dim)
