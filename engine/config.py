@@ -158,6 +158,12 @@ class EngineConfig:
     max_model_len: int | None = None  # context limit; None: max_position_embeddings
     allow_pickle: bool = False  # load *.bin / *.pt checkpoints (weights_only) when True
     seed: int = 0  # the engine-wide generator for requests without their own seed
+    # The memory pool (engine/placement.py). Bytes, a size like "24GiB", or a fraction
+    # of what is free. device_memory None: no limit, every layer stays on the device.
+    device_memory: int | str | float | None = None
+    host_memory: int | str | float | None = None  # pinned host tier: streamed layers, swap
+    prefetch_depth: int = 1  # streamed layers loaded ahead of the one computing
+    num_host_kv_blocks: int | None = None  # exact host swap pool size (tests)
     model_config: ModelConfig | None = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -168,10 +174,13 @@ class EngineConfig:
             raise EngineConfigError(f"device must be auto, cpu or cuda[:N]; got {self.device!r}")
         resolve_dtype(self.dtype, self.device)
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory",
-                     "num_kv_blocks", "max_model_len"):
+                     "num_kv_blocks", "max_model_len", "prefetch_depth"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise EngineConfigError(f"{name} must be a positive integer; got {value!r}")
+        if self.num_host_kv_blocks is not None and self.num_host_kv_blocks < 0:
+            raise EngineConfigError(f"num_host_kv_blocks must be >= 0; got "
+                                    f"{self.num_host_kv_blocks}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise EngineConfigError(f"block_size must be a power of two up to 128; "
                                     f"got {self.block_size}")
@@ -183,11 +192,17 @@ class EngineConfig:
         elif self.max_model_len > limit:
             raise EngineConfigError(f"max_model_len {self.max_model_len} exceeds the model's "
                                     f"max_position_embeddings {limit}")
+
+    def resolve_limits(self, streaming: bool) -> None:
+        """Fill the batch limits the user left unset. When layers stream, every step
+        pays their transfer, so the defaults grow to amortise it over more tokens
+        (FlexGen's lesson: offloading wants the largest batch memory allows)."""
         on_gpu = self.device.startswith("cuda")
+        scale = 4 if streaming else 1
         if self.max_num_seqs is None:
-            self.max_num_seqs = 256
+            self.max_num_seqs = 256 * scale
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = 8192 if on_gpu else 2048
+            self.max_num_batched_tokens = (8192 if on_gpu else 2048) * scale
 
     @property
     def torch_dtype(self) -> torch.dtype:

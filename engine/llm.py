@@ -18,7 +18,8 @@ class LLM:
     def __init__(self, model: str, **options):
         """`options` are `EngineConfig` fields: dtype, device, max_num_seqs,
         max_num_batched_tokens, block_size, kv_cache_memory, num_kv_blocks,
-        max_model_len, allow_pickle, seed."""
+        max_model_len, allow_pickle, seed, device_memory, host_memory, prefetch_depth,
+        num_host_kv_blocks."""
         self.config = EngineConfig(model=model, **options)
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
@@ -34,6 +35,16 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats.as_dict(self.config.max_num_seqs)
+
+    def memory_report(self) -> dict:
+        """Bytes per memory tier (device, host, disk) for weights and KV cache, the
+        budgets, and the device peak."""
+        return self.engine.memory_report()
+
+    @property
+    def placement(self):
+        """The placement plan (engine.placement.PlacementPlan); `.table()` prints it."""
+        return self.engine.runner.plan
 
     def generate(self, prompts: Sequence[Prompt] | Prompt,
                  params: SamplingParams | Sequence[SamplingParams] | None = None
@@ -106,6 +117,7 @@ class LLM:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join()
+        self.engine.close()
 
     def __enter__(self):
         return self

@@ -29,6 +29,7 @@ class EngineStats:
     num_scheduled_tokens: int = 0
     num_generated_tokens: int = 0
     num_preemptions: int = 0
+    num_swapped_blocks: int = 0  # KV blocks copied to the host pool
     num_finished: int = 0
     step_seconds: float = 0.0
 
@@ -41,6 +42,7 @@ class EngineStats:
             "num_scheduled_tokens": self.num_scheduled_tokens,
             "num_generated_tokens": self.num_generated_tokens,
             "num_preemptions": self.num_preemptions,
+            "num_swapped_blocks": self.num_swapped_blocks,
             "num_finished": self.num_finished,
             "step_seconds": self.step_seconds,
         }
@@ -52,7 +54,8 @@ class LLMEngine:
         self.tokenizer = _load_tokenizer(config.model)
         self.eos_token_ids = frozenset(_eos_token_ids(config, self.tokenizer))
         self.runner = ModelRunner(config)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
+                                          self.runner.num_host_blocks)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.max_model_len)
         self.stats = EngineStats()
@@ -125,6 +128,7 @@ class LLMEngine:
         stats.num_scheduled_tokens += batch.num_tokens
         stats.num_generated_tokens += sum(t is not None for t in sampled)
         stats.num_preemptions += batch.num_preempted
+        stats.num_swapped_blocks += len(batch.swap_out)
         stats.num_finished += len(finished)
         stats.step_seconds += time.perf_counter() - start
         return [self._output(req) for req in finished]
@@ -146,12 +150,20 @@ class LLMEngine:
 
     def abort_all(self, reason: str = "error") -> list[Request]:
         """Drop every unfinished request (after a failed step); returns them."""
-        dropped = list(self.scheduler.running) + list(self.scheduler.waiting)
+        sched = self.scheduler
+        dropped = list(sched.running) + list(sched.waiting) + list(sched.swapped)
         self.scheduler.finish(dropped, reason)
         for req in dropped:
             self._detokenizers.pop(req.request_id, None)
             self.runner.release(req.request_id)
+        self.runner.reset_streams()
         return dropped
+
+    def memory_report(self) -> dict:
+        return self.runner.memory_report()
+
+    def close(self) -> None:
+        self.runner.close()
 
     def _output(self, req: Request) -> RequestOutput:
         self.runner.release(req.request_id)

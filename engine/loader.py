@@ -8,12 +8,11 @@ checkpoint directory is ever imported or executed.
 from __future__ import annotations
 
 import json
+import mmap
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 
@@ -49,15 +48,42 @@ def weight_files(model_dir: Path, allow_pickle: bool = False) -> list[Path]:
     raise ModelLoadError(f"{model_dir}: no *.safetensors weights found")
 
 
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+              "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
+              "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def _safetensors_views(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Zero-copy views into a memory-mapped safetensors file: the data is read from
+    disk (or the page cache) only when a tensor is used, so weights that stay on the
+    disk tier cost no host memory."""
+    try:
+        with open(path, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(header_len))
+            # A private (copy-on-write) mapping: writable for torch, never written.
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path}: cannot read safetensors ({exc})") from None
+    base = 8 + header_len
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _ST_DTYPES:
+            raise ModelLoadError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
+        dtype = _ST_DTYPES[info["dtype"]]
+        start, end = info["data_offsets"]
+        count = (end - start) // dtype.itemsize
+        flat = torch.frombuffer(mapped, dtype=dtype, count=count, offset=base + start) \
+            if count else torch.empty(0, dtype=dtype)
+        yield name, flat.view(info["shape"])
+
+
 def iter_tensors(files: list[Path]) -> Iterator[tuple[str, Path, torch.Tensor]]:
     for path in files:
         if path.suffix == ".safetensors":
-            try:
-                with safe_open(str(path), framework="pt") as f:
-                    for name in f.keys():
-                        yield name, path, f.get_tensor(name)
-            except (OSError, RuntimeError, ValueError) as exc:
-                raise ModelLoadError(f"{path}: cannot read safetensors ({exc})") from None
+            for name, tensor in _safetensors_views(path):
+                yield name, path, tensor
         else:
             try:
                 state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -99,9 +125,11 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def load_state_dict(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
+def load_state_dict(model_dir: str | Path, cfg: ModelConfig,
                     allow_pickle: bool = False) -> dict[str, torch.Tensor]:
-    """All weights, checked name by name and shape by shape against the config."""
+    """Every weight as a memory-mapped CPU tensor in the checkpoint's own dtype,
+    checked name by name and shape by shape against the config. Nothing is read
+    into memory until a tensor is used."""
     model_dir = Path(model_dir)
     expected = expected_shapes(cfg)
     state: dict[str, torch.Tensor] = {}
@@ -117,7 +145,7 @@ def load_state_dict(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
             raise ModelLoadError(
                 f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, but config.json "
                 f"implies {expected[name]}; the config does not match the weights")
-        state[name] = tensor.to(dtype)
+        state[name] = tensor
     missing = [n for n in expected if n not in state]
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""

@@ -55,6 +55,10 @@ class DecoderLayer(nn.Module):
         self.down = _param()
         self.down_bias = _param(cfg.mlp_bias)
 
+    def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        for name, tensor in weights.items():
+            getattr(self, name).data = tensor
+
     def forward(self, positions, x, residual, rope, kv_cache, meta: AttentionMetadata):
         # x [T, hidden] is the previous layer's output, not yet added to the residual
         # stream (the add is fused into the norm); residual is None at the first layer.
@@ -95,13 +99,18 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = _param()
         self.lm_head = _param(not cfg.tie_word_embeddings)
+        self.streamer = None  # engine.offload.WeightStreamer when some layers stream
 
     def forward(self, input_ids, positions, cos_sin, kv_caches, meta: AttentionMetadata):
         # input_ids, positions [T]; cos_sin [max_len, head_dim] (cos halves, sin halves)
         rope = cos_sin.chunk(2, dim=-1)
         x, residual = F.embedding(input_ids, self.embed), None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            if self.streamer is not None:
+                self.streamer.acquire(i)
             x, residual = layer(positions, x, residual, rope, kv_cache, meta)
+            if self.streamer is not None:
+                self.streamer.release(i)
         return x, residual  # [T, hidden] each: the stream is x + residual
 
     def logits(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -110,27 +119,38 @@ class CausalLM(nn.Module):
         h, _ = rms_norm(x, self.norm, self.cfg.rms_norm_eps, residual=residual)
         return F.linear(h, head).float()
 
-    def load(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy Hugging Face-named tensors in, stacking q/k/v and gate/up."""
-        self.embed.data = state["model.embed_tokens.weight"]
-        self.norm.data = state["model.norm.weight"]
+    def load_fixed(self, state: dict[str, torch.Tensor], device, dtype) -> None:
+        """The tensors every step needs: embedding, final norm, LM head."""
+        self.embed.data = state["model.embed_tokens.weight"].to(device, dtype)
+        self.norm.data = state["model.norm.weight"].to(device, dtype)
         if self.lm_head is not None:
-            self.lm_head.data = state["lm_head.weight"]
-        for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            attn, mlp = p + "self_attn.", p + "mlp."
-            layer.input_norm.data = state[p + "input_layernorm.weight"]
-            layer.post_norm.data = state[p + "post_attention_layernorm.weight"]
-            layer.qkv.data = torch.cat([state[attn + f"{n}_proj.weight"] for n in "qkv"])
-            if layer.qkv_bias is not None:
-                layer.qkv_bias.data = torch.cat([state[attn + f"{n}_proj.bias"] for n in "qkv"])
-            layer.o.data = state[attn + "o_proj.weight"]
-            if layer.o_bias is not None:
-                layer.o_bias.data = state[attn + "o_proj.bias"]
-            layer.gate_up.data = torch.cat([state[mlp + "gate_proj.weight"],
-                                            state[mlp + "up_proj.weight"]])
-            layer.down.data = state[mlp + "down_proj.weight"]
-            if layer.gate_up_bias is not None:
-                layer.gate_up_bias.data = torch.cat([state[mlp + "gate_proj.bias"],
-                                                     state[mlp + "up_proj.bias"]])
-                layer.down_bias.data = state[mlp + "down_proj.bias"]
+            self.lm_head.data = state["lm_head.weight"].to(device, dtype)
+
+
+def layer_sources(state: dict[str, torch.Tensor], index: int, cfg: ModelConfig
+                  ) -> dict[str, list[torch.Tensor]]:
+    """Layer `index`'s parameters as lists of checkpoint tensors that, stacked along
+    dim 0, give the fused parameter (q/k/v into qkv, gate/up into gate_up)."""
+    p = f"model.layers.{index}."
+    attn, mlp = p + "self_attn.", p + "mlp."
+    sources = {
+        "input_norm": [state[p + "input_layernorm.weight"]],
+        "post_norm": [state[p + "post_attention_layernorm.weight"]],
+        "qkv": [state[attn + f"{n}_proj.weight"] for n in "qkv"],
+        "o": [state[attn + "o_proj.weight"]],
+        "gate_up": [state[mlp + "gate_proj.weight"], state[mlp + "up_proj.weight"]],
+        "down": [state[mlp + "down_proj.weight"]],
+    }
+    if cfg.qkv_bias:
+        sources["qkv_bias"] = [state[attn + f"{n}_proj.bias"] for n in "qkv"]
+    if cfg.o_bias:
+        sources["o_bias"] = [state[attn + "o_proj.bias"]]
+    if cfg.mlp_bias:
+        sources["gate_up_bias"] = [state[mlp + "gate_proj.bias"], state[mlp + "up_proj.bias"]]
+        sources["down_bias"] = [state[mlp + "down_proj.bias"]]
+    return sources
+
+
+def fuse(sources: dict[str, list[torch.Tensor]], device, dtype) -> dict[str, torch.Tensor]:
+    return {name: torch.cat([t.to(dtype) for t in parts]).to(device) if len(parts) > 1
+            else parts[0].to(device, dtype, copy=True) for name, parts in sources.items()}

@@ -10,6 +10,7 @@ from engine.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued; also a preempted request waiting to be recomputed
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted with its KV blocks copied to the host pool
     FINISHED = "finished"
 
 
@@ -24,7 +25,8 @@ class Request:
     # decode and recompute after preemption are all "compute num_tokens -
     # num_computed_tokens more tokens".
     num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)  # KV block ids, in order
+    block_table: list[int] = field(default_factory=list)  # device KV block ids, in order
+    host_block_table: list[int] = field(default_factory=list)  # while swapped out
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0

@@ -7,10 +7,12 @@ Finished requests leave at once and free their blocks, so the batch stays full
 whatever each request's length.
 
 When a running request needs a block and none is free, the newest running request
-is preempted: its blocks are freed and it goes back to the front of the waiting queue
-to be recomputed. The oldest running request is therefore never preempted while
-another runs, and a request alone always fits (`add` refuses requests that could
-never fit the whole pool), so every request makes progress.
+is preempted: its blocks are swapped to the host pool when it has room (the request
+keeps its computed tokens), otherwise freed, and the request recomputed later.
+Swapped requests come back, oldest first, before any new request is admitted. The
+oldest running request is therefore never preempted while another runs, and a
+request alone always fits (`check_fits` refuses requests that could never fit the
+whole pool), so every request makes progress.
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ class ScheduledBatch:
     requests: list[Request] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)  # per request
     num_preempted: int = 0
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) blocks
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device) blocks
 
     @property
     def num_tokens(self) -> int:
@@ -53,10 +57,11 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.swapped)
 
     def check_fits(self, request: Request) -> str | None:
         """Why the request can never run with this KV pool, or None."""
@@ -90,6 +95,17 @@ class Scheduler:
             i += 1
         if batch.num_preempted:
             return batch  # no admissions while short of blocks
+        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.swapped[0]
+            n = min(req.num_uncomputed_tokens, budget)
+            if not self.block_manager.can_swap_in(req, n):
+                break
+            self.swapped.popleft()
+            batch.swap_in += self.block_manager.swap_in(req, n)
+            self._run(req, n, batch)
+            budget -= n
+        if self.swapped:
+            return batch  # swapped requests are older: they come back first
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             n = min(req.num_uncomputed_tokens, budget)
@@ -97,27 +113,35 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.block_manager.allocate(req, n)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            batch.add(req, n)
+            self._run(req, n, batch)
             budget -= n
         return batch
+
+    def _run(self, req: Request, num_tokens: int, batch: ScheduledBatch) -> None:
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        batch.add(req, num_tokens)
 
     def _make_room(self, req: Request, num_tokens: int, batch: ScheduledBatch) -> bool:
         """Preempt from the newest end until `req` fits; False if `req` itself went."""
         while not self.block_manager.can_allocate(req, num_tokens):
             victim = self.running.pop()
-            self._preempt(victim)
+            self._preempt(victim, batch)
             batch.num_preempted += 1
             if victim is req:
                 return False
         return True
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, batch: ScheduledBatch) -> None:
+        request.num_preemptions += 1
+        if self.block_manager.can_swap_out(request):
+            batch.swap_out += self.block_manager.swap_out(request)
+            request.status = RequestStatus.SWAPPED
+            self.swapped.appendleft(request)
+            return
         self.block_manager.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
-        request.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Request]:
@@ -144,8 +168,10 @@ class Scheduler:
         gone = set(map(id, requests))
         self.running = [r for r in self.running if id(r) not in gone]
         self.waiting = deque(r for r in self.waiting if id(r) not in gone)
+        self.swapped = deque(r for r in self.swapped if id(r) not in gone)
 
     def _finish(self, request: Request, reason: str) -> None:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.block_manager.free(request)
+        self.block_manager.free_host(request)

@@ -188,3 +188,61 @@ def test_every_token_computed_exactly_once_per_admission(budget):
             computed[r.request_id] += n
     # prompt + generated tokens minus the last sampled one (never fed back)
     assert computed == {r.request_id: r.num_tokens - 1 for r in reqs}
+
+
+def test_swap_out_and_in_exact_blocks():
+    # 5 device blocks of 2 tokens, 4 host blocks. As in the recompute test, request 1
+    # must give way at step 3, but now its blocks go to the host pool and come back.
+    bm = BlockManager(num_blocks=5, block_size=2, num_host_blocks=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    reqs = [make(i, 3, max_tokens=4) for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    run_step(sched)
+    run_step(sched)
+    batch, _ = run_step(sched)
+    assert batch.swap_out == [(2, 0), (3, 1)]  # request 1's device blocks -> host 0, 1
+    assert reqs[1].status is RequestStatus.SWAPPED and reqs[1].host_block_table == [0, 1]
+    assert reqs[1].num_computed_tokens == 4  # kept: no recompute
+    assert bm.num_free_host_blocks == 2 and [r.request_id for r in sched.swapped] == [1]
+    # Request 2 (never run) must not overtake the swapped request 1.
+    while reqs[0].status is not RequestStatus.FINISHED:
+        batch, _ = run_step(sched)
+        assert reqs[2] not in batch.requests
+    batch = sched.schedule()
+    # Request 0 freed [0, 1, 4] -> free list is [2, 3, 0, 1, 4]; 1 comes back into
+    # blocks 2, 3 and gets one more (0) for its 5th token.
+    assert batch.requests[0] is reqs[1] and batch.num_scheduled_tokens[0] == 1
+    assert batch.swap_in == [(0, 2), (1, 3)]
+    assert reqs[1].block_table == [2, 3, 0] and bm.num_free_host_blocks == 4
+
+
+def test_swap_falls_back_to_recompute_when_host_is_full():
+    bm = BlockManager(num_blocks=5, block_size=2, num_host_blocks=1)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    reqs = [make(i, 3, max_tokens=4) for i in range(2)]
+    for r in reqs:
+        sched.add(r)
+    for _ in range(3):
+        batch, _ = run_step(sched)
+    assert batch.swap_out == [] and batch.num_preempted == 1
+    assert reqs[1].status is RequestStatus.WAITING and reqs[1].num_computed_tokens == 0
+
+
+def test_swapping_progress_and_exact_counts():
+    bm = BlockManager(num_blocks=6, block_size=2, num_host_blocks=6)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=8, max_model_len=64)
+    reqs = [make(i, 2 + i % 3, max_tokens=6 + i // 2) for i in range(6)]
+    for r in reqs:
+        assert sched.check_fits(r) is None
+        sched.add(r)
+    swaps = steps = 0
+    while sched.num_unfinished:
+        batch, _ = run_step(sched)
+        swaps += len(batch.swap_out)
+        steps += 1
+        assert steps < 500
+        assert bm.num_used_blocks == sum(len(r.block_table) for r in sched.running)
+    assert swaps > 0
+    assert all(r.num_output_tokens == r.params.max_tokens for r in reqs)
+    assert bm.num_free_blocks == 6 and bm.num_free_host_blocks == 6

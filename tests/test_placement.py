@@ -1,0 +1,66 @@
+"""The placement plan: pure arithmetic over sizes, no tensors."""
+import pytest
+
+from engine.placement import (BudgetTooSmall, ModelSizes, format_bytes, minimum_device_budget,
+                              parse_bytes, plan_placement)
+
+MiB = 2**20
+SIZES = ModelSizes(layer_bytes=10 * MiB, num_layers=8, fixed_bytes=20 * MiB,
+                   kv_block_bytes=1 * MiB, min_kv_blocks=4, activation_bytes=6 * MiB)
+
+
+@pytest.mark.parametrize("value, expected", [
+    (1024, 1024), ("24GiB", 24 * 2**30), ("512MB", 512 * 10**6), ("1.5 KiB", 1536),
+    (0.5, 500), ("0.25", 250), ("100", 100), (0, 0), ("0", 0),
+])
+def test_parse_bytes(value, expected):
+    assert parse_bytes(value, available=1000) == expected
+
+
+@pytest.mark.parametrize("value", ["lots", "12XB", -5, True, "1.5"])
+def test_parse_bytes_rejects(value):
+    with pytest.raises(ValueError, match="device_memory"):
+        parse_bytes(value, available=1000, name="device_memory")
+
+
+def test_everything_fits():
+    plan = plan_placement(SIZES, device_budget=200 * MiB, host_budget=0)
+    assert plan.layer_tiers == ["device"] * 8 and plan.num_staging_slots == 0
+    # 200 - 20 fixed - 6 activations - 80 layers = 94 MiB of KV blocks
+    assert plan.num_device_kv_blocks == 94 and plan.streamed_layers == []
+    assert sum(plan.device_bytes.values()) == 200 * MiB
+
+
+def test_streaming_reserves_staging_and_kv_share():
+    # 100 MiB: free after fixed, activations, KV floor = 70; staging 2 x 10 = 20;
+    # KV share 25% of 100 = 25 minus the 4-block floor = 21 -> 29 MiB -> 2 layers.
+    plan = plan_placement(SIZES, device_budget=100 * MiB, host_budget=35 * MiB)
+    assert plan.layer_tiers == ["device"] * 2 + ["host"] * 3 + ["disk"] * 3
+    assert plan.num_staging_slots == 2 and plan.streamed_layers == [2, 3, 4, 5, 6, 7]
+    assert plan.num_device_kv_blocks == 100 - 20 - 6 - 20 - 20  # 34
+    assert plan.num_host_kv_blocks == 5  # host left after 3 layers
+    assert sum(plan.device_bytes.values()) <= 100 * MiB
+    assert plan.offload_fraction == 0.75
+
+
+def test_prefetch_depth_sets_slots():
+    plan = plan_placement(SIZES, device_budget=100 * MiB, host_budget=10**12, prefetch_depth=3)
+    assert plan.num_staging_slots == 4
+    assert all(t in ("device", "host") for t in plan.layer_tiers)
+
+
+def test_minimum_budget_runs_with_every_layer_streamed():
+    low = minimum_device_budget(SIZES)
+    assert low == (20 + 6 + 4 + 20) * MiB
+    plan = plan_placement(SIZES, device_budget=low, host_budget=0)
+    assert plan.layer_tiers == ["disk"] * 8 and plan.num_device_kv_blocks == 4
+    with pytest.raises(BudgetTooSmall, match=r"smallest budget that works is 50.00 MiB"):
+        plan_placement(SIZES, device_budget=low - 1, host_budget=0)
+
+
+def test_kv_cap_and_table():
+    plan = plan_placement(SIZES, device_budget=200 * MiB, host_budget=50 * MiB, max_kv_blocks=10)
+    assert plan.num_device_kv_blocks == 10 and plan.num_host_kv_blocks == 10
+    table = plan.table()
+    assert "device" in table and "8 layers + embed/head" in table and "10 blocks" in table
+    assert format_bytes(3 * MiB) == "3.00 MiB"
