@@ -57,27 +57,36 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
-        futures = [self.submit(p, sp) for p, sp in zip(prompts, params)]
-        return [f.result() for f in futures]
+        return [f.result() for f in self.submit_many(list(zip(prompts, params)))]
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None) -> Future:
         """Thread-safe. The future resolves to the request's RequestOutput."""
-        future: Future = Future()
-        item = self.engine.make_request(prompt, params or SamplingParams())
-        if isinstance(item, RequestOutput):
-            future.set_result(item)
-            return future
+        return self.submit_many([(prompt, params)])[0]
+
+    def submit_many(self, requests: Sequence[tuple[Prompt, SamplingParams | None]]
+                    ) -> list[Future]:
+        """Thread-safe; the requests join the running batch in the same step."""
+        futures, items = [], []
+        for prompt, params in requests:
+            future: Future = Future()
+            item = self.engine.make_request(prompt, params or SamplingParams())
+            if isinstance(item, RequestOutput):
+                future.set_result(item)
+            else:
+                items.append((item, future))
+            futures.append(future)
         with self._cond:
             if self._closed:
                 raise RuntimeError("this LLM is closed")
-            self._futures[item.request_id] = future
-            self._inbox.append(item)
+            for item, future in items:
+                self._futures[item.request_id] = future
+                self._inbox.append(item)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="fusegen-engine",
                                                 daemon=True)
                 self._thread.start()
             self._cond.notify()
-        return future
+        return futures
 
     def _loop(self) -> None:
         engine = self.engine
