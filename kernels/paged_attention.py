@@ -32,6 +32,8 @@ from __future__ import annotations
 import functools
 import math
 
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -344,11 +346,39 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window):
     return out
 
 
+_workspaces = threading.local()
+
+
+def _workspace(numel: int, like: torch.Tensor) -> torch.Tensor:
+    """A flat buffer reused across calls (one per thread): gathering into fresh memory
+    costs a page fault per 4 KiB on every call, several times the copy itself."""
+    key = (like.device, like.dtype)
+    buffers = getattr(_workspaces, "buffers", None)
+    if buffers is None:
+        buffers = _workspaces.buffers = {}
+    buf = buffers.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = buffers[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+    return buf[:numel]
+
+
+def _gather_into(cache, block_tables, num_blocks, out):
+    # cache [N, bs, Hkv, D], block_tables [b, >= num_blocks] -> out [b, num_blocks * bs, Hkv, D]
+    ids = block_tables[:, :num_blocks].reshape(-1).long()
+    torch.index_select(cache, 0, ids, out=out.view(-1, *cache.shape[1:]))
+    return out
+
+
 def _decode_group(q, k_cache, v_cache, block_tables, seq_lens, scale, window):
     batch, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    k = _gather(k_cache, block_tables, max(seq_lens)).transpose(1, 2)  # [b, Hkv, L, D]
-    v = _gather(v_cache, block_tables, max(seq_lens)).transpose(1, 2)
+    block_size, num_kv_heads = k_cache.shape[1:3]
+    num_blocks = -(-max(seq_lens) // block_size)
+    shape = (batch, num_blocks * block_size, num_kv_heads, head_dim)
+    size = batch * num_blocks * block_size * num_kv_heads * head_dim
+    kv = _workspace(2 * size, k_cache)
+    k = _gather_into(k_cache, block_tables, num_blocks, kv[:size].view(shape)).transpose(1, 2)
+    v = _gather_into(v_cache, block_tables, num_blocks, kv[size:].view(shape)).transpose(1, 2)
+    # k, v [b, Hkv, L, D] with L the group's longest length rounded up to a block
     lens = torch.tensor(seq_lens).unsqueeze(1)
     pos = torch.arange(k.shape[2]).unsqueeze(0)
     valid = pos < lens  # [b, L]
