@@ -127,3 +127,22 @@ def test_text_equals_decode_of_tokens(llm):
         ids = llm.tokenizer.encode(prompt)
         full = llm.tokenizer.decode(ids + out.token_ids)
         assert out.text == full[len(llm.tokenizer.decode(ids)):]
+
+
+def test_generation_config_eos_list(tmp_path, llama_dir):
+    import json
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(llama_dir, model)
+    with LLM(str(model), dtype="float32") as llm:
+        free_run = llm.generate([PROMPTS[0]], greedy(12))[0].token_ids
+    # Two end-of-sequence ids, the second one produced by the model at step 4.
+    (model / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [free_run[0] + 100000, free_run[3]]}))
+    with LLM(str(model), dtype="float32") as llm:
+        out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0.0))[0]
+        ignored = llm.generate([PROMPTS[0]], greedy(12))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == free_run[:free_run.index(free_run[3]) + 1]
+    assert ignored.token_ids == free_run and ignored.finish_reason == "length"
