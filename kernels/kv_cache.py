@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels import use_triton
+
 try:
     import triton
     import triton.language as tl
@@ -23,10 +25,8 @@ except ImportError:  # no Triton on this platform: the reference still serves
 
 def write_kv_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
     """Dispatcher: the Triton kernel on CUDA, the torch reference elsewhere."""
-    if key.is_cuda:
-        from kernels import _triton_available
-        if _triton_available():
-            return write_kv_cache_triton(key, value, k_cache, v_cache, slot_mapping)
+    if use_triton(key):
+        return write_kv_cache_triton(key, value, k_cache, v_cache, slot_mapping)
     return write_kv_cache_reference(key, value, k_cache, v_cache, slot_mapping)
 
 

@@ -35,6 +35,8 @@ import math
 import threading
 
 import torch
+
+from kernels import use_triton
 import torch.nn.functional as F
 
 try:
@@ -48,13 +50,11 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
                     max_query_len: int, max_seq_len: int, scale: float,
                     sliding_window: int = 0) -> torch.Tensor:
     """Dispatcher: the Triton kernel on CUDA, the torch reference elsewhere."""
-    if q.is_cuda:
-        from kernels import _triton_available
-        if _triton_available():
-            return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens,
-                                          query_start_loc, max_query_len=max_query_len,
-                                          max_seq_len=max_seq_len, scale=scale,
-                                          sliding_window=sliding_window)
+    if use_triton(q):
+        return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens,
+                                      query_start_loc, max_query_len=max_query_len,
+                                      max_seq_len=max_seq_len, scale=scale,
+                                      sliding_window=sliding_window)
     return paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens,
                                      query_start_loc, max_query_len=max_query_len,
                                      max_seq_len=max_seq_len, scale=scale,

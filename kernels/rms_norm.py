@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels import use_triton
+
 try:
     import triton
     import triton.language as tl
@@ -25,10 +27,8 @@ except ImportError:  # no Triton on this platform: the reference still serves
 
 def rms_norm(x, weight, eps: float, residual=None):
     """Dispatcher: the Triton kernel on CUDA, the torch reference elsewhere."""
-    if x.is_cuda:
-        from kernels import _triton_available
-        if _triton_available():
-            return rms_norm_triton(x, weight, eps, residual)
+    if use_triton(x):
+        return rms_norm_triton(x, weight, eps, residual)
     return rms_norm_reference(x, weight, eps, residual)
 
 

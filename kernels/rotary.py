@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels import use_triton
+
 try:
     import triton
     import triton.language as tl
@@ -29,10 +31,8 @@ except ImportError:  # no Triton on this platform: the reference still serves
 
 def rotary_embedding(positions, q, k, cos, sin) -> None:
     """Dispatcher: the Triton kernel on CUDA, the torch reference elsewhere."""
-    if q.is_cuda:
-        from kernels import _triton_available
-        if _triton_available():
-            return rotary_embedding_triton(positions, q, k, cos, sin)
+    if use_triton(q):
+        return rotary_embedding_triton(positions, q, k, cos, sin)
     return rotary_embedding_reference(positions, q, k, cos, sin)
 
 

@@ -12,6 +12,8 @@ Triton launch: grid (rows, I / BLOCK); each program one BLOCK-wide slice of a ro
 from __future__ import annotations
 
 import torch
+
+from kernels import use_triton
 import torch.nn.functional as F
 
 try:
@@ -23,10 +25,8 @@ except ImportError:  # no Triton on this platform: the reference still serves
 
 def silu_and_mul(x) -> torch.Tensor:
     """Dispatcher: the Triton kernel on CUDA, the torch reference elsewhere."""
-    if x.is_cuda:
-        from kernels import _triton_available
-        if _triton_available():
-            return silu_and_mul_triton(x)
+    if use_triton(x):
+        return silu_and_mul_triton(x)
     return silu_and_mul_reference(x)
 
 
