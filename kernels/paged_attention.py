@@ -305,11 +305,13 @@ def _gather(cache, block_table, num_tokens):
 
 
 def _prefill(q, k_cache, v_cache, block_table, seq_len, scale, window):
-    # q [n, Hq, D]; the sequence's last n tokens.
+    # q [n, Hq, D]; the sequence's last n tokens. Inputs go to SDPA as 4-D
+    # [1, H, len, D]: torch's fused CPU kernel takes 4-D inputs (3-D falls back to the
+    # unfused math path, which materialises every score).
     n = q.shape[0]
-    k = _gather(k_cache, block_table, seq_len).transpose(0, 1)  # [Hkv, L, D]
-    v = _gather(v_cache, block_table, seq_len).transpose(0, 1)
-    qh = q.transpose(0, 1)  # [Hq, n, D]
+    k = _gather(k_cache, block_table, seq_len).transpose(0, 1)[None]  # [1, Hkv, L, D]
+    v = _gather(v_cache, block_table, seq_len).transpose(0, 1)[None]
+    qh = q.transpose(0, 1)[None]  # [1, Hq, n, D]
     if n == seq_len and not window:
         o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale,
                                            enable_gqa=True)
@@ -321,7 +323,7 @@ def _prefill(q, k_cache, v_cache, block_table, seq_len, scale, window):
             mask &= k_pos > q_pos - window
         o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale,
                                            enable_gqa=True)
-    return o.transpose(0, 1)
+    return o[0].transpose(0, 1)
 
 
 _DECODE_GROUP = 16  # sequences per batched decode pass: bounds the gathered KV copy
