@@ -107,6 +107,7 @@ def _compile_template(source: str):
     # Chat templates come from the checkpoint, i.e. untrusted: render them sandboxed, with
     # the same environment and helpers as transformers so they render identically.
     import jinja2
+    import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):
