@@ -156,3 +156,21 @@ def test_no_post_processor_adds_no_special_tokens(tmp_path):
     (tmp_path / "tokenizer.json").write_text(json.dumps(data))
     tok, hf = Tokenizer.from_dir(tmp_path), transformers.AutoTokenizer.from_pretrained(tmp_path)
     assert tok.encode("Hello") == hf.encode("Hello") == tok.encode("Hello", add_special_tokens=False)
+
+
+def test_chat_template_in_a_fresh_process(tmp_path):
+    # Nothing else imported jinja2.ext there: the tokenizer must import what it uses.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from engine.synthetic import build_tokenizer
+
+    build_tokenizer(tmp_path, kind="bpe")
+    code = ("import sys; from engine.tokenizer import Tokenizer; "
+            "print(Tokenizer.from_dir(sys.argv[1]).apply_chat_template("
+            "[{'role': 'user', 'content': 'hi'}]))")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                          text=True, cwd=Path(__file__).parents[1], timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "hi" in done.stdout
