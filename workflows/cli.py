@@ -1,0 +1,299 @@
+"""`fusegen workflow run|resume|schedule|history|show|check`."""
+from __future__ import annotations
+
+import os
+import signal
+from datetime import datetime
+
+import click
+
+from jobs.errors import JobError
+from workflows.errors import ValidationError, WorkflowBusy, WorkflowError
+
+_STORE = click.option("--store", "store_url", default=None, metavar="URL",
+                      help="Run store: sqlite:///path/runs.db.  [default: "
+                      "$FUSEGEN_STATE_DIR/runs.db, else ~/.fusegen/state/runs.db]")
+_PARAM = click.option("--param", "params", multiple=True, metavar="KEY=VALUE",
+                      help="Override a parameter's default (repeatable); the value is read "
+                      "as YAML, so 3 is a number and [a, b] a list.")
+
+
+class _Invalid(click.ClickException):
+    exit_code = 2
+
+
+def _fail(exc: Exception):
+    if isinstance(exc, ValidationError):
+        raise _Invalid(str(exc)) from None
+    raise click.ClickException(str(exc)) from None
+
+
+@click.group()
+def workflow():
+    """Multi-step dataset-to-dataset pipelines, run once or on a schedule.
+
+    A workflow file (YAML) names steps: generation jobs (every `fusegen run` option) and
+    light transforms (filter rows, select/rename columns, drop error rows), each reading
+    a dataset URL or another step's output."""
+
+
+@workflow.command()
+@click.argument("file", type=click.Path(dir_okay=False))
+@_PARAM
+@click.option("--run-date", default=None, metavar="YYYY-MM-DD",
+              help="The run's {{ run_date }}.  [default: today, in the schedule's time zone]")
+@click.option("--overwrite", is_flag=True, help="Recompute every step from scratch instead "
+              "of keeping parts committed by an earlier attempt.")
+@_STORE
+def run(file, params, run_date, overwrite, store_url):
+    """Run the workflow FILE once, steps in DAG order.
+
+    Every step is a resumable job: if a run fails or is killed, the same command (same
+    --param values and --run-date) continues where it stopped."""
+    from jobs.run_cmd import setup_logging
+    from workflows.runner import default_run_date, run_workflow
+    from workflows.spec import load_workflow
+    from workflows.store import open_store
+
+    try:
+        wf = load_workflow(file)
+        overrides = _params(params)
+        store = open_store(store_url)
+        setup_logging()
+        run_date = run_date or default_run_date(wf)
+        outcome = run_workflow(wf, store, params=overrides, run_date=run_date,
+                               overwrite=overwrite, echo=click.echo)
+    except (WorkflowError, JobError) as exc:
+        if not isinstance(exc, (ValidationError, WorkflowBusy)):
+            _retry_hint(file, params, run_date, store_url)
+        _fail(exc)
+    click.echo(f"run {outcome.run_id} of {wf.name} ({outcome.run_date}) succeeded: "
+               f"{len(outcome.steps)} steps; `fusegen workflow show {outcome.run_id}` "
+               "for details")
+
+
+def _retry_hint(file, params, run_date, store_url):
+    if run_date is None:
+        return
+    args = [f"--param {p}" for p in params] + [f"--run-date {run_date}"]
+    if store_url:
+        args.append(f"--store {store_url}")
+    click.echo(f"to continue where it stopped: fusegen workflow run {file} {' '.join(args)} "
+               "(or `fusegen workflow resume RUN_ID`)", err=True)
+
+
+@workflow.command()
+@click.argument("run_id", type=int)
+@click.option("--overwrite", is_flag=True, help="Recompute every step from scratch.")
+@_STORE
+def resume(run_id, overwrite, store_url):
+    """Run again the failed or interrupted run RUN_ID: same file, params and run date, so
+    every step keeps what it committed and continues where it stopped."""
+    from jobs.run_cmd import setup_logging
+    from workflows.runner import run_workflow
+    from workflows.spec import load_workflow
+    from workflows.store import open_store
+
+    try:
+        store = open_store(store_url)
+        old = store.run(run_id)
+        if old is None:
+            raise WorkflowError(f"no run {run_id} in the run store; `fusegen workflow "
+                                "history` lists them")
+        if old.status in ("queued", "running"):
+            raise WorkflowError(f"run {run_id} is {old.status}; wait for it to end")
+        wf = load_workflow(old.source)
+        setup_logging()
+        outcome = run_workflow(wf, store, params=old.params, run_date=old.run_date,
+                               overwrite=overwrite, echo=click.echo)
+    except (WorkflowError, JobError) as exc:
+        _fail(exc)
+    click.echo(f"run {outcome.run_id} of {wf.name} ({outcome.run_date}) succeeded: "
+               f"{len(outcome.steps)} steps; `fusegen workflow show {outcome.run_id}` "
+               "for details")
+
+
+@workflow.command()
+@click.argument("file", type=click.Path(dir_okay=False))
+@_PARAM
+@click.option("--run-date", default=None, metavar="YYYY-MM-DD", help="The run date to check "
+              "with.  [default: today]")
+def check(file, params, run_date):
+    """Validate FILE without running it: keys, DAG, schedule, and (for the given params
+    and run date) the columns every step reads, from its inputs' Parquet schemas."""
+    from workflows.resolve import resolve
+    from workflows.runner import default_run_date
+    from workflows.spec import load_workflow
+
+    try:
+        wf = load_workflow(file)
+        resolved = resolve(wf, _params(params), run_date or default_run_date(wf))
+    except (WorkflowError, JobError) as exc:
+        _fail(exc)
+    for step in resolved.steps:
+        click.echo(f"{step.name} ({step.kind}): {step.input} -> {step.output}\n"
+                   f"  columns: {', '.join(step.schema.names)}")
+    click.echo(f"{file}: valid")
+
+
+@workflow.command()
+@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@_PARAM
+@click.option("--poll-seconds", default=30.0, show_default=True, type=float,
+              help="How often to look again at runs and locks between fires.")
+@_STORE
+def schedule(files, params, poll_seconds, store_url):
+    """Run workflows on their `schedule:` until SIGINT/SIGTERM.
+
+    State lives in the run store: after a restart, fires missed while down follow each
+    file's `missed:` policy and an interrupted run resumes. The first signal stops firing
+    and waits for the run in progress; a second gives it up (it resumes next start)."""
+    from jobs.run_cmd import setup_logging
+    from workflows.schedule import next_fire
+    from workflows.scheduler import Scheduler
+    from workflows.spec import load_workflow
+    from workflows.store import open_store
+
+    try:
+        workflows = [load_workflow(f) for f in files]
+        store = open_store(store_url)
+        sched = Scheduler(workflows, store, params=_params(params))
+    except (WorkflowError, JobError) as exc:
+        _fail(exc)
+    setup_logging()
+    signals = []
+
+    def on_signal(signum, frame):
+        signals.append(signum)
+        if len(signals) == 1:
+            click.echo("stopping: no new runs; waiting for the run in progress (signal "
+                       "again to stop now: it resumes on the next start)", err=True)
+            sched.stop()
+        else:
+            sched.abandon()
+            os._exit(128 + signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        now = sched.clock()
+        for wf in workflows:
+            last = store.last_fire(wf.name) or now
+            click.echo(f"{wf.name}: cron {wf.schedule.cron!r} ({wf.schedule.timezone}), "
+                       f"missed: {wf.schedule.missed}, next fire "
+                       f"{next_fire(wf.schedule, max(last, now)).isoformat()}")
+        sched.serve(poll_seconds)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    click.echo("scheduler stopped")
+
+
+@workflow.command()
+@click.argument("file_or_name", required=False)
+@click.option("--limit", default=20, show_default=True, help="Newest runs to list.")
+@_STORE
+def history(file_or_name, limit, store_url):
+    """Runs, newest first: status, start/end, rows, tokens, errors. With FILE (or a
+    workflow name), that workflow's runs only."""
+    from workflows.store import open_store
+
+    try:
+        name = _workflow_name(file_or_name) if file_or_name else None
+        store = open_store(store_url)
+        runs = store.runs(name, limit)
+    except (WorkflowError, JobError) as exc:
+        _fail(exc)
+    if not runs:
+        click.echo("no runs recorded" + (f" for {name}" if name else ""))
+        return
+    rows = [("RUN", "WORKFLOW", "STATUS", "TRIGGER", "RUN DATE", "STARTED (UTC)", "FINISHED",
+             "ROWS", "TOKENS", "ERRORS")]
+    for r in runs:
+        steps = store.steps(r.run_id)
+        done = [s for s in steps if s.num_rows is not None]
+        gen = [s for s in done if s.kind == "generate"]
+        rows.append((str(r.run_id), r.workflow, r.status, r.trigger, r.run_date,
+                     _time(r.started), _time(r.finished),
+                     str(done[-1].num_rows) if done and len(done) == len(steps) else "-",
+                     str(sum(s.num_generated_tokens or 0 for s in gen)),
+                     str(sum(s.num_errors or 0 for s in gen))))
+    click.echo(_table(rows))
+
+
+@workflow.command()
+@click.argument("run_id", type=int)
+@_STORE
+def show(run_id, store_url):
+    """One run in detail: status, params, and per step its status, start/end, rows in and
+    out, tokens, error rows by code, and the error that stopped it."""
+    from workflows.store import open_store
+
+    try:
+        store = open_store(store_url)
+        run = store.run(run_id)
+    except (WorkflowError, JobError) as exc:
+        _fail(exc)
+    if run is None:
+        raise click.ClickException(f"no run {run_id} in the run store; "
+                                   "`fusegen workflow history` lists them")
+    lines = [f"run {run.run_id}: {run.workflow} ({run.source})",
+             f"status: {run.status}",
+             f"trigger: {run.trigger}"
+             + (f", fire {run.scheduled_for}" if run.scheduled_for else ""),
+             f"run date: {run.run_date}   params: {run.params}",
+             f"started: {_time(run.started)}   finished: {_time(run.finished)} (UTC)"]
+    if run.resumes:
+        lines.append(f"continues run {run.resumes}")
+    if run.error:
+        lines.append(f"error: {run.error}")
+    click.echo("\n".join(lines) + "\n")
+    rows = [("STEP", "KIND", "STATUS", "STARTED", "FINISHED", "ROWS IN", "ROWS OUT", "ERRORS",
+             "PROMPT TOK", "GEN TOK", "PARTS (KEPT)")]
+    for s in store.steps(run_id):
+        rows.append((s.step, s.kind, s.status, _time(s.started), _time(s.finished),
+                     _num(s.num_input_rows), _num(s.num_rows), _num(s.num_errors),
+                     _num(s.num_prompt_tokens), _num(s.num_generated_tokens),
+                     "-" if s.num_parts is None else f"{s.num_parts} ({s.num_parts_kept})"))
+    click.echo(_table(rows))
+    for s in store.steps(run_id):
+        if s.errors_by_code:
+            codes = ", ".join(f"{k} {v}" for k, v in sorted(s.errors_by_code.items()))
+            click.echo(f"{s.step}: error rows: {codes}")
+        if s.error:
+            click.echo(f"{s.step}: failed: {s.error}")
+        click.echo(f"{s.step}: output {s.output}")
+
+
+def _params(items) -> dict:
+    import yaml
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise WorkflowError(f"--param expects KEY=VALUE, got {item!r}")
+        out[key.strip()] = yaml.safe_load(value) if value else ""
+    return out
+
+
+def _workflow_name(file_or_name: str) -> str:
+    if os.path.exists(file_or_name):
+        from workflows.spec import load_workflow
+
+        return load_workflow(file_or_name).name
+    return file_or_name
+
+
+def _time(text: str | None) -> str:
+    if not text:
+        return "-"
+    return datetime.fromisoformat(text).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _num(value) -> str:
+    return "-" if value is None else str(value)
+
+
+def _table(rows: list[tuple]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)

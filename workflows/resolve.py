@@ -1,0 +1,227 @@
+"""One run's workflow: variables filled in, every step built, every column checked.
+
+Nothing runs here and no rows are read: input datasets are opened for their Parquet
+footers only (the schema), and each step's output schema is derived from its input's
+(a generate step adds the generation columns; a transform is applied to an empty table).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from jobs.errors import JobError
+from jobs.parts import output_table
+from jobs.spec import MESSAGES_COLUMN, OUTPUT_COLUMNS, JobSpec, build_spec
+from jobs.storage import list_input_files
+from jobs.template import PromptTemplate
+from workflows.errors import Problem, ValidationError
+from workflows.expr import ExpressionError
+from workflows.render import RUN_DATE, TemplateError, render
+from workflows.spec import Step, Workflow
+from workflows.store import state_dir
+from workflows.transform import Transform
+
+
+@dataclass(slots=True)
+class ResolvedStep:
+    name: str
+    kind: str  # generate | transform
+    input: str  # dataset URL (another step's output directory for `from:`)
+    output: str
+    parents: list[str] = field(default_factory=list)
+    job: JobSpec | None = None  # generate steps
+    transform: Transform | None = None  # transform steps
+    partition_rows: int = 0  # transform steps
+    storage_options: dict = field(default_factory=dict)
+    schema: pa.Schema | None = None  # its output's columns, derived before anything runs
+    in_workdir: bool = False  # output is the workflow's own (no `output:` in the file)
+
+
+@dataclass(slots=True)
+class ResolvedWorkflow:
+    workflow: Workflow
+    run_date: str
+    params: dict  # defaults with the --param overrides applied
+    workdir: str
+    steps: list[ResolvedStep]  # run order
+
+
+def effective_params(workflow: Workflow, overrides: dict | None) -> dict:
+    overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - set(workflow.params))
+    if unknown:
+        known = ", ".join(workflow.params) or "none"
+        raise ValidationError(workflow.source, [Problem(
+            None, "params", f"unknown parameter(s) {', '.join(unknown)} (from --param); "
+            f"the file declares: {known}")])
+    return {**workflow.params, **overrides}
+
+
+def resolve(workflow: Workflow, overrides: dict | None, run_date: str) -> ResolvedWorkflow:
+    """Raises ValidationError listing every problem found."""
+    params = effective_params(workflow, overrides)
+    problems: list[Problem] = []
+    variables = _variables(params, run_date, problems)
+    workdir = _workdir(workflow, params, variables, run_date, problems)
+    steps: dict[str, ResolvedStep] = {}
+    for name in workflow.order:
+        step = _build(workflow, workflow.steps[name], variables, workdir, steps, problems)
+        if step is not None:
+            steps[name] = step
+    if not problems:
+        _check_columns(workflow, steps, problems)
+    if problems:
+        raise ValidationError(workflow.source, problems)
+    return ResolvedWorkflow(workflow, run_date, params, workdir, list(steps.values()))
+
+
+def _variables(params: dict, run_date: str, problems: list) -> dict:
+    """Parameter values may use {{ run_date }} (topics: "raw/{{ run_date }}/")."""
+    variables = {RUN_DATE: run_date}
+    for name, value in params.items():
+        try:
+            variables[name] = render(value, {RUN_DATE: run_date}, f"params.{name}")
+        except TemplateError as exc:
+            problems.append(Problem(None, f"params.{name}", f"{exc} (a parameter can use "
+                                    "run_date only)"))
+    return variables
+
+
+def _workdir(workflow, params, variables, run_date, problems) -> str:
+    if workflow.workdir is None:
+        key = hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode())
+        return str(state_dir() / "work" / workflow.name / f"{run_date}-{key.hexdigest()[:8]}")
+    try:
+        return _local(render(workflow.workdir, variables, "workdir"), workflow.base_dir)
+    except TemplateError as exc:
+        problems.append(Problem(None, "workdir", str(exc)))
+        return ""
+
+
+def _build(workflow: Workflow, step: Step, variables: dict, workdir: str,
+           built: dict, problems: list) -> ResolvedStep | None:
+    def filled(value, key):
+        try:
+            return render(value, variables, key)
+        except TemplateError as exc:
+            problems.append(Problem(step.name, key, str(exc)))
+            return None
+
+    base = workflow.base_dir
+    if step.from_step is not None:
+        parent = built.get(step.from_step)
+        if parent is None:  # the parent is broken: its problem is already reported
+            return None
+        url = parent.output
+    else:
+        url = _local(filled(step.input, "input") or "", base)
+    output = _local(filled(step.output, "output") or "", base) if step.output \
+        else f"{workdir.rstrip('/')}/{step.name}"
+    resolved = ResolvedStep(step.name, step.kind, url, output, step.parents,
+                            in_workdir=not step.output)
+    if step.kind == "generate":
+        options = filled(step.generate, "generate")
+        if options is None:
+            return None
+        if isinstance(options.get("model"), str):
+            options["model"] = _local(options["model"], base)
+        try:
+            resolved.job = build_spec(options, {"input": url, "output": output})
+        except JobError as exc:
+            problems.append(Problem(step.name, "generate", str(exc)))
+            return None
+        resolved.storage_options = resolved.job.storage_options
+        return resolved
+    options = filled(step.transform, "")
+    if options is None:
+        return None
+    try:
+        resolved.transform = Transform.from_options(options)
+    except ExpressionError as exc:
+        problems.append(Problem(step.name, "filter", str(exc)))
+        return None
+    resolved.partition_rows = step.partition_rows
+    resolved.storage_options = dict(step.storage_options or {})
+    return resolved
+
+
+def _check_columns(workflow: Workflow, steps: dict[str, ResolvedStep], problems: list):
+    """Walk the DAG with schemas: input footers, then each step's derived output."""
+    for step in steps.values():
+        if step.parents:
+            parent = steps[step.parents[0]]
+            schema, origin = parent.schema, f"step {parent.name!r}"
+            if schema is None:  # the parent is broken: already reported
+                continue
+        else:
+            schema, origin = _input_schema(step, problems), f"input {step.input}"
+            if schema is None:
+                continue
+        found = _generate_problems(step, schema.names, origin) if step.job \
+            else step.transform.problems(step.name, schema.names, origin)
+        problems.extend(found)
+        if not found:
+            step.schema = _output_schema(step, schema, problems)
+
+
+def _input_schema(step: ResolvedStep, problems: list) -> pa.Schema | None:
+    key = "input"
+    try:
+        fs, files = list_input_files(step.input, step.storage_options)
+        schemas = []
+        for f in files:
+            with fs.open(f.path, "rb") as fh:
+                schemas.append(pq.read_schema(fh))
+        return pa.unify_schemas(schemas)
+    except JobError as exc:
+        problems.append(Problem(step.name, key, str(exc)))
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        problems.append(Problem(step.name, key, f"its Parquet files disagree on columns: {exc}"))
+    return None
+
+
+def _generate_problems(step: ResolvedStep, columns: list[str], origin: str) -> list[Problem]:
+    job, have = step.job, set(columns)
+    source_key = "from" if step.parents else "input"
+    clash = [c for c in OUTPUT_COLUMNS if c in have]
+    if clash:
+        return [Problem(step.name, source_key, f"{origin} already has the generation column(s) "
+                        f"{', '.join(clash)}, which this step would add again; put a transform "
+                        "step between them with `select:` or `rename:`")]
+    if job.prompt_template is not None:
+        try:
+            needed = {c: "generate.prompt_template"
+                      for c in sorted(PromptTemplate(job.prompt_template).columns)}
+        except JobError as exc:
+            return [Problem(step.name, "generate.prompt_template", str(exc))]
+    elif job.chat and MESSAGES_COLUMN in have:
+        needed = {}
+    else:
+        needed = {job.prompt_column: "generate.prompt_column"}
+    if job.id_column:
+        needed[job.id_column] = "generate.id_column"
+    return [Problem(step.name, key, f"column {column!r} is not provided by {origin}; its "
+                    f"columns are {', '.join(columns)}")
+            for column, key in needed.items() if column not in have]
+
+
+def _output_schema(step: ResolvedStep, schema: pa.Schema, problems: list) -> pa.Schema | None:
+    if step.job is not None:
+        return output_table(schema.empty_table(), [], [], step.job.output_token_ids).schema
+    try:
+        return step.transform.output_schema(schema)
+    except ExpressionError as exc:
+        problems.append(Problem(step.name, "filter", str(exc)))
+        return None
+
+
+def _local(url: str, base_dir: str) -> str:
+    """A relative local path is read from the workflow file's directory."""
+    if not url or "://" in url or os.path.isabs(os.path.expanduser(url)):
+        return os.path.expanduser(url) if url and "://" not in url else url
+    return os.path.join(base_dir, url)

@@ -1,0 +1,227 @@
+"""The scheduler: fires workflow runs on their cron schedules, one run at a time.
+
+Plain Python over an injectable clock: `tick()` starts what is due at `clock()`,
+`run_next()` executes one started run, and `serve()` loops the two in real time. Tests
+drive `tick`/`run_next` with a fake clock and never sleep.
+
+- Never two runs of one workflow at once: a workflow with a run queued or running here
+  is not considered, and the run store's lock keeps out other processes (a manual
+  `fusegen workflow run`, another scheduler).
+- Runs execute one after another in this process (its engine cache holds one model); a
+  fire waiting behind another workflow's run was started on time, so it is not "missed".
+- Restarts: the last fire time of each workflow is in the store, so fires missed while
+  down follow the `missed` policy; a scheduled run left queued or running by a stopped
+  or killed scheduler is resumed first (its steps keep their committed parts).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Callable
+
+from workflows.errors import WorkflowBusy, WorkflowError
+from workflows.resolve import effective_params, resolve
+from workflows.runner import Clock, _message, execute_run, utc_now
+from workflows.schedule import decide, next_fire, run_date
+from workflows.spec import Workflow
+from workflows.store import LEASE_SECONDS, RunStore, new_owner
+
+log = logging.getLogger("fusegen.workflows")
+
+
+@dataclass(slots=True)
+class Ticket:
+    """A started scheduled run: recorded in the store, holding the workflow's lock."""
+    run_id: int
+    workflow: Workflow
+    fire: datetime  # the cron time it is for
+    run_date: str
+    params: dict
+    resumes: int | None = None  # the interrupted run it continues
+
+
+class Scheduler:
+    def __init__(self, workflows: list[Workflow], store: RunStore, *,
+                 params: dict | None = None, clock: Clock = utc_now,
+                 execute: Callable[[Ticket], None] | None = None,
+                 lease_seconds: float = LEASE_SECONDS):
+        """`params`: --param overrides for every run; `execute` runs one ticket (default:
+        the workflow's steps)."""
+        names = [w.name for w in workflows]
+        for w in workflows:
+            if w.schedule is None:
+                raise WorkflowError(f"workflow {w.source} has no `schedule:`; add one "
+                                    "(cron: \"0 2 * * *\") or run it with `fusegen workflow run`")
+            if names.count(w.name) > 1:
+                raise WorkflowError(f"two workflow files are named {w.name!r}; give each a "
+                                    "distinct `name:`")
+        unknown = sorted(set(params or {}) - {p for w in workflows for p in w.params})
+        if unknown:
+            raise WorkflowError(f"--param {', '.join(unknown)}: no workflow file declares it "
+                                "under `params:`")
+        self.workflows = workflows
+        self.params = {w.name: effective_params(w, {k: v for k, v in (params or {}).items()
+                                                    if k in w.params}) for w in workflows}
+        self.store, self.clock, self.lease_seconds = store, clock, lease_seconds
+        self.execute = execute or self._execute
+        self.owner = new_owner()
+        self._queue: queue.Queue = queue.Queue()
+        self._in_flight: dict[str, Ticket] = {}
+        self._running: Ticket | None = None
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = False
+        now = clock()
+        for w in workflows:  # first start: fire from now on, never backfill history
+            if store.last_fire(w.name) is None:
+                store.set_last_fire(w.name, now)
+
+    # -- policy: what to start now ----------------------------------------------------------
+
+    def tick(self) -> list[Ticket]:
+        """Start every run due at clock(); returns the tickets started (queued)."""
+        now = self.clock()
+        started = []
+        for workflow in self.workflows:
+            with self._lock:
+                ticket = self._in_flight.get(workflow.name)
+            if ticket is not None:  # never overlap: its next fire waits for it
+                self.store.heartbeat(ticket.run_id, now)
+                continue
+            try:
+                ticket = self._resume(workflow, now) or self._fire(workflow, now)
+            except WorkflowBusy as exc:
+                log.info("%s: not firing: %s", workflow.name, exc)
+                continue
+            if ticket is not None:
+                started.append(ticket)
+        return started
+
+    def _resume(self, workflow: Workflow, now: datetime) -> Ticket | None:
+        """The workflow's last run, if it is a scheduled run that never finished."""
+        self.store.release_stale(workflow.name, now, self.lease_seconds)
+        last = self.store.runs(workflow.name, limit=1)
+        if not last or last[0].trigger != "schedule" or last[0].status != "interrupted":
+            return None
+        old = last[0]
+        log.info("%s: resuming interrupted run %s (fire %s)", workflow.name, old.run_id,
+                 old.scheduled_for)
+        return self._start(workflow, datetime.fromisoformat(old.scheduled_for), now,
+                           old.run_date, old.params, old.run_id)
+
+    def _fire(self, workflow: Workflow, now: datetime) -> Ticket | None:
+        schedule = workflow.schedule
+        last = self.store.last_fire(workflow.name)
+        decision = decide(schedule, last, now)
+        if decision.num_skipped:
+            log.warning("%s: skipped %d missed fire(s) up to %s (missed: skip)", workflow.name,
+                        decision.num_skipped, decision.last_fire.isoformat())
+        if decision.fire is None:
+            if decision.last_fire != last:
+                self.store.set_last_fire(workflow.name, decision.last_fire)
+            return None
+        return self._start(workflow, decision.fire, now, run_date(schedule, decision.fire),
+                           self.params[workflow.name])
+
+    def _start(self, workflow, fire, now, date, params, resumes=None) -> Ticket:
+        run_id = self.store.start_run(
+            workflow.name, source=workflow.path or workflow.source, run_date=date, params=params,
+            owner=self.owner, now=now, trigger="schedule", scheduled_for=fire,
+            status="queued", lease_seconds=self.lease_seconds)
+        ticket = Ticket(run_id, workflow, fire, date, params, resumes)
+        with self._lock:
+            self._in_flight[workflow.name] = ticket
+        self._queue.put(ticket)
+        log.info("%s: run %s queued for fire %s (run_date %s)", workflow.name, run_id,
+                 fire.isoformat(), date)
+        return ticket
+
+    # -- mechanism: running what was started ------------------------------------------------
+
+    def run_next(self, block: bool = False) -> Ticket | None:
+        """Execute the oldest started run to its end (None when there is none)."""
+        try:
+            ticket = self._queue.get(block=block)
+        except queue.Empty:
+            return None
+        if ticket is None:  # serve()'s stop sentinel
+            return None
+        with self._lock:
+            self._running = ticket
+        self.store.mark_running(ticket.run_id, self.clock())
+        status, error = "interrupted", "the scheduler stopped during the run"
+        try:
+            self.execute(ticket)
+            status, error = "succeeded", None
+        except Exception as exc:  # noqa: BLE001 - recorded; the scheduler goes on
+            status, error = "failed", _message(exc)
+            log.error("%s: run %s failed: %s", ticket.workflow.name, ticket.run_id, error)
+        finally:
+            self.store.finish_run(ticket.run_id, status, self.clock(), error)
+            with self._lock:
+                self._running = None
+                self._in_flight.pop(ticket.workflow.name, None)
+            self._wake.set()
+        return ticket
+
+    def _execute(self, ticket: Ticket) -> None:
+        resolved = resolve(ticket.workflow, ticket.params, ticket.run_date)
+        execute_run(resolved, self.store, ticket.run_id)
+
+    # -- the real-time loop ------------------------------------------------------------------
+
+    def serve(self, poll_seconds: float = 30.0) -> None:
+        """Fire runs until stop() is called; then finish the run in progress, mark queued
+        ones interrupted (the next start resumes them) and return."""
+        worker = threading.Thread(target=self._work, daemon=True, name="fusegen-workflow-runs")
+        worker.start()
+        try:
+            while not self._stopping:
+                self._wake.clear()  # before tick: a run ending during it wakes the wait
+                self.tick()
+                self._wake.wait(self._seconds_to_next(poll_seconds))
+        finally:
+            self._drop_queued()
+            self._queue.put(None)
+            worker.join()
+
+    def stop(self) -> None:
+        """Stop firing (safe from a signal handler); serve() returns once the run in
+        progress ends."""
+        self._stopping = True
+        self._wake.set()
+
+    def abandon(self) -> None:
+        """Give up the run in progress: record it interrupted and free its lock, so the
+        next start resumes it (for a second Ctrl-C; the process exits next)."""
+        with self._lock:
+            ticket = self._running
+        if ticket is not None:
+            self.store.finish_run(ticket.run_id, "interrupted", self.clock(),
+                                  "the scheduler was stopped during the run")
+
+    def _work(self) -> None:
+        while not self._stopping or not self._queue.empty():
+            if self.run_next(block=True) is None and self._stopping:
+                return
+
+    def _drop_queued(self) -> None:
+        while True:
+            try:
+                ticket = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if ticket is not None:
+                self.store.finish_run(ticket.run_id, "interrupted", self.clock(),
+                                      "the scheduler stopped before the run started")
+
+    def _seconds_to_next(self, poll_seconds: float) -> float:
+        now = self.clock()
+        waits = [poll_seconds]
+        for w in self.workflows:
+            last = self.store.last_fire(w.name) or now
+            waits.append((next_fire(w.schedule, max(last, now)) - now).total_seconds())
+        return max(0.05, min(waits))
