@@ -1,0 +1,82 @@
+"""fusegen's engine on the benchmark's requests, through the offline API."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import as_completed
+from pathlib import Path
+
+from jobs.bench.results import EngineResult
+from jobs.bench.workload import BenchRequest
+
+
+def run_fusegen(model_dir: Path, requests: list[BenchRequest], warmup: list[BenchRequest], *,
+                dtype: str, device: str, engine_options: dict,
+                progress: Callable[[str], None]) -> EngineResult:
+    from engine import LLM
+
+    result = EngineResult("fusegen", "fusegen")
+    start = time.perf_counter()
+    llm = LLM(str(model_dir), dtype=dtype, device=device, **engine_options)
+    result.load_s = time.perf_counter() - start
+    try:
+        llm.generate(*_prompts_and_params(warmup))  # untimed
+        before = llm.stats()
+        progress(f"fusegen: generating {len(requests)} requests "
+                 f"(max_num_seqs {llm.config.max_num_seqs}, "
+                 f"max_num_batched_tokens {llm.config.max_num_batched_tokens})")
+        prompts, params = _prompts_and_params(requests)
+        start = time.perf_counter()
+        # submit() is what generate() does, but finishing requests can be counted on the way.
+        futures = [llm.submit(p, sp) for p, sp in zip(prompts, params)]
+        _report_progress(futures, progress, start)
+        outputs = [f.result() for f in futures]
+        result.elapsed_s = time.perf_counter() - start
+        after = llm.stats()
+    finally:
+        llm.close()
+
+    result.counts = [(r.num_prompt_tokens, min(len(o.token_ids), r.max_tokens))
+                     for r, o in zip(requests, outputs)]
+    result.budgets_met = all(len(o.token_ids) == r.max_tokens and o.finish_reason == "length"
+                             for r, o in zip(requests, outputs))
+    errors = [o.error for o in outputs if o.error]
+    result.extra = {
+        **_stats_delta(before, after),
+        "num_errors": len(errors),
+        "first_error": errors[0] if errors else None,
+        "max_num_seqs": llm.config.max_num_seqs,
+        "max_num_batched_tokens": llm.config.max_num_batched_tokens,
+    }
+    return result
+
+
+def _report_progress(futures, progress: Callable[[str], None], start: float) -> None:
+    marks = {len(futures) * q // 4 for q in (1, 2, 3)}
+    for done, _ in enumerate(as_completed(futures), 1):
+        if done in marks:
+            progress(f"fusegen: {done}/{len(futures)} requests done "
+                     f"({time.perf_counter() - start:.1f}s so far)")
+
+
+def _stats_delta(before: dict, after: dict) -> dict:
+    """The engine's counters for the timed run alone (they accumulate over the warm-up)."""
+    steps = after.get("num_steps", 0) - before.get("num_steps", 0)
+    running = (after.get("mean_running", 0.0) * after.get("num_steps", 0)
+               - before.get("mean_running", 0.0) * before.get("num_steps", 0))
+    return {
+        "num_steps": steps,
+        "mean_running": running / steps if steps else 0.0,
+        "step_seconds": after.get("step_seconds", 0.0) - before.get("step_seconds", 0.0),
+        "num_preemptions": after.get("num_preemptions", 0) - before.get("num_preemptions", 0),
+    }
+
+
+def _prompts_and_params(requests: list[BenchRequest]):
+    from engine import SamplingParams
+
+    prompts = [r.prompt_ids for r in requests]
+    # Greedy and ignore_eos: a random model must produce exactly the budget, every engine.
+    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)
+              for r in requests]
+    return prompts, params

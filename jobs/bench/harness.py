@@ -1,0 +1,143 @@
+"""One benchmark run: workload, model, ceiling, then every engine on the same requests."""
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from jobs.bench import flops
+from jobs.bench.ceiling import measure_ceiling
+from jobs.bench.checkpoint import default_cache_dir, ensure_checkpoint
+from jobs.bench.presets import LengthDist, Preset
+from jobs.bench.report import build_report
+from jobs.bench.results import EngineResult
+from jobs.bench.workload import BenchRequest, make_workload, max_context
+
+Progress = Callable[[str], None]
+
+
+@dataclass(slots=True)
+class BenchConfig:
+    preset: Preset  # already shrunk by --layers / --requests / --hf-batch-size
+    dtype: str | None = None  # the run's dtype; None: the preset's
+    device: str = "auto"  # auto: cuda when present, else cpu
+    seed: int = 0  # the workload's requests
+    cache_dir: Path | None = None  # None: $FUSEGEN_CACHE_DIR or ~/.cache/fusegen
+    hf_static: bool = True
+    hf_continuous: bool = True
+    engine_options: dict = field(default_factory=dict)  # extra LLM(...) knobs for fusegen
+
+    def __post_init__(self):
+        if self.dtype is None:
+            self.dtype = self.preset.model.dtype
+        if self.dtype not in flops.DTYPE_BYTES:
+            raise ValueError(f"--dtype must be one of {', '.join(flops.DTYPE_BYTES)}; got {self.dtype!r}")
+        if self.device == "auto":
+            import torch
+
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.cache_dir is None:
+            self.cache_dir = default_cache_dir()
+        if self.preset.num_requests < 1:
+            raise ValueError(f"--requests must be at least 1; got {self.preset.num_requests}")
+        if self.preset.model.num_layers < 1:
+            raise ValueError(f"--layers must be at least 1; got {self.preset.model.num_layers}")
+        if self.preset.hf_batch_size < 1:
+            raise ValueError(f"--hf-batch-size must be at least 1; got {self.preset.hf_batch_size}")
+
+
+def workload_for(config: BenchConfig) -> tuple[list[BenchRequest], list[BenchRequest]]:
+    """(the timed requests, a few short warm-up requests drawn apart from them)."""
+    preset, vocab = config.preset, config.preset.model.vocab_size
+    requests = make_workload(preset.num_requests, preset.prompt_len, preset.output_len, vocab,
+                             seed=config.seed)
+    warmup = make_workload(2, LengthDist("uniform", 4, 16), LengthDist("uniform", 2, 4), vocab,
+                           seed=config.seed + 1_000_003)
+    limit = preset.model.max_position_embeddings
+    if max_context(requests) > limit:
+        raise ValueError(f"preset {preset.name}: a request needs {max_context(requests)} positions "
+                         f"but the model has max_position_embeddings {limit}; raise it in the preset")
+    return requests, warmup
+
+
+def run_benchmark(config: BenchConfig, progress: Progress = lambda _: None) -> dict:
+    preset, shape = config.preset, config.preset.model
+    requests, warmup = workload_for(config)
+    progress(f"workload: {len(requests)} requests, prompts {preset.prompt_len.describe()}, "
+             f"outputs {preset.output_len.describe()} (seed {config.seed})")
+    model_dir = ensure_checkpoint(preset.name, shape, config.cache_dir, progress)
+
+    progress(f"ceiling: measuring matmul FLOP/s and memory bandwidth on {config.device}")
+    dtypes = tuple(dict.fromkeys(("bfloat16", "float32", config.dtype)))
+    ceiling = measure_ceiling(config.device, dtypes, quick=preset.quick_ceiling)
+
+    from jobs.bench.fusegen_runner import run_fusegen
+
+    progress(f"fusegen: loading the model ({config.dtype} on {config.device})")
+    results = [run_fusegen(model_dir, requests, warmup, dtype=config.dtype, device=config.device,
+                           engine_options=config.engine_options, progress=progress)]
+    _done(results[-1], progress)
+    _free_memory(config.device)  # fusegen's weights and KV pool, before transformers loads
+    results += _run_baselines(config, model_dir, requests, warmup, progress)
+
+    for result in results:
+        if result.skipped is None:
+            result.model_flops = flops.workload_flops(shape, result.counts)
+    return build_report(config, model_dir, requests, ceiling, results)
+
+
+def _run_baselines(config: BenchConfig, model_dir: Path, requests, warmup,
+                   progress: Progress) -> list[EngineResult]:
+    batch_size = config.preset.hf_batch_size
+    static = EngineResult("hf_static", f"hf generate, static bs {batch_size}")
+    continuous = EngineResult("hf_continuous", "hf continuous batching")
+    if not (config.hf_static or config.hf_continuous):
+        static.skipped = continuous.skipped = "skipped (--skip-hf)"
+        return [static, continuous]
+
+    from jobs.bench.hf_continuous import continuous_batching_missing, run_hf_continuous
+    from jobs.bench.hf_static import load_hf_model, run_hf_static
+
+    progress(f"transformers: loading the model ({config.dtype} on {config.device})")
+    start = time.perf_counter()
+    model = load_hf_model(model_dir, config.dtype, config.device)
+    load_s = time.perf_counter() - start  # one load serves both baselines
+    if config.hf_static:
+        progress(f"hf static: generating {len(requests)} requests in batches of {batch_size}")
+        static = run_hf_static(model, requests, warmup, batch_size=batch_size,
+                               device=config.device, progress=progress)
+        _done(static, progress)
+    else:
+        static.skipped = "skipped (--skip-hf-static)"
+    missing = continuous_batching_missing(model)
+    if not config.hf_continuous:
+        continuous.skipped = "skipped (--skip-hf-continuous)"
+    elif missing:
+        continuous.skipped = missing
+        progress(f"hf continuous: {missing}")
+    else:
+        progress(f"hf continuous: generating {len(requests)} requests")
+        continuous = run_hf_continuous(model, requests, warmup, device=config.device,
+                                       progress=progress)
+        _done(continuous, progress)
+    del model
+    _free_memory(config.device)
+    for result in (static, continuous):
+        result.load_s = load_s if result.skipped is None else 0.0
+    return [static, continuous]
+
+
+def _free_memory(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+def _done(result: EngineResult, progress: Progress) -> None:
+    note = "" if result.budgets_met else " -- WARNING: output counts differ from the budgets"
+    progress(f"{result.label}: {result.num_output_tokens} output tokens in "
+             f"{result.elapsed_s:.2f}s{note}")

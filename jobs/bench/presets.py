@@ -1,0 +1,109 @@
+"""Named benchmark shapes: the model, the workload and the baseline's batch size."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """A Llama-family decoder, as engine.synthetic.build_checkpoint takes it."""
+    arch: str  # "llama" (the synthetic builder's name for LlamaForCausalLM)
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # SwiGLU: gate, up [hidden -> intermediate], down [intermediate -> hidden]
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int  # grouped-query attention: num_heads % num_kv_heads == 0
+    head_dim: int
+    max_position_embeddings: int  # must hold the longest prompt + output of the workload
+    tie_word_embeddings: bool = False
+    dtype: str = "bfloat16"  # the checkpoint's stored dtype (the run may load it as another)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class LengthDist:
+    """Integer lengths: uniform in [low, high], or log-normal with a given mean clipped to it."""
+    kind: str  # "uniform" or "lognormal"
+    low: int
+    high: int
+    mean: float = 0.0  # lognormal only: the mean before clipping
+    sigma: float = 0.0  # lognormal only: the spread of log(length); ~1 gives ShareGPT-like tails
+
+    def __post_init__(self):
+        if self.kind not in ("uniform", "lognormal"):
+            raise ValueError(f"length distribution kind must be uniform or lognormal, got {self.kind!r}")
+        if not 1 <= self.low <= self.high:
+            raise ValueError(f"length bounds need 1 <= low <= high, got {self.low}..{self.high}")
+        if self.kind == "lognormal" and (self.mean <= 0 or self.sigma <= 0):
+            raise ValueError("a lognormal length distribution needs mean > 0 and sigma > 0")
+
+    def describe(self) -> str:
+        if self.kind == "uniform":
+            return f"uniform {self.low}..{self.high}"
+        return f"lognormal mean~{self.mean:g} sigma {self.sigma:g}, clipped to {self.low}..{self.high}"
+
+
+@dataclass(frozen=True, slots=True)
+class Preset:
+    name: str
+    model: ModelShape
+    num_requests: int
+    prompt_len: LengthDist
+    output_len: LengthDist
+    hf_batch_size: int = 32
+    quick_ceiling: bool = False  # small, short ceiling measurements (the test preset)
+
+    def shrink(self, *, num_layers: int | None = None, num_requests: int | None = None,
+               hf_batch_size: int | None = None) -> "Preset":
+        """The same preset with fewer layers / requests (a smaller run of the same shape)."""
+        model = self.model if num_layers is None else replace(self.model, num_layers=num_layers)
+        return replace(
+            self, model=model,
+            num_requests=self.num_requests if num_requests is None else num_requests,
+            hf_batch_size=self.hf_batch_size if hf_batch_size is None else hf_batch_size)
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(
+        name="tiny",
+        model=ModelShape(arch="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
+                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                         max_position_embeddings=128, dtype="float32"),
+        num_requests=12,
+        prompt_len=LengthDist("uniform", 2, 24),
+        output_len=LengthDist("uniform", 1, 12),
+        hf_batch_size=4,
+        quick_ceiling=True,
+    ),
+    "cpu-small": Preset(
+        name="cpu-small",
+        model=ModelShape(arch="llama", vocab_size=32000, hidden_size=512, intermediate_size=1536,
+                         num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64,
+                         max_position_embeddings=1024, dtype="bfloat16"),
+        num_requests=256,
+        prompt_len=LengthDist("uniform", 16, 512),
+        output_len=LengthDist("uniform", 16, 256),
+        hf_batch_size=32,
+    ),
+    # Llama-3-8B's shape. Lengths after ShareGPT as the field benchmarks it: prompt mean
+    # ~200 and output mean ~180 with long tails, capped at 1024 each (as vLLM's script does).
+    "gpu-8b": Preset(
+        name="gpu-8b",
+        model=ModelShape(arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                         num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+                         max_position_embeddings=4096, dtype="bfloat16"),
+        num_requests=1000,
+        prompt_len=LengthDist("lognormal", 4, 1024, mean=200.0, sigma=1.0),
+        output_len=LengthDist("lognormal", 4, 1024, mean=180.0, sigma=0.9),
+        hf_batch_size=64,
+    ),
+}
+
+
+def get_preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise KeyError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return PRESETS[name]

@@ -1,0 +1,127 @@
+"""The benchmark's figures: one JSON-ready dict, and the table printed from it."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from jobs.bench import flops
+from jobs.bench.ceiling import Ceiling
+from jobs.bench.machine import describe_machine, now_iso, versions
+from jobs.bench.results import EngineResult
+from jobs.bench.workload import BenchRequest, describe_workload
+
+_RATES = ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "flops_per_s")
+
+
+def build_report(config, model_dir: Path, requests: list[BenchRequest], ceiling: Ceiling,
+                 results: list[EngineResult]) -> dict:
+    preset, shape, dtype = config.preset, config.preset.model, config.dtype
+    peak = ceiling.matmul_flops[dtype]
+    engines = {}
+    for r in results:
+        engines[r.name] = r.to_dict()
+        if r.skipped is None:
+            engines[r.name]["mfu"] = r.flops_per_s / peak
+    fusegen = next(r for r in results if r.name == "fusegen")
+    return {
+        "preset": preset.name,
+        "date": now_iso(),
+        "machine": describe_machine(config.device),
+        "versions": versions(),
+        "config": {"dtype": dtype, "device": config.device, "seed": config.seed,
+                   "num_requests": preset.num_requests, "hf_batch_size": preset.hf_batch_size,
+                   "engine_options": dict(config.engine_options)},
+        "model": {**shape.to_dict(), "num_params": flops.num_params(shape),
+                  "checkpoint": str(model_dir)},
+        "workload": {**describe_workload(requests), "prompt_dist": preset.prompt_len.describe(),
+                     "output_dist": preset.output_len.describe()},
+        "ceiling": ceiling.to_dict(),
+        "results": engines,
+        "ratios": {r.name: _ratios(fusegen, r) for r in results
+                   if r is not fusegen and r.skipped is None and fusegen.skipped is None},
+        "utilisation": _utilisation(fusegen, shape, dtype, ceiling),
+    }
+
+
+def _ratios(fusegen: EngineResult, baseline: EngineResult) -> dict:
+    """fusegen / baseline for each rate (> 1: fusegen is faster)."""
+    out = {}
+    for name in _RATES:
+        base = getattr(baseline, name)
+        out[name] = getattr(fusegen, name) / base if base > 0 else None
+    return out
+
+
+def _utilisation(fusegen: EngineResult, shape, dtype: str, ceiling: Ceiling) -> dict:
+    if fusegen.skipped is not None or fusegen.elapsed_s <= 0:
+        return {}
+    peak = ceiling.matmul_flops[dtype]
+    steps = fusegen.extra.get("num_steps", 0)
+    memory_s = flops.memory_bound_seconds(shape, dtype, fusegen.counts, steps,
+                                          ceiling.memory_bandwidth)
+    compute_s = fusegen.model_flops / peak
+    return {
+        "dtype": dtype,
+        "matmul_ceiling_flops": peak,
+        "mfu": fusegen.flops_per_s / peak,  # model FLOP/s over the run dtype's matmul ceiling
+        "compute_bound_s": compute_s,  # the run at the matmul ceiling
+        "memory_bound_s": memory_s,  # weights once per step + KV reads, at the bandwidth
+        "memory_roofline_fraction": memory_s / fusegen.elapsed_s,
+        "roofline_fraction": max(compute_s, memory_s) / fusegen.elapsed_s,
+        "weight_bytes": flops.weight_bytes(shape, dtype),
+        "num_steps": steps,
+    }
+
+
+# --- the table ------------------------------------------------------------------------
+
+def _num(value: float, digits: int = 1) -> str:
+    return f"{value:,.{digits}f}"
+
+
+def _flops(value: float) -> str:
+    return f"{value / 1e12:.2f} TFLOP/s" if value >= 1e12 else f"{value / 1e9:.2f} GFLOP/s"
+
+
+def format_report(report: dict) -> str:
+    cfg, model, work, ceil = report["config"], report["model"], report["workload"], report["ceiling"]
+    machine = report["machine"]
+    where = machine.get("gpu") or f"{machine['cpu']}, {ceil['num_threads']} torch threads"
+    lines = [
+        f"fusegen bench: preset {report['preset']}, {work['num_requests']} requests, "
+        f"{cfg['dtype']} on {cfg['device']} ({where}), {report['date']}",
+        f"  model: {model['num_layers']} layers, hidden {model['hidden_size']}, vocab "
+        f"{model['vocab_size']}, {model['num_params'] / 1e6:.1f}M parameters",
+        f"  prompts: {work['num_prompt_tokens']:,} tokens ({work['prompt_dist']}, mean "
+        f"{work['prompt_len']['mean']}); outputs: {work['num_output_tokens']:,} tokens "
+        f"({work['output_dist']}, mean {work['output_len']['mean']})",
+        "",
+        f"{'engine':<28}{'time s':>9}{'req/s':>9}{'out tok/s':>11}{'total tok/s':>13}"
+        f"{'model FLOP/s':>16}{'MFU':>8}{'fusegen x':>11}",
+    ]
+    for name, r in report["results"].items():
+        if "skipped" in r:
+            lines.append(f"{r['label']:<28}  {r['skipped']}")
+            continue
+        ratio = report["ratios"].get(name, {}).get("output_tokens_per_s")
+        mark = "" if r["budgets_met"] else "  (counts differ from budgets!)"
+        lines.append(
+            f"{r['label']:<28}{r['elapsed_s']:>9.2f}{_num(r['requests_per_s'], 2):>9}"
+            f"{_num(r['output_tokens_per_s']):>11}{_num(r['total_tokens_per_s']):>13}"
+            f"{_flops(r['flops_per_s']):>16}{r['mfu']:>8.1%}"
+            f"{(f'{ratio:.2f}x' if ratio else '-'):>11}{mark}")
+    lines += ["", _ceiling_line(ceil)]
+    util = report["utilisation"]
+    if util:
+        lines.append(
+            f"fusegen model-FLOP utilisation: {util['mfu']:.1%} of the measured {util['dtype']} "
+            f"matmul ceiling; memory roofline {util['memory_roofline_fraction']:.1%} "
+            f"({util['num_steps']} steps x {util['weight_bytes'] / 1e6:,.1f} MB of weights + KV "
+            f"reads over the measured bandwidth)")
+    return "\n".join(lines)
+
+
+def _ceiling_line(ceil: dict) -> str:
+    matmul = ", ".join(f"{dtype} {_flops(value)} (n={ceil['matmul_size'][dtype]})"
+                       for dtype, value in ceil["matmul_flops"].items())
+    return (f"ceiling, measured in this run: matmul {matmul}; memory bandwidth "
+            f"{ceil['memory_bandwidth'] / 1e9:.1f} GB/s (copy, read + write)")

@@ -1,0 +1,82 @@
+"""`fusegen bench`: throughput beside transformers and the machine's own ceiling."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from jobs.bench.presets import PRESETS
+
+
+@click.command()
+@click.option("--preset", "preset_name", type=click.Choice(sorted(PRESETS)), default="cpu-small",
+              show_default=True, help="Model shape and workload.")
+@click.option("--requests", "num_requests", type=click.IntRange(min=1),
+              help="Number of requests (default: the preset's).")
+@click.option("--layers", type=click.IntRange(min=1),
+              help="Decoder layers (default: the preset's); fewer for a quicker run of the same shape.")
+@click.option("--hf-batch-size", type=click.IntRange(min=1),
+              help="Batch size of the transformers static baseline (default: the preset's).")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]),
+              help="Run dtype for every engine (default: the preset's).")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N].")
+@click.option("--seed", default=0, show_default=True, help="Seed of the drawn requests.")
+@click.option("--skip-hf", is_flag=True, help="Run fusegen only: no transformers baselines.")
+@click.option("--skip-hf-static", is_flag=True, help="No transformers static-batch baseline.")
+@click.option("--skip-hf-continuous", is_flag=True,
+              help="No transformers continuous-batching baseline.")
+@click.option("--max-num-seqs", type=click.IntRange(min=1), help="fusegen: running requests at most.")
+@click.option("--max-num-batched-tokens", type=click.IntRange(min=1),
+              help="fusegen: tokens per engine step at most.")
+@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Where benchmark checkpoints are kept (default: $FUSEGEN_CACHE_DIR or "
+                   "~/.cache/fusegen).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Also write every figure, the machine and the versions to this JSON file.")
+def bench(preset_name, num_requests, layers, hf_batch_size, dtype, device, seed, skip_hf,
+          skip_hf_static, skip_hf_continuous, max_num_seqs, max_num_batched_tokens, cache_dir,
+          json_path):
+    """Benchmark fusegen against transformers on a seeded synthetic workload.
+
+    Builds (once, cached) a random model of the preset's shape and draws requests with
+    random prompt ids and output budgets, then runs the same requests through fusegen,
+    transformers `generate` in static batches and transformers' continuous batching,
+    and prints throughput, model FLOP/s and the ratios, beside the matmul FLOP/s and
+    memory bandwidth measured in the same run.
+    """
+    from jobs.bench.harness import BenchConfig, run_benchmark
+    from jobs.bench.report import format_report
+
+    preset = PRESETS[preset_name].shrink(num_layers=layers, num_requests=num_requests,
+                                         hf_batch_size=hf_batch_size)
+    options = {k: v for k, v in (("max_num_seqs", max_num_seqs),
+                                 ("max_num_batched_tokens", max_num_batched_tokens)) if v}
+    try:
+        config = BenchConfig(preset, dtype=dtype, device=device, seed=seed, cache_dir=cache_dir,
+                             hf_static=not (skip_hf or skip_hf_static),
+                             hf_continuous=not (skip_hf or skip_hf_continuous),
+                             engine_options=options)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    report = run_benchmark(config, _progress_printer())
+    click.echo(format_report(report))
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(report, indent=2) + "\n")
+        click.echo(f"wrote {json_path}")
+    if not all(r.get("budgets_met", True) for r in report["results"].values()):
+        click.echo("error: an engine's output token counts differ from the budgets asked; "
+                   "its figures are not comparable", err=True)
+        sys.exit(1)
+
+
+def _progress_printer():
+    start = time.perf_counter()
+
+    def progress(message: str) -> None:
+        click.echo(f"[bench {time.perf_counter() - start:7.1f}s] {message}", err=True)
+
+    return progress

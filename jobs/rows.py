@@ -1,0 +1,149 @@
+"""Rows -> engine requests: the prompt, the row's sampling parameters, or a coded error.
+
+Plain Python over plain values: no engine, no Dask. `chat` is the one engine-dependent
+step (the tokenizer's chat template), passed in as a function.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+import pyarrow as pa
+
+from engine.sampling_params import SamplingParams
+from jobs import errors
+from jobs.errors import JobError
+from jobs.spec import MESSAGES_COLUMN, OUTPUT_COLUMNS, ROW_PARAM_COLUMNS, JobSpec
+from jobs.template import PromptTemplate
+
+ChatFn = Callable[[list], "str | list[int]"]  # messages -> prompt for the engine
+_INT_PARAMS = ("max_tokens", "top_k", "seed")
+
+
+@dataclass(slots=True)
+class RowRequest:
+    prompt: str | list[int] | None = None
+    params: SamplingParams | None = None
+    error: str | None = None  # "code: message"; the row is not submitted
+
+
+class RowPreparer:
+    """Builds the requests of one partition's rows for one job."""
+
+    def __init__(self, spec: JobSpec, chat: ChatFn | None = None):
+        self.spec = spec
+        self.template = PromptTemplate(spec.prompt_template) if spec.prompt_template else None
+        self.chat = chat
+        self.base = spec.sampling_params()
+
+    def input_columns(self, columns) -> list[str]:
+        """The columns the rows need; raises JobError naming a missing one."""
+        names = set(columns)
+        clash = sorted(names & set(OUTPUT_COLUMNS))
+        if clash:
+            raise JobError(f"input already has output column(s) {', '.join(clash)}; rename "
+                           "or drop them (e.g. when feeding a job's output to another job)")
+        if self.template is not None:
+            needed = {c: "--prompt-template" for c in self.template.columns}
+        elif self.spec.chat and MESSAGES_COLUMN in names:
+            needed = {MESSAGES_COLUMN: "--chat"}
+        else:
+            needed = {self.spec.prompt_column: "--prompt-column"}
+        if self.spec.id_column:
+            needed[self.spec.id_column] = "--id-column"
+        missing = [f"{c!r} (from {how})" for c, how in needed.items() if c not in names]
+        if missing:
+            raise JobError(f"column {', '.join(missing)} not in the input; its columns are "
+                           f"{', '.join(columns)}")
+        return sorted(set(needed) | (names & set(ROW_PARAM_COLUMNS)))
+
+    def prepare(self, table: pa.Table, first_row: int) -> list[RowRequest]:
+        columns = self.input_columns(table.column_names)
+        rows = table.select(columns).to_pylist()
+        return [self.prepare_row(row, first_row + i) for i, row in enumerate(rows)]
+
+    def prepare_row(self, row: dict, index: int) -> RowRequest:
+        where = self._where(row, index)
+        prompt, error = self._prompt(row)
+        if error is None:
+            params, error = self._params(row, index)
+        if error is not None:
+            return RowRequest(error=f"{error[0]}: {where}: {error[1]}")
+        return RowRequest(prompt=prompt, params=params)
+
+    def _where(self, row: dict, index: int) -> str:
+        if self.spec.id_column:
+            return f"row {index} ({self.spec.id_column}={row.get(self.spec.id_column)!r})"
+        return f"row {index}"
+
+    def _prompt(self, row: dict):
+        """(prompt, None) or (None, (code, message))."""
+        if self.template is not None:
+            try:
+                text = self.template.render(row)
+            except Exception as exc:  # noqa: BLE001 - any failure is this row's error
+                return None, (errors.TEMPLATE_ERROR, f"prompt_template: {type(exc).__name__}: {exc}")
+            if not text:
+                return None, (errors.EMPTY_PROMPT, "prompt_template rendered an empty prompt")
+        elif self.spec.chat and MESSAGES_COLUMN in row:
+            return self._chat(row[MESSAGES_COLUMN])
+        else:
+            text = row[self.spec.prompt_column]
+            col = self.spec.prompt_column
+            if text is None:
+                return None, (errors.NULL_PROMPT, f"column {col!r} is null")
+            if not isinstance(text, str):
+                return None, (errors.INVALID_PROMPT,
+                              f"column {col!r} holds {type(text).__name__}, not a string")
+            if not text:
+                return None, (errors.EMPTY_PROMPT, f"column {col!r} is empty")
+        if self.spec.chat:
+            return self._chat([{"role": "user", "content": text}])
+        return text, None
+
+    def _chat(self, messages):
+        if messages is None:
+            return None, (errors.NULL_PROMPT, f"column {MESSAGES_COLUMN!r} is null")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str) for m in messages):
+            return None, (errors.INVALID_PROMPT, f"column {MESSAGES_COLUMN!r} must be a "
+                          "non-empty list of {role: string, content: string} structs")
+        try:
+            return self.chat(messages), None
+        except Exception as exc:  # noqa: BLE001
+            return None, (errors.TEMPLATE_ERROR, f"chat template: {type(exc).__name__}: {exc}")
+
+    def _params(self, row: dict, index: int):
+        """(SamplingParams, None) or (None, (code, message)), the row's overrides applied."""
+        seed = None if self.base.seed is None else row_seed(self.base.seed, index)
+        changes = {"seed": seed}
+        for name in ROW_PARAM_COLUMNS:
+            value = row.get(name)
+            if value is not None:
+                changes[name] = _coerce(name, value)
+        params = dataclasses.replace(self.base, **changes)
+        problem = params.validate()
+        if problem:
+            return None, (errors.INVALID_PARAMS, f"{problem} (per-row column override)")
+        return params, None
+
+
+def _coerce(name: str, value):
+    """Undo storage widening (a nullable int column read as float) without hiding bad values."""
+    if name in _INT_PARAMS and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if name == "temperature" and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if name == "stop" and isinstance(value, str):
+        return [value]
+    return value
+
+
+def row_seed(base: int, index: int) -> int:
+    """A well-mixed 63-bit seed per row (splitmix64), stable across partitioning and resume."""
+    z = (base * 0x9E3779B97F4A7C15 + index + 1) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) >> 1

@@ -1,0 +1,164 @@
+"""The job spec: one validated dataclass that the CLI flags and the job file both build."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+from jobs.errors import JobError
+from jobs.redact import Redactor, public_options, redact_url
+
+PROGRESS_MODES = ("auto", "bar", "log", "none")
+# Row columns that override the job's sampling value for that row.
+ROW_PARAM_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+OUTPUT_COLUMNS = ("generated_text", "finish_reason", "num_prompt_tokens",
+                  "num_generated_tokens", "error", "generated_token_ids")
+MESSAGES_COLUMN = "messages"
+
+
+@dataclass(slots=True)
+class JobSpec:
+    model: str  # local Hugging Face checkpoint directory
+    input: str  # Parquet file, directory or glob at any fsspec URL
+    output: str  # directory URL for the output parts and _manifest.json
+    # prompts
+    prompt_column: str = "prompt"
+    id_column: str | None = None  # names rows in error messages; must exist when set
+    prompt_template: str | None = None  # Jinja over the row's columns; replaces prompt_column
+    chat: bool = False  # chat template over `messages`, or the prompt as one user turn
+    # sampling defaults; a row column of the same name overrides them for that row
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = 0  # base seed: row i samples with a seed derived from (seed, i)
+    stop: list[str] = field(default_factory=list)
+    output_token_ids: bool = False  # add a generated_token_ids list column
+    # engine
+    dtype: str = "auto"
+    device: str = "auto"
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes
+    max_model_len: int | None = None
+    allow_pickle: bool = False
+    # execution
+    scheduler: str | None = None  # address of an existing Dask scheduler
+    workers: int = 1  # local cluster only: >1 starts that many worker processes
+    partitions_per_worker: int = 4  # partitions in flight per worker, all feeding one engine
+    partition_rows: int = 1000
+    overwrite: bool = False
+    storage_options: dict = field(default_factory=dict, repr=False)  # fsspec; may hold secrets
+    progress: str = "auto"  # auto: a bar on a terminal, log lines otherwise
+
+    def __post_init__(self):
+        for name in ("model", "input", "output"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise JobError(f"{name} is required: pass --{name} or set `{name}:` in the job file")
+        if "://" not in self.model:  # one spelling per model, so resume sees the same job
+            self.model = os.path.abspath(os.path.expanduser(self.model))
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        _check_int(self, "partition_rows", 1)
+        _check_int(self, "workers", 1)
+        _check_int(self, "partitions_per_worker", 1)
+        _check_int(self, "block_size", 1)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory"):
+            if getattr(self, name) is not None:
+                _check_int(self, name, 1)
+        if self.progress not in PROGRESS_MODES:
+            raise JobError(f"progress must be one of {', '.join(PROGRESS_MODES)}, "
+                           f"got {self.progress!r}")
+        if not isinstance(self.storage_options, dict):
+            raise JobError("storage_options must be a mapping of fsspec options")
+        if self.prompt_column in OUTPUT_COLUMNS or self.prompt_column == "":
+            raise JobError(f"prompt_column {self.prompt_column!r} is an output column name; "
+                           "rename the input column")
+        problem = self.sampling_params().validate()
+        if problem:
+            raise JobError(f"job sampling default: {problem}")
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature,
+                              top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+                              stop=list(self.stop))
+
+    def engine_kwargs(self) -> dict:
+        return dict(dtype=self.dtype, device=self.device, max_num_seqs=self.max_num_seqs,
+                    max_num_batched_tokens=self.max_num_batched_tokens,
+                    block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
+                    max_model_len=self.max_model_len, allow_pickle=self.allow_pickle)
+
+    def output_config(self) -> dict:
+        """The fields an output depends on: a rerun with a different value is a new job."""
+        return {name: getattr(self, name) for name in _OUTPUT_FIELDS}
+
+    def fingerprint(self, inputs: list) -> str:
+        """Hash of the output config and the planned inputs (paths and row counts)."""
+        blob = json.dumps([self.output_config(), inputs], sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def public_dict(self) -> dict:
+        """The spec with credentials masked: for the manifest and logs."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for name in ("input", "output", "scheduler", "model"):
+            if d[name]:
+                d[name] = redact_url(d[name])
+        d["storage_options"] = public_options(self.storage_options)
+        return d
+
+    def redactor(self) -> Redactor:
+        return Redactor(self.storage_options, urls=(self.input, self.output, self.scheduler))
+
+    def __repr__(self):
+        return f"JobSpec({self.public_dict()!r})"
+
+
+_OUTPUT_FIELDS = ("model", "prompt_column", "id_column", "prompt_template", "chat",
+                  "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+                  "output_token_ids", "dtype", "max_model_len", "partition_rows")
+FIELD_NAMES = tuple(f.name for f in dataclasses.fields(JobSpec))
+
+
+def _check_int(spec: JobSpec, name: str, minimum: int):
+    value = getattr(spec, name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise JobError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def load_job_file(path: str) -> dict:
+    """The mapping in a YAML job file, keys normalised (`max-tokens` -> `max_tokens`)."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.safe_load(f) or {}
+    except OSError as exc:
+        raise JobError(f"cannot read job file {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise JobError(f"job file {path} is not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise JobError(f"job file {path} must be a mapping of option: value")
+    data = {str(k).replace("-", "_"): v for k, v in raw.items()}
+    unknown = sorted(set(data) - set(FIELD_NAMES))
+    if unknown:
+        raise JobError(f"job file {path}: unknown key(s) {', '.join(unknown)}; "
+                       f"valid keys: {', '.join(FIELD_NAMES)}")
+    return data
+
+
+def build_spec(file_values: dict | None = None, overrides: dict | None = None) -> JobSpec:
+    """The spec from a job file's values with command-line overrides (None = not given)."""
+    values = dict(file_values or {})
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    for name in ("model", "input", "output"):
+        values.setdefault(name, "")
+    try:
+        return JobSpec(**values)
+    except TypeError as exc:  # a key that is not a field
+        raise JobError(str(exc)) from None

@@ -1,0 +1,117 @@
+"""Parquet over fsspec: listing inputs, reading one partition lazily, checking the output.
+
+Every function takes the job's storage options; none keeps data beyond one partition.
+"""
+from __future__ import annotations
+
+import glob as _glob
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from jobs.errors import JobError
+from jobs.plan import InputFile, Partition
+
+# Streaming reads: without these pyarrow loads a whole row group (pre_buffer) or a whole
+# column chunk (buffer_size=0) even when only one batch of it is wanted.
+_READ_OPTIONS = dict(buffer_size=1 << 20, pre_buffer=False)
+_BATCH_ROWS = 1024
+
+
+def filesystem(url: str, storage_options: dict):
+    """(fs, path) for a URL; fails with a message naming what to install or fix."""
+    try:
+        return fsspec.core.url_to_fs(url, **storage_options)
+    except ImportError as exc:
+        raise JobError(f"cannot open {url.split('://')[0]}:// URLs: {exc} "
+                       "(for s3:// run `pip install fusegen[s3]`)") from None
+    except (ValueError, TypeError) as exc:
+        raise JobError(f"cannot open {url}: {exc}") from None
+
+
+def list_input_files(url: str, storage_options: dict) -> tuple[object, list[InputFile]]:
+    """The Parquet files of a file, directory or glob URL, sorted, with row-group sizes."""
+    fs, path = filesystem(url, storage_options)
+    try:
+        if _glob.has_magic(path):
+            paths = [p for p in fs.glob(path) if fs.isfile(p)]
+        elif fs.isdir(path):
+            paths = [p for p in fs.find(path) if p.endswith((".parquet", ".parq"))
+                     and not any(s.startswith(("_", ".")) for s in p[len(path):].split("/"))]
+        elif fs.isfile(path):
+            paths = [path]
+        else:
+            raise JobError(f"input {url} does not exist; pass a Parquet file, a directory "
+                           "of Parquet files, or a glob")
+        if not paths:
+            raise JobError(f"input {url} holds no Parquet files (*.parquet)")
+        return fs, [_inspect(fs, p) for p in sorted(paths)]
+    except JobError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any backend error: the input is unreadable
+        raise JobError(f"cannot read input {url}: {type(exc).__name__}: {exc}") from None
+
+
+def _inspect(fs, path: str) -> InputFile:
+    """Row-group sizes and column names, from the footer alone."""
+    with fs.open(path, "rb") as f:
+        pf = pq.ParquetFile(f)
+        groups = tuple(pf.metadata.row_group(i).num_rows for i in range(pf.metadata.num_row_groups))
+        return InputFile(path, groups, tuple(pf.schema_arrow.names))
+
+
+def read_partition(fs, part: Partition, columns=None) -> pa.Table:
+    """Rows [start, stop) of the partition's file, streaming only the row groups they span."""
+    with fs.open(part.path, "rb") as f:
+        pf = pq.ParquetFile(f, **_READ_OPTIONS)
+        md = pf.metadata
+        groups, skip, first = [], 0, 0
+        for i in range(md.num_row_groups):
+            rows = md.row_group(i).num_rows
+            if first + rows > part.start and first < part.stop:
+                if not groups:
+                    skip = part.start - first
+                groups.append(i)
+            first += rows
+        batches, need = [], part.num_rows
+        for batch in pf.iter_batches(_BATCH_ROWS, row_groups=groups, columns=columns):
+            if skip >= batch.num_rows:  # before the range: decoded, then dropped
+                skip -= batch.num_rows
+                continue
+            batch = batch.slice(skip, need)
+            skip, need = 0, need - batch.num_rows
+            batches.append(batch)
+            if need == 0:
+                break
+        return pa.Table.from_batches(batches, schema=pf.schema_arrow)
+
+
+def list_names(fs, path: str) -> set[str]:
+    """Base names directly under a directory; empty when it does not exist (object stores
+    have no empty directories). Fresh: other processes (workers) write here."""
+    fs.invalidate_cache(path)
+    try:
+        return {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)}
+    except FileNotFoundError:
+        return set()
+
+
+def remove_tree(fs, path: str) -> None:
+    try:
+        fs.rm(path, recursive=True)
+    except FileNotFoundError:
+        pass
+
+
+def check_writable(fs, path: str, url: str):
+    """Create the output directory and prove a file can be written there."""
+    probe = f"{path.rstrip('/')}/_write_probe"
+    try:
+        fs.makedirs(path, exist_ok=True)
+        with fs.open(probe, "wb") as f:
+            f.write(b"ok")
+        fs.rm(probe)
+    except Exception as exc:  # noqa: BLE001 - any backend error means "not writable"
+        raise JobError(f"output {url} is not writable ({type(exc).__name__}: {exc}); "
+                       "pass an --output you can write to") from None

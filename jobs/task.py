@@ -1,0 +1,74 @@
+"""The Dask tasks: what runs on a worker. Each returns small plain data (never rows), so
+the driver holds counts only, whatever the dataset size."""
+from __future__ import annotations
+
+import time
+
+from jobs.engines import get_engine, loaded_engine
+from jobs.errors import JobError
+from jobs.parts import PartStats, output_table, part_stats, write_part
+from jobs.plan import Partition
+from jobs.rows import RowPreparer
+from jobs.spec import JobSpec
+from jobs.storage import filesystem, read_partition
+
+
+def load_engine(spec: JobSpec) -> dict:
+    """Load (or find) this worker's engine before any partition runs; fail early if the
+    model cannot load or the job needs a chat template the tokenizer lacks."""
+    llm = _guard(spec, "loading the model", lambda: get_engine(spec.model, spec.engine_kwargs()))
+    if spec.chat:
+        if not getattr(llm.tokenizer, "chat_template", None):
+            raise JobError(f"--chat needs a chat template, but {spec.model} has none in "
+                           "tokenizer_config.json; drop --chat or use --prompt-template")
+        # A template that cannot render a plain user turn would fail every row: fail once.
+        _guard(spec, "the model's chat template",
+               lambda: _chat_ids(llm, [{"role": "user", "content": "hello"}]))
+    return {"max_model_len": llm.max_model_len}
+
+
+def engine_stats(spec: JobSpec) -> dict | None:
+    """The worker engine's counters since it loaded (steps, mean running batch...)."""
+    llm = loaded_engine(spec.model, spec.engine_kwargs())
+    return None if llm is None else llm.stats()
+
+
+def run_partition(spec: JobSpec, part: Partition, fingerprint: str) -> PartStats:
+    """Read one partition, generate every row through the worker's engine, commit its part."""
+    return _guard(spec, f"{part.name} ({part.path} rows {part.start}-{part.stop})",
+                  lambda: _run_partition(spec, part, fingerprint))
+
+
+def _run_partition(spec: JobSpec, part: Partition, fingerprint: str) -> PartStats:
+    start = time.perf_counter()
+    llm = get_engine(spec.model, spec.engine_kwargs())
+    in_fs, _ = filesystem(spec.input, spec.storage_options)
+    table = read_partition(in_fs, part)
+    preparer = RowPreparer(spec, chat=lambda messages: _chat_ids(llm, messages))
+    requests = preparer.prepare(table, part.first_row)
+    valid = [r for r in requests if r.error is None]
+    results = iter([f.result() for f in llm.submit_many([(r.prompt, r.params) for r in valid])])
+    outputs = [None if r.error else next(results) for r in requests]
+    table = output_table(table, requests, outputs, spec.output_token_ids)
+    stats = part_stats(table, part.name, fingerprint, time.perf_counter() - start)
+    out_fs, out_dir = filesystem(spec.output, spec.storage_options)
+    write_part(out_fs, out_dir.rstrip("/"), table, stats)
+    return stats
+
+
+def _chat_ids(llm, messages) -> list[int]:
+    # The template's text already carries the special tokens (BOS...): encode it without
+    # adding them again.
+    text = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return llm.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _guard(spec: JobSpec, what: str, fn):
+    """Run fn; turn any failure into a JobError with credentials redacted, so neither the
+    driver nor Dask's worker logs ever see a secret."""
+    try:
+        return fn()
+    except JobError as exc:
+        raise JobError(spec.redactor()(f"{what}: {exc}")) from None
+    except Exception as exc:  # noqa: BLE001
+        raise JobError(spec.redactor()(f"{what}: {type(exc).__name__}: {exc}")) from None

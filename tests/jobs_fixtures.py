@@ -1,0 +1,163 @@
+"""Helpers for the tests of jobs/: a fake engine (fast, deterministic, thread-safe, with the
+LLM.submit contract), dataset writers, and the tiny real checkpoint shared by the tests
+that need the engine."""
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+import zlib
+from concurrent.futures import Future
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from engine.outputs import RequestOutput
+
+
+class FakeTokenizer:
+    chat_template = "{{ messages }}"
+
+    def encode(self, text, add_special_tokens=True):
+        return ([1] if add_special_tokens else []) + [ord(c) % 1000 for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+class FakeLLM:
+    """Iteration-level batching like the engine: every step, waiting requests join the
+    running batch (up to max_num_seqs) and each running request gains one token."""
+
+    instances: list = []
+
+    def __init__(self, model, max_num_seqs=None, max_model_len=None, step_seconds=0.0005,
+                 **_):
+        if not os.path.isdir(model):
+            raise ValueError(f"{model}/config.json: not found")
+        self.tokenizer = FakeTokenizer()
+        self.max_num_seqs = max_num_seqs or 8
+        self.max_model_len = max_model_len or 64
+        self.step_seconds = step_seconds
+        self._waiting, self._running = [], []
+        self._cv = threading.Condition()
+        self._steps = self._running_sum = self._generated = self._next_id = 0
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+        FakeLLM.instances.append(self)
+
+    def submit(self, prompt, params) -> Future:
+        fut = Future()
+        with self._cv:
+            self._next_id += 1
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            out = RequestOutput(self._next_id, "", [], "length", len(ids))
+            if len(ids) > self.max_model_len:
+                out.finish_reason = "error"
+                out.error = f"prompt_too_long: {len(ids)} tokens > max_model_len {self.max_model_len}"
+                fut.set_result(out)
+                return fut
+            seed = zlib.crc32(repr((ids, params.seed)).encode())
+            self._waiting.append([out, params.max_tokens, seed, fut])
+            self._cv.notify()
+        return fut
+
+    def submit_many(self, requests):
+        return [self.submit(p, s) for p, s in requests]
+
+    def generate(self, prompts, params):
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        return [f.result() for f in [self.submit(p, s) for p, s in zip(prompts, plist)]]
+
+    def _loop(self):
+        while True:
+            with self._cv:
+                while not self._closed and not (self._waiting or self._running):
+                    self._cv.wait()
+                if self._closed:
+                    return
+                free = self.max_num_seqs - len(self._running)
+                self._running += self._waiting[:free]
+                del self._waiting[:free]
+                running = list(self._running)
+                self._steps += 1
+                self._running_sum += len(running)
+            time.sleep(self.step_seconds)
+            for req in running:
+                out, max_tokens, seed, fut = req
+                token = 97 + (seed + len(out.token_ids)) % 26
+                out.token_ids.append(token)
+                out.text += chr(token)
+                self._generated += 1
+                if len(out.token_ids) >= max_tokens:
+                    with self._cv:
+                        self._running.remove(req)
+                    fut.set_result(out)
+
+    def stats(self):
+        with self._cv:
+            return {"num_steps": self._steps, "max_num_seqs": self.max_num_seqs,
+                    "mean_running": self._running_sum / max(self._steps, 1),
+                    "num_generated_tokens": self._generated}
+
+    def close(self):
+        with self._cv:
+            self._closed = True
+            pending = self._waiting + self._running
+            self._waiting, self._running = [], []
+            self._cv.notify()
+        for req in pending:
+            req[3].cancel() or req[3].set_exception(RuntimeError("engine closed"))
+
+
+@pytest.fixture
+def fake_engine(monkeypatch, tmp_path):
+    """Route jobs' engine loading to FakeLLM; yields a model directory that 'loads'."""
+    import jobs.engines
+
+    model = tmp_path / "fake-model"
+    model.mkdir()
+    FakeLLM.instances = []
+    monkeypatch.setattr(jobs.engines, "_load", lambda m, kw: FakeLLM(m, **kw))
+    yield str(model)
+    jobs.engines.close_engines()
+
+
+def write_prompts(path, n: int, start: int = 0, row_group_size: int | None = None, **extra):
+    """A Parquet file of n rows: id, prompt ("prompt <id>") and any extra columns."""
+    table = pa.table({"id": list(range(start, start + n)),
+                      "prompt": [f"prompt {i}" for i in range(start, start + n)], **extra})
+    pq.write_table(table, path, row_group_size=row_group_size)
+    return table
+
+
+def read_output(fs_or_path, path=None) -> pa.Table:
+    """All committed parts of an output directory, in part order."""
+    if path is None:
+        files = sorted(p for p in os.listdir(fs_or_path) if p.startswith("part-"))
+        return pa.concat_tables([pq.read_table(os.path.join(fs_or_path, f)) for f in files],
+                                promote_options="default")
+    fs = fs_or_path
+    files = sorted(p for p in fs.ls(path, detail=False) if p.rsplit("/", 1)[-1].startswith("part-"))
+    return pa.concat_tables([pq.read_table(fs.open(f, "rb")) for f in files],
+                            promote_options="default")
+
+
+_TINY_MODEL = {}
+
+
+def tiny_model_dir() -> str:
+    """The demo-sized random checkpoint with a real tokenizer, built once per process."""
+    if "dir" not in _TINY_MODEL:
+        from engine.synthetic import build_checkpoint
+
+        root = tempfile.mkdtemp(prefix="fusegen-jobs-model-")
+        _TINY_MODEL["dir"] = str(build_checkpoint(os.path.join(root, "model"), seed=0))
+    return _TINY_MODEL["dir"]

@@ -1,0 +1,83 @@
+"""`fusegen run` through click: help, job file + overrides, errors, progress output."""
+import dataclasses
+import io
+import logging
+
+import pyarrow.parquet as pq
+from click.testing import CliRunner
+
+from jobs.cli import main
+from jobs.progress import JobResult, Progress
+from jobs.spec import JobSpec
+from jobs_fixtures import fake_engine, write_prompts  # noqa: F401
+
+
+def test_help_documents_every_option_with_its_default():
+    text = CliRunner().invoke(main, ["run", "--help"], terminal_width=200).output
+    for f in dataclasses.fields(JobSpec):
+        flag = "--" + f.name.replace("_", "-")
+        assert (flag if f.name != "storage_options" else "--storage-option") in text, flag
+    assert "Rows per partition (and per output part) at most.  [default: 1000]" in text
+    assert "Column holding the prompt text.  [default: prompt]" in text
+    assert text.count("[default:") >= len(dataclasses.fields(JobSpec)) - 1
+
+
+def test_job_file_with_flag_overrides(fake_engine, tmp_path):
+    write_prompts(tmp_path / "in.parquet", 6)
+    job = tmp_path / "job.yaml"
+    job.write_text(f"model: {fake_engine}\ninput: {tmp_path / 'in.parquet'}\n"
+                   f"output: {tmp_path / 'out'}\nmax_tokens: 2\npartition-rows: 4\n"
+                   "progress: none\n")
+    res = CliRunner().invoke(main, ["run", str(job), "--max-tokens", "5",
+                                    "--storage-option", "auto_mkdir=true"])
+    assert res.exit_code == 0, res.output
+    assert "rows: 6, errors: 0" in res.output
+    assert "tokens: 54 prompt, 30 generated" in res.output
+    table = pq.read_table(tmp_path / "out" / "part-00000.parquet")
+    assert table.column("num_generated_tokens").to_pylist() == [5] * 4
+
+
+def test_errors_exit_nonzero_with_redacted_message(fake_engine, tmp_path):
+    res = CliRunner().invoke(main, ["run", "--model", fake_engine, "--input",
+                                    "memory://nobody:hunter2secret@nowhere/in.parquet",
+                                    "--output", str(tmp_path / "out"),
+                                    "--storage-option", "client_kwargs.token=tok-abcdef"])
+    assert res.exit_code == 1
+    assert "Error: input memory://***@nowhere/in.parquet does not exist" in res.output
+    assert "hunter2secret" not in res.output and "tok-abcdef" not in res.output
+
+
+def test_missing_required_option(tmp_path):
+    res = CliRunner().invoke(main, ["run", "--model", "m", "--input", "i"])
+    assert res.exit_code == 1 and "output is required: pass --output" in res.output
+
+
+def test_progress_log_lines(caplog):
+    p = Progress(10, done_rows=2, mode="log", stream=io.StringIO(), log_every=0.0)
+    with caplog.at_level(logging.INFO, logger="fusegen.progress"):
+        p.advance(4, 40)
+    assert "6/10 rows (60%)" in caplog.text and "tok/s | ETA 0:00:" in caplog.text
+
+
+def test_progress_bar_on_a_terminal():
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Tty()
+    p = Progress(8, stream=stream)
+    p.advance(8, 16)
+    p.close()
+    assert p.mode == "bar" and stream.getvalue().startswith("\r[" + "#" * 30 + "] 8/8 rows (100%)")
+
+
+def test_summary_lists_errors_by_code_and_throughput():
+    r = JobResult("out", num_rows=10, num_errors=3, errors_by_code={"null_prompt": 2,
+                  "prompt_too_long": 1}, num_prompt_tokens=50, num_generated_tokens=70,
+                  num_parts=2, num_parts_skipped=1, rows_computed=5, tokens_computed=35,
+                  wall_seconds=2.0)
+    assert r.summary().splitlines() == [
+        "output: out (2 parts, 1 kept from an earlier run)",
+        "rows: 10, errors: 3 (null_prompt 2, prompt_too_long 1)",
+        "tokens: 50 prompt, 70 generated",
+        "wall time: 2.0 s; this run: 2.5 rows/s, 17.5 output tokens/s"]

@@ -1,0 +1,110 @@
+"""Rows -> requests: prompts, templates, chat, per-row parameters, coded errors."""
+import pyarrow as pa
+import pytest
+
+from jobs.errors import JobError
+from jobs.rows import RowPreparer, row_seed
+from jobs.spec import JobSpec
+
+
+def _prep(chat=None, **kw):
+    spec = JobSpec(**{"model": "/m", "input": "i", "output": "o", **kw})
+    return RowPreparer(spec, chat=chat)
+
+
+def test_prompt_column_rows_and_errors():
+    table = pa.table({"id": [7, 8, 9, 10], "prompt": ["hi", None, "", "yo"]})
+    reqs = _prep(id_column="id").prepare(table, first_row=100)
+    assert reqs[0].prompt == "hi" and reqs[0].error is None
+    assert reqs[1].error == "null_prompt: row 101 (id=8): column 'prompt' is null"
+    assert reqs[2].error == "empty_prompt: row 102 (id=9): column 'prompt' is empty"
+    assert reqs[3].prompt == "yo"
+
+
+def test_non_string_prompt_column_is_an_error_per_row():
+    reqs = _prep().prepare(pa.table({"prompt": [1, 2]}), 0)
+    assert [r.error for r in reqs] == [
+        "invalid_prompt: row 0: column 'prompt' holds int, not a string",
+        "invalid_prompt: row 1: column 'prompt' holds int, not a string"]
+
+
+def test_row_seed_is_derived_from_job_seed_and_global_row():
+    prep = _prep(seed=5)
+    reqs = prep.prepare(pa.table({"prompt": ["a", "b"]}), 10)
+    assert [r.params.seed for r in reqs] == [row_seed(5, 10), row_seed(5, 11)]
+    assert row_seed(5, 10) != row_seed(5, 11) != row_seed(6, 11)
+    assert 0 <= row_seed(2**40, 3) < 2**63
+    assert _prep(seed=None).prepare(pa.table({"prompt": ["a"]}), 0)[0].params.seed is None
+
+
+def test_per_row_parameter_columns_override_job_values():
+    table = pa.table({"prompt": ["a", "b", "c", "d"],
+                      "max_tokens": [3.0, None, -1, 5],
+                      "temperature": [0, None, None, None],
+                      "stop": [None, "x", None, None],
+                      "seed": [None, 42, None, None]})
+    reqs = _prep(max_tokens=9, stop=["END"]).prepare(table, 0)
+    assert (reqs[0].params.max_tokens, reqs[0].params.temperature) == (3, 0.0)
+    assert (reqs[1].params.max_tokens, reqs[1].params.stop, reqs[1].params.seed) == (9, ["x"], 42)
+    assert reqs[2].error.startswith("invalid_params: row 2: max_tokens must be an integer >= 1, got -1")
+    assert reqs[3].params.max_tokens == 5 and reqs[3].params.stop == ["END"]
+
+
+def test_invalid_param_type_is_a_row_error():
+    table = pa.table({"prompt": ["a"], "top_p": ["high"]})
+    assert _prep().prepare(table, 0)[0].error.startswith(
+        "invalid_params: row 0: top_p must be in (0, 1], got 'high'")
+
+
+def test_template_over_columns_with_row_failures():
+    table = pa.table({"text": ["bonjour", None, "x"], "n": [1, 2, None]})
+    prep = _prep(prompt_template="Translate {{ text | upper }} ({{ n + 1 }})")
+    assert prep.input_columns(table.column_names) == ["n", "text"]
+    reqs = prep.prepare(table, 0)
+    assert reqs[0].prompt == "Translate BONJOUR (2)"
+    assert reqs[1].error == ("template_error: row 1: prompt_template: UndefinedError: "
+                             "'text' is undefined (null in this row)")
+    assert reqs[2].error.endswith("'n' is undefined (null in this row)")
+    bad = _prep(prompt_template="{{ n / 0 }}").prepare(pa.table({"n": [1]}), 0)[0]
+    assert bad.error.startswith("template_error: row 0: prompt_template: ZeroDivisionError")
+    kept = _prep(prompt_template="{{ text | default('?') }}").prepare(table, 0)
+    assert [r.prompt for r in kept] == ["bonjour", "?", "x"]
+
+
+def test_missing_columns_fail_before_generation():
+    with pytest.raises(JobError, match=r"column 'prompt' \(from --prompt-column\) not in the "
+                                       r"input; its columns are text"):
+        _prep().input_columns(["text"])
+    with pytest.raises(JobError, match=r"'zz' \(from --prompt-template\)"):
+        _prep(prompt_template="{{ zz }}").input_columns(["text"])
+    with pytest.raises(JobError, match=r"'key' \(from --id-column\)"):
+        _prep(id_column="key").input_columns(["prompt"])
+    with pytest.raises(JobError, match="input already has output column"):
+        _prep().input_columns(["prompt", "generated_text"])
+
+
+def test_chat_over_messages_column_and_over_plain_prompt():
+    seen = []
+
+    def chat(messages):
+        seen.append(messages)
+        return [1, 2, len(messages)]
+
+    msgs = [[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+            None, [{"role": "user"}]]
+    prep = RowPreparer(JobSpec(model="/m", input="i", output="o", chat=True), chat=chat)
+    reqs = prep.prepare(pa.table({"messages": msgs}), 0)
+    assert reqs[0].prompt == [1, 2, 2] and seen[0] == msgs[0]
+    assert reqs[1].error == "null_prompt: row 1: column 'messages' is null"
+    assert reqs[2].error.startswith("invalid_prompt: row 2: column 'messages' must be")
+    reqs = prep.prepare(pa.table({"prompt": ["hello"]}), 0)
+    assert seen[-1] == [{"role": "user", "content": "hello"}]
+
+
+def test_chat_template_failure_is_a_row_error():
+    def chat(messages):
+        raise ValueError("roles must alternate")
+
+    prep = RowPreparer(JobSpec(model="/m", input="i", output="o", chat=True), chat=chat)
+    assert prep.prepare(pa.table({"prompt": ["x"]}), 0)[0].error == \
+        "template_error: row 0: chat template: ValueError: roles must alternate"
