@@ -32,6 +32,9 @@ class EngineStats:
     num_swapped_blocks: int = 0  # KV blocks copied to the host pool
     num_finished: int = 0
     step_seconds: float = 0.0
+    num_decode_steps: int = 0  # steps with one token per request (no prefill)
+    decode_seconds: float = 0.0
+    decode_batch_sum: int = 0  # sum over decode steps of their batch size
 
     def as_dict(self, max_num_seqs: int) -> dict:
         steps = max(self.num_steps, 1)
@@ -45,6 +48,9 @@ class EngineStats:
             "num_swapped_blocks": self.num_swapped_blocks,
             "num_finished": self.num_finished,
             "step_seconds": self.step_seconds,
+            "num_decode_steps": self.num_decode_steps,
+            "decode_seconds": self.decode_seconds,
+            "mean_decode_batch": self.decode_batch_sum / max(self.num_decode_steps, 1),
         }
 
 
@@ -130,7 +136,12 @@ class LLMEngine:
         stats.num_preemptions += batch.num_preempted
         stats.num_swapped_blocks += len(batch.swap_out)
         stats.num_finished += len(finished)
-        stats.step_seconds += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        stats.step_seconds += elapsed
+        if batch.num_tokens == len(batch):
+            stats.num_decode_steps += 1
+            stats.decode_seconds += elapsed
+            stats.decode_batch_sum += len(batch)
         return [self._output(req) for req in finished]
 
     def _check_stop_strings(self, requests, sampled) -> list[Request]:
