@@ -59,17 +59,19 @@ def _report_progress(futures, progress: Callable[[str], None], start: float) -> 
                      f"({time.perf_counter() - start:.1f}s so far)")
 
 
+# mean_* figures are averages over these step counts; every other number is a running total.
+_MEANS = {"mean_running": "num_steps", "mean_decode_batch": "num_decode_steps"}
+
+
 def _stats_delta(before: dict, after: dict) -> dict:
     """The engine's counters for the timed run alone (they accumulate over the warm-up)."""
-    steps = after.get("num_steps", 0) - before.get("num_steps", 0)
-    running = (after.get("mean_running", 0.0) * after.get("num_steps", 0)
-               - before.get("mean_running", 0.0) * before.get("num_steps", 0))
-    return {
-        "num_steps": steps,
-        "mean_running": running / steps if steps else 0.0,
-        "step_seconds": after.get("step_seconds", 0.0) - before.get("step_seconds", 0.0),
-        "num_preemptions": after.get("num_preemptions", 0) - before.get("num_preemptions", 0),
-    }
+    delta = {key: after[key] - before.get(key, 0) for key, value in after.items()
+             if isinstance(value, (int, float)) and key not in _MEANS and key != "max_num_seqs"}
+    for key, steps in _MEANS.items():
+        if key in after and steps in after:
+            total = after[key] * after[steps] - before.get(key, 0) * before.get(steps, 0)
+            delta[key] = total / delta[steps] if delta[steps] else 0.0
+    return delta
 
 
 def _prompts_and_params(requests: list[BenchRequest]):
