@@ -111,5 +111,27 @@ class WeightStreamer:
         self.current += 1
         self._issue()
 
+    def measure_bandwidth(self, repeats: int = 3) -> float:
+        """Bytes per second of one layer's copy into a staging slot, measured alone
+        (between steps): the transfer rate the decode steps are bound by."""
+        import time
+
+        for future in self.pending.values():
+            future.result()
+        layer, scratch = self.order[0], self.slots[0]  # the ring restarts afterwards
+        self._copy(layer, scratch)  # warm: page cache, pinned buffers
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            self._copy(layer, scratch)
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+        rate = repeats * self.slot_bytes / (time.perf_counter() - start)
+        self.num_loads -= repeats + 1
+        self.bytes_copied -= (repeats + 1) * self.slot_bytes
+        self.reset()
+        return rate
+
     def close(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)

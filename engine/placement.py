@@ -12,9 +12,9 @@ The device budget is spent in this order:
 3. decoder layers, first to last, while they fit; once one does not, the rest are
    streamed, and `prefetch_depth + 1` staging slots of one layer each are reserved
    so that copies run ahead of compute;
-4. when layers stream, `kv_spill_fraction` of the budget is kept for KV blocks
-   before layers are placed: every step pays the streamed weights' transfer, so a
-   large running batch (many KV blocks) is what makes that transfer worth it;
+4. when layers stream, `kv_spill_fraction` of the room left after steps 1-2 is kept
+   for KV blocks before layers are placed: every step pays the streamed weights'
+   transfer, so a large running batch (many KV blocks) is what makes it worth it;
 5. whatever is left becomes more KV blocks.
 Streamed layers live in host memory while the host budget allows, then on disk. The
 host budget left after weights holds the host KV pool that preempted requests swap to.
@@ -147,8 +147,7 @@ def plan_placement(sizes: ModelSizes, device_budget: int, host_budget: int,
         num_resident, slots = s.num_layers, 0
     else:
         slots = min(prefetch_depth + 1, s.num_layers)
-        room = free - slots * s.layer_bytes
-        room -= max(0, int(kv_spill_fraction * device_budget) - kv_floor)
+        room = free - slots * s.layer_bytes - int(kv_spill_fraction * free)
         num_resident = max(0, min(s.num_layers - 1, room // s.layer_bytes))
     tiers = ["device"] * num_resident
     host_left = host_budget
@@ -179,3 +178,32 @@ def plan_placement(sizes: ModelSizes, device_budget: int, host_budget: int,
         "kv_cache": host_kv_blocks * s.kv_block_bytes,
     }
     return plan
+
+
+def budget_for_resident_layers(sizes: ModelSizes, num_resident: int, prefetch_depth: int = 1,
+                               **plan_options) -> int:
+    """The smallest device budget whose plan streams layers and keeps `num_resident`
+    on the device (benchmarks and tests state budgets this way: "a quarter of the
+    layers"). Among streaming plans the resident count grows with the budget; when
+    even the largest streaming budget keeps fewer (the KV share takes the room), that
+    budget is returned."""
+    s = sizes
+    low = minimum_device_budget(sizes, prefetch_depth)
+    # One byte less than holding every layer with the KV floor: the largest budget
+    # that still streams.
+    high = s.fixed_bytes + s.activation_bytes + s.min_kv_blocks * s.kv_block_bytes \
+        + s.num_layers * s.layer_bytes - 1
+
+    def resident(budget: int) -> int:
+        plan = plan_placement(sizes, budget, 0, prefetch_depth, **plan_options)
+        return plan.layer_tiers.count("device")
+
+    if high < low or resident(high) < num_resident:
+        return max(low, high)
+    while low < high:
+        mid = (low + high) // 2
+        if resident(mid) >= num_resident:
+            high = mid
+        else:
+            low = mid + 1
+    return low

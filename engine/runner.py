@@ -61,19 +61,7 @@ class ModelRunner:
     # -- placement --------------------------------------------------------------
 
     def _sizes(self, state) -> ModelSizes:
-        cfg, config = self.config.model_config, self.config
-        elem = torch.finfo(self.dtype).bits // 8
-        layer = sum(t.numel() for parts in layer_sources(state, 0, cfg).values() for t in parts)
-        fixed = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
-        kv_block = 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
-        width = (4 * cfg.hidden_size + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-                 + 3 * cfg.intermediate_size)
-        activations = (config.max_num_batched_tokens * width * 4
-                       + config.max_num_seqs * cfg.vocab_size * 4 * 3)
-        return ModelSizes(layer_bytes=layer * elem, num_layers=cfg.num_layers,
-                          fixed_bytes=(fixed + cfg.hidden_size) * elem, kv_block_bytes=kv_block,
-                          min_kv_blocks=-(-config.max_model_len // self.block_size),
-                          activation_bytes=activations)
+        return model_sizes(self.config, state)
 
     def _plan(self, state):
         config = self.config
@@ -286,3 +274,25 @@ class ModelRunner:
     def close(self) -> None:
         if self.model.streamer is not None:
             self.model.streamer.close()
+
+
+def model_sizes(config: EngineConfig, state: dict | None = None) -> ModelSizes:
+    """The byte sizes the placement plan works over, for this config's dtype and limits
+    (reads only the checkpoint's headers)."""
+    cfg = config.model_config
+    if state is None:
+        state = load_state_dict(config.model, cfg, config.allow_pickle)
+    if config.max_num_seqs is None or config.max_num_batched_tokens is None:
+        config.resolve_limits(streaming=False)
+    elem = torch.finfo(config.torch_dtype).bits // 8
+    layer = sum(t.numel() for parts in layer_sources(state, 0, cfg).values() for t in parts)
+    fixed = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+    kv_block = 2 * cfg.num_layers * config.block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    width = (4 * cfg.hidden_size + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+             + 3 * cfg.intermediate_size)
+    activations = (config.max_num_batched_tokens * width * 4
+                   + config.max_num_seqs * cfg.vocab_size * 4 * 3)
+    return ModelSizes(layer_bytes=layer * elem, num_layers=cfg.num_layers,
+                      fixed_bytes=(fixed + cfg.hidden_size) * elem, kv_block_bytes=kv_block,
+                      min_kv_blocks=-(-config.max_model_len // config.block_size),
+                      activation_bytes=activations)

@@ -49,6 +49,8 @@ def resume_mode(old: dict | None, fingerprint: str, config: dict, has_parts: boo
         return FRESH
     if old.get("fingerprint") == fingerprint:
         return RESUME
+    if not has_parts:  # e.g. the model failed to load: nothing to keep, nothing to lose
+        return FRESH
     changed = [f"{k}: {old.get('config', {}).get(k)!r} -> {v!r}" for k, v in config.items()
                if old.get("config", {}).get(k) != v]
     what = "; ".join(changed) or "the input files or their row counts"

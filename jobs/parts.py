@@ -97,8 +97,11 @@ def committed_stats(fs, out_dir: str, plan: list[Partition], fingerprint: str) -
     for part in plan:
         if part.name not in existing:
             continue
-        with fs.open(f"{out_dir}/{part.name}", "rb") as f:
-            md = pq.ParquetFile(f).metadata
+        try:
+            with fs.open(f"{out_dir}/{part.name}", "rb") as f:
+                md = pq.ParquetFile(f).metadata
+        except (OSError, pa.ArrowException):  # damaged by hand: recompute it
+            continue
         raw = (md.metadata or {}).get(_META_KEY)
         stats = PartStats.from_json(raw) if raw else None
         if stats and stats.fingerprint == fingerprint and md.num_rows == part.num_rows:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -39,7 +40,10 @@ class JobResult:
 
 
 class Progress:
-    """Rows done of the total, output tokens/s and ETA, from the rows this run computes."""
+    """Rows done of the total, output tokens/s and ETA, from the rows this run computes.
+
+    Thread-safe: committed parts arrive from the driver loop, in-flight counts from the
+    Dask client's thread (workers report each running partition about once a second)."""
 
     def __init__(self, total_rows: int, done_rows: int = 0, mode: str = "auto",
                  stream=None, log_every: float = 10.0):
@@ -47,16 +51,36 @@ class Progress:
         if mode == "auto":
             mode = "bar" if getattr(self.stream, "isatty", lambda: False)() else "log"
         self.mode, self.log_every = mode, log_every
-        self.total, self.done = total_rows, done_rows
-        self.rows = self.tokens = 0  # this run
+        self.total, self.skipped = total_rows, done_rows  # skipped: committed before this run
+        self.rows = self.tokens = 0  # committed by this run
+        self.in_flight: dict[int, tuple[int, int]] = {}  # part index -> (rows, tokens) so far
         self.start = self._last = time.monotonic()
+        self._finished: set[int] = set()
+        self._lock = threading.Lock()
 
-    def advance(self, rows: int, tokens: int) -> None:
-        self.done += rows
-        self.rows += rows
-        self.tokens += tokens
+    def partial(self, index: int, rows: int, tokens: int) -> None:
+        with self._lock:
+            if index in self._finished:  # a report that arrived after the part committed
+                return
+            self.in_flight[index] = (rows, tokens)
+            self._show()
+
+    def advance(self, index: int, rows: int, tokens: int) -> None:
+        with self._lock:
+            self.in_flight.pop(index, None)
+            self._finished.add(index)
+            self.rows += rows
+            self.tokens += tokens
+            self._show()
+
+    def close(self) -> None:
+        if self.mode == "bar":
+            self.stream.write("\r" + self.line(time.monotonic()) + "\n")
+            self.stream.flush()
+
+    def _show(self) -> None:
         now = time.monotonic()
-        if self.mode == "bar" and (now - self._last >= 0.2 or self.done >= self.total):
+        if self.mode == "bar" and now - self._last >= 0.2:
             self._last = now
             self.stream.write("\r" + self.line(now))
             self.stream.flush()
@@ -64,19 +88,15 @@ class Progress:
             self._last = now
             log.info("progress: %s", self.line(now))
 
-    def close(self) -> None:
-        if self.mode == "bar":
-            self.stream.write("\r" + self.line(time.monotonic()) + "\n")
-            self.stream.flush()
-
     def line(self, now: float) -> str:
+        rows = self.rows + sum(r for r, _ in self.in_flight.values())
+        tokens = self.tokens + sum(t for _, t in self.in_flight.values())
+        done = self.skipped + rows
         secs = max(now - self.start, 1e-9)
-        rate = self.rows / secs
-        eta = (self.total - self.done) / rate if rate > 0 else None
-        frac = self.done / self.total if self.total else 1.0
-        bar = "#" * int(frac * 30)
-        return (f"[{bar:<30}] {self.done}/{self.total} rows ({frac:.0%}) | "
-                f"{self.tokens / secs:.1f} tok/s | ETA {_clock(eta)}")
+        eta = (self.total - done) * secs / rows if rows else None
+        frac = done / self.total if self.total else 1.0
+        return (f"[{'#' * int(frac * 30):<30}] {done}/{self.total} rows ({frac:.0%}) | "
+                f"{tokens / secs:.1f} tok/s | ETA {_clock(eta)}")
 
 
 def _clock(seconds) -> str:

@@ -64,12 +64,12 @@ class RowPreparer:
         return [self.prepare_row(row, first_row + i) for i, row in enumerate(rows)]
 
     def prepare_row(self, row: dict, index: int) -> RowRequest:
-        where = self._where(row, index)
+        """`index`: the row's global position (over all input files): names it, seeds it."""
         prompt, error = self._prompt(row)
         if error is None:
             params, error = self._params(row, index)
         if error is not None:
-            return RowRequest(error=f"{error[0]}: {where}: {error[1]}")
+            return RowRequest(error=f"{error[0]}: {self._where(row, index)}: {error[1]}")
         return RowRequest(prompt=prompt, params=params)
 
     def _where(self, row: dict, index: int) -> str:

@@ -9,8 +9,9 @@ import logging
 import time
 import uuid
 from contextlib import nullcontext
-from itertools import islice
+from dataclasses import asdict
 from datetime import datetime, timezone
+from itertools import islice
 
 from jobs.cluster import open_client
 from jobs.errors import JobError
@@ -46,7 +47,7 @@ def run_job(spec: JobSpec, progress_stream=None, client=None) -> JobResult:
 
 def _run(spec: JobSpec, progress_stream, client=None) -> JobResult:
     started, t0 = _now(), time.perf_counter()
-    _, files = list_input_files(spec.input, spec.storage_options)
+    files = list_input_files(spec.input, spec.storage_options)
     preparer = RowPreparer(spec)
     for f in files:  # a missing column fails here, before any model loads
         try:
@@ -101,49 +102,55 @@ def _prepare_output(spec, fs, out_dir, plan, fingerprint) -> tuple[dict | None, 
 
 def _execute(spec: JobSpec, todo: list[Partition], fingerprint: str,
              progress: Progress, client=None) -> tuple[dict[int, PartStats], list[dict]]:
-    """Stream the partitions through the cluster with a bounded window; returns the new
-    parts' stats and each worker engine's counters."""
-    from distributed import as_completed
-
-    results: dict[int, PartStats] = {}
+    """Run the partitions on the cluster; returns the new parts' stats and each worker
+    engine's counters."""
     run_token = uuid.uuid4().hex[:8]
     with nullcontext(client) if client is not None else open_client(spec) as client:
-        workers = _workers(client)
         # Every worker loads its engine before any partition is read: a model that cannot
         # load fails the job here, with the engine's message.
         client.gather([client.submit(load_engine, spec, workers=[w], allow_other_workers=True,
                                      pure=False, key=f"fusegen-load-{run_token}-{i}")
-                       for i, w in enumerate(workers)])
-        pending = iter(todo)
-
-        index_of = {}  # future key -> partition index
-
-        def submit(part: Partition):
-            key = f"fusegen-{fingerprint}-{part.name}-{run_token}"
-            index_of[key] = part.index
-            return client.submit(run_partition, spec, part, fingerprint, pure=False, key=key)
-
-        window = spec.partitions_per_worker * len(workers)
-        running = as_completed([submit(p) for p in islice(pending, window)])
-        for future in running:
-            try:
-                stats = future.result()
-            except Exception as exc:
-                running.clear()
-                client.cancel(list(running.futures))
-                raise _task_error(exc) from None
-            results[index_of.pop(future.key)] = stats
-            progress.advance(stats.num_rows, stats.num_generated_tokens)
-            future.release()
-            window = spec.partitions_per_worker * max(1, len(client.scheduler_info()["workers"]))
-            while running.count() < window:
-                part = next(pending, None)
-                if part is None:
-                    break
-                running.add(submit(part))
+                       for i, w in enumerate(_workers(client))])
+        topic = f"fusegen-progress-{run_token}"
+        client.subscribe_topic(topic, lambda event: progress.partial(
+            event[1]["index"], event[1]["rows"], event[1]["tokens"]))
+        try:
+            results = _stream(client, spec, todo, fingerprint, topic, run_token, progress)
+        finally:
+            client.unsubscribe_topic(topic)
         # Not as tasks: a task pinned to a worker that died would wait forever.
         stats = client.run(engine_stats, spec, on_error="return")
     return results, [s for s in stats.values() if isinstance(s, dict)]
+
+
+def _stream(client, spec, todo, fingerprint, topic, run_token, progress) -> dict[int, PartStats]:
+    """Keep `partitions_per_worker` partitions per worker in flight until all committed.
+    Only the partitions' descriptions travel; each task reads its own rows."""
+    from distributed import as_completed
+
+    pending, index_of, results = iter(todo), {}, {}
+    running = as_completed(loop=client.loop)
+    while True:
+        window = spec.partitions_per_worker * max(1, len(client.scheduler_info()["workers"]))
+        for part in islice(pending, max(0, window - running.count())):
+            key = f"fusegen-{fingerprint}-{part.name}-{run_token}"
+            index_of[key] = part.index
+            running.add(client.submit(run_partition, spec, part, fingerprint, topic,
+                                      pure=False, key=key))
+        if running.is_empty():
+            return results
+        future = next(running)
+        try:
+            stats = future.result()
+        except Exception as exc:
+            unfinished = list(running.futures)
+            running.clear()
+            client.cancel(unfinished)
+            raise _task_error(exc) from None
+        index = index_of.pop(future.key)
+        results[index] = stats
+        progress.advance(index, stats.num_rows, stats.num_generated_tokens)
+        future.release()
 
 
 def _workers(client) -> list[str]:
@@ -183,16 +190,14 @@ def _result(spec, plan, stats, new, num_skipped, wall) -> JobResult:
 
 
 def _part_entry(part: Partition, stats: PartStats) -> dict:
-    return {"name": part.name, "input": redact_url(part.path), "input_rows": [part.start, part.stop],
-            "num_rows": stats.num_rows, "num_errors": stats.num_errors,
-            "errors_by_code": stats.errors_by_code, "num_prompt_tokens": stats.num_prompt_tokens,
-            "num_generated_tokens": stats.num_generated_tokens, "seconds": stats.seconds}
+    counts = {k: v for k, v in asdict(stats).items() if k not in ("name", "fingerprint")}
+    return {"name": part.name, "input": redact_url(part.path),
+            "input_rows": [part.start, part.stop], **counts}
 
 
 def _totals(r: JobResult) -> dict:
-    return {"num_rows": r.num_rows, "num_errors": r.num_errors,
-            "errors_by_code": r.errors_by_code, "num_prompt_tokens": r.num_prompt_tokens,
-            "num_generated_tokens": r.num_generated_tokens}
+    return {k: getattr(r, k) for k in ("num_rows", "num_errors", "errors_by_code",
+                                       "num_prompt_tokens", "num_generated_tokens")}
 
 
 def _now() -> str:

@@ -30,15 +30,15 @@ def filesystem(url: str, storage_options: dict):
         raise JobError(f"cannot open {url}: {exc}") from None
 
 
-def list_input_files(url: str, storage_options: dict) -> tuple[object, list[InputFile]]:
+def list_input_files(url: str, storage_options: dict) -> list[InputFile]:
     """The Parquet files of a file, directory or glob URL, sorted, with row-group sizes."""
     fs, path = filesystem(url, storage_options)
     try:
         if _glob.has_magic(path):
-            paths = [p for p in fs.glob(path) if fs.isfile(p)]
+            paths = [p for p in fs.glob(path) if fs.isfile(p) and _visible(p.rsplit("/", 1)[-1])]
         elif fs.isdir(path):
             paths = [p for p in fs.find(path) if p.endswith((".parquet", ".parq"))
-                     and not any(s.startswith(("_", ".")) for s in p[len(path):].split("/"))]
+                     and all(_visible(s) for s in p[len(path):].split("/"))]
         elif fs.isfile(path):
             paths = [path]
         else:
@@ -46,11 +46,16 @@ def list_input_files(url: str, storage_options: dict) -> tuple[object, list[Inpu
                            "of Parquet files, or a glob")
         if not paths:
             raise JobError(f"input {url} holds no Parquet files (*.parquet)")
-        return fs, [_inspect(fs, p) for p in sorted(paths)]
+        return [_inspect(fs, p) for p in sorted(paths)]
     except JobError:
         raise
     except Exception as exc:  # noqa: BLE001 - any backend error: the input is unreadable
         raise JobError(f"cannot read input {url}: {type(exc).__name__}: {exc}") from None
+
+
+def _visible(name: str) -> bool:
+    """Names starting with _ or . are metadata (_SUCCESS, _tmp/, .crc), never data."""
+    return not name.startswith(("_", "."))
 
 
 def _inspect(fs, path: str) -> InputFile:
@@ -61,7 +66,7 @@ def _inspect(fs, path: str) -> InputFile:
         return InputFile(path, groups, tuple(pf.schema_arrow.names))
 
 
-def read_partition(fs, part: Partition, columns=None) -> pa.Table:
+def read_partition(fs, part: Partition) -> pa.Table:
     """Rows [start, stop) of the partition's file, streaming only the row groups they span."""
     with fs.open(part.path, "rb") as f:
         pf = pq.ParquetFile(f, **_READ_OPTIONS)
@@ -75,7 +80,7 @@ def read_partition(fs, part: Partition, columns=None) -> pa.Table:
                 groups.append(i)
             first += rows
         batches, need = [], part.num_rows
-        for batch in pf.iter_batches(_BATCH_ROWS, row_groups=groups, columns=columns):
+        for batch in pf.iter_batches(_BATCH_ROWS, row_groups=groups):
             if skip >= batch.num_rows:  # before the range: decoded, then dropped
                 skip -= batch.num_rows
                 continue

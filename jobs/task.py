@@ -3,6 +3,7 @@ the driver holds counts only, whatever the dataset size."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import wait
 
 from jobs.engines import get_engine, loaded_engine
 from jobs.errors import JobError
@@ -33,13 +34,16 @@ def engine_stats(spec: JobSpec) -> dict | None:
     return None if llm is None else llm.stats()
 
 
-def run_partition(spec: JobSpec, part: Partition, fingerprint: str) -> PartStats:
-    """Read one partition, generate every row through the worker's engine, commit its part."""
+def run_partition(spec: JobSpec, part: Partition, fingerprint: str,
+                  progress_topic: str | None = None) -> PartStats:
+    """Read one partition, generate every row through the worker's engine, commit its part.
+    While it runs, rows and tokens done so far go to the Dask event `progress_topic`."""
     return _guard(spec, f"{part.name} ({part.path} rows {part.start}-{part.stop})",
-                  lambda: _run_partition(spec, part, fingerprint))
+                  lambda: _run_partition(spec, part, fingerprint, progress_topic))
 
 
-def _run_partition(spec: JobSpec, part: Partition, fingerprint: str) -> PartStats:
+def _run_partition(spec: JobSpec, part: Partition, fingerprint: str,
+                   progress_topic: str | None) -> PartStats:
     start = time.perf_counter()
     llm = get_engine(spec.model, spec.engine_kwargs())
     in_fs, _ = filesystem(spec.input, spec.storage_options)
@@ -47,13 +51,36 @@ def _run_partition(spec: JobSpec, part: Partition, fingerprint: str) -> PartStat
     preparer = RowPreparer(spec, chat=lambda messages: _chat_ids(llm, messages))
     requests = preparer.prepare(table, part.first_row)
     valid = [r for r in requests if r.error is None]
-    results = iter([f.result() for f in llm.submit_many([(r.prompt, r.params) for r in valid])])
+    futures = llm.submit_many([(r.prompt, r.params) for r in valid])
+    results = iter(_wait(futures, _reporter(progress_topic, part.index)))
     outputs = [None if r.error else next(results) for r in requests]
     table = output_table(table, requests, outputs, spec.output_token_ids)
     stats = part_stats(table, part.name, fingerprint, time.perf_counter() - start)
     out_fs, out_dir = filesystem(spec.output, spec.storage_options)
     write_part(out_fs, out_dir.rstrip("/"), table, stats)
     return stats
+
+
+def _wait(futures: list, report, every: float = 1.0) -> list:
+    """The futures' results in order; meanwhile report(rows, tokens) of the finished ones."""
+    while True:
+        done, pending = wait(futures, timeout=every)
+        if not pending:
+            return [f.result() for f in futures]
+        report(len(done), sum(f.result().num_generated_tokens for f in done))
+
+
+def _reporter(topic: str | None, index: int):
+    from distributed import get_worker
+
+    try:
+        worker = get_worker()
+    except ValueError:  # not on a Dask worker
+        worker = None
+    if topic is None or worker is None:
+        return lambda rows, tokens: None
+    return lambda rows, tokens: worker.log_event(
+        topic, {"index": index, "rows": rows, "tokens": tokens})
 
 
 def _chat_ids(llm, messages) -> list[int]:

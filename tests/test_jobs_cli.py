@@ -55,8 +55,13 @@ def test_missing_required_option(tmp_path):
 def test_progress_log_lines(caplog):
     p = Progress(10, done_rows=2, mode="log", stream=io.StringIO(), log_every=0.0)
     with caplog.at_level(logging.INFO, logger="fusegen.progress"):
-        p.advance(4, 40)
-    assert "6/10 rows (60%)" in caplog.text and "tok/s | ETA 0:00:" in caplog.text
+        p.partial(0, 1, 10)  # part 0 running: 1 row done so far
+        p.partial(1, 2, 20)
+        p.advance(0, 4, 40)  # part 0 committed with 4 rows
+        p.partial(0, 3, 30)  # late report of a committed part: ignored
+    lines = [r.getMessage() for r in caplog.records]
+    assert [line.split("] ")[1].split(" rows")[0] for line in lines] == ["3/10", "5/10", "8/10"]
+    assert "tok/s | ETA 0:00:" in lines[-1]
 
 
 def test_progress_bar_on_a_terminal():
@@ -66,7 +71,7 @@ def test_progress_bar_on_a_terminal():
 
     stream = Tty()
     p = Progress(8, stream=stream)
-    p.advance(8, 16)
+    p.advance(0, 8, 16)
     p.close()
     assert p.mode == "bar" and stream.getvalue().startswith("\r[" + "#" * 30 + "] 8/8 rows (100%)")
 

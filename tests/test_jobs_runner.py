@@ -8,6 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+import jobs.engines
+
 from jobs.errors import JobError
 from jobs.runner import run_job
 from jobs.spec import JobSpec
@@ -15,8 +17,8 @@ from jobs_fixtures import FakeLLM, fake_engine, read_output, write_prompts  # no
 
 
 def _spec(model, inp, out, **kw):
-    return JobSpec(model=model, input=str(inp), output=str(out), max_tokens=3,
-                   partition_rows=4, progress="none", **kw)
+    kw = {"max_tokens": 3, "partition_rows": 4, "progress": "none", **kw}
+    return JobSpec(model=model, input=str(inp), output=str(out), **kw)
 
 
 def test_every_row_once_with_input_columns_and_error_rows(fake_engine, tmp_path):
@@ -84,10 +86,11 @@ def test_resume_recomputes_only_missing_parts(fake_engine, tmp_path):
     before = read_output(tmp_path / "out")
     os.remove(tmp_path / "out" / "part-00001.parquet")
     os.remove(tmp_path / "out" / "part-00004.parquet")
+    (tmp_path / "out" / "part-00002.parquet").write_bytes(b"damaged")
     os.makedirs(tmp_path / "out" / "_tmp")
     (tmp_path / "out" / "_tmp" / "part-00001.parquet.dead").write_bytes(b"torn")
     res = run_job(spec)
-    assert (res.num_parts, res.num_parts_skipped, res.rows_computed) == (5, 3, 8)
+    assert (res.num_parts, res.num_parts_skipped, res.rows_computed) == (5, 2, 12)
     assert read_output(tmp_path / "out").equals(before)
     assert not (tmp_path / "out" / "_tmp").exists()
     assert len(json.loads((tmp_path / "out" / "_manifest.json").read_text())["runs"]) == 2
@@ -146,3 +149,34 @@ def test_memory_filesystem_in_and_out(fake_engine):
     finally:
         fs.rm("/jobs-in", recursive=True)
         fs.rm("/jobs-out", recursive=True)
+
+
+def test_running_partitions_report_progress_before_they_commit(fake_engine, tmp_path,
+                                                               monkeypatch):
+    import jobs.runner
+    from jobs.progress import Progress
+
+    seen = []
+    monkeypatch.setattr(Progress, "partial", lambda self, *a: seen.append(a))
+    monkeypatch.setattr(jobs.engines, "_load",
+                        lambda m, kw: FakeLLM(m, step_seconds=0.05, **kw))
+    write_prompts(tmp_path / "in.parquet", 8)
+    spec = _spec(fake_engine, tmp_path / "in.parquet", tmp_path / "out", max_tokens=12,
+                 partition_rows=8, max_num_seqs=4)  # two waves of 12 steps: ~1.2 s
+    jobs.runner.run_job(spec)
+    assert seen and all(index == 0 and 0 <= rows < 8 for index, rows, _ in seen), seen
+    assert (0, 4, 48) in seen  # the first wave of four rows, 12 tokens each
+
+
+def test_resume_decision_policy():
+    from jobs.manifest import FRESH, OVERWRITE, RESUME, resume_mode
+
+    old = {"fingerprint": "a", "config": {"max_tokens": 8, "seed": 0}}
+    assert resume_mode(None, "a", {}, False, False, "o") == FRESH
+    assert resume_mode(old, "a", {}, True, False, "o") == RESUME
+    assert resume_mode(old, "b", {"max_tokens": 9, "seed": 0}, False, False, "o") == FRESH
+    assert resume_mode(old, "b", {}, True, True, "o") == OVERWRITE
+    with pytest.raises(JobError, match=r"changed: max_tokens: 8 -> 9\)"):
+        resume_mode(old, "b", {"max_tokens": 9, "seed": 0}, True, False, "o")
+    with pytest.raises(JobError, match="changed: the input files or their row counts"):
+        resume_mode(old, "b", {"max_tokens": 8, "seed": 0}, True, False, "o")

@@ -33,14 +33,14 @@ def test_everything_fits():
 
 def test_streaming_reserves_staging_and_kv_share():
     # 100 MiB: free after fixed, activations, KV floor = 70; staging 2 x 10 = 20;
-    # KV share 25% of 100 = 25 minus the 4-block floor = 21 -> 29 MiB -> 2 layers.
+    # KV share 25% of 70 = 17.5 -> 32.5 MiB of room -> 3 layers.
     plan = plan_placement(SIZES, device_budget=100 * MiB, host_budget=35 * MiB)
-    assert plan.layer_tiers == ["device"] * 2 + ["host"] * 3 + ["disk"] * 3
-    assert plan.num_staging_slots == 2 and plan.streamed_layers == [2, 3, 4, 5, 6, 7]
-    assert plan.num_device_kv_blocks == 100 - 20 - 6 - 20 - 20  # 34
+    assert plan.layer_tiers == ["device"] * 3 + ["host"] * 3 + ["disk"] * 2
+    assert plan.num_staging_slots == 2 and plan.streamed_layers == [3, 4, 5, 6, 7]
+    assert plan.num_device_kv_blocks == 100 - 20 - 6 - 30 - 20  # 24
     assert plan.num_host_kv_blocks == 5  # host left after 3 layers
     assert sum(plan.device_bytes.values()) <= 100 * MiB
-    assert plan.offload_fraction == 0.75
+    assert plan.offload_fraction == 0.625
 
 
 def test_prefetch_depth_sets_slots():
@@ -64,3 +64,15 @@ def test_kv_cap_and_table():
     table = plan.table()
     assert "device" in table and "8 layers + embed/head" in table and "10 blocks" in table
     assert format_bytes(3 * MiB) == "3.00 MiB"
+
+
+def test_budget_for_resident_layers():
+    from engine.placement import budget_for_resident_layers
+
+    # The largest budget that still streams keeps 4 layers here (the KV share takes
+    # the rest of the room); up to that, budgets are exact and smallest.
+    for k in range(8):
+        budget = budget_for_resident_layers(SIZES, k)
+        assert plan_placement(SIZES, budget, 0).layer_tiers.count("device") == min(k, 4)
+        if k <= 4 and budget > minimum_device_budget(SIZES):
+            assert plan_placement(SIZES, budget - 1, 0).layer_tiers.count("device") < k

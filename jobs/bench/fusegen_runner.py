@@ -33,6 +33,7 @@ def run_fusegen(model_dir: Path, requests: list[BenchRequest], warmup: list[Benc
         outputs = [f.result() for f in futures]
         result.elapsed_s = time.perf_counter() - start
         after = llm.stats()
+        offload = _offload_figures(llm, _stats_delta(before, after))
     finally:
         llm.close()
 
@@ -47,8 +48,35 @@ def run_fusegen(model_dir: Path, requests: list[BenchRequest], warmup: list[Benc
         "first_error": errors[0] if errors else None,
         "max_num_seqs": llm.config.max_num_seqs,
         "max_num_batched_tokens": llm.config.max_num_batched_tokens,
+        **offload,
     }
     return result
+
+
+def _offload_figures(llm, stats: dict) -> dict:
+    """With streamed layers: the measured transfer rate, the transfer bound of a decode
+    step (the streamed bytes over that rate) and how close the decode steps came to it."""
+    streamer = llm.engine.runner.model.streamer
+    if streamer is None:
+        return {}
+    report = llm.memory_report()
+    bandwidth = streamer.measure_bandwidth()
+    step_bytes = len(streamer.order) * streamer.slot_bytes
+    bound = step_bytes / bandwidth
+    decode_step = stats["decode_seconds"] / stats["num_decode_steps"] \
+        if stats.get("num_decode_steps") else 0.0
+    return {
+        "offload": {
+            "layers": report["layers"],
+            "device_bytes": report["device"]["total"],
+            "device_budget": report["device"]["budget"],
+            "streamed_bytes_per_step": step_bytes,
+            "transfer_bandwidth": bandwidth,
+            "transfer_bound_s": bound,
+            "decode_step_s": decode_step,
+            "decode_over_bound": decode_step / bound if bound else 0.0,
+        }
+    }
 
 
 def _report_progress(futures, progress: Callable[[str], None], start: float) -> None:

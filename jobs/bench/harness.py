@@ -31,7 +31,15 @@ class BenchConfig:
 
     def __post_init__(self):
         if self.dtype is None:
-            self.dtype = self.preset.model.dtype
+            self.dtype = self.preset.run_dtype or self.preset.model.dtype
+        if self.device == "auto":
+            import torch
+
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.dtype == "auto":
+            from engine.config import resolve_dtype
+
+            self.dtype = str(resolve_dtype("auto", self.device)).removeprefix("torch.")
         if self.dtype not in flops.DTYPE_BYTES:
             raise ValueError(f"--dtype must be one of {', '.join(flops.DTYPE_BYTES)}; got {self.dtype!r}")
         if self.device == "auto":
@@ -75,12 +83,17 @@ def run_benchmark(config: BenchConfig, progress: Progress = lambda _: None) -> d
 
     from jobs.bench.fusegen_runner import run_fusegen
 
+    budgets = _offload_budgets(config, model_dir, progress) if preset.offload else {}
     progress(f"fusegen: loading the model ({config.dtype} on {config.device})")
     results = [run_fusegen(model_dir, requests, warmup, dtype=config.dtype, device=config.device,
-                           engine_options=config.engine_options, progress=progress)]
+                           engine_options={**config.engine_options, **budgets},
+                           progress=progress)]
     _done(results[-1], progress)
     _free_memory(config.device)  # fusegen's weights and KV pool, before transformers loads
-    results += _run_baselines(config, model_dir, requests, warmup, progress)
+    if preset.offload:
+        results += _run_offload_baseline(config, model_dir, requests, warmup, budgets, progress)
+    else:
+        results += _run_baselines(config, model_dir, requests, warmup, progress)
 
     for result in results:
         if result.skipped is None:
@@ -127,6 +140,58 @@ def _run_baselines(config: BenchConfig, model_dir: Path, requests, warmup,
     for result in (static, continuous):
         result.load_s = load_s if result.skipped is None else 0.0
     return [static, continuous]
+
+
+def _offload_budgets(config: BenchConfig, model_dir: Path, progress: Progress) -> dict:
+    """The preset's device and host budgets in bytes, the same for every engine."""
+    from engine.config import EngineConfig
+    from engine.placement import budget_for_resident_layers, parse_bytes
+    from engine.runner import model_sizes
+
+    spec = config.preset.offload
+    engine_config = EngineConfig(model=str(model_dir), dtype=config.dtype, device=config.device,
+                                 **config.engine_options)
+    if spec.device_memory is not None:
+        device_memory = parse_bytes(spec.device_memory, name="device_memory")
+    else:
+        # The budget the engine's own plan needs to keep this share of the layers, with
+        # the batch limits it would use once layers stream.
+        engine_config.resolve_limits(streaming=True)
+        sizes = model_sizes(engine_config)
+        resident = int(spec.resident_fraction * sizes.num_layers)
+        device_memory = budget_for_resident_layers(sizes, resident)
+    host_memory = parse_bytes(spec.host_memory, name="host_memory")
+    progress(f"offload: device budget {device_memory / 2**20:,.0f} MiB, host budget "
+             f"{host_memory / 2**20:,.0f} MiB (the same for every engine)")
+    # The batch limits the budget was computed with, pinned so the engine plans alike.
+    engine_config.resolve_limits(streaming=True)
+    return {"device_memory": device_memory, "host_memory": host_memory,
+            "max_num_seqs": engine_config.max_num_seqs,
+            "max_num_batched_tokens": engine_config.max_num_batched_tokens}
+
+
+def _run_offload_baseline(config: BenchConfig, model_dir: Path, requests, warmup, budgets: dict,
+                          progress: Progress) -> list[EngineResult]:
+    from jobs.bench.hf_offload import load_offloaded_model, run_hf_offload
+
+    batch_size = config.preset.hf_batch_size
+    if not (config.hf_static or config.hf_continuous):
+        result = EngineResult("hf_offload", f"hf accelerate offload, static bs {batch_size}")
+        result.skipped = "skipped (--skip-hf)"
+        return [result]
+    progress("transformers + accelerate: loading the model with device_map offload")
+    start = time.perf_counter()
+    model = load_offloaded_model(model_dir, config.dtype, config.device,
+                                 budgets["device_memory"], budgets["host_memory"])
+    load_s = time.perf_counter() - start
+    progress(f"hf offload: generating {len(requests)} requests in batches of {batch_size}")
+    result = run_hf_offload(model, requests, warmup, batch_size=batch_size, device=config.device,
+                            progress=progress)
+    result.load_s = load_s
+    _done(result, progress)
+    del model
+    _free_memory(config.device)
+    return [result]
 
 
 def _free_memory(device: str) -> None:

@@ -47,6 +47,15 @@ class LengthDist:
 
 
 @dataclass(frozen=True, slots=True)
+class OffloadSpec:
+    """Memory budgets for the offload presets; fusegen and the accelerate baseline get
+    the same ones."""
+    resident_fraction: float | None = None  # device budget that keeps this share of layers
+    device_memory: str | None = None  # or an explicit device budget, e.g. "24GiB"
+    host_memory: str = "0"  # "0": streamed layers stay on disk (memory-mapped)
+
+
+@dataclass(frozen=True, slots=True)
 class Preset:
     name: str
     model: ModelShape
@@ -55,6 +64,11 @@ class Preset:
     output_len: LengthDist
     hf_batch_size: int = 32
     quick_ceiling: bool = False  # small, short ceiling measurements (the test preset)
+    # The run's dtype; "auto" is the engine's choice for the device: bf16 on GPUs and on
+    # CPUs with bf16 matrix units (AMX / avx512_bf16), fp32 on CPUs without them, where
+    # bf16 matmuls are emulated several times slower than fp32.
+    run_dtype: str | None = None  # None: the checkpoint's dtype
+    offload: OffloadSpec | None = None
 
     def shrink(self, *, num_layers: int | None = None, num_requests: int | None = None,
                hf_batch_size: int | None = None) -> "Preset":
@@ -87,6 +101,21 @@ PRESETS: dict[str, Preset] = {
         prompt_len=LengthDist("uniform", 16, 512),
         output_len=LengthDist("uniform", 16, 256),
         hf_batch_size=32,
+        run_dtype="auto",
+    ),
+    # cpu-small with a device budget that holds a quarter of its layers.
+    "cpu-offload": Preset(
+        name="cpu-offload",
+        model=ModelShape(arch="llama", vocab_size=32000, hidden_size=512, intermediate_size=1536,
+                         num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64,
+                         max_position_embeddings=1024, dtype="bfloat16"),
+        num_requests=256,
+        prompt_len=LengthDist("uniform", 16, 512),
+        output_len=LengthDist("uniform", 16, 256),
+        hf_batch_size=32,
+        run_dtype="auto",
+        # a device budget that holds a quarter of the layers; the rest stream from disk
+        offload=OffloadSpec(resident_fraction=0.25, host_memory="0"),
     ),
     # Llama-3-8B's shape. Lengths after ShareGPT as the field benchmarks it: prompt mean
     # ~200 and output mean ~180 with long tails, capped at 1024 each (as vLLM's script does).
@@ -99,6 +128,19 @@ PRESETS: dict[str, Preset] = {
         prompt_len=LengthDist("lognormal", 4, 1024, mean=200.0, sigma=1.0),
         output_len=LengthDist("lognormal", 4, 1024, mean=180.0, sigma=0.9),
         hf_batch_size=64,
+    ),
+    # A 32B Llama shape (~65 GB in bf16), about twice a 24 GiB device budget: most
+    # layers stream from pinned host memory.
+    "gpu-offload": Preset(
+        name="gpu-offload",
+        model=ModelShape(arch="llama", vocab_size=152064, hidden_size=5120,
+                         intermediate_size=27648, num_layers=64, num_heads=40, num_kv_heads=8,
+                         head_dim=128, max_position_embeddings=4096, dtype="bfloat16"),
+        num_requests=512,
+        prompt_len=LengthDist("lognormal", 4, 1024, mean=200.0, sigma=1.0),
+        output_len=LengthDist("lognormal", 4, 1024, mean=180.0, sigma=0.9),
+        hf_batch_size=32,
+        offload=OffloadSpec(device_memory="24GiB", host_memory="100GiB"),
     ),
 }
 

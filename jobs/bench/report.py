@@ -110,6 +110,18 @@ def format_report(report: dict) -> str:
             f"{_flops(r['flops_per_s']):>16}{r['mfu']:>8.1%}"
             f"{(f'{ratio:.2f}x' if ratio else '-'):>11}{mark}")
     lines += ["", _ceiling_line(ceil)]
+    offload = report["results"].get("fusegen", {}).get("offload")
+    if offload:
+        layers = offload["layers"]
+        lines.append(
+            f"offload: {layers['device']} layers resident, {layers['host']} host, "
+            f"{layers['disk']} disk; device {offload['device_bytes'] / 2**20:,.0f} of "
+            f"{offload['device_budget'] / 2**20:,.0f} MiB; streamed "
+            f"{offload['streamed_bytes_per_step'] / 1e6:,.1f} MB per step at a measured "
+            f"{offload['transfer_bandwidth'] / 1e9:.2f} GB/s -> transfer bound "
+            f"{offload['transfer_bound_s'] * 1e3:.1f} ms; decode steps took "
+            f"{offload['decode_step_s'] * 1e3:.1f} ms ({offload['decode_over_bound']:.2f}x "
+            "the bound)")
     util = report["utilisation"]
     if util:
         lines.append(
