@@ -73,6 +73,16 @@ class Progress:
             self.tokens += tokens
             self._show()
 
+    def message(self, text: str) -> None:
+        """A one-off note (the memory plan): on the stream unless progress is off."""
+        if self.mode == "none":
+            return
+        if self.mode == "bar":
+            self.stream.write(text + "\n")
+            self.stream.flush()
+        else:
+            log.info("%s", text)
+
     def close(self) -> None:
         if self.mode == "bar":
             self.stream.write("\r" + self.line(time.monotonic()) + "\n")

@@ -58,6 +58,14 @@ _OPTIONS = [
     _option("--block-size", "Engine: tokens per KV cache block.", type=int),
     _option("--kv-cache-memory", "Engine: bytes for the KV cache.  [default: from free "
             "memory]", type=int),
+    _option("--device-memory", "Memory pool: device budget (bytes, a size like 24GiB, or a "
+            "fraction of free memory); layers that do not fit stream from host or disk.  "
+            "[default: no limit]"),
+    _option("--host-memory", "Memory pool: pinned host budget for streamed layers and "
+            "swapped KV blocks (same forms).  [default: half of free host memory when "
+            "--device-memory is set]"),
+    _option("--prefetch-depth", "Memory pool: streamed layers copied ahead of compute.",
+            type=int),
     _option("--max-model-len", "Engine: context length limit; longer prompts become error "
             "rows.  [default: the model's]", type=int),
     _option("--allow-pickle/--no-allow-pickle", "Allow pickle checkpoints (*.bin, *.pt): "

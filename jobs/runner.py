@@ -108,9 +108,12 @@ def _execute(spec: JobSpec, todo: list[Partition], fingerprint: str,
     with nullcontext(client) if client is not None else open_client(spec) as client:
         # Every worker loads its engine before any partition is read: a model that cannot
         # load fails the job here, with the engine's message.
-        client.gather([client.submit(load_engine, spec, workers=[w], allow_other_workers=True,
-                                     pure=False, key=f"fusegen-load-{run_token}-{i}")
-                       for i, w in enumerate(_workers(client))])
+        loaded = client.gather([client.submit(load_engine, spec, workers=[w],
+                                              allow_other_workers=True, pure=False,
+                                              key=f"fusegen-load-{run_token}-{i}")
+                                for i, w in enumerate(_workers(client))])
+        if loaded:  # where the weights and the KV cache live, once per job
+            progress.message("memory plan (per worker):\n" + loaded[0]["placement"])
         topic = f"fusegen-progress-{run_token}"
         client.subscribe_topic(topic, lambda event: progress.partial(
             event[1]["index"], event[1]["rows"], event[1]["tokens"]))

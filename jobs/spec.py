@@ -7,6 +7,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from engine.placement import parse_bytes
 from engine.sampling_params import SamplingParams
 from jobs.errors import JobError
 from jobs.redact import Redactor, public_options, redact_url
@@ -46,6 +47,10 @@ class JobSpec:
     kv_cache_memory: int | None = None  # bytes
     max_model_len: int | None = None
     allow_pickle: bool = False
+    # memory pool: bytes, a size like "24GiB", or a fraction of what is free
+    device_memory: int | str | float | None = None  # None: every layer on the device
+    host_memory: int | str | float | None = None  # pinned host tier (streamed layers, swap)
+    prefetch_depth: int = 1  # streamed layers copied ahead of compute
     # execution
     scheduler: str | None = None  # address of an existing Dask scheduler
     workers: int = 1  # local cluster only: >1 starts that many worker processes
@@ -68,6 +73,14 @@ class JobSpec:
         _check_int(self, "workers", 1)
         _check_int(self, "partitions_per_worker", 1)
         _check_int(self, "block_size", 1)
+        _check_int(self, "prefetch_depth", 1)
+        for name in ("device_memory", "host_memory"):
+            value = getattr(self, name)
+            if value is not None:
+                try:  # checked here so that a typo fails before any model loads
+                    parse_bytes(value, available=1, name=name)
+                except ValueError as exc:
+                    raise JobError(str(exc)) from None
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory"):
             if getattr(self, name) is not None:
                 _check_int(self, name, 1)
@@ -92,7 +105,9 @@ class JobSpec:
         return dict(dtype=self.dtype, device=self.device, max_num_seqs=self.max_num_seqs,
                     max_num_batched_tokens=self.max_num_batched_tokens,
                     block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
-                    max_model_len=self.max_model_len, allow_pickle=self.allow_pickle)
+                    max_model_len=self.max_model_len, allow_pickle=self.allow_pickle,
+                    device_memory=self.device_memory, host_memory=self.host_memory,
+                    prefetch_depth=self.prefetch_depth)
 
     def output_config(self) -> dict:
         """The fields an output depends on: a rerun with a different value is a new job."""

@@ -25,13 +25,13 @@ def load_engine(spec: JobSpec) -> dict:
         # A template that cannot render a plain user turn would fail every row: fail once.
         _guard(spec, "the model's chat template",
                lambda: _chat_ids(llm, [{"role": "user", "content": "hello"}]))
-    return {"max_model_len": llm.max_model_len}
+    return {"max_model_len": llm.max_model_len, "placement": llm.placement.table()}
 
 
 def engine_stats(spec: JobSpec) -> dict | None:
     """The worker engine's counters since it loaded (steps, mean running batch...)."""
     llm = loaded_engine(spec.model, spec.engine_kwargs())
-    return None if llm is None else llm.stats()
+    return None if llm is None else {**llm.stats(), "memory": llm.memory_report()}
 
 
 def run_partition(spec: JobSpec, part: Partition, fingerprint: str,

@@ -15,8 +15,9 @@ from jobs_fixtures import read_output, tiny_model_dir
 
 
 def _spec(inp, out, **kw):
-    kw = {"max_tokens": 6, "partition_rows": 8, "max_num_seqs": 8, "progress": "none", **kw}
-    return JobSpec(model=tiny_model_dir(), input=str(inp), output=str(out), **kw)
+    kw = {"model": tiny_model_dir(), "max_tokens": 6, "partition_rows": 8, "max_num_seqs": 8,
+          "progress": "none", **kw}
+    return JobSpec(input=str(inp), output=str(out), **kw)
 
 
 def test_job_matches_engine_alone_token_for_token(tmp_path):
@@ -97,3 +98,42 @@ def test_model_that_does_not_load_fails_before_generation(tmp_path):
     assert not list((tmp_path / "out").glob("part-*"))
     spec.model = tiny_model_dir()  # fixed: the same output starts afresh, no --overwrite
     assert run_job(spec).num_rows == 1
+
+
+def test_device_memory_budget_end_to_end(tmp_path):
+    # A device budget too small for every layer: the job streams layers from disk,
+    # prints the memory plan, records the memory report, and writes the same tokens.
+    import io
+
+    from checkpoints import make_hf_checkpoint
+    from engine.placement import budget_for_resident_layers
+    from engine.runner import model_sizes
+
+    model = make_hf_checkpoint(tmp_path / "model", "llama", "bpe", num_hidden_layers=6)
+    prompts = [f"row {i} " + "word " * (i % 6) for i in range(12)]
+    pq.write_table(pa.table({"prompt": prompts}), tmp_path / "in.parquet")
+    with LLM(str(model), max_num_seqs=8, dtype="float32") as llm:
+        sizes = model_sizes(llm.config)
+    budget = budget_for_resident_layers(sizes, 1)
+    stream = io.StringIO()
+    stream.isatty = lambda: True  # the bar mode prints the plan on the stream
+    run_job(_spec(tmp_path / "in.parquet", tmp_path / "offload", temperature=0.0,
+                  dtype="float32", device_memory=budget, host_memory=0, progress="bar",
+                  output_token_ids=True, model=str(model)), progress_stream=stream)
+    run_job(_spec(tmp_path / "in.parquet", tmp_path / "plain", temperature=0.0,
+                  dtype="float32", output_token_ids=True, model=str(model)))
+    tokens = read_output(tmp_path / "offload").column("generated_token_ids").to_pylist()
+    assert tokens == read_output(tmp_path / "plain").column("generated_token_ids").to_pylist()
+    assert "memory plan (per worker)" in stream.getvalue()
+    assert "1 layers + embed/head" in stream.getvalue()
+    manifest = json.loads((tmp_path / "offload" / "_manifest.json").read_text())
+    (stats,) = manifest["runs"][-1]["engine_stats"]
+    assert stats["memory"]["layers"] == {"device": 1, "host": 0, "disk": sizes.num_layers - 1}
+    assert stats["memory"]["device"]["peak"] <= budget
+    assert manifest["config"]["device_memory"] == budget
+
+
+def test_bad_memory_budget_fails_before_loading(tmp_path):
+    pq.write_table(pa.table({"prompt": ["a"]}), tmp_path / "in.parquet")
+    with pytest.raises(JobError, match="device_memory: cannot read '12 potatoes'"):
+        _spec(tmp_path / "in.parquet", tmp_path / "out", device_memory="12 potatoes")
