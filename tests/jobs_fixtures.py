@@ -72,6 +72,14 @@ class FakeLLM:
     def submit_many(self, requests):
         return [self.submit(p, s) for p, s in requests]
 
+    class placement:  # the engine's placement plan, as the job prints it
+        @staticmethod
+        def table() -> str:
+            return "tier  budget  weights\ndevice  -  all layers"
+
+    def memory_report(self) -> dict:
+        return {"device": {"total": 0}, "layers": {"device": 1, "host": 0, "disk": 0}}
+
     def generate(self, prompts, params):
         plist = params if isinstance(params, list) else [params] * len(prompts)
         return [f.result() for f in [self.submit(p, s) for p, s in zip(prompts, plist)]]

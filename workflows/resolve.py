@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 from jobs.errors import JobError
 from jobs.parts import output_table
 from jobs.spec import MESSAGES_COLUMN, OUTPUT_COLUMNS, JobSpec, build_spec
-from jobs.storage import list_input_files
+from jobs.storage import filesystem, list_input_files
 from jobs.template import PromptTemplate
 from workflows.errors import Problem, ValidationError
 from workflows.expr import ExpressionError
@@ -172,7 +172,8 @@ def _check_columns(workflow: Workflow, steps: dict[str, ResolvedStep], problems:
 def _input_schema(step: ResolvedStep, problems: list) -> pa.Schema | None:
     key = "input"
     try:
-        fs, files = list_input_files(step.input, step.storage_options)
+        files = list_input_files(step.input, step.storage_options)
+        fs, _ = filesystem(step.input, step.storage_options)
         schemas = []
         for f in files:
             with fs.open(f.path, "rb") as fh:

@@ -103,7 +103,7 @@ def run_step(step: ResolvedStep, clients: Clients, overwrite: bool,
 
 def output_fingerprint(step: ResolvedStep) -> str:
     """The fingerprint the step's job will give its output (jobs' for generate steps)."""
-    _, files = list_input_files(step.input, step.storage_options)
+    files = list_input_files(step.input, step.storage_options)
     inputs = [{"path": redact_url(f.path), "num_rows": f.num_rows} for f in files]
     if step.job is not None:
         return step.job.fingerprint(inputs)
@@ -151,7 +151,8 @@ def run_transform(step: ResolvedStep, overwrite: bool, after_part=None) -> StepC
     """Stream the step's input through its transform into committed parts. `after_part`
     (tests) is called with each newly committed part's name."""
     so = step.storage_options
-    in_fs, files = list_input_files(step.input, so)
+    files = list_input_files(step.input, so)
+    in_fs, _ = filesystem(step.input, so)
     plan = plan_partitions(files, step.partition_rows)
     inputs = [{"path": redact_url(f.path), "num_rows": f.num_rows} for f in files]
     config = _transform_config(step)
