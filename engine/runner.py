@@ -117,9 +117,15 @@ class ModelRunner:
             host = 0  # CPU with no device limit: nothing to spill to
         ceiling = config.max_num_seqs * sizes.min_kv_blocks
         host_cap = ceiling if config.num_host_kv_blocks is None else config.num_host_kv_blocks
-        return plan_placement(sizes, budget, host, config.prefetch_depth,
+        plan = plan_placement(sizes, budget, host, config.prefetch_depth,
                               max_kv_blocks=config.num_kv_blocks or ceiling,
                               max_host_kv_blocks=host_cap)
+        if config.host_memory is None and config.num_host_kv_blocks is None:
+            # Unasked-for swap space: as much as the device pool, no more (pinned
+            # memory is slow to allocate and taken from everyone else).
+            plan.num_host_kv_blocks = min(plan.num_host_kv_blocks, plan.num_device_kv_blocks)
+            plan.host_bytes["kv_cache"] = plan.num_host_kv_blocks * sizes.kv_block_bytes
+        return plan
 
     @staticmethod
     def _parse(value, free: int, name: str) -> int:

@@ -84,9 +84,10 @@ def run_benchmark(config: BenchConfig, progress: Progress = lambda _: None) -> d
     from jobs.bench.fusegen_runner import run_fusegen
 
     budgets = _offload_budgets(config, model_dir, progress) if preset.offload else {}
+    engine_options = {k: v for k, v in budgets.items() if not k.startswith("_")}
     progress(f"fusegen: loading the model ({config.dtype} on {config.device})")
     results = [run_fusegen(model_dir, requests, warmup, dtype=config.dtype, device=config.device,
-                           engine_options={**config.engine_options, **budgets},
+                           engine_options={**config.engine_options, **engine_options},
                            progress=progress)]
     _done(results[-1], progress)
     _free_memory(config.device)  # fusegen's weights and KV pool, before transformers loads
@@ -143,31 +144,34 @@ def _run_baselines(config: BenchConfig, model_dir: Path, requests, warmup,
 
 
 def _offload_budgets(config: BenchConfig, model_dir: Path, progress: Progress) -> dict:
-    """The preset's device and host budgets in bytes, the same for every engine."""
+    """The preset's device and host budgets in bytes, and the batch limits they were
+    planned with (pinned, so the engine plans alike)."""
     from engine.config import EngineConfig
-    from engine.placement import budget_for_resident_layers, parse_bytes
+    from engine.placement import budget_for_resident_layers, parse_bytes, plan_placement
     from engine.runner import model_sizes
 
     spec = config.preset.offload
     engine_config = EngineConfig(model=str(model_dir), dtype=config.dtype, device=config.device,
                                  **config.engine_options)
+    # The batch limits the engine uses once layers stream.
+    engine_config.resolve_limits(streaming=True)
+    sizes = model_sizes(engine_config)
+    host_memory = parse_bytes(spec.host_memory, name="host_memory")
     if spec.device_memory is not None:
         device_memory = parse_bytes(spec.device_memory, name="device_memory")
     else:
-        # The budget the engine's own plan needs to keep this share of the layers, with
-        # the batch limits it would use once layers stream.
-        engine_config.resolve_limits(streaming=True)
-        sizes = model_sizes(engine_config)
         resident = int(spec.resident_fraction * sizes.num_layers)
         device_memory = budget_for_resident_layers(sizes, resident)
-    host_memory = parse_bytes(spec.host_memory, name="host_memory")
+    plan = plan_placement(sizes, device_memory, host_memory)
     progress(f"offload: device budget {device_memory / 2**20:,.0f} MiB, host budget "
-             f"{host_memory / 2**20:,.0f} MiB (the same for every engine)")
-    # The batch limits the budget was computed with, pinned so the engine plans alike.
-    engine_config.resolve_limits(streaming=True)
+             f"{host_memory / 2**20:,.0f} MiB; the plan keeps "
+             f"{plan.layer_tiers.count('device')}/{sizes.num_layers} layers on the device")
     return {"device_memory": device_memory, "host_memory": host_memory,
             "max_num_seqs": engine_config.max_num_seqs,
-            "max_num_batched_tokens": engine_config.max_num_batched_tokens}
+            "max_num_batched_tokens": engine_config.max_num_batched_tokens,
+            # accelerate has no KV cache manager and no activation reserve: its device
+            # budget is what fusegen's plan gives weights (resident layers + staging).
+            "_baseline_device_memory": plan.device_bytes["weights"] + plan.device_bytes["staging"]}
 
 
 def _run_offload_baseline(config: BenchConfig, model_dir: Path, requests, warmup, budgets: dict,
@@ -182,11 +186,11 @@ def _run_offload_baseline(config: BenchConfig, model_dir: Path, requests, warmup
     progress("transformers + accelerate: loading the model with device_map offload")
     start = time.perf_counter()
     model = load_offloaded_model(model_dir, config.dtype, config.device,
-                                 budgets["device_memory"], budgets["host_memory"])
+                                 budgets["_baseline_device_memory"], budgets["host_memory"])
     load_s = time.perf_counter() - start
     progress(f"hf offload: generating {len(requests)} requests in batches of {batch_size}")
     result = run_hf_offload(model, requests, warmup, batch_size=batch_size, device=config.device,
-                            progress=progress)
+                            device_memory=budgets["_baseline_device_memory"], progress=progress)
     result.load_s = load_s
     _done(result, progress)
     del model

@@ -1,5 +1,6 @@
 """Baseline for the offload presets: transformers with accelerate's `device_map`
-offload under the same memory budgets fusegen gets.
+offload under the same memory budgets fusegen gets (on the device, the bytes fusegen's
+plan spends on weights: accelerate keeps no KV pool and reserves no activations).
 
 accelerate places what fits `max_memory` on the device and the rest in CPU memory or
 on disk, and moves each offloaded layer to the device inside its forward hook, every
@@ -42,9 +43,11 @@ def offload_summary(model) -> dict:
 
 
 def run_hf_offload(model, requests: list[BenchRequest], warmup: list[BenchRequest], *,
-                   batch_size: int, device: str, progress: Callable[[str], None]) -> EngineResult:
+                   batch_size: int, device: str, device_memory: int,
+                   progress: Callable[[str], None]) -> EngineResult:
     result = run_hf_static(model, requests, warmup, batch_size=batch_size, device=device,
                            progress=lambda line: progress(line.replace("hf static", "hf offload")))
     result.name, result.label = "hf_offload", f"hf accelerate offload, static bs {batch_size}"
     result.extra["device_map"] = offload_summary(model)
+    result.extra["device_memory"] = device_memory
     return result
