@@ -189,11 +189,8 @@ class ModelRunner:
         """Device bytes in use during a step: every tensor allocated at start-up, plus
         the step's activations and logits (the shape-based estimate the plan
         reserves for)."""
-        cfg = self.config.model_config
-        width = (4 * cfg.hidden_size + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-                 + 3 * cfg.intermediate_size)
         static = sum(self.memory["device"].values())
-        return static + num_tokens * width * 4 + num_sampled * cfg.vocab_size * 4 * 3
+        return static + activation_bytes(self.config.model_config, num_tokens, num_sampled)
 
     # -- steps ------------------------------------------------------------------
 
@@ -294,11 +291,17 @@ def model_sizes(config: EngineConfig, state: dict | None = None) -> ModelSizes:
     layer = sum(t.numel() for parts in layer_sources(state, 0, cfg).values() for t in parts)
     fixed = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
     kv_block = 2 * cfg.num_layers * config.block_size * cfg.num_kv_heads * cfg.head_dim * elem
-    width = (4 * cfg.hidden_size + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-             + 3 * cfg.intermediate_size)
-    activations = (config.max_num_batched_tokens * width * 4
-                   + config.max_num_seqs * cfg.vocab_size * 4 * 3)
+    activations = activation_bytes(cfg, config.max_num_batched_tokens, config.max_num_seqs)
     return ModelSizes(layer_bytes=layer * elem, num_layers=cfg.num_layers,
                       fixed_bytes=(fixed + cfg.hidden_size) * elem, kv_block_bytes=kv_block,
                       min_kv_blocks=-(-config.max_model_len // config.block_size),
                       activation_bytes=activations)
+
+
+def activation_bytes(cfg, num_tokens: int, num_sampled: int) -> int:
+    """A step's transient tensors: per token the hidden stream, residual, norms, q/k/v
+    and the MLP's gate/up (fp32 at most), and per sampled row the logits and the
+    sampler's two working copies."""
+    width = (4 * cfg.hidden_size + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+             + 3 * cfg.intermediate_size)
+    return num_tokens * width * 4 + num_sampled * cfg.vocab_size * 4 * 3
