@@ -10,6 +10,9 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=["engine", "kernels", "jobs", "workflows"],
+    # The CPU kernels' C source is compiled on first use (kernels/native.py), so it
+    # ships as data: installing fusegen needs no compiler.
+    package_data={"kernels": ["csrc/*.c"]},
     install_requires=[
         # A range, never a pin: on a CPU-only machine install the CPU build first
         # (`pip install torch==2.13.0`) and this range keeps pip from replacing it.

@@ -3,7 +3,10 @@ dispatcher that picks Triton on CUDA and the reference elsewhere.
 
 FUSEGEN_KERNELS overrides the choice: `reference` everywhere, or `triton` everywhere,
 which with TRITON_INTERPRET=1 runs the engine's whole Triton path on CPU tensors (how
-the test suite checks the GPU path's logic on a machine without a GPU)."""
+the test suite checks the GPU path's logic on a machine without a GPU).
+
+On CPUs, operations that torch cannot do well have C kernels (`kernels/native.py`),
+compiled on first use; `reference` skips them too."""
 import functools
 import os
 
@@ -26,3 +29,13 @@ def use_triton(tensor) -> bool:
     if mode == "triton":
         return True
     return tensor.is_cuda and _triton_available()
+
+
+def use_native(tensor) -> bool:
+    """The C kernels serve CPU tensors unless FUSEGEN_KERNELS says otherwise or they
+    cannot be built here."""
+    if tensor.device.type != "cpu" or os.environ.get("FUSEGEN_KERNELS", "auto") != "auto":
+        return False
+    from kernels import native
+
+    return native.library() is not None

@@ -29,15 +29,15 @@ fill the GPU) each program covers 1/S of the key range and writes a partial resu
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
-
 import threading
 
 import torch
-
-from kernels import use_triton
 import torch.nn.functional as F
+
+from kernels import native, use_native, use_triton
 
 try:
     import triton
@@ -49,12 +49,18 @@ except ImportError:  # no Triton on this platform: the reference still serves
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *,
                     max_query_len: int, max_seq_len: int, scale: float,
                     sliding_window: int = 0) -> torch.Tensor:
-    """Dispatcher: the Triton kernel on CUDA, the torch reference elsewhere."""
+    """Dispatcher: the Triton kernel on CUDA, the C decode kernel with torch's fused
+    attention for prefill on CPUs, the torch reference where neither applies."""
     if use_triton(q):
         return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens,
                                       query_start_loc, max_query_len=max_query_len,
                                       max_seq_len=max_seq_len, scale=scale,
                                       sliding_window=sliding_window)
+    if use_native(q):
+        return paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens,
+                                   query_start_loc, max_query_len=max_query_len,
+                                   max_seq_len=max_seq_len, scale=scale,
+                                   sliding_window=sliding_window)
     return paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens,
                                      query_start_loc, max_query_len=max_query_len,
                                      max_seq_len=max_seq_len, scale=scale,
@@ -271,6 +277,79 @@ def _num_kv_splits(device, num_programs, max_query_len, max_seq_len):
 @functools.cache
 def _num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+_NATIVE_DECODE = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16",
+                  torch.float16: "paged_decode_f16"}
+
+
+def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *,
+                        max_query_len: int, max_seq_len: int, scale: float,
+                        sliding_window: int = 0) -> torch.Tensor:
+    """CPU path: decode rows through the C kernel (kernels/csrc/paged_decode.c), which
+    reads each sequence's blocks in place; prefill rows through torch's fused attention,
+    one sequence at a time."""
+    out = torch.empty_like(q)
+    if max_query_len == 1:  # a pure decode step: every sequence, no index lists
+        paged_decode_native(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                            out, scale=scale, sliding_window=sliding_window)
+        return out
+    starts = query_start_loc.tolist()
+    query_lens = [b - a for a, b in zip(starts, starts[1:])]
+    decode = [i for i, n in enumerate(query_lens) if n == 1]
+    if decode:
+        paged_decode_native(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                            out, scale=scale, sliding_window=sliding_window,
+                            seq_ids=torch.tensor(decode, dtype=torch.int32))
+    if len(decode) < len(query_lens):
+        lens = seq_lens.tolist()
+        for i, n in enumerate(query_lens):
+            if n > 1:
+                out[starts[i]:starts[i] + n] = _prefill(
+                    q[starts[i]:starts[i] + n], k_cache, v_cache, block_tables[i], lens[i],
+                    scale, sliding_window)
+    return out
+
+
+def paged_decode_native(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, *,
+                        scale: float, sliding_window: int = 0, seq_ids=None,
+                        num_threads: int | None = None) -> torch.Tensor:
+    """Decode attention for the sequences `seq_ids` (default: all), each with exactly one
+    query row at query_start_loc[i], written into `out` in place. CPU tensors; the C
+    kernel must be available (`kernels.native.library()`)."""
+    num_heads, head_dim = q.shape[1:]
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert q.dtype == k_cache.dtype == v_cache.dtype == out.dtype, \
+        f"dtypes q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}, out {out.dtype}"
+    assert q.dtype in _NATIVE_DECODE, f"unsupported dtype {q.dtype}"
+    for name, t in (("q", q), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
+        assert t.device.type == "cpu" and t.stride(-1) == 1, \
+            f"{name} must be a CPU tensor with a contiguous head dimension"
+    block_tables = _int32(block_tables)
+    assert block_tables.stride(1) == 1, "block_tables rows must be contiguous"
+    seq_lens, query_start_loc = _int32(seq_lens).contiguous(), _int32(query_start_loc).contiguous()
+    if seq_ids is not None:
+        seq_ids = _int32(seq_ids).contiguous()
+    num_items = seq_lens.shape[0] if seq_ids is None else seq_ids.shape[0]
+    if num_items == 0:
+        return out
+    strides = native.Strides(q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                             *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0))
+    fn = getattr(native.library(), _NATIVE_DECODE[q.dtype])
+    failed = fn(q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                block_tables.data_ptr(), seq_lens.data_ptr(), query_start_loc.data_ptr(),
+                None if seq_ids is None else seq_ids.data_ptr(), num_items, num_heads,
+                num_kv_heads, head_dim, block_size, sliding_window, scale,
+                ctypes.byref(strides), num_threads or torch.get_num_threads())
+    if failed:
+        raise ValueError(f"the CPU decode kernel takes head_dim <= 256 and block_size <= 256 "
+                         f"with num_heads a multiple of num_kv_heads; got head_dim {head_dim}, "
+                         f"block_size {block_size}, {num_heads} heads, {num_kv_heads} KV heads")
+    return out
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int32 else t.to(torch.int32)
 
 
 def paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *,

@@ -1,0 +1,257 @@
+/* Decode attention over a paged KV cache, for CPUs.
+ *
+ * One query token per sequence attends to the sequence's keys and values where they
+ * lie, block by block, through its block table: nothing is gathered into a dense copy,
+ * so each key and value is read from memory once per step. Softmax is online (a
+ * running max and sum per query head, rescaled once per block), in fp32 whatever the
+ * cache dtype. Work items are (sequence, range of KV heads), spread over OpenMP
+ * threads with dynamic scheduling because sequence lengths differ.
+ *
+ * Layouts (element strides given by the caller, the head dimension contiguous):
+ *   q, out        [T, Hq, D]  the decode sequence i's query row is query_start_loc[i]
+ *   k/v cache     [N, block_size, Hkv, D]
+ *   block_tables  [B, W] int32, seq_lens [B] int32, query_start_loc [B+1] int32
+ *   seq_ids       [n] int32: the sequences to compute (NULL: 0..n-1)
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef struct {
+    int64_t q_t, q_h;     /* q strides: token, head */
+    int64_t o_t, o_h;     /* out strides */
+    int64_t k_b, k_s, k_h; /* k cache strides: block, slot, head */
+    int64_t v_b, v_s, v_h;
+    int64_t bt;           /* block_tables row stride */
+} strides_t;
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+#define MAX_HEAD_DIM 256
+#define MAX_BLOCK 256
+
+/* One definition per cache dtype: T is the element type, LOAD/STORE convert to and
+ * from fp32; VECTOR_ITEM, when not 0, serves head dimensions that are multiples of 8. */
+#define DEFINE_DECODE(NAME, T, LOAD, STORE, VECTOR_ITEM)                                                 \
+static void NAME##_item(const T *q, T *out, const T *kc, const T *vc,                      \
+                        const int32_t *block_tables, const int32_t *seq_lens,              \
+                        const int32_t *query_start_loc, int seq, int h0, int h1,           \
+                        int group, int head_dim, int block_size, int window, float scale,  \
+                        const strides_t *st, float *work) {                                \
+    const int nq = (h1 - h0) * group;            /* query heads of this item */             \
+    float *qf = work;                            /* [nq, D] scaled queries */              \
+    float *acc = qf + (int64_t)nq * head_dim;    /* [nq, D] */                             \
+    float *m = acc + (int64_t)nq * head_dim;     /* [nq] running max */                    \
+    float *l = m + nq;                           /* [nq] running sum */                    \
+    float *s = l + nq;                           /* [nq, block_size] scores */             \
+    const int64_t row = query_start_loc[seq];                                              \
+    for (int i = 0; i < nq; i++) {                                                          \
+        const T *qp = q + row * st->q_t + (int64_t)(h0 * group + i) * st->q_h;             \
+        for (int d = 0; d < head_dim; d++) qf[i * head_dim + d] = LOAD(qp[d]) * scale;     \
+        memset(acc + (int64_t)i * head_dim, 0, sizeof(float) * head_dim);                  \
+        m[i] = -FLT_MAX; /* -inf would break under -ffast-math */                         \
+        l[i] = 0.0f;                                                                        \
+    }                                                                                       \
+    const int len = seq_lens[seq];                                                          \
+    int pos = (window > 0 && len > window) ? len - window : 0;                              \
+    const int32_t *table = block_tables + (int64_t)seq * st->bt;                           \
+    float kv[MAX_HEAD_DIM];                                                                 \
+    while (pos < len) {                                                                     \
+        const int64_t block = table[pos / block_size];                                     \
+        const int slot0 = pos % block_size;                                                 \
+        const int n = (block_size - slot0 < len - pos) ? block_size - slot0 : len - pos;   \
+        for (int j = 0; j < n; j++) {                                                       \
+            for (int h = h0; h < h1; h++) {                                                 \
+                const T *kp = kc + block * st->k_b + (int64_t)(slot0 + j) * st->k_s        \
+                              + (int64_t)h * st->k_h;                                       \
+                for (int d = 0; d < head_dim; d++) kv[d] = LOAD(kp[d]);                     \
+                for (int g = 0; g < group; g++) {                                           \
+                    const int i = (h - h0) * group + g;                                     \
+                    const float *qi = qf + (int64_t)i * head_dim;                           \
+                    float dot = 0.0f;                                                       \
+                    _Pragma("omp simd reduction(+:dot)")                                    \
+                    for (int d = 0; d < head_dim; d++) dot += qi[d] * kv[d];                \
+                    s[i * block_size + j] = dot;                                            \
+                }                                                                           \
+            }                                                                               \
+        }                                                                                   \
+        for (int i = 0; i < nq; i++) {                                                      \
+            float *si = s + i * block_size;                                                 \
+            float top = m[i];                                                               \
+            for (int j = 0; j < n; j++) top = si[j] > top ? si[j] : top;                    \
+            const float alpha = expf(m[i] - top); /* 0 on the first block */                \
+            float sum = 0.0f;                                                               \
+            for (int j = 0; j < n; j++) { si[j] = expf(si[j] - top); sum += si[j]; }        \
+            l[i] = l[i] * alpha + sum;                                                      \
+            m[i] = top;                                                                     \
+            float *ai = acc + (int64_t)i * head_dim;                                        \
+            if (alpha != 1.0f)                                                              \
+                for (int d = 0; d < head_dim; d++) ai[d] *= alpha;                          \
+        }                                                                                   \
+        for (int j = 0; j < n; j++) {                                                       \
+            for (int h = h0; h < h1; h++) {                                                 \
+                const T *vp = vc + block * st->v_b + (int64_t)(slot0 + j) * st->v_s        \
+                              + (int64_t)h * st->v_h;                                       \
+                for (int d = 0; d < head_dim; d++) kv[d] = LOAD(vp[d]);                     \
+                for (int g = 0; g < group; g++) {                                           \
+                    const int i = (h - h0) * group + g;                                     \
+                    const float p = s[i * block_size + j];                                  \
+                    float *ai = acc + (int64_t)i * head_dim;                                \
+                    _Pragma("omp simd")                                                     \
+                    for (int d = 0; d < head_dim; d++) ai[d] += p * kv[d];                  \
+                }                                                                           \
+            }                                                                               \
+        }                                                                                   \
+        pos += n;                                                                           \
+    }                                                                                       \
+    for (int i = 0; i < nq; i++) {                                                          \
+        T *op = out + row * st->o_t + (int64_t)(h0 * group + i) * st->o_h;                 \
+        const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;                                 \
+        for (int d = 0; d < head_dim; d++) op[d] = STORE(acc[i * head_dim + d] * inv);     \
+    }                                                                                       \
+}                                                                                           \
+                                                                                            \
+int NAME(const T *q, T *out, const T *kc, const T *vc, const int32_t *block_tables,        \
+         const int32_t *seq_lens, const int32_t *query_start_loc, const int32_t *seq_ids,   \
+         int num_items, int num_heads, int num_kv_heads, int head_dim, int block_size,     \
+         int window, float scale, const strides_t *st, int num_threads) {                   \
+    if (head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK || num_heads % num_kv_heads)     \
+        return 1;                                                                           \
+    const int group = num_heads / num_kv_heads;                                             \
+    /* Few sequences: split each one's KV heads over the threads as well. */               \
+    const int head_split = num_items >= 4 * num_threads ? 1 : num_kv_heads;                \
+    const int heads_per = num_kv_heads / head_split;                                        \
+    const int64_t work_floats = (int64_t)heads_per * group * (2 * head_dim + 2 + block_size); \
+    const int total = num_items * head_split;                                               \
+    const int vector = (VECTOR_ITEM != 0) && head_dim % 8 == 0                              \
+                       && st->q_h % 8 == 0 && st->o_h % 8 == 0;                             \
+    _Pragma("omp parallel num_threads(num_threads)")                                        \
+    {                                                                                       \
+        float work[work_floats] __attribute__((aligned(32)));                               \
+        _Pragma("omp for schedule(dynamic, 1)")                                             \
+        for (int item = 0; item < total; item++) {                                          \
+            const int b = item / head_split;                                                \
+            const int h0 = (item % head_split) * heads_per;                                 \
+            const int seq = seq_ids ? seq_ids[b] : b;                                       \
+            (vector ? VECTOR_ITEM : NAME##_item)(                                           \
+                q, out, kc, vc, block_tables, seq_lens, query_start_loc, seq, h0,           \
+                h0 + heads_per, group, head_dim, block_size, window, scale, st, work);      \
+        }                                                                                   \
+    }                                                                                       \
+    return 0;                                                                               \
+}
+
+/* fp32 with a head dimension that is a multiple of 8: the same algorithm in 8-lane
+ * vectors (GCC vector extensions: AVX on x86, pairs of NEON registers on Arm). */
+typedef float v8f __attribute__((vector_size(32), aligned(4)));
+#define MAX_LANES (MAX_HEAD_DIM / 8)
+
+static inline float hsum8(v8f v) {
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+static void paged_decode_f32x8_item(const float *q, float *out, const float *kc,
+                                    const float *vc, const int32_t *block_tables,
+                                    const int32_t *seq_lens, const int32_t *query_start_loc,
+                                    int seq, int h0, int h1, int group, int head_dim,
+                                    int block_size, int window, float scale,
+                                    const strides_t *st, float *work) {
+    const int nq = (h1 - h0) * group, lanes = head_dim / 8;
+    v8f *qv = (v8f *)work;                  /* [nq, lanes] scaled queries */
+    v8f *acc = qv + (int64_t)nq * lanes;    /* [nq, lanes] */
+    float *m = (float *)(acc + (int64_t)nq * lanes);
+    float *l = m + nq;
+    float *s = l + nq;                      /* [nq, block_size] */
+    const int64_t row = query_start_loc[seq];
+    for (int i = 0; i < nq; i++) {
+        const v8f *qp = (const v8f *)(q + row * st->q_t + (int64_t)(h0 * group + i) * st->q_h);
+        for (int c = 0; c < lanes; c++) {
+            qv[i * lanes + c] = qp[c] * scale;
+            acc[i * lanes + c] = (v8f){0};
+        }
+        m[i] = -FLT_MAX;
+        l[i] = 0.0f;
+    }
+    const int len = seq_lens[seq];
+    int pos = (window > 0 && len > window) ? len - window : 0;
+    const int32_t *table = block_tables + (int64_t)seq * st->bt;
+    while (pos < len) {
+        const int64_t block = table[pos / block_size];
+        const int slot0 = pos % block_size;
+        const int n = (block_size - slot0 < len - pos) ? block_size - slot0 : len - pos;
+        const float *kb = kc + block * st->k_b + (int64_t)slot0 * st->k_s;
+        const float *vb = vc + block * st->v_b + (int64_t)slot0 * st->v_s;
+        for (int j = 0; j < n; j++) {
+            for (int h = h0; h < h1; h++) {
+                const v8f *kp = (const v8f *)(kb + (int64_t)j * st->k_s + (int64_t)h * st->k_h);
+                for (int g = 0; g < group; g++) {
+                    const int i = (h - h0) * group + g;
+                    const v8f *qi = qv + i * lanes;
+                    v8f a = qi[0] * kp[0], b = (v8f){0};
+                    int c = 1;
+                    for (; c + 1 < lanes; c += 2) {
+                        b += qi[c] * kp[c];
+                        a += qi[c + 1] * kp[c + 1];
+                    }
+                    if (c < lanes) b += qi[c] * kp[c];
+                    s[i * block_size + j] = hsum8(a + b);
+                }
+            }
+        }
+        for (int i = 0; i < nq; i++) {
+            float *si = s + i * block_size;
+            float top = m[i];
+            for (int j = 0; j < n; j++) top = si[j] > top ? si[j] : top;
+            const float alpha = expf(m[i] - top);
+            float sum = 0.0f;
+            _Pragma("omp simd reduction(+:sum)")
+            for (int j = 0; j < n; j++) { si[j] = expf(si[j] - top); sum += si[j]; }
+            l[i] = l[i] * alpha + sum;
+            m[i] = top;
+            if (alpha != 1.0f)
+                for (int c = 0; c < lanes; c++) acc[i * lanes + c] *= alpha;
+        }
+        for (int j = 0; j < n; j++) {
+            for (int h = h0; h < h1; h++) {
+                const v8f *vp = (const v8f *)(vb + (int64_t)j * st->v_s + (int64_t)h * st->v_h);
+                for (int g = 0; g < group; g++) {
+                    const int i = (h - h0) * group + g;
+                    const float p = s[i * block_size + j];
+                    v8f *ai = acc + i * lanes;
+                    for (int c = 0; c < lanes; c++) ai[c] += p * vp[c];
+                }
+            }
+        }
+        pos += n;
+    }
+    for (int i = 0; i < nq; i++) {
+        v8f *op = (v8f *)(out + row * st->o_t + (int64_t)(h0 * group + i) * st->o_h);
+        const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+        for (int c = 0; c < lanes; c++) op[c] = acc[i * lanes + c] * inv;
+    }
+}
+
+#define LOAD_F32(x) (x)
+#define STORE_F32(x) (x)
+#define LOAD_BF16(x) bf16_to_f32(x)
+#define STORE_BF16(x) f32_to_bf16(x)
+#define LOAD_F16(x) ((float)(x))
+#define STORE_F16(x) ((_Float16)(x))
+
+DEFINE_DECODE(paged_decode_f32, float, LOAD_F32, STORE_F32, paged_decode_f32x8_item)
+DEFINE_DECODE(paged_decode_bf16, uint16_t, LOAD_BF16, STORE_BF16, 0)
+DEFINE_DECODE(paged_decode_f16, _Float16, LOAD_F16, STORE_F16, 0)

@@ -1,0 +1,111 @@
+"""CPU kernels in C, compiled on first use for the machine they run on.
+
+Some operations have no fast form in torch on a CPU: decode attention over a paged
+cache would have to gather every sequence's blocks into a dense copy first. Those are
+written in C (`kernels/csrc/`), compiled once per machine with the system C compiler
+(`-O3 -march=native -fopenmp`) and called through ctypes, which releases the GIL for
+the call. The shared object is cached under $FUSEGEN_CACHE_DIR (default
+~/.cache/fusegen)/kernels, named by a hash of the source, the flags, the compiler and
+the CPU's instruction-set flags, so a cluster of different machines sharing a home
+directory never loads a build made for another CPU.
+
+Without a compiler (or when the build fails) fusegen falls back to the torch
+reference and says so once in the log; FUSEGEN_KERNELS=reference skips the build.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger("fusegen.kernels")
+
+_SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-shared", "-fPIC", "-std=gnu11"]
+
+
+class Strides(ctypes.Structure):
+    # Mirrors strides_t in csrc/paged_decode.c (element strides).
+    _fields_ = [(name, ctypes.c_int64) for name in
+                ("q_t", "q_h", "o_t", "o_h", "k_b", "k_s", "k_h", "v_b", "v_s", "v_h", "bt")]
+
+
+_DECODE_ARGS = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 6 + [
+    ctypes.c_float, ctypes.POINTER(Strides), ctypes.c_int]
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.machine() + platform.processor()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("FUSEGEN_CACHE_DIR") or Path.home() / ".cache" / "fusegen"
+    return Path(root) / "kernels"
+
+
+def build(source: Path = _SOURCE) -> Path:
+    """The compiled shared object for `source`, building it if no cached build matches.
+    Raises RuntimeError with the compiler's message when the build fails."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC, or install gcc)")
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    except OSError as exc:
+        raise RuntimeError(f"the C compiler {cc} cannot run: {exc}") from exc
+    key = hashlib.sha256("\0".join(
+        [source.read_text(), " ".join(_FLAGS), version, _cpu_flags()]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"{source.stem}-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: concurrent builders (Dask workers starting
+    # together) each write their own file and the last rename wins, never a torn file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *_FLAGS, "-o", tmp, str(source), "-lm"],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} failed on {source.name}:\n{done.stderr.strip()}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None (logged once) when they cannot be built here."""
+    if os.environ.get("FUSEGEN_KERNELS") == "reference":
+        return None
+    try:
+        import torch  # noqa: F401 - load torch's OpenMP runtime first, so the kernels share it
+
+        lib = ctypes.CDLL(str(build()))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.warning("fusegen: CPU kernels unavailable, using the torch reference: %s", exc)
+        return None
+    for name in ("paged_decode_f32", "paged_decode_bf16", "paged_decode_f16"):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = _DECODE_ARGS, ctypes.c_int
+    return lib
