@@ -153,7 +153,9 @@ class EngineConfig:
     max_num_seqs: int | None = None  # running requests at most; None: from the machine
     max_num_batched_tokens: int | None = None  # tokens per step; None: from the machine
     block_size: int = 16  # tokens per KV block
-    kv_cache_memory: int | None = None  # bytes for the KV block pool; None: from free memory
+    # Bytes for the KV block pool; None: from free memory. With device_memory set and
+    # layers streaming, the share of that budget kept for KV before layers are placed.
+    kv_cache_memory: int | None = None
     num_kv_blocks: int | None = None  # exact pool size (overrides kv_cache_memory)
     max_model_len: int | None = None  # context limit; None: max_position_embeddings
     allow_pickle: bool = False  # load *.bin / *.pt checkpoints (weights_only) when True
@@ -202,7 +204,10 @@ class EngineConfig:
         if self.max_num_seqs is None:
             self.max_num_seqs = 256 * scale
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = (8192 if on_gpu else 2048) * scale
+            # A CPU is compute-bound from a few hundred tokens per step on: a bigger
+            # step only has to hold a decode step of every running request.
+            self.max_num_batched_tokens = 8192 * scale if on_gpu else \
+                max(2048, self.max_num_seqs)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -12,9 +12,10 @@ The device budget is spent in this order:
 3. decoder layers, first to last, while they fit; once one does not, the rest are
    streamed, and `prefetch_depth + 1` staging slots of one layer each are reserved
    so that copies run ahead of compute;
-4. when layers stream, `kv_spill_fraction` of the room left after steps 1-2 is kept
-   for KV blocks before layers are placed: every step pays the streamed weights'
-   transfer, so a large running batch (many KV blocks) is what makes it worth it;
+4. when layers stream, `kv_reserve` bytes (the engine's `kv_cache_memory`), or by
+   default `kv_spill_fraction` of the room left after steps 1-2, are kept for KV
+   blocks before layers are placed: every step pays the streamed weights' transfer,
+   so a large running batch (many KV blocks) is what makes it worth it;
 5. whatever is left becomes more KV blocks.
 Streamed layers live in host memory while the host budget allows, then on disk. The
 host budget left after weights holds the host KV pool that preempted requests swap to.
@@ -128,7 +129,7 @@ def minimum_device_budget(sizes: ModelSizes, prefetch_depth: int = 1) -> int:
 
 def plan_placement(sizes: ModelSizes, device_budget: int, host_budget: int,
                    prefetch_depth: int = 1, kv_spill_fraction: float = 0.25,
-                   max_kv_blocks: int | None = None,
+                   kv_reserve: int | None = None, max_kv_blocks: int | None = None,
                    max_host_kv_blocks: int | None = None) -> PlacementPlan:
     s = sizes
     floor = minimum_device_budget(sizes, prefetch_depth)
@@ -143,11 +144,15 @@ def plan_placement(sizes: ModelSizes, device_budget: int, host_budget: int,
             f"{format_bytes(s.layer_bytes)})")
     kv_floor = s.min_kv_blocks * s.kv_block_bytes
     free = device_budget - s.fixed_bytes - s.activation_bytes - kv_floor
-    if s.num_layers * s.layer_bytes <= free:
+    # An asked-for KV share comes first; by default layers do, and KV gets the rest.
+    kv_asked = 0 if kv_reserve is None else max(0, min(
+        -(-kv_reserve // s.kv_block_bytes) * s.kv_block_bytes - kv_floor, free))  # whole blocks
+    if s.num_layers * s.layer_bytes + kv_asked <= free:
         num_resident, slots = s.num_layers, 0
     else:
         slots = min(prefetch_depth + 1, s.num_layers)
-        room = free - slots * s.layer_bytes - int(kv_spill_fraction * free)
+        kv_share = int(kv_spill_fraction * free) if kv_reserve is None else kv_asked
+        room = free - slots * s.layer_bytes - kv_share
         num_resident = max(0, min(s.num_layers - 1, room // s.layer_bytes))
     tiers = ["device"] * num_resident
     host_left = host_budget
@@ -188,11 +193,13 @@ def budget_for_resident_layers(sizes: ModelSizes, num_resident: int, prefetch_de
     even the largest streaming budget keeps fewer (the KV share takes the room), that
     budget is returned."""
     s = sizes
-    low = minimum_device_budget(sizes, prefetch_depth)
-    # One byte less than holding every layer with the KV floor: the largest budget
-    # that still streams.
+    # An asked-for KV share beyond the floor raises both ends: the smallest budget
+    # that runs with it, and one byte less than holding every layer beside it (the
+    # largest budget that still streams).
+    kv_extra = max(0, (plan_options.get("kv_reserve") or 0) - s.min_kv_blocks * s.kv_block_bytes)
+    low = minimum_device_budget(sizes, prefetch_depth) + kv_extra
     high = s.fixed_bytes + s.activation_bytes + s.min_kv_blocks * s.kv_block_bytes \
-        + s.num_layers * s.layer_bytes - 1
+        + kv_extra + s.num_layers * s.layer_bytes - 1
 
     def resident(budget: int) -> int:
         plan = plan_placement(sizes, budget, 0, prefetch_depth, **plan_options)

@@ -21,6 +21,10 @@ from engine.scheduler import ScheduledBatch
 _CPU_KV_FRACTION = 0.3  # of available host memory for KV, when no budget is given
 _GPU_FREE_FRACTION = 0.9  # of free device memory, when no device budget is given
 _HOST_FRACTION = 0.5  # of available host memory for the host tier, when not given
+# Sampled rows go through the LM head and the sampler this many at a time, so the
+# logits of a 1024-request decode step never exist at once: the activation reserve
+# counts at most this many [vocab] rows whatever max_num_seqs is.
+LOGITS_CHUNK = 256
 
 
 class ModelRunner:
@@ -117,7 +121,11 @@ class ModelRunner:
             host = 0  # CPU with no device limit: nothing to spill to
         ceiling = config.max_num_seqs * sizes.min_kv_blocks
         host_cap = ceiling if config.num_host_kv_blocks is None else config.num_host_kv_blocks
+        # Under a device budget, kv_cache_memory is the KV share kept before layers are
+        # placed (the plan's default share otherwise).
+        kv_reserve = config.kv_cache_memory if config.device_memory is not None else None
         plan = plan_placement(sizes, budget, host, config.prefetch_depth,
+                              kv_reserve=kv_reserve,
                               max_kv_blocks=config.num_kv_blocks or ceiling,
                               max_host_kv_blocks=host_cap)
         if config.host_memory is None and config.num_host_kv_blocks is None:
@@ -247,12 +255,15 @@ class ModelRunner:
         out: list[int | None] = [None] * len(batch)
         if not sample_rows:
             return out
-        rows = self._tensor(sample_rows, torch.int64)
-        logits = self.model.logits(x[rows], residual[rows])
-        reqs = [batch.requests[i] for i in sample_reqs]
-        sampling = SamplingBatch([r.params for r in reqs], [self._generator(r) for r in reqs])
-        for i, token in zip(sample_reqs, self.sampler(logits, sampling).tolist()):
-            out[i] = token
+        for start in range(0, len(sample_rows), LOGITS_CHUNK):
+            chunk = slice(start, start + LOGITS_CHUNK)
+            rows = self._tensor(sample_rows[chunk], torch.int64)
+            logits = self.model.logits(x[rows], residual[rows])
+            reqs = [batch.requests[i] for i in sample_reqs[chunk]]
+            sampling = SamplingBatch([r.params for r in reqs],
+                                     [self._generator(r) for r in reqs])
+            for i, token in zip(sample_reqs[chunk], self.sampler(logits, sampling).tolist()):
+                out[i] = token
         return out
 
     def _generator(self, req) -> torch.Generator | None:
@@ -300,8 +311,8 @@ def model_sizes(config: EngineConfig, state: dict | None = None) -> ModelSizes:
 
 def activation_bytes(cfg, num_tokens: int, num_sampled: int) -> int:
     """A step's transient tensors: per token the hidden stream, residual, norms, q/k/v
-    and the MLP's gate/up (fp32 at most), and per sampled row the logits and the
-    sampler's two working copies."""
+    and the MLP's gate/up (fp32 at most), and per sampled row (at most LOGITS_CHUNK at
+    a time) the logits and the sampler's two working copies."""
     width = (4 * cfg.hidden_size + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
              + 3 * cfg.intermediate_size)
-    return num_tokens * width * 4 + num_sampled * cfg.vocab_size * 4 * 3
+    return num_tokens * width * 4 + min(num_sampled, LOGITS_CHUNK) * cfg.vocab_size * 4 * 3

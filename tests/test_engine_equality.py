@@ -52,6 +52,19 @@ def test_preemption_equals_transformers(mistral_sp_dir):
     assert stats["num_preemptions"] > 0
 
 
+def test_logits_in_chunks_equal_transformers(llama_dir, monkeypatch):
+    # Sampled rows through the LM head 3 at a time: 7 requests, 3 chunks per step.
+    import engine.runner
+
+    monkeypatch.setattr(engine.runner, "LOGITS_CHUNK", 3)
+    calls = []
+    original = engine.runner.CausalLM.logits
+    monkeypatch.setattr(engine.runner.CausalLM, "logits",
+                        lambda self, x, r: calls.append(len(x)) or original(self, x, r))
+    check_equal(llama_dir)
+    assert calls[:3] == [3, 3, 1] and max(calls) == 3
+
+
 def test_eos_stops_like_transformers(qwen2_dir):
     outs, _ = check_equal(qwen2_dir, max_tokens=40, ignore_eos=False)
     assert {o.finish_reason for o in outs} <= {"stop", "length"}

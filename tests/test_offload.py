@@ -81,6 +81,25 @@ def test_kv_swapping_token_identical(deep_dir, reference, host_blocks, swapped):
     assert (stats["num_swapped_blocks"] > 0) is swapped
 
 
+def test_kv_cache_memory_is_the_kv_share_under_a_budget(deep_dir, reference):
+    # The budget that keeps 5 layers with the default KV share; asking for two more
+    # layers' worth of KV than it gets moves layers off the device, tokens unchanged.
+    want, sizes = reference
+    budget = budget_for(sizes, 5)
+    default = plan_placement(sizes, budget, 0)
+    asked = default.num_device_kv_blocks * sizes.kv_block_bytes + 2 * sizes.layer_bytes
+    with LLM(str(deep_dir), device_memory=budget, host_memory=0, kv_cache_memory=asked,
+             **OPTIONS) as llm:
+        outs = llm.generate(PROMPTS, PARAMS)
+        plan, report = llm.placement, llm.memory_report()
+    expected = plan_placement(sizes, budget, 0, kv_reserve=asked)
+    assert plan.layer_tiers == expected.layer_tiers
+    assert plan.layer_tiers.count("device") < 5
+    assert plan.num_device_kv_blocks * sizes.kv_block_bytes >= asked
+    assert report["device"]["peak"] <= budget
+    assert [o.token_ids for o in outs] == want
+
+
 def test_budget_too_small_names_the_minimum(deep_dir, reference):
     _, sizes = reference
     smallest = minimum_device_budget(sizes)

@@ -76,3 +76,32 @@ def test_budget_for_resident_layers():
         assert plan_placement(SIZES, budget, 0).layer_tiers.count("device") == min(k, 4)
         if k <= 4 and budget > minimum_device_budget(SIZES):
             assert plan_placement(SIZES, budget - 1, 0).layer_tiers.count("device") < k
+
+
+def test_kv_reserve_comes_before_layers():
+    # 200 MiB: free = 200 - 20 fixed - 6 activations - 4 floor = 170 holds the 80 of
+    # layers and the 56 of KV asked beyond the floor: everything stays resident.
+    plan = plan_placement(SIZES, device_budget=200 * MiB, host_budget=0, kv_reserve=60 * MiB)
+    assert plan.streamed_layers == [] and plan.num_device_kv_blocks == 94
+    # 150 MiB: free 120 < 80 + 56, so layers stream: room 120 - 20 staging - 56 = 44
+    # -> 4 layers; KV gets the rest: 150 - 20 - 6 - 40 - 20 = 64 blocks (>= 60 asked).
+    plan = plan_placement(SIZES, device_budget=150 * MiB, host_budget=0, kv_reserve=60 * MiB)
+    assert plan.layer_tiers == ["device"] * 4 + ["disk"] * 4
+    assert plan.num_device_kv_blocks == 64
+    # Without the ask, layers come first: all 8 fit, and KV gets the 44 MiB left.
+    plan = plan_placement(SIZES, device_budget=150 * MiB, host_budget=0)
+    assert plan.streamed_layers == [] and plan.num_device_kv_blocks == 44
+
+
+def test_budget_for_resident_layers_with_a_kv_reserve():
+    from engine.placement import budget_for_resident_layers
+
+    # Streaming keeps at most 5 of 8 layers here: 5 resident + 2 staging slots + 1 more
+    # layer would be the budget that holds all 8.
+    for k in range(6):
+        budget = budget_for_resident_layers(SIZES, k, kv_reserve=60 * MiB)
+        plan = plan_placement(SIZES, budget, 0, kv_reserve=60 * MiB)
+        assert plan.layer_tiers.count("device") == k
+        assert plan.num_device_kv_blocks >= 60
+        smaller = plan_placement(SIZES, budget - 1, 0, kv_reserve=60 * MiB)
+        assert smaller.layer_tiers.count("device") < k or smaller.num_device_kv_blocks < 60

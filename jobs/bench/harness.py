@@ -83,7 +83,7 @@ def run_benchmark(config: BenchConfig, progress: Progress = lambda _: None) -> d
 
     from jobs.bench.fusegen_runner import run_fusegen
 
-    budgets = _offload_budgets(config, model_dir, progress) if preset.offload else {}
+    budgets = _offload_budgets(config, model_dir, requests, progress) if preset.offload else {}
     engine_options = {k: v for k, v in budgets.items() if not k.startswith("_")}
     progress(f"fusegen: loading the model ({config.dtype} on {config.device})")
     results = [run_fusegen(model_dir, requests, warmup, dtype=config.dtype, device=config.device,
@@ -143,9 +143,12 @@ def _run_baselines(config: BenchConfig, model_dir: Path, requests, warmup,
     return [static, continuous]
 
 
-def _offload_budgets(config: BenchConfig, model_dir: Path, progress: Progress) -> dict:
+def _offload_budgets(config: BenchConfig, model_dir: Path, requests: list[BenchRequest],
+                     progress: Progress) -> dict:
     """The preset's device and host budgets in bytes, and the batch limits they were
-    planned with (pinned, so the engine plans alike)."""
+    planned with (pinned, so the engine plans alike). A budget stated as a share of
+    resident layers also holds the KV cache of the whole workload at full length, so
+    the run measures streamed weights, not a starved KV pool."""
     from engine.config import EngineConfig
     from engine.placement import budget_for_resident_layers, parse_bytes, plan_placement
     from engine.runner import model_sizes
@@ -157,16 +160,22 @@ def _offload_budgets(config: BenchConfig, model_dir: Path, progress: Progress) -
     engine_config.resolve_limits(streaming=True)
     sizes = model_sizes(engine_config)
     host_memory = parse_bytes(spec.host_memory, name="host_memory")
+    kv_reserve = None
     if spec.device_memory is not None:
         device_memory = parse_bytes(spec.device_memory, name="device_memory")
     else:
+        block = engine_config.block_size
+        running = requests[:engine_config.max_num_seqs]
+        kv_reserve = sizes.kv_block_bytes * sum(
+            -(-(r.num_prompt_tokens + r.max_tokens) // block) for r in running)
         resident = int(spec.resident_fraction * sizes.num_layers)
-        device_memory = budget_for_resident_layers(sizes, resident)
-    plan = plan_placement(sizes, device_memory, host_memory)
+        device_memory = budget_for_resident_layers(sizes, resident, kv_reserve=kv_reserve)
+    plan = plan_placement(sizes, device_memory, host_memory, kv_reserve=kv_reserve)
     progress(f"offload: device budget {device_memory / 2**20:,.0f} MiB, host budget "
              f"{host_memory / 2**20:,.0f} MiB; the plan keeps "
              f"{plan.layer_tiers.count('device')}/{sizes.num_layers} layers on the device")
     return {"device_memory": device_memory, "host_memory": host_memory,
+            "kv_cache_memory": kv_reserve,
             "max_num_seqs": engine_config.max_num_seqs,
             "max_num_batched_tokens": engine_config.max_num_batched_tokens,
             # accelerate has no KV cache manager and no activation reserve: its device

@@ -129,8 +129,9 @@ PRESETS: dict[str, Preset] = {
         offload=OffloadSpec(device_memory="24GiB", host_memory="100GiB"),
     ),
 }
-# cpu-small with a device budget that holds a quarter of its layers; the rest stream
-# from disk (the memory-mapped checkpoint), as accelerate's offload does on a CPU.
+# cpu-small with a device budget that holds a quarter of its layers beside the KV cache
+# of the whole workload; the rest stream from disk (the memory-mapped checkpoint), as
+# accelerate's offload does on a CPU.
 PRESETS["cpu-offload"] = replace(
     PRESETS["cpu-small"], name="cpu-offload",
     offload=OffloadSpec(resident_fraction=0.25, host_memory="0"))
