@@ -155,7 +155,7 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     # Bytes for the KV block pool; None: from free memory. With device_memory set and
     # layers streaming, the share of that budget kept for KV before layers are placed.
-    kv_cache_memory: int | None = None
+    kv_cache_memory: int | str | None = None  # bytes or a size like "16GiB"
     num_kv_blocks: int | None = None  # exact pool size (overrides kv_cache_memory)
     max_model_len: int | None = None  # context limit; None: max_position_embeddings
     allow_pickle: bool = False  # load *.bin / *.pt checkpoints (weights_only) when True
@@ -175,6 +175,13 @@ class EngineConfig:
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise EngineConfigError(f"device must be auto, cpu or cuda[:N]; got {self.device!r}")
         resolve_dtype(self.dtype, self.device)
+        if isinstance(self.kv_cache_memory, str):  # a size like "16GiB"
+            from engine.placement import parse_bytes
+
+            try:
+                self.kv_cache_memory = parse_bytes(self.kv_cache_memory, None, "kv_cache_memory")
+            except ValueError as exc:
+                raise EngineConfigError(str(exc)) from None
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory",
                      "num_kv_blocks", "max_model_len", "prefetch_depth"):
             value = getattr(self, name)

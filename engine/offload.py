@@ -15,6 +15,7 @@ step: the slots are allocated once.
 """
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -40,6 +41,9 @@ class WeightStreamer:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="fusegen-weights")
         self.bytes_copied = 0
         self.num_loads = 0
+        # Seconds compute spent waiting for a copy to finish (CPU: the copies that were
+        # not hidden; on CUDA the host never waits on one, so this stays ~0 there).
+        self.stall_seconds = 0.0
         self.reset()
 
     def reset(self) -> None:
@@ -94,7 +98,12 @@ class WeightStreamer:
         k = self.current
         expected = self.order[k % len(self.order)]
         assert expected == layer, f"streamed layer {layer} out of order (expected {expected})"
-        done = self.pending.pop(k).result()
+        future = self.pending.pop(k)
+        if not future.done():
+            start = time.perf_counter()
+            future.result()
+            self.stall_seconds += time.perf_counter() - start
+        done = future.result()
         if done is not None:
             torch.cuda.current_stream(self.device).wait_event(done)
         self.layers[layer].set_weights(self.slots[k % self.num_slots])
@@ -114,8 +123,6 @@ class WeightStreamer:
     def measure_bandwidth(self, repeats: int = 3) -> float:
         """Bytes per second of one layer's copy into a staging slot, measured alone
         (between steps): the transfer rate the decode steps are bound by."""
-        import time
-
         for future in self.pending.values():
             future.result()
         layer, scratch = self.order[0], self.slots[0]  # the ring restarts afterwards

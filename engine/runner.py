@@ -190,7 +190,8 @@ class ModelRunner:
         streamer = self.model.streamer
         if streamer is not None:
             report["streamed"] = {"layers": len(streamer.order), "loads": streamer.next_load,
-                                  "bytes_per_load": streamer.slot_bytes}
+                                  "bytes_per_load": streamer.slot_bytes,
+                                  "stall_seconds": streamer.stall_seconds}
         return report
 
     def _step_bytes(self, num_tokens: int, num_sampled: int) -> int:

@@ -56,8 +56,9 @@ _OPTIONS = [
     _option("--max-num-batched-tokens", "Engine: tokens per step at most.  "
             "[default: engine's]", type=int),
     _option("--block-size", "Engine: tokens per KV cache block.", type=int),
-    _option("--kv-cache-memory", "Engine: bytes for the KV cache.  [default: from free "
-            "memory]", type=int),
+    _option("--kv-cache-memory", "Engine: bytes (or a size like 16GiB) for the KV cache; "
+            "with --device-memory, the KV share kept before layers are placed.  [default: "
+            "from free memory; a quarter of the room under --device-memory]"),
     _option("--device-memory", "Memory pool: device budget (bytes, a size like 24GiB, or a "
             "fraction of free memory); layers that do not fit stream from host or disk.  "
             "[default: no limit]"),

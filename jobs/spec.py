@@ -44,7 +44,7 @@ class JobSpec:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes
+    kv_cache_memory: int | str | None = None  # bytes or a size like "16GiB"
     max_model_len: int | None = None
     allow_pickle: bool = False
     # memory pool: bytes, a size like "24GiB", or a fraction of what is free
@@ -81,6 +81,11 @@ class JobSpec:
                     parse_bytes(value, available=1, name=name)
                 except ValueError as exc:
                     raise JobError(str(exc)) from None
+        if isinstance(self.kv_cache_memory, str):
+            try:
+                self.kv_cache_memory = parse_bytes(self.kv_cache_memory, None, "kv_cache_memory")
+            except ValueError as exc:
+                raise JobError(str(exc)) from None
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory"):
             if getattr(self, name) is not None:
                 _check_int(self, name, 1)

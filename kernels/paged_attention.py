@@ -341,6 +341,8 @@ def paged_decode_native(q, k_cache, v_cache, block_tables, seq_lens, query_start
                 None if seq_ids is None else seq_ids.data_ptr(), num_items, num_heads,
                 num_kv_heads, head_dim, block_size, sliding_window, scale,
                 ctypes.byref(strides), num_threads or torch.get_num_threads())
+    if failed == 2:
+        raise MemoryError("the CPU decode kernel could not allocate its per-thread scratch")
     if failed:
         raise ValueError(f"the CPU decode kernel takes head_dim <= 256 and block_size <= 256 "
                          f"with num_heads a multiple of num_kv_heads; got head_dim {head_dim}, "

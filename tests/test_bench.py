@@ -219,14 +219,15 @@ def test_offload_preset_end_to_end(cache_dir):
     # The tiny shape with six layers and a budget that keeps two on the device: fusegen
     # streams the rest from disk, accelerate offloads under the same budget, and both
     # produce exactly the budgets.
-    from jobs.bench.harness import run_benchmark
+    from jobs.bench.harness import run_benchmark, workload_for
     from jobs.bench.presets import OffloadSpec
 
     tiny = PRESETS["tiny"]
     preset = replace(tiny, name="tiny-offload", model=replace(tiny.model, num_layers=6),
                      num_requests=6, offload=OffloadSpec(resident_fraction=1 / 3,
                                                          host_memory="0"))
-    report = run_benchmark(BenchConfig(preset, cache_dir=cache_dir))
+    config = BenchConfig(preset, cache_dir=cache_dir)
+    report = run_benchmark(config)
     fusegen, baseline = report["results"]["fusegen"], report["results"]["hf_offload"]
     assert fusegen["budgets_met"] and baseline["budgets_met"]
     assert fusegen["num_output_tokens"] == baseline["num_output_tokens"] == \
@@ -234,8 +235,14 @@ def test_offload_preset_end_to_end(cache_dir):
     offload = fusegen["offload"]
     assert offload["layers"] == {"device": 2, "host": 0, "disk": 4}
     assert offload["device_bytes"] <= offload["device_budget"]
+    # The budget holds the KV of every request at full length: nothing is preempted.
+    requests, _ = workload_for(config)
+    needed = sum(-(-(r.num_prompt_tokens + r.max_tokens) // 16) for r in requests)
+    assert offload["kv_blocks"]["device"] >= needed
+    assert fusegen["num_preemptions"] == 0
     assert offload["transfer_bandwidth"] > 0 and offload["decode_step_s"] > 0
     assert offload["decode_over_bound"] == pytest.approx(
         offload["decode_step_s"] / offload["transfer_bound_s"])
+    assert 0 <= offload["stall_per_step_s"] * fusegen["num_steps"] <= fusegen["elapsed_s"]
     assert "disk" in baseline["device_map"]
     assert set(report["ratios"]) == {"hf_offload"}

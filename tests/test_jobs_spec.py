@@ -26,6 +26,8 @@ def test_defaults_and_sampling_params():
     ({"progress": "loud"}, "progress must be one of"),
     ({"prompt_column": "generated_text"}, "is an output column name"),
     ({"model": ""}, "model is required: pass --model"),
+    ({"kv_cache_memory": "lots"}, "kv_cache_memory: cannot read 'lots'"),
+    ({"kv_cache_memory": "0"}, "kv_cache_memory must be an integer >= 1"),
 ])
 def test_invalid_values_name_the_field(kw, fragment):
     with pytest.raises(JobError, match=None) as info:
@@ -70,3 +72,8 @@ def test_repr_and_public_dict_hide_credentials():
     text = repr(spec) + str(spec.public_dict())
     assert "s3cr3tpass" not in text and "AKIDEXAMPLE" not in text
     assert "http://127.0.0.1:1" in text
+
+
+def test_kv_cache_memory_takes_sizes():
+    assert _spec(kv_cache_memory="16MiB").kv_cache_memory == 16 << 20
+    assert _spec(kv_cache_memory=4096).kv_cache_memory == 4096

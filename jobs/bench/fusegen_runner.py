@@ -22,6 +22,8 @@ def run_fusegen(model_dir: Path, requests: list[BenchRequest], warmup: list[Benc
     try:
         llm.generate(*_prompts_and_params(warmup))  # untimed
         before = llm.stats()
+        streamer = llm.engine.runner.model.streamer
+        stall_before = streamer.stall_seconds if streamer is not None else 0.0
         progress(f"fusegen: generating {len(requests)} requests "
                  f"(max_num_seqs {llm.config.max_num_seqs}, "
                  f"max_num_batched_tokens {llm.config.max_num_batched_tokens})")
@@ -33,7 +35,10 @@ def run_fusegen(model_dir: Path, requests: list[BenchRequest], warmup: list[Benc
         outputs = [f.result() for f in futures]
         result.elapsed_s = time.perf_counter() - start
         after = llm.stats()
-        offload = _offload_figures(llm, _stats_delta(before, after))
+        delta = _stats_delta(before, after)
+        if streamer is not None:
+            delta["copy_stall_s"] = streamer.stall_seconds - stall_before
+        offload = _offload_figures(llm, delta)
     finally:
         llm.close()
 
@@ -68,6 +73,7 @@ def _offload_figures(llm, stats: dict) -> dict:
     return {
         "offload": {
             "layers": report["layers"],
+            "kv_blocks": report["kv_blocks"],
             "device_bytes": report["device"]["total"],
             "device_budget": report["device"]["budget"],
             "streamed_bytes_per_step": step_bytes,
@@ -75,6 +81,9 @@ def _offload_figures(llm, stats: dict) -> dict:
             "transfer_bound_s": bound,
             "decode_step_s": decode_step,
             "decode_over_bound": decode_step / bound if bound else 0.0,
+            # Time compute spent blocked on a copy, per step: what streaming cost on
+            # top of compute (measured on the host: CPU runs; ~0 by construction on CUDA).
+            "stall_per_step_s": stats.get("copy_stall_s", 0.0) / max(stats.get("num_steps", 0), 1),
         }
     }
 

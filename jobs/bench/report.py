@@ -121,7 +121,8 @@ def format_report(report: dict) -> str:
             f"{offload['transfer_bandwidth'] / 1e9:.2f} GB/s -> transfer bound "
             f"{offload['transfer_bound_s'] * 1e3:.1f} ms; decode steps took "
             f"{offload['decode_step_s'] * 1e3:.1f} ms ({offload['decode_over_bound']:.2f}x "
-            "the bound)")
+            f"the bound), of which compute waited {offload['stall_per_step_s'] * 1e3:.1f} ms "
+            "per step on copies")
     util = report["utilisation"]
     if util:
         lines.append(

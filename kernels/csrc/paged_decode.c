@@ -12,10 +12,13 @@
  *   k/v cache     [N, block_size, Hkv, D]
  *   block_tables  [B, W] int32, seq_lens [B] int32, query_start_loc [B+1] int32
  *   seq_ids       [n] int32: the sequences to compute (NULL: 0..n-1)
+ * Returns 0, 1 for a shape it does not take (head_dim or block_size over 256, heads
+ * not a multiple of KV heads), 2 when per-thread scratch could not be allocated.
  */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef struct {
@@ -46,7 +49,7 @@ static inline uint16_t f32_to_bf16(float f) {
 
 /* One definition per cache dtype: T is the element type, LOAD/STORE convert to and
  * from fp32; VECTOR_ITEM, when not 0, serves head dimensions that are multiples of 8. */
-#define DEFINE_DECODE(NAME, T, LOAD, STORE, VECTOR_ITEM)                                                 \
+#define DEFINE_DECODE(NAME, T, LOAD, STORE, VECTOR_ITEM)                                    \
 static void NAME##_item(const T *q, T *out, const T *kc, const T *vc,                      \
                         const int32_t *block_tables, const int32_t *seq_lens,              \
                         const int32_t *query_start_loc, int seq, int h0, int h1,           \
@@ -139,20 +142,25 @@ int NAME(const T *q, T *out, const T *kc, const T *vc, const int32_t *block_tabl
     const int total = num_items * head_split;                                               \
     const int vector = (VECTOR_ITEM != 0) && head_dim % 8 == 0                              \
                        && st->q_h % 8 == 0 && st->o_h % 8 == 0;                             \
+    int out_of_memory = 0;                                                                  \
     _Pragma("omp parallel num_threads(num_threads)")                                        \
     {                                                                                       \
-        float work[work_floats] __attribute__((aligned(32)));                               \
+        /* Per-thread scratch on the heap: large head counts would overflow the small  \
+         * stacks of OpenMP worker threads. */                                              \
+        float *work = aligned_alloc(32, ((size_t)work_floats * 4 + 31) / 32 * 32);          \
         _Pragma("omp for schedule(dynamic, 1)")                                             \
         for (int item = 0; item < total; item++) {                                          \
             const int b = item / head_split;                                                \
             const int h0 = (item % head_split) * heads_per;                                 \
             const int seq = seq_ids ? seq_ids[b] : b;                                       \
+            if (!work) { out_of_memory = 1; continue; }                                     \
             (vector ? VECTOR_ITEM : NAME##_item)(                                           \
                 q, out, kc, vc, block_tables, seq_lens, query_start_loc, seq, h0,           \
                 h0 + heads_per, group, head_dim, block_size, window, scale, st, work);      \
         }                                                                                   \
+        free(work);                                                                         \
     }                                                                                       \
-    return 0;                                                                               \
+    return out_of_memory ? 2 : 0;                                                           \
 }
 
 /* fp32 with a head dimension that is a multiple of 8: the same algorithm in 8-lane
