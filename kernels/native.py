@@ -1,7 +1,8 @@
 """CPU kernels in C, compiled on first use for the machine they run on.
 
 Some operations have no fast form in torch on a CPU: decode attention over a paged
-cache would have to gather every sequence's blocks into a dense copy first. Those are
+cache would have to gather every sequence's blocks into a dense copy first, and
+RMSNorm, SiLU-mul and rotary take several passes and temporaries each. Those are
 written in C (`kernels/csrc/`), compiled once per machine with the system C compiler
 (`-O3 -march=native -fopenmp`) and called through ctypes, which releases the GIL for
 the call. The shared object is cached under $FUSEGEN_CACHE_DIR (default
@@ -26,7 +27,7 @@ from pathlib import Path
 
 log = logging.getLogger("fusegen.kernels")
 
-_SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+_SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.c"))
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-shared", "-fPIC", "-std=gnu11"]
 
 
@@ -36,8 +37,16 @@ class Strides(ctypes.Structure):
                 ("q_t", "q_h", "o_t", "o_h", "k_b", "k_s", "k_h", "v_b", "v_s", "v_h", "bt")]
 
 
-_DECODE_ARGS = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 6 + [
-    ctypes.c_float, ctypes.POINTER(Strides), ctypes.c_int]
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    # csrc/paged_decode.c
+    **{name: [_P] * 8 + [_I] * 6 + [_F, ctypes.POINTER(Strides), _I]
+       for name in ("paged_decode_f32", "paged_decode_bf16", "paged_decode_f16")},
+    # csrc/elementwise.c
+    "rms_norm_f32": [_P] * 5 + [_L, _I, _F] + [_L] * 4 + [_I],
+    "silu_mul_f32": [_P, _P, _L, _I, _L, _L, _I],
+    "rotary_f32": [_P] * 5 + [_L, _I, _I, _I] + [_L] * 5 + [_I],
+}
 
 
 def _compiler() -> str | None:
@@ -61,9 +70,9 @@ def _cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def build(source: Path = _SOURCE) -> Path:
-    """The compiled shared object for `source`, building it if no cached build matches.
-    Raises RuntimeError with the compiler's message when the build fails."""
+def build(sources: list[Path] = _SOURCES) -> Path:
+    """One shared object of `sources`, built unless a cached build matches. Raises
+    RuntimeError with the compiler's message when the build fails."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc)")
@@ -72,8 +81,9 @@ def build(source: Path = _SOURCE) -> Path:
     except OSError as exc:
         raise RuntimeError(f"the C compiler {cc} cannot run: {exc}") from exc
     key = hashlib.sha256("\0".join(
-        [source.read_text(), " ".join(_FLAGS), version, _cpu_flags()]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"{source.stem}-{key}.so"
+        [*(p.read_text() for p in sources), " ".join(_FLAGS), version, _cpu_flags()]
+    ).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"fusegen-cpu-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -82,10 +92,11 @@ def build(source: Path = _SOURCE) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *_FLAGS, "-o", tmp, str(source), "-lm"],
+        done = subprocess.run([cc, *_FLAGS, "-o", tmp, *map(str, sources), "-lm"],
                               capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"{cc} failed on {source.name}:\n{done.stderr.strip()}")
+            names = ", ".join(p.name for p in sources)
+            raise RuntimeError(f"{cc} failed on {names}:\n{done.stderr.strip()}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -105,7 +116,8 @@ def library() -> ctypes.CDLL | None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("fusegen: CPU kernels unavailable, using the torch reference: %s", exc)
         return None
-    for name in ("paged_decode_f32", "paged_decode_bf16", "paged_decode_f16"):
+    for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = _DECODE_ARGS, ctypes.c_int
+        fn.argtypes = argtypes
+        fn.restype = ctypes.c_int if name.startswith("paged_decode") else None
     return lib

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import use_triton
+from kernels import use_native, use_triton
 
 try:
     import triton
@@ -26,10 +26,37 @@ except ImportError:  # no Triton on this platform: the reference still serves
 
 
 def rms_norm(x, weight, eps: float, residual=None):
-    """Dispatcher: the Triton kernel on CUDA, the torch reference elsewhere."""
+    """Dispatcher: the Triton kernel on CUDA, the C kernel for fp32 on CPUs, the
+    torch reference elsewhere."""
     if use_triton(x):
         return rms_norm_triton(x, weight, eps, residual)
+    if x.dtype == torch.float32 and use_native(x):
+        return rms_norm_native(x, weight, eps, residual)
     return rms_norm_reference(x, weight, eps, residual)
+
+
+def rms_norm_native(x, weight, eps: float, residual=None):
+    """fp32 CPU tensors, rows contiguous along the hidden dimension (kernels/csrc)."""
+    from kernels import native
+
+    hidden = x.shape[-1]
+    assert x.dtype == weight.dtype == torch.float32 and weight.is_contiguous()
+    x2 = x.reshape(-1, hidden)
+    assert x2.stride(-1) == 1, "the hidden dimension must be contiguous"
+    out = torch.empty(x2.shape, dtype=x.dtype)
+    if residual is not None:
+        res2 = residual.reshape(-1, hidden)
+        assert res2.shape == x2.shape and res2.dtype == x.dtype and res2.stride(-1) == 1
+        res_out = torch.empty(x2.shape, dtype=x.dtype)
+    else:
+        res2 = res_out = None
+    native.library().rms_norm_f32(
+        x2.data_ptr(), None if res2 is None else res2.data_ptr(), weight.data_ptr(),
+        out.data_ptr(), None if res_out is None else res_out.data_ptr(), x2.shape[0], hidden,
+        eps, x2.stride(0), 0 if res2 is None else res2.stride(0), out.stride(0),
+        0 if res_out is None else res_out.stride(0), torch.get_num_threads())
+    out = out.view(x.shape)
+    return out if residual is None else (out, res_out.view(x.shape))
 
 
 @triton.jit

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import use_triton
+from kernels import use_native, use_triton
 
 try:
     import triton
@@ -30,10 +30,31 @@ except ImportError:  # no Triton on this platform: the reference still serves
 
 
 def rotary_embedding(positions, q, k, cos, sin) -> None:
-    """Dispatcher: the Triton kernel on CUDA, the torch reference elsewhere."""
+    """Dispatcher: the Triton kernel on CUDA, the C kernel for fp32 on CPUs, the
+    torch reference elsewhere."""
     if use_triton(q):
         return rotary_embedding_triton(positions, q, k, cos, sin)
+    if q.dtype == k.dtype == cos.dtype == torch.float32 and use_native(q):
+        return rotary_embedding_native(positions, q, k, cos, sin)
     return rotary_embedding_reference(positions, q, k, cos, sin)
+
+
+def rotary_embedding_native(positions, q, k, cos, sin) -> None:
+    """In place on fp32 CPU q [T, Hq, D] and k [T, Hkv, D] (kernels/csrc)."""
+    from kernels import native
+
+    num_tokens, num_heads, head_dim = q.shape
+    half = cos.shape[-1]
+    assert 2 * half <= head_dim, f"rotary width {2 * half} > head_dim {head_dim}"
+    assert cos.stride() == sin.stride() and cos.stride(1) == 1, \
+        "cos and sin must have the same strides, contiguous along R/2"
+    assert q.stride(2) == 1 and k.stride(2) == 1, "the head dimension must be contiguous"
+    positions = positions if positions.dtype == torch.int64 else positions.long()
+    positions = positions.contiguous()
+    native.library().rotary_f32(
+        positions.data_ptr(), q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        num_tokens, num_heads, k.shape[1], half, q.stride(0), q.stride(1), k.stride(0),
+        k.stride(1), cos.stride(0), torch.get_num_threads())
 
 
 @triton.jit

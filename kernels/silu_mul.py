@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import use_triton
+from kernels import use_native, use_triton
 import torch.nn.functional as F
 
 try:
@@ -24,10 +24,26 @@ except ImportError:  # no Triton on this platform: the reference still serves
 
 
 def silu_and_mul(x) -> torch.Tensor:
-    """Dispatcher: the Triton kernel on CUDA, the torch reference elsewhere."""
+    """Dispatcher: the Triton kernel on CUDA, the C kernel for fp32 on CPUs, the
+    torch reference elsewhere."""
     if use_triton(x):
         return silu_and_mul_triton(x)
+    if x.dtype == torch.float32 and use_native(x):
+        return silu_and_mul_native(x)
     return silu_and_mul_reference(x)
+
+
+def silu_and_mul_native(x) -> torch.Tensor:
+    """fp32 CPU tensors, rows contiguous (kernels/csrc)."""
+    from kernels import native
+
+    intermediate = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * intermediate)
+    assert x2.dtype == torch.float32 and x2.stride(-1) == 1, "rows must be contiguous fp32"
+    out = torch.empty(x2.shape[0], intermediate, dtype=x.dtype)
+    native.library().silu_mul_f32(x2.data_ptr(), out.data_ptr(), x2.shape[0], intermediate,
+                                  x2.stride(0), out.stride(0), torch.get_num_threads())
+    return out.view(*x.shape[:-1], intermediate)
 
 
 @triton.jit

@@ -130,7 +130,7 @@ def test_build_is_cached_per_source_and_reported_when_it_fails(tmp_path, monkeyp
     broken = tmp_path / "broken.c"
     broken.write_text("int f( {")
     with pytest.raises(RuntimeError, match="failed on broken.c"):
-        native.build(broken)
+        native.build([broken])
     assert sorted(p.name for p in (tmp_path / "kernels").iterdir()) == [first.name]
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     with pytest.raises(RuntimeError, match="no-such-compiler"):
