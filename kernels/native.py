@@ -28,6 +28,8 @@ from pathlib import Path
 log = logging.getLogger("fusegen.kernels")
 
 _SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.c"))
+# -ffast-math lets reductions reassociate into vector lanes and expf vectorise (glibc's
+# libmvec); the kernels never rely on inf/NaN arithmetic.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-shared", "-fPIC", "-std=gnu11"]
 
 
@@ -106,9 +108,8 @@ def build(sources: list[Path] = _SOURCES) -> Path:
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The loaded kernels, or None (logged once) when they cannot be built here."""
-    if os.environ.get("FUSEGEN_KERNELS") == "reference":
-        return None
+    """The loaded kernels, or None (logged once) when they cannot be built here.
+    (FUSEGEN_KERNELS is the dispatchers' business: `kernels.use_native`.)"""
     try:
         import torch  # noqa: F401 - load torch's OpenMP runtime first, so the kernels share it
 

@@ -333,6 +333,13 @@ def paged_decode_native(q, k_cache, v_cache, block_tables, seq_lens, query_start
     num_items = seq_lens.shape[0] if seq_ids is None else seq_ids.shape[0]
     if num_items == 0:
         return out
+    # The C kernel indexes unchecked: refuse what would read outside the cache.
+    if int(seq_lens.max()) > block_tables.shape[1] * block_size or \
+            not 0 <= int(block_tables.min()) <= int(block_tables.max()) < k_cache.shape[0]:
+        raise IndexError(f"block tables [{tuple(block_tables.shape)}, ids "
+                         f"{int(block_tables.min())}..{int(block_tables.max())}] do not cover "
+                         f"sequences of up to {int(seq_lens.max())} tokens in a cache of "
+                         f"{k_cache.shape[0]} blocks of {block_size}")
     strides = native.Strides(q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                              *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0))
     fn = getattr(native.library(), _NATIVE_DECODE[q.dtype])

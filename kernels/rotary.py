@@ -51,6 +51,10 @@ def rotary_embedding_native(positions, q, k, cos, sin) -> None:
     assert q.stride(2) == 1 and k.stride(2) == 1, "the head dimension must be contiguous"
     positions = positions if positions.dtype == torch.int64 else positions.long()
     positions = positions.contiguous()
+    if num_tokens and not 0 <= int(positions.min()) <= int(positions.max()) < cos.shape[0]:
+        # The C kernel indexes the table unchecked.
+        raise IndexError(f"positions {int(positions.min())}..{int(positions.max())} outside "
+                         f"the rotary table's {cos.shape[0]} rows")
     native.library().rotary_f32(
         positions.data_ptr(), q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(),
         num_tokens, num_heads, k.shape[1], half, q.stride(0), q.stride(1), k.stride(0),

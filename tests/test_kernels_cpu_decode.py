@@ -150,3 +150,17 @@ def test_without_a_compiler_the_engine_falls_back_to_the_reference(tmp_path):
                           text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert done.returncode == 0, done.stderr
     assert "CPU kernels unavailable, using the torch reference" in done.stderr
+
+
+def test_tables_outside_the_cache_are_refused():
+    batch = _make_batch([1, 1], [3, 9], 2, 2, 32, 4)
+    out = torch.empty_like(batch["q"])
+    args = lambda tables, lens: (batch["q"], batch["k_cache"], batch["v_cache"], tables, lens,
+                                 batch["query_start_loc"], out)
+    tables = batch["block_tables"].clone()
+    tables[1, 0] = batch["k_cache"].shape[0]  # one past the last block
+    with pytest.raises(IndexError, match="do not cover"):
+        paged_decode_native(*args(tables, batch["seq_lens"]), scale=0.1)
+    longer = torch.tensor([3, 13], dtype=torch.int32)  # 13 tokens need 4 blocks of 4; 3 listed
+    with pytest.raises(IndexError, match="sequences of up to 13 tokens"):
+        paged_decode_native(*args(batch["block_tables"], longer), scale=0.1)

@@ -62,3 +62,10 @@ def test_rotary_matches_reference_in_place(hq, hkv, d, half):
     torch.testing.assert_close(q, want_q, **TOL)
     torch.testing.assert_close(k, want_k, **TOL)
     assert torch.equal(qkv[:, (hq + hkv) * d:], v_before)  # v untouched
+
+
+def test_rotary_refuses_positions_outside_the_table():
+    q, k = torch.randn(2, 2, 16), torch.randn(2, 1, 16)
+    cos, sin = torch.randn(8, 8).chunk(2, dim=-1)
+    with pytest.raises(IndexError, match="positions 3..8 outside the rotary table's 8 rows"):
+        rotary_embedding_native(torch.tensor([3, 8]), q, k, cos, sin)
