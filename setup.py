@@ -1,5 +1,7 @@
 """fusegen: batch offline inference for large transformer language models."""
-from setuptools import setup
+from setuptools import find_packages, setup
+
+_PACKAGES = find_packages(include=["engine*", "kernels*", "jobs*", "workflows*"])
 
 setup(
     name="fusegen",
@@ -9,10 +11,15 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["engine", "kernels", "jobs", "workflows"],
+    # The folders stay at the repository root; they install under one `fusegen`
+    # namespace (the root's __init__.py is `fusegen`), so fusegen never puts generic
+    # top-level modules (`engine`, `kernels`, ...: names other packages use) into an
+    # environment.
+    package_dir={"fusegen": "."},
+    packages=["fusegen", *(f"fusegen.{p}" for p in _PACKAGES)],
     # The CPU kernels' C source is compiled on first use (kernels/native.py), so it
     # ships as data: installing fusegen needs no compiler.
-    package_data={"kernels": ["csrc/*.c"]},
+    package_data={"fusegen.kernels": ["csrc/*.c"]},
     install_requires=[
         # A range, never a pin: on a CPU-only machine install the CPU build first
         # (`pip install torch==2.13.0`) and this range keeps pip from replacing it.
@@ -44,5 +51,5 @@ setup(
             "moto[server]>=5",
         ],
     },
-    entry_points={"console_scripts": ["fusegen=jobs.cli:main"]},
+    entry_points={"console_scripts": ["fusegen=fusegen.jobs.cli:main"]},
 )

@@ -1,15 +1,15 @@
 """fusegen's generation engine, usable alone from Python:
 
-    from engine import LLM, SamplingParams
+    from fusegen.engine import LLM, SamplingParams
     llm = LLM("path/to/checkpoint")
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=64, temperature=0.0))
 """
-from engine.config import EngineConfig, ModelConfig
-from engine.errors import EngineConfigError, ModelLoadError
-from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from fusegen.engine.config import EngineConfig, ModelConfig
+from fusegen.engine.errors import EngineConfigError, ModelLoadError
+from fusegen.engine.llm import LLM
+from fusegen.engine.llm_engine import LLMEngine
+from fusegen.engine.outputs import RequestOutput
+from fusegen.engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "EngineConfig",
            "ModelConfig", "ModelLoadError", "EngineConfigError"]

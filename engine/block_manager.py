@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from engine.request import Request
+from fusegen.engine.request import Request
 
 
 class BlockManager:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from engine.errors import EngineConfigError, ModelLoadError
+from fusegen.engine.errors import EngineConfigError, ModelLoadError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -176,7 +176,7 @@ class EngineConfig:
             raise EngineConfigError(f"device must be auto, cpu or cuda[:N]; got {self.device!r}")
         resolve_dtype(self.dtype, self.device)
         if isinstance(self.kv_cache_memory, str):  # a size like "16GiB"
-            from engine.placement import parse_bytes
+            from fusegen.engine.placement import parse_bytes
 
             try:
                 self.kv_cache_memory = parse_bytes(self.kv_cache_memory, None, "kv_cache_memory")

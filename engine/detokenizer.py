@@ -13,7 +13,7 @@ pipelines compute it.
 """
 from __future__ import annotations
 
-from engine.tokenizer import Tokenizer
+from fusegen.engine.tokenizer import Tokenizer
 
 _CONTEXT_TOKENS = 5  # prompt tokens decoded as context: enough for any decoder's leading-space rule
 _REPLACEMENT = "\ufffd"  # what the decoders emit for an incomplete UTF-8 sequence

@@ -8,10 +8,10 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, Prompt
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from fusegen.engine.config import EngineConfig
+from fusegen.engine.llm_engine import LLMEngine, Prompt
+from fusegen.engine.outputs import RequestOutput
+from fusegen.engine.sampling_params import SamplingParams
 
 
 class LLM:

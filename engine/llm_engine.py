@@ -8,16 +8,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.errors import ModelLoadError
-from engine.detokenizer import IncrementalDetokenizer, detokenize
-from engine.outputs import RequestOutput
-from engine.request import Request
-from engine.runner import ModelRunner
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.tokenizer import Tokenizer
+from fusegen.engine.block_manager import BlockManager
+from fusegen.engine.config import EngineConfig
+from fusegen.engine.errors import ModelLoadError
+from fusegen.engine.detokenizer import IncrementalDetokenizer, detokenize
+from fusegen.engine.outputs import RequestOutput
+from fusegen.engine.request import Request
+from fusegen.engine.runner import ModelRunner
+from fusegen.engine.sampling_params import SamplingParams
+from fusegen.engine.scheduler import Scheduler
+from fusegen.engine.tokenizer import Tokenizer
 
 Prompt = str | list[int]
 

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from engine.config import ModelConfig
-from engine.errors import ModelLoadError
+from fusegen.engine.config import ModelConfig
+from fusegen.engine.errors import ModelLoadError
 
 _PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth")
 # Buffers some exporters write that carry no weights.

@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import ModelConfig
-from kernels.kv_cache import write_kv_cache
-from kernels.paged_attention import paged_attention
-from kernels.rms_norm import rms_norm
-from kernels.rotary import rotary_embedding
-from kernels.silu_mul import silu_and_mul
+from fusegen.engine.config import ModelConfig
+from fusegen.kernels.kv_cache import write_kv_cache
+from fusegen.kernels.paged_attention import paged_attention
+from fusegen.kernels.rms_norm import rms_norm
+from fusegen.kernels.rotary import rotary_embedding
+from fusegen.kernels.silu_mul import silu_and_mul
 
 
 @dataclass(slots=True)

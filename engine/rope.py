@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from engine.config import ModelConfig
+from fusegen.engine.config import ModelConfig
 
 
 def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:

@@ -8,15 +8,15 @@ from collections import Counter
 import psutil
 import torch
 
-from engine.config import EngineConfig
-from engine.errors import EngineConfigError
-from engine.loader import load_state_dict
-from engine.model import AttentionMetadata, CausalLM, fuse, layer_sources
-from engine.offload import WeightStreamer
-from engine.placement import BudgetTooSmall, ModelSizes, parse_bytes, plan_placement
-from engine.rope import cos_sin_table
-from engine.sampler import Sampler, SamplingBatch
-from engine.scheduler import ScheduledBatch
+from fusegen.engine.config import EngineConfig
+from fusegen.engine.errors import EngineConfigError
+from fusegen.engine.loader import load_state_dict
+from fusegen.engine.model import AttentionMetadata, CausalLM, fuse, layer_sources
+from fusegen.engine.offload import WeightStreamer
+from fusegen.engine.placement import BudgetTooSmall, ModelSizes, parse_bytes, plan_placement
+from fusegen.engine.rope import cos_sin_table
+from fusegen.engine.sampler import Sampler, SamplingBatch
+from fusegen.engine.scheduler import ScheduledBatch
 
 _CPU_KV_FRACTION = 0.3  # of available host memory for KV, when no budget is given
 _GPU_FREE_FRACTION = 0.9  # of free device memory, when no device budget is given

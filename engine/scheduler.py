@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
-from engine.request import Request, RequestStatus
+from fusegen.engine.block_manager import BlockManager
+from fusegen.engine.request import Request, RequestStatus
 
 
 @dataclass(slots=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from jobs.bench.presets import PRESETS
+from fusegen.jobs.bench.presets import PRESETS
 
 
 @click.command()
@@ -47,8 +47,8 @@ def bench(preset_name, num_requests, layers, hf_batch_size, dtype, device, seed,
     and prints throughput, model FLOP/s and the ratios, beside the matmul FLOP/s and
     memory bandwidth measured in the same run.
     """
-    from jobs.bench.harness import BenchConfig, run_benchmark
-    from jobs.bench.report import format_report
+    from fusegen.jobs.bench.harness import BenchConfig, run_benchmark
+    from fusegen.jobs.bench.report import format_report
 
     preset = PRESETS[preset_name].shrink(num_layers=layers, num_requests=num_requests,
                                          hf_batch_size=hf_batch_size)

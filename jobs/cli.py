@@ -6,10 +6,10 @@ import click
 # command name -> "module:attribute"; imported lazily so `fusegen --help` stays fast
 # and a command's heavy dependencies load only when it runs.
 _COMMANDS = {
-    "run": "jobs.run_cmd:run",
-    "demo": "jobs.demo:demo",
-    "bench": "jobs.bench_cmd:bench",
-    "workflow": "workflows.cli:workflow",
+    "run": "fusegen.jobs.run_cmd:run",
+    "demo": "fusegen.jobs.demo:demo",
+    "bench": "fusegen.jobs.bench_cmd:bench",
+    "workflow": "fusegen.workflows.cli:workflow",
 }
 
 

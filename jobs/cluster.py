@@ -6,10 +6,10 @@ from contextlib import contextmanager
 
 import dask
 
-from jobs.engines import close_engines
-from jobs.errors import JobError
-from jobs.redact import redact_url
-from jobs.spec import JobSpec
+from fusegen.jobs.engines import close_engines
+from fusegen.jobs.errors import JobError
+from fusegen.jobs.redact import redact_url
+from fusegen.jobs.spec import JobSpec
 
 _LOOPBACK = "127.0.0.1"
 

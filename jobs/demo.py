@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from jobs.errors import JobError
+from fusegen.jobs.errors import JobError
 
 _TOPICS = ["the sea", "a lighthouse", "autumn", "a train station", "bread", "the moon",
            "a library", "rain on a roof"]
@@ -34,10 +34,10 @@ def write_demo_prompts(path: Path, num_rows: int) -> None:
 def demo(directory, rows, max_tokens):
     """Build a small random checkpoint (real tokenizer) and a sample prompt dataset in
     DIR, run a generation job over them, and show where the output is."""
-    from engine.synthetic import build_checkpoint
-    from jobs.run_cmd import setup_logging
-    from jobs.runner import run_job
-    from jobs.spec import JobSpec
+    from fusegen.engine.synthetic import build_checkpoint
+    from fusegen.jobs.run_cmd import setup_logging
+    from fusegen.jobs.runner import run_job
+    from fusegen.jobs.spec import JobSpec
 
     root = Path(directory).resolve()
     model, data, output = root / "model", root / "prompts.parquet", root / "output"

@@ -14,7 +14,7 @@ _engines: dict = {}  # key -> LLM; at most one entry
 
 
 def _load(model: str, engine_kwargs: dict):
-    from engine import LLM
+    from fusegen.engine import LLM
 
     return LLM(model, **engine_kwargs)
 

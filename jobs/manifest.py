@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 import uuid
 
-from jobs.errors import JobError
-from jobs.parts import TMP_DIR, is_part_name
-from jobs.storage import list_names, remove_tree
+from fusegen.jobs.errors import JobError
+from fusegen.jobs.parts import TMP_DIR, is_part_name
+from fusegen.jobs.storage import list_names, remove_tree
 
 MANIFEST = "_manifest.json"
 FRESH, RESUME, OVERWRITE = "fresh", "resume", "overwrite"

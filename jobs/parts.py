@@ -11,8 +11,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from jobs.plan import Partition
-from jobs.storage import list_names
+from fusegen.jobs.plan import Partition
+from fusegen.jobs.storage import list_names
 
 TMP_DIR = "_tmp"
 _META_KEY = b"fusegen"

@@ -11,11 +11,11 @@ from typing import Callable
 
 import pyarrow as pa
 
-from engine.sampling_params import SamplingParams
-from jobs import errors
-from jobs.errors import JobError
-from jobs.spec import MESSAGES_COLUMN, OUTPUT_COLUMNS, ROW_PARAM_COLUMNS, JobSpec
-from jobs.template import PromptTemplate
+from fusegen.engine.sampling_params import SamplingParams
+from fusegen.jobs import errors
+from fusegen.jobs.errors import JobError
+from fusegen.jobs.spec import MESSAGES_COLUMN, OUTPUT_COLUMNS, ROW_PARAM_COLUMNS, JobSpec
+from fusegen.jobs.template import PromptTemplate
 
 ChatFn = Callable[[list], "str | list[int]"]  # messages -> prompt for the engine
 _INT_PARAMS = ("max_tokens", "top_k", "seed")

@@ -7,8 +7,8 @@ import sys
 
 import click
 
-from jobs.errors import JobError
-from jobs.spec import JobSpec, build_spec, load_job_file
+from fusegen.jobs.errors import JobError
+from fusegen.jobs.spec import JobSpec, build_spec, load_job_file
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(JobSpec)
              if f.default is not dataclasses.MISSING}
@@ -115,7 +115,7 @@ def run(job_file, storage_option, stop, **flags):
             flags["storage_options"] = options
         spec = build_spec(file_values, flags)
         setup_logging()
-        from jobs.runner import run_job
+        from fusegen.jobs.runner import run_job
 
         result = run_job(spec)
     except JobError as exc:

@@ -13,19 +13,19 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 from itertools import islice
 
-from jobs.cluster import open_client
-from jobs.errors import JobError
-from jobs.manifest import (OVERWRITE, RESUME, clear_output, read_manifest, resume_mode,
+from fusegen.jobs.cluster import open_client
+from fusegen.jobs.errors import JobError
+from fusegen.jobs.manifest import (OVERWRITE, RESUME, clear_output, read_manifest, resume_mode,
                            write_manifest)
-from jobs.parts import TMP_DIR, PartStats, committed_stats, is_part_name
-from jobs.plan import Partition, plan_partitions
-from jobs.progress import JobResult, Progress
-from jobs.redact import redact_url, redacted_logging
-from jobs.rows import RowPreparer
-from jobs.spec import JobSpec
-from jobs.storage import (check_writable, filesystem, list_input_files, list_names,
+from fusegen.jobs.parts import TMP_DIR, PartStats, committed_stats, is_part_name
+from fusegen.jobs.plan import Partition, plan_partitions
+from fusegen.jobs.progress import JobResult, Progress
+from fusegen.jobs.redact import redact_url, redacted_logging
+from fusegen.jobs.rows import RowPreparer
+from fusegen.jobs.spec import JobSpec
+from fusegen.jobs.storage import (check_writable, filesystem, list_input_files, list_names,
                           remove_tree)
-from jobs.task import engine_stats, load_engine, run_partition
+from fusegen.jobs.task import engine_stats, load_engine, run_partition
 
 log = logging.getLogger("fusegen.jobs")
 

@@ -7,10 +7,10 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from engine.placement import parse_bytes
-from engine.sampling_params import SamplingParams
-from jobs.errors import JobError
-from jobs.redact import Redactor, public_options, redact_url
+from fusegen.engine.placement import parse_bytes
+from fusegen.engine.sampling_params import SamplingParams
+from fusegen.jobs.errors import JobError
+from fusegen.jobs.redact import Redactor, public_options, redact_url
 
 PROGRESS_MODES = ("auto", "bar", "log", "none")
 # Row columns that override the job's sampling value for that row.

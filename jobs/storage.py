@@ -10,8 +10,8 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobs.errors import JobError
-from jobs.plan import InputFile, Partition
+from fusegen.jobs.errors import JobError
+from fusegen.jobs.plan import InputFile, Partition
 
 # Streaming reads: without these pyarrow loads a whole row group (pre_buffer) or a whole
 # column chunk (buffer_size=0) even when only one batch of it is wanted.

@@ -5,13 +5,13 @@ from __future__ import annotations
 import time
 from concurrent.futures import wait
 
-from jobs.engines import get_engine, loaded_engine
-from jobs.errors import JobError
-from jobs.parts import PartStats, output_table, part_stats, write_part
-from jobs.plan import Partition
-from jobs.rows import RowPreparer
-from jobs.spec import JobSpec
-from jobs.storage import filesystem, read_partition
+from fusegen.jobs.engines import get_engine, loaded_engine
+from fusegen.jobs.errors import JobError
+from fusegen.jobs.parts import PartStats, output_table, part_stats, write_part
+from fusegen.jobs.plan import Partition
+from fusegen.jobs.rows import RowPreparer
+from fusegen.jobs.spec import JobSpec
+from fusegen.jobs.storage import filesystem, read_partition
 
 
 def load_engine(spec: JobSpec) -> dict:

@@ -5,7 +5,7 @@ import jinja2
 from jinja2 import meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from jobs.errors import JobError
+from fusegen.jobs.errors import JobError
 
 _ENV = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined,
                                      keep_trailing_newline=True)

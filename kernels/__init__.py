@@ -36,6 +36,6 @@ def use_native(tensor) -> bool:
     cannot be built here."""
     if tensor.device.type != "cpu" or os.environ.get("FUSEGEN_KERNELS", "auto") != "auto":
         return False
-    from kernels import native
+    from fusegen.kernels import native
 
     return native.library() is not None

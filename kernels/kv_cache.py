@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from kernels import use_triton
+from fusegen.kernels import use_triton
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # no Triton on this platform: the reference still serves
-    from kernels._triton_stub import tl, triton
+    from fusegen.kernels._triton_stub import tl, triton
 
 
 def write_kv_cache(key, value, k_cache, v_cache, slot_mapping) -> None:

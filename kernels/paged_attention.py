@@ -37,13 +37,13 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from kernels import native, use_native, use_triton
+from fusegen.kernels import native, use_native, use_triton
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # no Triton on this platform: the reference still serves
-    from kernels._triton_stub import tl, triton
+    from fusegen.kernels._triton_stub import tl, triton
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *,

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import torch
 
-from kernels import use_native, use_triton
+from fusegen.kernels import use_native, use_triton
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # no Triton on this platform: the reference still serves
-    from kernels._triton_stub import tl, triton
+    from fusegen.kernels._triton_stub import tl, triton
 
 
 def rms_norm(x, weight, eps: float, residual=None):
@@ -37,7 +37,7 @@ def rms_norm(x, weight, eps: float, residual=None):
 
 def rms_norm_native(x, weight, eps: float, residual=None):
     """fp32 CPU tensors, rows contiguous along the hidden dimension (kernels/csrc)."""
-    from kernels import native
+    from fusegen.kernels import native
 
     hidden = x.shape[-1]
     assert x.dtype == weight.dtype == torch.float32 and weight.is_contiguous()

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import torch
 
-from kernels import use_native, use_triton
+from fusegen.kernels import use_native, use_triton
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # no Triton on this platform: the reference still serves
-    from kernels._triton_stub import tl, triton
+    from fusegen.kernels._triton_stub import tl, triton
 
 
 def rotary_embedding(positions, q, k, cos, sin) -> None:
@@ -41,7 +41,7 @@ def rotary_embedding(positions, q, k, cos, sin) -> None:
 
 def rotary_embedding_native(positions, q, k, cos, sin) -> None:
     """In place on fp32 CPU q [T, Hq, D] and k [T, Hkv, D] (kernels/csrc)."""
-    from kernels import native
+    from fusegen.kernels import native
 
     num_tokens, num_heads, head_dim = q.shape
     half = cos.shape[-1]

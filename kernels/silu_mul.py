@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import torch
 
-from kernels import use_native, use_triton
+from fusegen.kernels import use_native, use_triton
 import torch.nn.functional as F
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # no Triton on this platform: the reference still serves
-    from kernels._triton_stub import tl, triton
+    from fusegen.kernels._triton_stub import tl, triton
 
 
 def silu_and_mul(x) -> torch.Tensor:
@@ -35,7 +35,7 @@ def silu_and_mul(x) -> torch.Tensor:
 
 def silu_and_mul_native(x) -> torch.Tensor:
     """fp32 CPU tensors, rows contiguous (kernels/csrc)."""
-    from kernels import native
+    from fusegen.kernels import native
 
     intermediate = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * intermediate)

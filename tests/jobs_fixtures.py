@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engine.outputs import RequestOutput
+from fusegen.engine.outputs import RequestOutput
 
 
 class FakeTokenizer:
@@ -128,14 +128,13 @@ class FakeLLM:
 @pytest.fixture
 def fake_engine(monkeypatch, tmp_path):
     """Route jobs' engine loading to FakeLLM; yields a model directory that 'loads'."""
-    import jobs.engines
-
+    from fusegen.jobs import engines
     model = tmp_path / "fake-model"
     model.mkdir()
     FakeLLM.instances = []
-    monkeypatch.setattr(jobs.engines, "_load", lambda m, kw: FakeLLM(m, **kw))
+    monkeypatch.setattr(engines, "_load", lambda m, kw: FakeLLM(m, **kw))
     yield str(model)
-    jobs.engines.close_engines()
+    engines.close_engines()
 
 
 def write_prompts(path, n: int, start: int = 0, row_group_size: int | None = None, **extra):
@@ -164,7 +163,7 @@ _TINY_MODEL = {}
 def tiny_model_dir() -> str:
     """The demo-sized random checkpoint with a real tokenizer, built once per process."""
     if "dir" not in _TINY_MODEL:
-        from engine.synthetic import build_checkpoint
+        from fusegen.engine.synthetic import build_checkpoint
 
         root = tempfile.mkdtemp(prefix="fusegen-jobs-model-")
         _TINY_MODEL["dir"] = str(build_checkpoint(os.path.join(root, "model"), seed=0))

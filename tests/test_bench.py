@@ -10,12 +10,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from jobs.bench import checkpoint, flops
-from jobs.bench.harness import BenchConfig, workload_for
-from jobs.bench.hf_static import batch_inputs
-from jobs.bench.presets import PRESETS, LengthDist, ModelShape
-from jobs.bench.workload import BenchRequest, describe_workload, draw_length, make_workload
-from jobs.bench_cmd import bench
+from fusegen.jobs.bench import checkpoint, flops
+from fusegen.jobs.bench.harness import BenchConfig, workload_for
+from fusegen.jobs.bench.hf_static import batch_inputs
+from fusegen.jobs.bench.presets import PRESETS, LengthDist, ModelShape
+from fusegen.jobs.bench.workload import BenchRequest, describe_workload, draw_length, make_workload
+from fusegen.jobs.bench_cmd import bench
 
 # h=64, i=128, 2 layers, 4 heads of 16, 2 KV heads, vocab 100.
 SHAPE = ModelShape(arch="llama", vocab_size=100, hidden_size=64, intermediate_size=128,
@@ -106,7 +106,7 @@ def test_batch_inputs_pad_on_the_left():
 
 
 def test_engine_stats_count_the_timed_run_alone():
-    from jobs.bench.fusegen_runner import _stats_delta
+    from fusegen.jobs.bench.fusegen_runner import _stats_delta
 
     warm = {"num_steps": 4, "mean_running": 2.0, "max_num_seqs": 256, "num_decode_steps": 2,
             "mean_decode_batch": 3.0, "step_seconds": 1.0}
@@ -219,8 +219,8 @@ def test_offload_preset_end_to_end(cache_dir):
     # The tiny shape with six layers and a budget that keeps two on the device: fusegen
     # streams the rest from disk, accelerate offloads under the same budget, and both
     # produce exactly the budgets.
-    from jobs.bench.harness import run_benchmark, workload_for
-    from jobs.bench.presets import OffloadSpec
+    from fusegen.jobs.bench.harness import run_benchmark, workload_for
+    from fusegen.jobs.bench.presets import OffloadSpec
 
     tiny = PRESETS["tiny"]
     preset = replace(tiny, name="tiny-offload", model=replace(tiny.model, num_layers=6),

@@ -6,9 +6,9 @@ decode (tests/test_tokenizer.py), so it serves as the full-text reference here.
 """
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer, detokenize
-from engine.synthetic import build_tokenizer
-from engine.tokenizer import Tokenizer
+from fusegen.engine.detokenizer import IncrementalDetokenizer, detokenize
+from fusegen.engine.synthetic import build_tokenizer
+from fusegen.engine.tokenizer import Tokenizer
 
 KINDS = ["bpe", "sentencepiece"]
 PROMPT = "Translate, please:"

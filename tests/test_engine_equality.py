@@ -3,7 +3,7 @@ time there, fused batches of mixed lengths here."""
 import pytest
 
 from checkpoints import hf_greedy, make_hf_checkpoint
-from engine import LLM, SamplingParams
+from fusegen.engine import LLM, SamplingParams
 
 PROMPTS = [
     "Hello",
@@ -54,12 +54,11 @@ def test_preemption_equals_transformers(mistral_sp_dir):
 
 def test_logits_in_chunks_equal_transformers(llama_dir, monkeypatch):
     # Sampled rows through the LM head 3 at a time: 7 requests, 3 chunks per step.
-    import engine.runner
-
-    monkeypatch.setattr(engine.runner, "LOGITS_CHUNK", 3)
+    from fusegen.engine import runner
+    monkeypatch.setattr(runner, "LOGITS_CHUNK", 3)
     calls = []
-    original = engine.runner.CausalLM.logits
-    monkeypatch.setattr(engine.runner.CausalLM, "logits",
+    original = runner.CausalLM.logits
+    monkeypatch.setattr(runner.CausalLM, "logits",
                         lambda self, x, r: calls.append(len(x)) or original(self, x, r))
     check_equal(llama_dir)
     assert calls[:3] == [3, 3, 1] and max(calls) == 3

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from engine import LLM, SamplingParams
+from fusegen.engine import LLM, SamplingParams
 
 PROMPTS = ["Hello there", "The quick brown fox jumps over the lazy dog.",
            "Bonjour, comment allez-vous ?", "1 2 3 4 5 6 7 8 9 10"]

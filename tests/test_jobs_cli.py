@@ -6,9 +6,9 @@ import logging
 import pyarrow.parquet as pq
 from click.testing import CliRunner
 
-from jobs.cli import main
-from jobs.progress import JobResult, Progress
-from jobs.spec import JobSpec
+from fusegen.jobs.cli import main
+from fusegen.jobs.progress import JobResult, Progress
+from fusegen.jobs.spec import JobSpec
 from jobs_fixtures import fake_engine, write_prompts  # noqa: F401
 
 

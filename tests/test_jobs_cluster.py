@@ -2,8 +2,8 @@
 import psutil
 import pytest
 
-from jobs.cluster import open_client
-from jobs.spec import JobSpec
+from fusegen.jobs.cluster import open_client
+from fusegen.jobs.spec import JobSpec
 
 
 def _listening() -> set[tuple[str, int]]:

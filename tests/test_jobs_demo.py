@@ -2,7 +2,7 @@
 import pyarrow.parquet as pq
 from click.testing import CliRunner
 
-from jobs.cli import main
+from fusegen.jobs.cli import main
 
 
 def test_demo_builds_everything_and_runs_twice(tmp_path):

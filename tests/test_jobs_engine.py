@@ -6,11 +6,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engine import LLM, SamplingParams
-from jobs.errors import JobError
-from jobs.rows import row_seed
-from jobs.runner import run_job
-from jobs.spec import JobSpec
+from fusegen.engine import LLM, SamplingParams
+from fusegen.jobs.errors import JobError
+from fusegen.jobs.rows import row_seed
+from fusegen.jobs.runner import run_job
+from fusegen.jobs.spec import JobSpec
 from jobs_fixtures import read_output, tiny_model_dir
 
 
@@ -106,8 +106,8 @@ def test_device_memory_budget_end_to_end(tmp_path):
     import io
 
     from checkpoints import make_hf_checkpoint
-    from engine.placement import budget_for_resident_layers
-    from engine.runner import model_sizes
+    from fusegen.engine.placement import budget_for_resident_layers
+    from fusegen.engine.runner import model_sizes
 
     model = make_hf_checkpoint(tmp_path / "model", "llama", "bpe", num_hidden_layers=6)
     prompts = [f"row {i} " + "word " * (i % 6) for i in range(12)]

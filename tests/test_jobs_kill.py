@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from jobs.runner import run_job
-from jobs.spec import JobSpec
+from fusegen.jobs.runner import run_job
+from fusegen.jobs.spec import JobSpec
 from jobs_fixtures import read_output, tiny_model_dir, write_prompts
 
 REPO = Path(__file__).resolve().parent.parent
@@ -40,7 +40,7 @@ def test_sigkill_job_then_rerun_equals_uninterrupted_run(tmp_path):
     inp = tmp_path / "in.parquet"
     write_prompts(inp, 320, row_group_size=16)
     out = tmp_path / "out"
-    args = [sys.executable, "-m", "jobs.cli", "run", "--model", tiny_model_dir(),
+    args = [sys.executable, "-m", "fusegen.jobs.cli", "run", "--model", tiny_model_dir(),
             "--input", str(inp), "--output", str(out), "--progress", "log"]
     args += [f"--{k.replace('_', '-')}={v}" for k, v in JOB.items()]
     with open(tmp_path / "log1", "wb") as log:

@@ -42,7 +42,7 @@ def _rss_mb(pid: int) -> float:
 def test_100k_rows_memory_plateaus(tmp_path):
     _dataset(tmp_path / "in", NUM_ROWS)
     out = tmp_path / "out"
-    args = [sys.executable, "-m", "jobs.cli", "run", "--model", tiny_model_dir(),
+    args = [sys.executable, "-m", "fusegen.jobs.cli", "run", "--model", tiny_model_dir(),
             "--input", str(tmp_path / "in"), "--output", str(out), "--max-tokens", "1",
             "--temperature", "0", "--partition-rows", str(PART_ROWS),
             "--partitions-per-worker", "2", "--max-num-seqs", "1024",

@@ -1,5 +1,5 @@
 """Partition planning: exact row ranges, bounded size, stable over reruns."""
-from jobs.plan import InputFile, Partition, plan_partitions
+from fusegen.jobs.plan import InputFile, Partition, plan_partitions
 
 
 def test_small_row_groups_are_packed_and_big_ones_sliced():

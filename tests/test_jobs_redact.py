@@ -1,7 +1,7 @@
 """Credential redaction in text, URLs, storage options and log records."""
 import logging
 
-from jobs.redact import MASK, Redactor, public_options, redact_url
+from fusegen.jobs.redact import MASK, Redactor, public_options, redact_url
 
 
 def test_redact_url_userinfo_and_signed_query():
@@ -27,7 +27,7 @@ def test_redactor_masks_declared_secret_values_anywhere():
 
 
 def test_redacting_log_filter(caplog):
-    from jobs.redact import redacted_logging
+    from fusegen.jobs.redact import redacted_logging
 
     r = Redactor({"password": "hunter22"})
     with caplog.at_level(logging.INFO), redacted_logging(r):

@@ -2,9 +2,9 @@
 import pyarrow as pa
 import pytest
 
-from jobs.errors import JobError
-from jobs.rows import RowPreparer, row_seed
-from jobs.spec import JobSpec
+from fusegen.jobs.errors import JobError
+from fusegen.jobs.rows import RowPreparer, row_seed
+from fusegen.jobs.spec import JobSpec
 
 
 def _prep(chat=None, **kw):

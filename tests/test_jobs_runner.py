@@ -8,11 +8,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import jobs.engines
-
-from jobs.errors import JobError
-from jobs.runner import run_job
-from jobs.spec import JobSpec
+from fusegen.jobs import engines
+from fusegen.jobs.errors import JobError
+from fusegen.jobs.runner import run_job
+from fusegen.jobs.spec import JobSpec
 from jobs_fixtures import FakeLLM, fake_engine, read_output, write_prompts  # noqa: F401
 
 
@@ -153,23 +152,23 @@ def test_memory_filesystem_in_and_out(fake_engine):
 
 def test_running_partitions_report_progress_before_they_commit(fake_engine, tmp_path,
                                                                monkeypatch):
-    import jobs.runner
-    from jobs.progress import Progress
+    from fusegen.jobs import runner
+    from fusegen.jobs.progress import Progress
 
     seen = []
     monkeypatch.setattr(Progress, "partial", lambda self, *a: seen.append(a))
-    monkeypatch.setattr(jobs.engines, "_load",
+    monkeypatch.setattr(engines, "_load",
                         lambda m, kw: FakeLLM(m, step_seconds=0.05, **kw))
     write_prompts(tmp_path / "in.parquet", 8)
     spec = _spec(fake_engine, tmp_path / "in.parquet", tmp_path / "out", max_tokens=12,
                  partition_rows=8, max_num_seqs=4)  # two waves of 12 steps: ~1.2 s
-    jobs.runner.run_job(spec)
+    runner.run_job(spec)
     assert seen and all(index == 0 and 0 <= rows < 8 for index, rows, _ in seen), seen
     assert (0, 4, 48) in seen  # the first wave of four rows, 12 tokens each
 
 
 def test_resume_decision_policy():
-    from jobs.manifest import FRESH, OVERWRITE, RESUME, resume_mode
+    from fusegen.jobs.manifest import FRESH, OVERWRITE, RESUME, resume_mode
 
     old = {"fingerprint": "a", "config": {"max_tokens": 8, "seed": 0}}
     assert resume_mode(None, "a", {}, False, False, "o") == FRESH

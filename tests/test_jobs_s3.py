@@ -7,9 +7,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.errors import JobError
-from jobs.runner import run_job
-from jobs.spec import JobSpec
+from fusegen.jobs.errors import JobError
+from fusegen.jobs.runner import run_job
+from fusegen.jobs.spec import JobSpec
 from jobs_fixtures import fake_engine, read_output  # noqa: F401
 
 s3fs = pytest.importorskip("s3fs")

@@ -3,8 +3,8 @@ import os
 
 import pytest
 
-from jobs.errors import JobError
-from jobs.spec import JobSpec, build_spec, load_job_file
+from fusegen.jobs.errors import JobError
+from fusegen.jobs.spec import JobSpec, build_spec, load_job_file
 
 
 def _spec(**kw):

@@ -8,9 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.errors import JobError
-from jobs.plan import plan_partitions
-from jobs.storage import check_writable, filesystem, list_input_files, read_partition
+from fusegen.jobs.errors import JobError
+from fusegen.jobs.plan import plan_partitions
+from fusegen.jobs.storage import check_writable, filesystem, list_input_files, read_partition
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -49,8 +49,8 @@ def test_reading_a_slice_of_a_huge_row_group_streams(tmp_path):
     # In a fresh process, so that pyarrow's peak allocation counts this read only.
     code = f"""
 import pyarrow as pa
-from jobs.plan import Partition
-from jobs.storage import filesystem, read_partition
+from fusegen.jobs.plan import Partition
+from fusegen.jobs.storage import filesystem, read_partition
 pool = pa.default_memory_pool()
 fs, _ = filesystem({str(tmp_path)!r}, {{}})
 part = read_partition(fs, Partition(0, {str(tmp_path / "big.parquet")!r}, 90_000, 90_500, 0))

@@ -14,11 +14,11 @@ import tempfile
 import pytest
 import torch
 
-import kernels.kv_cache as kv_cache
-import kernels.paged_attention as paged_attention
-import kernels.rms_norm as rms_norm
-import kernels.rotary as rotary
-import kernels.silu_mul as silu_mul
+import fusegen.kernels.kv_cache as kv_cache
+import fusegen.kernels.paged_attention as paged_attention
+import fusegen.kernels.rms_norm as rms_norm
+import fusegen.kernels.rotary as rotary
+import fusegen.kernels.silu_mul as silu_mul
 
 triton = pytest.importorskip("triton")
 compiler = pytest.importorskip("triton.compiler")

@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from kernels import native
-from kernels.paged_attention import (paged_attention, paged_attention_cpu,
+from fusegen.kernels import native
+from fusegen.kernels.paged_attention import (paged_attention, paged_attention_cpu,
                                      paged_attention_reference, paged_decode_native)
 from tests.test_kernels_paged_attention import CASES, _dense_attention, _make_batch
 
@@ -100,7 +100,7 @@ def test_dispatcher_takes_the_kernel_on_cpu(monkeypatch):
     seq_lens, hq, hkv, d, bs, window = DECODE["gqa2_d64"]
     batch = _make_batch([1] * len(seq_lens), seq_lens, hq, hkv, d, bs)
     calls = []
-    import kernels.paged_attention as pa
+    import fusegen.kernels.paged_attention as pa
 
     monkeypatch.setattr(pa, "paged_attention_cpu",
                         lambda *a, **k: calls.append(1) or paged_attention_cpu(*a, **k))
@@ -139,7 +139,7 @@ def test_build_is_cached_per_source_and_reported_when_it_fails(tmp_path, monkeyp
 
 def test_without_a_compiler_the_engine_falls_back_to_the_reference(tmp_path):
     # A fresh process with no compiler and an empty cache: a warning, then torch.
-    code = ("import torch, kernels.native as n, kernels.paged_attention as pa\n"
+    code = ("import torch, fusegen.kernels.native as n, fusegen.kernels.paged_attention as pa\n"
             "assert n.library() is None\n"
             "from tests.test_kernels_paged_attention import _make_batch\n"
             "b = _make_batch([1, 1], [3, 9], 4, 2, 32, 4)\n"

@@ -3,10 +3,10 @@ references: RMSNorm with and without the residual add, SiLU-mul, rotary in place
 import pytest
 import torch
 
-from kernels import native
-from kernels.rms_norm import rms_norm, rms_norm_native, rms_norm_reference
-from kernels.rotary import rotary_embedding_native, rotary_embedding_reference
-from kernels.silu_mul import silu_and_mul_native, silu_and_mul_reference
+from fusegen.kernels import native
+from fusegen.kernels.rms_norm import rms_norm, rms_norm_native, rms_norm_reference
+from fusegen.kernels.rotary import rotary_embedding_native, rotary_embedding_reference
+from fusegen.kernels.silu_mul import silu_and_mul_native, silu_and_mul_reference
 
 if native.library() is None:
     pytest.fail("the CPU kernels did not build here; see the warning above", pytrace=False)

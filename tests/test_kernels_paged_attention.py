@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.kv_cache import write_kv_cache_reference, write_kv_cache_triton
-from kernels.paged_attention import (paged_attention, paged_attention_reference,
+from fusegen.kernels.kv_cache import write_kv_cache_reference, write_kv_cache_triton
+from fusegen.kernels.paged_attention import (paged_attention, paged_attention_reference,
                                      paged_attention_triton)
-from kernels.testing import triton_on
+from fusegen.kernels.testing import triton_on
 
 triton = pytest.importorskip("triton")
 

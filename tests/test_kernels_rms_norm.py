@@ -3,8 +3,8 @@ Triton kernel (interpreter on CPU, compiled on CUDA) against the reference."""
 import pytest
 import torch
 
-from kernels.rms_norm import rms_norm, rms_norm_reference, rms_norm_triton
-from kernels.testing import triton_on
+from fusegen.kernels.rms_norm import rms_norm, rms_norm_reference, rms_norm_triton
+from fusegen.kernels.testing import triton_on
 
 pytest.importorskip("triton")
 

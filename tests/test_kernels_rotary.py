@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from kernels.rotary import rotary_embedding, rotary_embedding_reference, rotary_embedding_triton
-from kernels.testing import triton_on
+from fusegen.kernels.rotary import rotary_embedding, rotary_embedding_reference, rotary_embedding_triton
+from fusegen.kernels.testing import triton_on
 
 pytest.importorskip("triton")
 

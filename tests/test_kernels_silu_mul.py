@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.silu_mul import silu_and_mul, silu_and_mul_reference, silu_and_mul_triton
-from kernels.testing import triton_on
+from fusegen.kernels.silu_mul import silu_and_mul, silu_and_mul_reference, silu_and_mul_triton
+from fusegen.kernels.testing import triton_on
 
 pytest.importorskip("triton")
 

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from checkpoints import hf_greedy
-from engine import LLM, ModelLoadError, SamplingParams
+from fusegen.engine import LLM, ModelLoadError, SamplingParams
 
 
 @pytest.fixture

@@ -1,10 +1,10 @@
 """Scheduler and block manager policy, on plain integers: no tensors, no model."""
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from fusegen.engine.block_manager import BlockManager
+from fusegen.engine.request import Request, RequestStatus
+from fusegen.engine.sampling_params import SamplingParams
+from fusegen.engine.scheduler import Scheduler
 
 
 def make(request_id, prompt_len, max_tokens=8, eos=frozenset()):

@@ -5,8 +5,8 @@ import shutil
 import jinja2
 import pytest
 
-from engine.synthetic import build_tokenizer
-from engine.tokenizer import Tokenizer
+from fusegen.engine.synthetic import build_tokenizer
+from fusegen.engine.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -164,10 +164,10 @@ def test_chat_template_in_a_fresh_process(tmp_path):
     import sys
     from pathlib import Path
 
-    from engine.synthetic import build_tokenizer
+    from fusegen.engine.synthetic import build_tokenizer
 
     build_tokenizer(tmp_path, kind="bpe")
-    code = ("import sys; from engine.tokenizer import Tokenizer; "
+    code = ("import sys; from fusegen.engine.tokenizer import Tokenizer; "
             "print(Tokenizer.from_dir(sys.argv[1]).apply_chat_template("
             "[{'role': 'user', 'content': 'hi'}]))")
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,

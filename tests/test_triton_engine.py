@@ -10,7 +10,7 @@ from checkpoints import hf_greedy
 
 SCRIPT = """
 import json, sys
-from engine import LLM, SamplingParams
+from fusegen.engine import LLM, SamplingParams
 llm = LLM(sys.argv[1], dtype="float32", max_num_batched_tokens=24, block_size=4)
 prompts = [[5, 9, 100, 7, 42, 17, 3, 250, 11, 12, 13], [300], list(range(30, 60))]
 outs = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))

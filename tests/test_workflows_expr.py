@@ -2,8 +2,8 @@
 import pyarrow as pa
 import pytest
 
-from workflows.expr import Expression, ExpressionError
-from workflows.transform import Transform
+from fusegen.workflows.expr import Expression, ExpressionError
+from fusegen.workflows.transform import Transform
 
 TABLE = pa.table({
     "id": [0, 1, 2, 3, None],

@@ -13,9 +13,9 @@ import pyarrow.parquet as pq
 import yaml
 
 from jobs_fixtures import read_output, tiny_model_dir
-from workflows.runner import run_workflow
-from workflows.spec import load_workflow
-from workflows.store import open_store
+from fusegen.workflows.runner import run_workflow
+from fusegen.workflows.spec import load_workflow
+from fusegen.workflows.store import open_store
 
 REPO = Path(__file__).resolve().parent.parent
 RUN_DATE = "2024-06-02"
@@ -58,7 +58,7 @@ def test_sigkilled_run_reruns_to_the_uninterrupted_result(tmp_path):
     draft = root / "work" / RUN_DATE / "draft"
     with open(tmp_path / "log", "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "jobs.cli", "workflow", "run", wf, "--run-date", RUN_DATE,
+            [sys.executable, "-m", "fusegen.jobs.cli", "workflow", "run", wf, "--run-date", RUN_DATE,
              "--store", store_url], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
         while _parts(draft) < 2 and proc.poll() is None:

@@ -7,14 +7,14 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-import jobs.engines
-import workflows.steps
-from jobs.cli import main
+from fusegen.jobs import engines
+from fusegen.workflows import steps as wf_steps
+from fusegen.jobs.cli import main
 from jobs_fixtures import read_output, tiny_model_dir
-from workflows.errors import WorkflowError
-from workflows.runner import run_workflow
-from workflows.spec import load_workflow
-from workflows.store import open_store
+from fusegen.workflows.errors import WorkflowError
+from fusegen.workflows.runner import run_workflow
+from fusegen.workflows.spec import load_workflow
+from fusegen.workflows.store import open_store
 
 RUN_DATE = "2024-05-01"
 NULL_TOPICS = (3, 6)
@@ -51,13 +51,13 @@ def _workflow_file(root, **keep_overrides) -> str:
 def loads(monkeypatch):
     """Counts engine loads (the real tiny engine still loads)."""
     calls = []
-    real = jobs.engines._load
+    real = engines._load
 
     def counting(model, kwargs):
         calls.append(model)
         return real(model, kwargs)
 
-    monkeypatch.setattr(jobs.engines, "_load", counting)
+    monkeypatch.setattr(engines, "_load", counting)
     return calls
 
 
@@ -110,7 +110,7 @@ def test_failed_run_reruns_to_the_uninterrupted_result(tmp_path, monkeypatch):
 
     store = open_store(dir_ / "runs.db")
     wf = load_workflow(_workflow_file(dir_))
-    real, calls = workflows.steps._transform_part, []
+    real, calls = wf_steps._transform_part, []
 
     def fail_second_part(*args):
         calls.append(1)
@@ -118,7 +118,7 @@ def test_failed_run_reruns_to_the_uninterrupted_result(tmp_path, monkeypatch):
             raise OSError("disk full (injected)")
         return real(*args)
 
-    monkeypatch.setattr(workflows.steps, "_transform_part", fail_second_part)
+    monkeypatch.setattr(wf_steps, "_transform_part", fail_second_part)
     with pytest.raises(WorkflowError, match="step 'keep' failed: .*disk full"):
         run_workflow(wf, store, run_date=RUN_DATE)
     failed = store.runs()[0]
@@ -128,7 +128,7 @@ def test_failed_run_reruns_to_the_uninterrupted_result(tmp_path, monkeypatch):
     assert sorted(p.name for p in (dir_ / "work" / RUN_DATE / "keep").glob("part-*")) \
         == ["part-00000.parquet"]
 
-    monkeypatch.setattr(workflows.steps, "_transform_part", real)
+    monkeypatch.setattr(wf_steps, "_transform_part", real)
     outcome = run_workflow(wf, store, run_date=RUN_DATE)
     steps = {s.step: s for s in store.steps(outcome.run_id)}
     assert (steps["draft"].num_parts, steps["draft"].num_parts_kept) == (3, 3)
@@ -192,18 +192,18 @@ def test_an_edited_file_recomputes_intermediates_but_guards_explicit_outputs(tmp
 def test_cli_failed_run_then_resume(tmp_path, monkeypatch):
     wf = _workflow_file(tmp_path)
     store = f"sqlite:///{tmp_path}/runs.db"
-    real = workflows.steps._transform_part
+    real = wf_steps._transform_part
 
     def broken(*args):
         raise OSError("bucket unreachable (injected)")
 
-    monkeypatch.setattr(workflows.steps, "_transform_part", broken)
+    monkeypatch.setattr(wf_steps, "_transform_part", broken)
     runner = CliRunner()
     failed = runner.invoke(main, ["workflow", "run", wf, "--run-date", RUN_DATE, "--store", store])
     assert failed.exit_code == 1
     assert "step 'keep' failed: OSError: bucket unreachable" in failed.output
     assert f"fusegen workflow run {wf} --run-date {RUN_DATE} --store {store}" in failed.output
-    monkeypatch.setattr(workflows.steps, "_transform_part", real)
+    monkeypatch.setattr(wf_steps, "_transform_part", real)
     resumed = runner.invoke(main, ["workflow", "resume", "1", "--store", store])
     assert resumed.exit_code == 0, resumed.output
     assert "step draft: 12 rows in, 12 out (3 parts, 3 kept from an earlier attempt)" \

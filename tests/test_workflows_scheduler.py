@@ -10,13 +10,13 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from jobs.cli import main
+from fusegen.jobs.cli import main
 
-from workflows.errors import WorkflowError
-from workflows.schedule import decide, latest_fire, next_fire
-from workflows.scheduler import Scheduler
-from workflows.spec import Schedule, parse_workflow
-from workflows.store import new_owner, open_store
+from fusegen.workflows.errors import WorkflowError
+from fusegen.workflows.schedule import decide, latest_fire, next_fire
+from fusegen.workflows.scheduler import Scheduler
+from fusegen.workflows.spec import Schedule, parse_workflow
+from fusegen.workflows.store import new_owner, open_store
 
 
 def utc(hour, minute=0, second=0, day=1):

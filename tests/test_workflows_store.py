@@ -7,9 +7,9 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from workflows.errors import WorkflowBusy, WorkflowError
-from workflows.migrations import LATEST, MIGRATIONS, migrate, schema_version
-from workflows.store import LEASE_SECONDS, RunStore, new_owner, open_store
+from fusegen.workflows.errors import WorkflowBusy, WorkflowError
+from fusegen.workflows.migrations import LATEST, MIGRATIONS, migrate, schema_version
+from fusegen.workflows.store import LEASE_SECONDS, RunStore, new_owner, open_store
 
 T0 = datetime(2024, 5, 1, 12, 0, tzinfo=timezone.utc)
 

@@ -4,10 +4,10 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from jobs.cli import main
-from workflows.errors import Problem, ValidationError
-from workflows.resolve import resolve
-from workflows.spec import load_workflow, parse_workflow
+from fusegen.jobs.cli import main
+from fusegen.workflows.errors import Problem, ValidationError
+from fusegen.workflows.resolve import resolve
+from fusegen.workflows.spec import load_workflow, parse_workflow
 
 RUN_DATE = "2024-05-01"
 

@@ -7,8 +7,8 @@ from datetime import datetime
 
 import click
 
-from jobs.errors import JobError
-from workflows.errors import ValidationError, WorkflowBusy, WorkflowError
+from fusegen.jobs.errors import JobError
+from fusegen.workflows.errors import ValidationError, WorkflowBusy, WorkflowError
 
 _STORE = click.option("--store", "store_url", default=None, metavar="URL",
                       help="Run store: sqlite:///path/runs.db.  [default: "
@@ -50,10 +50,10 @@ def run(file, params, run_date, overwrite, store_url):
 
     Every step is a resumable job: if a run fails or is killed, the same command (same
     --param values and --run-date) continues where it stopped."""
-    from jobs.run_cmd import setup_logging
-    from workflows.runner import default_run_date, run_workflow
-    from workflows.spec import load_workflow
-    from workflows.store import open_store
+    from fusegen.jobs.run_cmd import setup_logging
+    from fusegen.workflows.runner import default_run_date, run_workflow
+    from fusegen.workflows.spec import load_workflow
+    from fusegen.workflows.store import open_store
 
     try:
         wf = load_workflow(file)
@@ -89,10 +89,10 @@ def _retry_hint(file, params, run_date, store_url):
 def resume(run_id, overwrite, store_url):
     """Run again the failed or interrupted run RUN_ID: same file, params and run date, so
     every step keeps what it committed and continues where it stopped."""
-    from jobs.run_cmd import setup_logging
-    from workflows.runner import run_workflow
-    from workflows.spec import load_workflow
-    from workflows.store import open_store
+    from fusegen.jobs.run_cmd import setup_logging
+    from fusegen.workflows.runner import run_workflow
+    from fusegen.workflows.spec import load_workflow
+    from fusegen.workflows.store import open_store
 
     try:
         store = open_store(store_url)
@@ -121,9 +121,9 @@ def resume(run_id, overwrite, store_url):
 def check(file, params, run_date):
     """Validate FILE without running it: keys, DAG, schedule, and (for the given params
     and run date) the columns every step reads, from its inputs' Parquet schemas."""
-    from workflows.resolve import resolve
-    from workflows.runner import default_run_date
-    from workflows.spec import load_workflow
+    from fusegen.workflows.resolve import resolve
+    from fusegen.workflows.runner import default_run_date
+    from fusegen.workflows.spec import load_workflow
 
     try:
         wf = load_workflow(file)
@@ -148,11 +148,11 @@ def schedule(files, params, poll_seconds, store_url):
     State lives in the run store: after a restart, fires missed while down follow each
     file's `missed:` policy and an interrupted run resumes. The first signal stops firing
     and waits for the run in progress; a second gives it up (it resumes next start)."""
-    from jobs.run_cmd import setup_logging
-    from workflows.schedule import next_fire
-    from workflows.scheduler import Scheduler
-    from workflows.spec import load_workflow
-    from workflows.store import open_store
+    from fusegen.jobs.run_cmd import setup_logging
+    from fusegen.workflows.schedule import next_fire
+    from fusegen.workflows.scheduler import Scheduler
+    from fusegen.workflows.spec import load_workflow
+    from fusegen.workflows.store import open_store
 
     try:
         workflows = [load_workflow(f) for f in files]
@@ -195,7 +195,7 @@ def schedule(files, params, poll_seconds, store_url):
 def history(file_or_name, limit, store_url):
     """Runs, newest first: status, start/end, rows, tokens, errors. With FILE (or a
     workflow name), that workflow's runs only."""
-    from workflows.store import open_store
+    from fusegen.workflows.store import open_store
 
     try:
         name = _workflow_name(file_or_name) if file_or_name else None
@@ -226,7 +226,7 @@ def history(file_or_name, limit, store_url):
 def show(run_id, store_url):
     """One run in detail: status, params, and per step its status, start/end, rows in and
     out, tokens, error rows by code, and the error that stopped it."""
-    from workflows.store import open_store
+    from fusegen.workflows.store import open_store
 
     try:
         store = open_store(store_url)
@@ -278,7 +278,7 @@ def _params(items) -> dict:
 
 def _workflow_name(file_or_name: str) -> str:
     if os.path.exists(file_or_name):
-        from workflows.spec import load_workflow
+        from fusegen.workflows.spec import load_workflow
 
         return load_workflow(file_or_name).name
     return file_or_name

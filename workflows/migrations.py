@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sqlite3
 
-from workflows.errors import WorkflowError
+from fusegen.workflows.errors import WorkflowError
 
 MIGRATIONS: list[tuple[str, list[str]]] = [
     ("run history", [

@@ -14,17 +14,17 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobs.errors import JobError
-from jobs.parts import output_table
-from jobs.spec import MESSAGES_COLUMN, OUTPUT_COLUMNS, JobSpec, build_spec
-from jobs.storage import filesystem, list_input_files
-from jobs.template import PromptTemplate
-from workflows.errors import Problem, ValidationError
-from workflows.expr import ExpressionError
-from workflows.render import RUN_DATE, TemplateError, render
-from workflows.spec import Step, Workflow
-from workflows.store import state_dir
-from workflows.transform import Transform
+from fusegen.jobs.errors import JobError
+from fusegen.jobs.parts import output_table
+from fusegen.jobs.spec import MESSAGES_COLUMN, OUTPUT_COLUMNS, JobSpec, build_spec
+from fusegen.jobs.storage import filesystem, list_input_files
+from fusegen.jobs.template import PromptTemplate
+from fusegen.workflows.errors import Problem, ValidationError
+from fusegen.workflows.expr import ExpressionError
+from fusegen.workflows.render import RUN_DATE, TemplateError, render
+from fusegen.workflows.spec import Step, Workflow
+from fusegen.workflows.store import state_dir
+from fusegen.workflows.transform import Transform
 
 
 @dataclass(slots=True)

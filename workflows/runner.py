@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 from datetime import date, datetime, timezone
 from typing import Callable
 
-from jobs.errors import JobError
-from jobs.redact import Redactor, redact_url
-from workflows.errors import WorkflowError
-from workflows.resolve import ResolvedWorkflow, resolve
-from workflows.spec import Workflow
-from workflows.steps import Clients, StepCounts, run_step
-from workflows.store import HEARTBEAT_SECONDS, RunStore, new_owner
+from fusegen.jobs.errors import JobError
+from fusegen.jobs.redact import Redactor, redact_url
+from fusegen.workflows.errors import WorkflowError
+from fusegen.workflows.resolve import ResolvedWorkflow, resolve
+from fusegen.workflows.spec import Workflow
+from fusegen.workflows.steps import Clients, StepCounts, run_step
+from fusegen.workflows.store import HEARTBEAT_SECONDS, RunStore, new_owner
 
 log = logging.getLogger("fusegen.workflows")
 Clock = Callable[[], datetime]

@@ -12,7 +12,7 @@ from datetime import datetime, timedelta
 
 from croniter import croniter
 
-from workflows.spec import Schedule
+from fusegen.workflows.spec import Schedule
 
 _MAX_COUNT = 100_000  # counting skipped fires stops here (a minutely cron down for months)
 

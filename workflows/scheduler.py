@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Callable
 
-from workflows.errors import WorkflowBusy, WorkflowError
-from workflows.resolve import effective_params, resolve
-from workflows.runner import Clock, _message, execute_run, utc_now
-from workflows.schedule import decide, next_fire, run_date
-from workflows.spec import Workflow
-from workflows.store import LEASE_SECONDS, RunStore, new_owner
+from fusegen.workflows.errors import WorkflowBusy, WorkflowError
+from fusegen.workflows.resolve import effective_params, resolve
+from fusegen.workflows.runner import Clock, _message, execute_run, utc_now
+from fusegen.workflows.schedule import decide, next_fire, run_date
+from fusegen.workflows.spec import Workflow
+from fusegen.workflows.store import LEASE_SECONDS, RunStore, new_owner
 
 log = logging.getLogger("fusegen.workflows")
 

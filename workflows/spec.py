@@ -28,12 +28,12 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from croniter import croniter
 
-from jobs.errors import JobError
-from jobs.spec import FIELD_NAMES, load_job_file
-from workflows.dag import CycleError, run_order
-from workflows.errors import Problem, ValidationError
-from workflows.expr import Expression, ExpressionError
-from workflows.render import (RUN_DATE, ROW_TEMPLATE_KEYS, TemplateError, names_in,
+from fusegen.jobs.errors import JobError
+from fusegen.jobs.spec import FIELD_NAMES, load_job_file
+from fusegen.workflows.dag import CycleError, run_order
+from fusegen.workflows.errors import Problem, ValidationError
+from fusegen.workflows.expr import Expression, ExpressionError
+from fusegen.workflows.render import (RUN_DATE, ROW_TEMPLATE_KEYS, TemplateError, names_in,
                               template_keys)
 
 TOP_KEYS = ("name", "params", "schedule", "workdir", "defaults", "steps")

@@ -18,15 +18,15 @@ from dataclasses import asdict, dataclass
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from jobs.manifest import OVERWRITE, RESUME, clear_output, read_manifest, resume_mode, \
+from fusegen.jobs.manifest import OVERWRITE, RESUME, clear_output, read_manifest, resume_mode, \
     write_manifest
-from jobs.parts import TMP_DIR, is_part_name, write_part
-from jobs.plan import Partition, plan_partitions
-from jobs.redact import redact_url
-from jobs.storage import check_writable, filesystem, list_input_files, list_names, \
+from fusegen.jobs.parts import TMP_DIR, is_part_name, write_part
+from fusegen.jobs.plan import Partition, plan_partitions
+from fusegen.jobs.redact import redact_url
+from fusegen.jobs.storage import check_writable, filesystem, list_input_files, list_names, \
     read_partition, remove_tree
-from workflows.errors import WorkflowError
-from workflows.resolve import ResolvedStep
+from fusegen.workflows.errors import WorkflowError
+from fusegen.workflows.resolve import ResolvedStep
 
 log = logging.getLogger("fusegen.workflows")
 _META_KEY = b"fusegen"
@@ -64,7 +64,7 @@ class Clients:
         self._client = None
 
     def get(self, job):
-        from jobs.cluster import open_client
+        from fusegen.jobs.cluster import open_client
 
         key = (job.scheduler, job.workers, job.partitions_per_worker)
         if key != self._key:
@@ -123,7 +123,7 @@ def _holds_another_job(step: ResolvedStep) -> bool:
 def _generate(step: ResolvedStep, clients: Clients, overwrite: bool) -> StepCounts:
     import dataclasses
 
-    from jobs.runner import run_job
+    from fusegen.jobs.runner import run_job
 
     job = dataclasses.replace(step.job, overwrite=step.job.overwrite or overwrite)
     r = run_job(job, client=clients.get(job))

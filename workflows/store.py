@@ -17,8 +17,8 @@ from dataclasses import dataclass, fields
 from datetime import datetime, timezone
 from pathlib import Path
 
-from workflows.errors import WorkflowBusy, WorkflowError
-from workflows.migrations import migrate
+from fusegen.workflows.errors import WorkflowBusy, WorkflowError
+from fusegen.workflows.migrations import migrate
 
 LEASE_SECONDS = 600  # a lock whose heartbeat is older than this belongs to a dead run
 HEARTBEAT_SECONDS = 30

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from workflows.errors import Problem
-from workflows.expr import Expression
+from fusegen.workflows.errors import Problem
+from fusegen.workflows.expr import Expression
 
 
 @dataclass(slots=True)

@@ -13,7 +13,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from jobs.bench.presets import ModelShape
+from fusegen.jobs.bench.presets import ModelShape
 
 _MARKER = "bench_shape.json"
 # Bump when engine.synthetic's output changes in a way the shape does not show.
@@ -59,7 +59,7 @@ def ensure_checkpoint(name: str, shape: ModelShape, cache_dir: Path,
 
 
 def _build(path: Path, shape: ModelShape) -> None:
-    from engine.synthetic import build_checkpoint
+    from fusegen.engine.synthetic import build_checkpoint
 
     build_checkpoint(
         path, shape.arch, vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from jobs.bench.presets import ModelShape
+from fusegen.jobs.bench.presets import ModelShape
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

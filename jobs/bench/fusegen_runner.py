@@ -6,14 +6,14 @@ from collections.abc import Callable
 from concurrent.futures import as_completed
 from pathlib import Path
 
-from jobs.bench.results import EngineResult
-from jobs.bench.workload import BenchRequest
+from fusegen.jobs.bench.results import EngineResult
+from fusegen.jobs.bench.workload import BenchRequest
 
 
 def run_fusegen(model_dir: Path, requests: list[BenchRequest], warmup: list[BenchRequest], *,
                 dtype: str, device: str, engine_options: dict,
                 progress: Callable[[str], None]) -> EngineResult:
-    from engine import LLM
+    from fusegen.engine import LLM
 
     result = EngineResult("fusegen", "fusegen")
     start = time.perf_counter()
@@ -112,7 +112,7 @@ def _stats_delta(before: dict, after: dict) -> dict:
 
 
 def _prompts_and_params(requests: list[BenchRequest]):
-    from engine import SamplingParams
+    from fusegen.engine import SamplingParams
 
     prompts = [r.prompt_ids for r in requests]
     # Greedy and ignore_eos: a random model must produce exactly the budget, every engine.

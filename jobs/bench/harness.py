@@ -7,13 +7,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jobs.bench import flops
-from jobs.bench.ceiling import measure_ceiling
-from jobs.bench.checkpoint import default_cache_dir, ensure_checkpoint
-from jobs.bench.presets import LengthDist, Preset
-from jobs.bench.report import build_report
-from jobs.bench.results import EngineResult
-from jobs.bench.workload import BenchRequest, make_workload, max_context
+from fusegen.jobs.bench import flops
+from fusegen.jobs.bench.ceiling import measure_ceiling
+from fusegen.jobs.bench.checkpoint import default_cache_dir, ensure_checkpoint
+from fusegen.jobs.bench.presets import LengthDist, Preset
+from fusegen.jobs.bench.report import build_report
+from fusegen.jobs.bench.results import EngineResult
+from fusegen.jobs.bench.workload import BenchRequest, make_workload, max_context
 
 Progress = Callable[[str], None]
 
@@ -37,7 +37,7 @@ class BenchConfig:
 
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.dtype == "auto":
-            from engine.config import resolve_dtype
+            from fusegen.engine.config import resolve_dtype
 
             self.dtype = str(resolve_dtype("auto", self.device)).removeprefix("torch.")
         if self.dtype not in flops.DTYPE_BYTES:
@@ -81,7 +81,7 @@ def run_benchmark(config: BenchConfig, progress: Progress = lambda _: None) -> d
     dtypes = tuple(dict.fromkeys(("bfloat16", "float32", config.dtype)))
     ceiling = measure_ceiling(config.device, dtypes, quick=preset.quick_ceiling)
 
-    from jobs.bench.fusegen_runner import run_fusegen
+    from fusegen.jobs.bench.fusegen_runner import run_fusegen
 
     budgets = _offload_budgets(config, model_dir, requests, progress) if preset.offload else {}
     engine_options = {k: v for k, v in budgets.items() if not k.startswith("_")}
@@ -111,8 +111,8 @@ def _run_baselines(config: BenchConfig, model_dir: Path, requests, warmup,
         static.skipped = continuous.skipped = "skipped (--skip-hf)"
         return [static, continuous]
 
-    from jobs.bench.hf_continuous import continuous_batching_missing, run_hf_continuous
-    from jobs.bench.hf_static import load_hf_model, run_hf_static
+    from fusegen.jobs.bench.hf_continuous import continuous_batching_missing, run_hf_continuous
+    from fusegen.jobs.bench.hf_static import load_hf_model, run_hf_static
 
     progress(f"transformers: loading the model ({config.dtype} on {config.device})")
     start = time.perf_counter()
@@ -149,9 +149,9 @@ def _offload_budgets(config: BenchConfig, model_dir: Path, requests: list[BenchR
     planned with (pinned, so the engine plans alike). A budget stated as a share of
     resident layers also holds the KV cache of the whole workload at full length, so
     the run measures streamed weights, not a starved KV pool."""
-    from engine.config import EngineConfig
-    from engine.placement import budget_for_resident_layers, parse_bytes, plan_placement
-    from engine.runner import model_sizes
+    from fusegen.engine.config import EngineConfig
+    from fusegen.engine.placement import budget_for_resident_layers, parse_bytes, plan_placement
+    from fusegen.engine.runner import model_sizes
 
     spec = config.preset.offload
     engine_config = EngineConfig(model=str(model_dir), dtype=config.dtype, device=config.device,
@@ -185,7 +185,7 @@ def _offload_budgets(config: BenchConfig, model_dir: Path, requests: list[BenchR
 
 def _run_offload_baseline(config: BenchConfig, model_dir: Path, requests, warmup, budgets: dict,
                           progress: Progress) -> list[EngineResult]:
-    from jobs.bench.hf_offload import load_offloaded_model, run_hf_offload
+    from fusegen.jobs.bench.hf_offload import load_offloaded_model, run_hf_offload
 
     batch_size = config.preset.hf_batch_size
     if not (config.hf_static or config.hf_continuous):

@@ -9,8 +9,8 @@ import math
 import time
 from collections.abc import Callable
 
-from jobs.bench.results import EngineResult
-from jobs.bench.workload import BenchRequest
+from fusegen.jobs.bench.results import EngineResult
+from fusegen.jobs.bench.workload import BenchRequest
 
 
 def continuous_batching_missing(model) -> str | None:

@@ -11,9 +11,9 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from jobs.bench.hf_static import TORCH_DTYPES, run_hf_static
-from jobs.bench.results import EngineResult
-from jobs.bench.workload import BenchRequest
+from fusegen.jobs.bench.hf_static import TORCH_DTYPES, run_hf_static
+from fusegen.jobs.bench.results import EngineResult
+from fusegen.jobs.bench.workload import BenchRequest
 
 
 def load_offloaded_model(model_dir: Path, dtype: str, device: str, device_memory: int,

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from jobs.bench.results import EngineResult
-from jobs.bench.workload import BenchRequest
+from fusegen.jobs.bench.results import EngineResult
+from fusegen.jobs.bench.workload import BenchRequest
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

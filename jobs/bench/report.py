@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from jobs.bench import flops
-from jobs.bench.ceiling import Ceiling
-from jobs.bench.machine import describe_machine, now_iso, versions
-from jobs.bench.results import EngineResult
-from jobs.bench.workload import BenchRequest, describe_workload
+from fusegen.jobs.bench import flops
+from fusegen.jobs.bench.ceiling import Ceiling
+from fusegen.jobs.bench.machine import describe_machine, now_iso, versions
+from fusegen.jobs.bench.results import EngineResult
+from fusegen.jobs.bench.workload import BenchRequest, describe_workload
 
 _RATES = ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "flops_per_s")
 

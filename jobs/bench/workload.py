@@ -5,7 +5,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from jobs.bench.presets import LengthDist
+from fusegen.jobs.bench.presets import LengthDist
 
 
 @dataclass(frozen=True, slots=True)
