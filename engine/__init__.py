@@ -4,7 +4,8 @@
     llm = LLM("path/to/checkpoint")
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=64, temperature=0.0))
 """
-from fusegen.engine.config import EngineConfig, ModelConfig
+from fusegen.engine.config import EngineConfig
+from fusegen.engine.models.config import ModelConfig
 from fusegen.engine.errors import EngineConfigError, ModelLoadError
 from fusegen.engine.llm import LLM
 from fusegen.engine.llm_engine import LLMEngine

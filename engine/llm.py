@@ -43,7 +43,7 @@ class LLM:
 
     @property
     def placement(self):
-        """The placement plan (engine.placement.PlacementPlan); `.table()` prints it."""
+        """The placement plan (engine.memory.placement.PlacementPlan); `.table()` prints it."""
         return self.engine.runner.plan
 
     def generate(self, prompts: Sequence[Prompt] | Prompt,

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusegen.engine.config import ModelConfig
+from fusegen.engine.models.config import ModelConfig
 from fusegen.kernels.kv_cache import write_kv_cache
 from fusegen.kernels.paged_attention import paged_attention
 from fusegen.kernels.rms_norm import rms_norm
@@ -99,7 +99,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = _param()
         self.lm_head = _param(not cfg.tie_word_embeddings)
-        self.streamer = None  # engine.offload.WeightStreamer when some layers stream
+        self.streamer = None  # engine.memory.offload.WeightStreamer when some layers stream
 
     def forward(self, input_ids, positions, cos_sin, kv_caches, meta: AttentionMetadata):
         # input_ids, positions [T]; cos_sin [max_len, head_dim] (cos halves, sin halves)

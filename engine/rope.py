@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from fusegen.engine.config import ModelConfig
+from fusegen.engine.models.config import ModelConfig
 
 
 def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:

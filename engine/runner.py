@@ -10,10 +10,10 @@ import torch
 
 from fusegen.engine.config import EngineConfig
 from fusegen.engine.errors import EngineConfigError
-from fusegen.engine.loader import load_state_dict
+from fusegen.engine.weights.loader import load_state_dict
 from fusegen.engine.model import AttentionMetadata, CausalLM, fuse, layer_sources
-from fusegen.engine.offload import WeightStreamer
-from fusegen.engine.placement import BudgetTooSmall, ModelSizes, parse_bytes, plan_placement
+from fusegen.engine.memory.offload import WeightStreamer
+from fusegen.engine.memory.placement import BudgetTooSmall, ModelSizes, parse_bytes, plan_placement
 from fusegen.engine.rope import cos_sin_table
 from fusegen.engine.sampler import Sampler, SamplingBatch
 from fusegen.engine.scheduler import ScheduledBatch

@@ -34,7 +34,7 @@ def write_demo_prompts(path: Path, num_rows: int) -> None:
 def demo(directory, rows, max_tokens):
     """Build a small random checkpoint (real tokenizer) and a sample prompt dataset in
     DIR, run a generation job over them, and show where the output is."""
-    from fusegen.engine.synthetic import build_checkpoint
+    from fusegen.engine.models.synthetic import build_checkpoint
     from fusegen.jobs.run_cmd import setup_logging
     from fusegen.jobs.runner import run_job
     from fusegen.jobs.spec import JobSpec

@@ -7,7 +7,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from fusegen.engine.placement import parse_bytes
+from fusegen.engine.memory.placement import parse_bytes
 from fusegen.engine.sampling_params import SamplingParams
 from fusegen.jobs.errors import JobError
 from fusegen.jobs.redact import Redactor, public_options, redact_url

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from fusegen.engine.synthetic import build_tokenizer
+from fusegen.engine.models.synthetic import build_tokenizer
 
 ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),

@@ -163,7 +163,7 @@ _TINY_MODEL = {}
 def tiny_model_dir() -> str:
     """The demo-sized random checkpoint with a real tokenizer, built once per process."""
     if "dir" not in _TINY_MODEL:
-        from fusegen.engine.synthetic import build_checkpoint
+        from fusegen.engine.models.synthetic import build_checkpoint
 
         root = tempfile.mkdtemp(prefix="fusegen-jobs-model-")
         _TINY_MODEL["dir"] = str(build_checkpoint(os.path.join(root, "model"), seed=0))

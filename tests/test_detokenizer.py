@@ -7,7 +7,7 @@ decode (tests/test_tokenizer.py), so it serves as the full-text reference here.
 import pytest
 
 from fusegen.engine.detokenizer import IncrementalDetokenizer, detokenize
-from fusegen.engine.synthetic import build_tokenizer
+from fusegen.engine.models.synthetic import build_tokenizer
 from fusegen.engine.tokenizer import Tokenizer
 
 KINDS = ["bpe", "sentencepiece"]

@@ -106,7 +106,7 @@ def test_device_memory_budget_end_to_end(tmp_path):
     import io
 
     from checkpoints import make_hf_checkpoint
-    from fusegen.engine.placement import budget_for_resident_layers
+    from fusegen.engine.memory.placement import budget_for_resident_layers
     from fusegen.engine.runner import model_sizes
 
     model = make_hf_checkpoint(tmp_path / "model", "llama", "bpe", num_hidden_layers=6)

@@ -4,7 +4,7 @@ import pytest
 
 from checkpoints import make_hf_checkpoint
 from fusegen.engine import LLM, EngineConfigError, SamplingParams
-from fusegen.engine.placement import minimum_device_budget, plan_placement
+from fusegen.engine.memory.placement import minimum_device_budget, plan_placement
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Hello", "1 2 3 4 5 6 7 8 9",
            "Bonjour, comment allez-vous ?", "In the beginning the universe was created.",

@@ -1,7 +1,7 @@
 """The placement plan: pure arithmetic over sizes, no tensors."""
 import pytest
 
-from fusegen.engine.placement import (BudgetTooSmall, ModelSizes, format_bytes, minimum_device_budget,
+from fusegen.engine.memory.placement import (BudgetTooSmall, ModelSizes, format_bytes, minimum_device_budget,
                               parse_bytes, plan_placement)
 
 MiB = 2**20
@@ -67,7 +67,7 @@ def test_kv_cap_and_table():
 
 
 def test_budget_for_resident_layers():
-    from fusegen.engine.placement import budget_for_resident_layers
+    from fusegen.engine.memory.placement import budget_for_resident_layers
 
     # The largest budget that still streams keeps 4 layers here (the KV share takes
     # the rest of the room); up to that, budgets are exact and smallest.
@@ -94,7 +94,7 @@ def test_kv_reserve_comes_before_layers():
 
 
 def test_budget_for_resident_layers_with_a_kv_reserve():
-    from fusegen.engine.placement import budget_for_resident_layers
+    from fusegen.engine.memory.placement import budget_for_resident_layers
 
     # Streaming keeps at most 5 of 8 layers here: 5 resident + 2 staging slots + 1 more
     # layer would be the budget that holds all 8.

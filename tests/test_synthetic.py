@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fusegen.engine.synthetic import build_checkpoint, build_tokenizer
+from fusegen.engine.models.synthetic import build_checkpoint, build_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -5,7 +5,7 @@ import shutil
 import jinja2
 import pytest
 
-from fusegen.engine.synthetic import build_tokenizer
+from fusegen.engine.models.synthetic import build_tokenizer
 from fusegen.engine.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -164,7 +164,7 @@ def test_chat_template_in_a_fresh_process(tmp_path):
     import sys
     from pathlib import Path
 
-    from fusegen.engine.synthetic import build_tokenizer
+    from fusegen.engine.models.synthetic import build_tokenizer
 
     build_tokenizer(tmp_path, kind="bpe")
     code = ("import sys; from fusegen.engine.tokenizer import Tokenizer; "

@@ -16,7 +16,7 @@ from pathlib import Path
 from fusegen.jobs.bench.presets import ModelShape
 
 _MARKER = "bench_shape.json"
-# Bump when engine.synthetic's output changes in a way the shape does not show.
+# Bump when engine.models.synthetic's output changes in a way the shape does not show.
 _BUILDER_VERSION = 1
 _SEED = 0
 
@@ -59,7 +59,7 @@ def ensure_checkpoint(name: str, shape: ModelShape, cache_dir: Path,
 
 
 def _build(path: Path, shape: ModelShape) -> None:
-    from fusegen.engine.synthetic import build_checkpoint
+    from fusegen.engine.models.synthetic import build_checkpoint
 
     build_checkpoint(
         path, shape.arch, vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,

@@ -150,7 +150,7 @@ def _offload_budgets(config: BenchConfig, model_dir: Path, requests: list[BenchR
     resident layers also holds the KV cache of the whole workload at full length, so
     the run measures streamed weights, not a starved KV pool."""
     from fusegen.engine.config import EngineConfig
-    from fusegen.engine.placement import budget_for_resident_layers, parse_bytes, plan_placement
+    from fusegen.engine.memory.placement import budget_for_resident_layers, parse_bytes, plan_placement
     from fusegen.engine.runner import model_sizes
 
     spec = config.preset.offload

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, replace
 
 @dataclass(frozen=True, slots=True)
 class ModelShape:
-    """A Llama-family decoder, as engine.synthetic.build_checkpoint takes it."""
+    """A Llama-family decoder, as fusegen.engine.models.synthetic.build_checkpoint takes it."""
     arch: str  # "llama" (the synthetic builder's name for LlamaForCausalLM)
     vocab_size: int
     hidden_size: int

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from fusegen.engine.config import ModelConfig
+from fusegen.engine.models.config import ModelConfig
 from fusegen.engine.errors import ModelLoadError
 
 _PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth")
