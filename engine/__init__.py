@@ -5,6 +5,7 @@
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=64, temperature=0.0))
 """
 from fusegen.engine.config import EngineConfig
+from fusegen.engine.options import EngineOptions
 from fusegen.engine.models.config import ModelConfig
 from fusegen.engine.errors import EngineConfigError, ModelLoadError
 from fusegen.engine.llm import LLM
@@ -12,5 +13,5 @@ from fusegen.engine.llm_engine import LLMEngine
 from fusegen.engine.outputs import RequestOutput
 from fusegen.engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "EngineConfig",
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "EngineConfig", "EngineOptions",
            "ModelConfig", "ModelLoadError", "EngineConfigError"]

@@ -1,12 +1,18 @@
-"""The engine's knobs."""
+"""An engine's configuration: options in, a plan made, frozen."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+import psutil
 import torch
 
 from fusegen.engine.errors import EngineConfigError
+from fusegen.engine.memory.placement import PlacementPlan
+from fusegen.engine.memory.plan import FreeMemory, ModelShape, plan_engine
 from fusegen.engine.models.config import ModelConfig
+from fusegen.engine.options import EngineOptions
+from fusegen.engine.weights.loader import expected_shapes
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -34,77 +40,61 @@ def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
+    """An engine's resolved configuration: the options as given, the model, and what the
+    plan made of them. Built once by `EngineConfig.build`; nothing changes it after."""
     model: str  # a local Hugging Face checkpoint directory
-    dtype: str = "auto"  # auto: bf16 on GPUs and bf16-capable CPUs, fp32 otherwise
-    device: str = "auto"  # auto: cuda when present, else cpu
-    max_num_seqs: int | None = None  # running requests at most; None: from the machine
-    max_num_batched_tokens: int | None = None  # tokens per step; None: from the machine
-    block_size: int = 16  # tokens per KV block
-    # Bytes for the KV block pool; None: from free memory. With device_memory set and
-    # layers streaming, the share of that budget kept for KV before layers are placed.
-    kv_cache_memory: int | str | None = None  # bytes or a size like "16GiB"
-    num_kv_blocks: int | None = None  # exact pool size (overrides kv_cache_memory)
-    max_model_len: int | None = None  # context limit; None: max_position_embeddings
-    allow_pickle: bool = False  # load *.bin / *.pt checkpoints (weights_only) when True
-    seed: int = 0  # the engine-wide generator for requests without their own seed
-    # The memory pool (engine/memory/placement.py). Bytes, a size like "24GiB", or a fraction
-    # of what is free. device_memory None: no limit, every layer stays on the device.
-    device_memory: int | str | float | None = None
-    host_memory: int | str | float | None = None  # pinned host tier: streamed layers, swap
-    prefetch_depth: int = 1  # streamed layers loaded ahead of the one computing
-    num_host_kv_blocks: int | None = None  # exact host swap pool size (tests)
-    model_config: ModelConfig | None = field(default=None, repr=False)
+    model_config: ModelConfig = field(repr=False)
+    options: EngineOptions
+    device: str  # resolved: cpu, cuda or cuda:N
+    torch_dtype: torch.dtype  # resolved from options.dtype for this device
+    shape: ModelShape = field(repr=False)  # the model's sizes the plan was made over
+    placement: PlacementPlan = field(repr=False)
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
 
-    def __post_init__(self):
-        self.model = str(self.model)
-        if self.device == "auto":
-            self.device = default_device()
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise EngineConfigError(f"device must be auto, cpu or cuda[:N]; got {self.device!r}")
-        resolve_dtype(self.dtype, self.device)
-        if isinstance(self.kv_cache_memory, str):  # a size like "16GiB"
-            from fusegen.engine.memory.placement import parse_bytes
-
-            try:
-                self.kv_cache_memory = parse_bytes(self.kv_cache_memory, None, "kv_cache_memory")
-            except ValueError as exc:
-                raise EngineConfigError(str(exc)) from None
-        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory",
-                     "num_kv_blocks", "max_model_len", "prefetch_depth"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise EngineConfigError(f"{name} must be a positive integer; got {value!r}")
-        if self.num_host_kv_blocks is not None and self.num_host_kv_blocks < 0:
-            raise EngineConfigError(f"num_host_kv_blocks must be >= 0; got "
-                                    f"{self.num_host_kv_blocks}")
-        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
-            raise EngineConfigError(f"block_size must be a power of two up to 128; "
-                                    f"got {self.block_size}")
-        if self.model_config is None:
-            self.model_config = ModelConfig.from_dir(self.model)
-        limit = self.model_config.max_position_embeddings
-        if self.max_model_len is None:
-            self.max_model_len = limit
-        elif self.max_model_len > limit:
-            raise EngineConfigError(f"max_model_len {self.max_model_len} exceeds the model's "
-                                    f"max_position_embeddings {limit}")
-
-    def resolve_limits(self, streaming: bool) -> None:
-        """Fill the batch limits the user left unset. When layers stream, every step
-        pays their transfer, so the defaults grow to amortise it over more tokens
-        (FlexGen's lesson: offloading wants the largest batch memory allows)."""
-        on_gpu = self.device.startswith("cuda")
-        scale = 4 if streaming else 1
-        if self.max_num_seqs is None:
-            self.max_num_seqs = 256 * scale
-        if self.max_num_batched_tokens is None:
-            # A CPU is compute-bound from a few hundred tokens per step on: a bigger
-            # step only has to hold a decode step of every running request.
-            self.max_num_batched_tokens = 8192 * scale if on_gpu else \
-                max(2048, self.max_num_seqs)
+    @classmethod
+    def build(cls, model, options: EngineOptions | None = None) -> "EngineConfig":
+        """Read the model's config.json, measure the machine, plan (a pure function of
+        the options, the model's sizes and the free memory), freeze."""
+        options = options or EngineOptions()
+        model = str(model)
+        model_config = ModelConfig.from_dir(model)
+        device = default_device() if options.device == "auto" else options.device
+        dtype = resolve_dtype(options.dtype, device)
+        shape = model_shape(model_config, dtype)
+        plan = plan_engine(options, shape, free_memory(device))
+        return cls(model, model_config, options, device, dtype, shape, plan.placement,
+                   plan.max_num_seqs, plan.max_num_batched_tokens, plan.max_model_len)
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return resolve_dtype(self.dtype, self.device)
+    def block_size(self) -> int:
+        return self.options.block_size
+
+
+def model_shape(cfg: ModelConfig, dtype: torch.dtype) -> ModelShape:
+    """The sizes the plan works over, from config.json alone (no weights are read)."""
+    shapes = expected_shapes(cfg)
+    layer = "model.layers.0."
+    layer_params = sum(math.prod(s) for name, s in shapes.items() if name.startswith(layer))
+    fixed_params = sum(math.prod(s) for name, s in shapes.items()
+                       if not name.startswith("model.layers."))
+    # Alive at once inside a layer, per token: the hidden stream, residual and norms,
+    # q/k/v, and the MLP's gate/up.
+    width = (4 * cfg.hidden_size + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+             + 3 * cfg.intermediate_size)
+    return ModelShape(num_layers=cfg.num_layers, layer_params=layer_params,
+                      fixed_params=fixed_params, kv_width=2 * cfg.num_kv_heads * cfg.head_dim,
+                      activation_width=width, vocab_size=cfg.vocab_size,
+                      max_position_embeddings=cfg.max_position_embeddings,
+                      dtype_bytes=torch.finfo(dtype).bits // 8)
+
+
+def free_memory(device: str) -> FreeMemory:
+    host = psutil.virtual_memory().available
+    if device.startswith("cuda"):
+        return FreeMemory(device=torch.cuda.mem_get_info(torch.device(device))[0], host=host,
+                          on_gpu=True)
+    return FreeMemory(device=host, host=host, on_gpu=False)

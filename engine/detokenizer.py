@@ -42,12 +42,18 @@ class IncrementalDetokenizer:
     def add(self, token_ids: list[int]) -> bool:
         """Feed newly generated ids; True once a stop string has matched (later calls are no-ops)."""
         for token_id in token_ids:  # one at a time: a stop ends generation at the token completing it
-            if self.stopped:
+            if self.add_token(token_id):
                 break
-            self._ids.append(token_id)
-            new_text = self._next_text()
-            if new_text:
-                self._check_stop(new_text)
+        return self.stopped
+
+    def add_token(self, token_id: int) -> bool:
+        """Feed one generated id (the step's path: no list per token); True once stopped."""
+        if self.stopped:
+            return True
+        self._ids.append(token_id)
+        new_text = self._next_text()
+        if new_text:
+            self._check_stop(new_text)
         return self.stopped
 
     def _decode(self, ids: list[int]) -> str:

@@ -3,35 +3,42 @@ of producer threads `submit()` requests into the one running batch, and each fut
 resolves as soon as its request finishes."""
 from __future__ import annotations
 
+import functools
 import threading
 from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 
 from fusegen.engine.config import EngineConfig
 from fusegen.engine.llm_engine import LLMEngine, Prompt
+from fusegen.engine.options import EngineOptions, describe
 from fusegen.engine.outputs import RequestOutput
 from fusegen.engine.sampling_params import SamplingParams
+from fusegen.engine.tokenizer import PromptLimit
 
 
 class LLM:
     def __init__(self, model: str, **options):
-        """`options` are `EngineConfig` fields: dtype, device, max_num_seqs,
-        max_num_batched_tokens, block_size, kv_cache_memory, num_kv_blocks,
-        max_model_len, allow_pickle, seed, device_memory, host_memory, prefetch_depth,
-        num_host_kv_blocks."""
-        self.config = EngineConfig(model=model, **options)
+        """`model`: a Hugging Face checkpoint directory. `options`: the fields of
+        `EngineOptions` (listed below); an unknown name is an error."""
+        self.config = EngineConfig.build(model, EngineOptions.from_kwargs(options))
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
         self._cond = threading.Condition()
         self._inbox: deque = deque()
         self._futures: dict[int, Future] = {}
+        self._aborts: set[int] = set()  # ids of cancelled requests, dropped before the next step
         self._thread: threading.Thread | None = None
         self._closed = False
 
     @property
     def max_model_len(self) -> int:
         return self.config.max_model_len
+
+    @property
+    def prompt_limit(self) -> PromptLimit:
+        """The most bytes of text a prompt can have; longer ones fail before tokenizing."""
+        return self.engine.prompt_limit
 
     def stats(self) -> dict:
         return self.engine.stats.as_dict(self.config.max_num_seqs)
@@ -44,23 +51,30 @@ class LLM:
     @property
     def placement(self):
         """The placement plan (engine.memory.placement.PlacementPlan); `.table()` prints it."""
-        return self.engine.runner.plan
+        return self.config.placement
 
     def generate(self, prompts: Sequence[Prompt] | Prompt,
                  params: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
         """Outputs in input order. A bad request gives an output with
-        finish_reason "error"; it never fails the others."""
+        finish_reason "error"; it never fails the others. Interrupted (Ctrl-C), it drops
+        its requests from the engine before it raises; other callers' go on."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
-        return [f.result() for f in self.submit_many(list(zip(prompts, params)))]
+        futures = self.submit_many(list(zip(prompts, params)))
+        try:
+            return [f.result() for f in futures]
+        except BaseException:  # KeyboardInterrupt above all: nobody waits for the rest
+            self._cancel(futures)
+            raise
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None) -> Future:
-        """Thread-safe. The future resolves to the request's RequestOutput."""
+        """Thread-safe. The future resolves to the request's RequestOutput; cancelling it
+        drops the request from the engine."""
         return self.submit_many([(prompt, params)])[0]
 
     def submit_many(self, requests: Sequence[tuple[Prompt, SamplingParams | None]]
@@ -81,6 +95,7 @@ class LLM:
             for item, future in items:
                 self._futures[item.request_id] = future
                 self._inbox.append(item)
+                future.add_done_callback(functools.partial(self._on_done, item.request_id))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="fusegen-engine",
                                                 daemon=True)
@@ -90,12 +105,20 @@ class LLM:
 
     def _loop(self) -> None:
         engine = self.engine
+        if self.config.device.startswith("cuda"):
+            # Kernels launch on the calling thread's current device: this engine's own,
+            # which is not cuda:0 for a job worker given another GPU.
+            import torch
+
+            torch.cuda.set_device(self.config.device)
         while True:
             with self._cond:
-                while not self._inbox and not engine.has_unfinished() and not self._closed:
+                while not (self._inbox or self._aborts or engine.has_unfinished()
+                           or self._closed):
                     self._cond.wait()
                 if self._closed:
                     break
+                self._drop_cancelled()
                 while self._inbox:
                     engine.add(self._inbox.popleft())
             try:
@@ -105,9 +128,9 @@ class LLM:
                 continue
             if outputs:
                 with self._cond:
-                    done = [(self._futures.pop(o.request_id), o) for o in outputs]
+                    done = [(self._futures.pop(o.request_id, None), o) for o in outputs]
                 for future, output in done:
-                    future.set_result(output)
+                    _resolve(future, output)
         self._fail(engine.abort_all(), RuntimeError("the LLM was closed before this "
                                                     "request finished"))
 
@@ -117,8 +140,33 @@ class LLM:
             futures += [self._futures.pop(r.request_id, None) for r in self._inbox]
             self._inbox.clear()
         for future in futures:
-            if future is not None and not future.done():
-                future.set_exception(exc)
+            _resolve(future, exc)
+
+    def _on_done(self, request_id: int, future: Future) -> None:
+        """A future's callback: a cancelled one's request leaves the engine before the
+        next step (the step loop alone touches the engine)."""
+        if future.cancelled():
+            with self._cond:
+                self._aborts.add(request_id)
+                self._cond.notify_all()
+
+    def _drop_cancelled(self) -> None:
+        """The step loop, holding the lock: drop the cancelled requests, queued or running."""
+        if not self._aborts:
+            return
+        ids, self._aborts = self._aborts, set()
+        self._inbox = deque(r for r in self._inbox if r.request_id not in ids)
+        self.engine.abort(ids)
+        for request_id in ids:
+            self._futures.pop(request_id, None)
+        self._cond.notify_all()  # _cancel() waits for this
+
+    def _cancel(self, futures: list[Future]) -> None:
+        """Cancel the unfinished futures and wait until the engine has dropped them."""
+        for future in futures:
+            future.cancel()
+        with self._cond:
+            self._cond.wait_for(lambda: not self._aborts or self._closed)
 
     def close(self) -> None:
         with self._cond:
@@ -133,3 +181,19 @@ class LLM:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _resolve(future: Future | None, result) -> None:
+    """Set an output or an exception, unless the caller cancelled the future meanwhile."""
+    if future is None:
+        return
+    try:
+        if isinstance(result, BaseException):
+            future.set_exception(result)
+        else:
+            future.set_result(result)
+    except InvalidStateError:  # cancelled (or already failed): nobody waits for it
+        pass
+
+
+LLM.__init__.__doc__ += "\n\n" + describe()

@@ -1,7 +1,8 @@
 """The engine step: `scheduler.schedule()` -> `runner.run(batch)` -> `scheduler.update()`,
-plus what turns requests into outputs (validation, stop strings, detokenization)."""
+plus what turns prompts into requests (validation) and finished requests into outputs."""
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import time
@@ -11,13 +12,13 @@ from pathlib import Path
 from fusegen.engine.block_manager import BlockManager
 from fusegen.engine.config import EngineConfig
 from fusegen.engine.errors import ModelLoadError
-from fusegen.engine.detokenizer import IncrementalDetokenizer, detokenize
+from fusegen.engine.detokenizer import IncrementalDetokenizer
 from fusegen.engine.outputs import RequestOutput
 from fusegen.engine.request import Request
 from fusegen.engine.runner import ModelRunner
 from fusegen.engine.sampling_params import SamplingParams
-from fusegen.engine.scheduler import Scheduler
-from fusegen.engine.tokenizer import Tokenizer
+from fusegen.engine.scheduler import ScheduledBatch, Scheduler
+from fusegen.engine.tokenizer import PromptLimit, Tokenizer, prompt_problem
 
 Prompt = str | list[int]
 
@@ -53,6 +54,22 @@ class EngineStats:
             "mean_decode_batch": self.decode_batch_sum / max(self.num_decode_steps, 1),
         }
 
+    def record(self, batch: ScheduledBatch, sampled: list[int | None],
+               finished: list[Request], seconds: float) -> None:
+        """Count one step that ran `batch` in `seconds`."""
+        self.num_steps += 1
+        self.num_running_sum += len(batch)
+        self.num_scheduled_tokens += batch.num_tokens
+        self.num_generated_tokens += sum(t is not None for t in sampled)
+        self.num_preemptions += batch.num_preempted
+        self.num_swapped_blocks += len(batch.swap_out)
+        self.num_finished += len(finished)
+        self.step_seconds += seconds
+        if batch.num_tokens == len(batch):
+            self.num_decode_steps += 1
+            self.decode_seconds += seconds
+            self.decode_batch_sum += len(batch)
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
@@ -66,11 +83,15 @@ class LLMEngine:
                                    config.max_num_batched_tokens, config.max_model_len)
         self.stats = EngineStats()
         self._ids = itertools.count()
-        self._detokenizers: dict[int, IncrementalDetokenizer] = {}
 
     @property
     def vocab_size(self) -> int:
         return self.config.model_config.vocab_size
+
+    @functools.cached_property
+    def prompt_limit(self) -> PromptLimit:
+        """The most bytes of text that could fit the context, checked before tokenizing."""
+        return PromptLimit(self.config.max_model_len, self.tokenizer.max_token_bytes)
 
     def make_request(self, prompt: Prompt, params: SamplingParams) -> Request | RequestOutput:
         """A validated request, or a finished error output for a bad one. Tokenizes,
@@ -92,13 +113,16 @@ class LLMEngine:
         if problem:
             return RequestOutput(request_id, "", [], "error", len(prompt_ids),
                                  f"kv_cache_too_small: {problem}")
+        if params.stop:  # it decodes the prompt's tail: here, off the step loop
+            request.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
         return request
 
     def _prompt_ids(self, prompt) -> tuple[list[int] | None, str | None]:
         if isinstance(prompt, str):
             if not prompt:
                 return None, "empty_prompt: the prompt is an empty string"
-            return self.tokenizer.encode(prompt), None
+            problem = prompt_problem(prompt, self.prompt_limit)
+            return (None, problem) if problem else (self.tokenizer.encode(prompt), None)
         if isinstance(prompt, (list, tuple)):
             if not prompt:
                 return None, "empty_prompt: the prompt has no token ids"
@@ -112,9 +136,6 @@ class LLMEngine:
                       f"got {type(prompt).__name__}")
 
     def add(self, request: Request) -> None:
-        if request.params.stop:
-            self._detokenizers[request.request_id] = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, request.params.stop)
         self.scheduler.add(request)
 
     def has_unfinished(self) -> bool:
@@ -127,46 +148,23 @@ class LLMEngine:
         start = time.perf_counter()
         sampled = self.runner.run(batch)
         finished = self.scheduler.update(batch, sampled)
-        finished += self._check_stop_strings(batch.requests, sampled)
-        stats = self.stats
-        stats.num_steps += 1
-        stats.num_running_sum += len(batch)
-        stats.num_scheduled_tokens += batch.num_tokens
-        stats.num_generated_tokens += sum(t is not None for t in sampled)
-        stats.num_preemptions += batch.num_preempted
-        stats.num_swapped_blocks += len(batch.swap_out)
-        stats.num_finished += len(finished)
-        elapsed = time.perf_counter() - start
-        stats.step_seconds += elapsed
-        if batch.num_tokens == len(batch):
-            stats.num_decode_steps += 1
-            stats.decode_seconds += elapsed
-            stats.decode_batch_sum += len(batch)
-        return [self._output(req) for req in finished]
+        self.stats.record(batch, sampled, finished, time.perf_counter() - start)
+        return [RequestOutput.from_request(req, self.tokenizer) for req in finished]
 
-    def _check_stop_strings(self, requests, sampled) -> list[Request]:
-        stopped = []
-        for req, token in zip(requests, sampled):
-            detok = self._detokenizers.get(req.request_id)
-            if token is None or detok is None or detok.stopped:
-                continue
-            if detok.add([token]):
-                if req.is_finished:
-                    req.finish_reason = "stop"  # the stop string came with its last token
-                else:
-                    stopped.append(req)
-        if stopped:
-            self.scheduler.finish(stopped, "stop")
-        return stopped
+    def abort(self, request_ids: set[int]) -> list[Request]:
+        """Drop these unfinished requests (their callers gave up) between steps; returns
+        those found, with finish_reason "abort" and their KV blocks freed."""
+        sched = self.scheduler
+        dropped = [r for queue in (sched.running, sched.waiting, sched.swapped)
+                   for r in queue if r.request_id in request_ids]
+        sched.finish(dropped, "abort")
+        return dropped
 
     def abort_all(self, reason: str = "error") -> list[Request]:
         """Drop every unfinished request (after a failed step); returns them."""
         sched = self.scheduler
         dropped = list(sched.running) + list(sched.waiting) + list(sched.swapped)
-        self.scheduler.finish(dropped, reason)
-        for req in dropped:
-            self._detokenizers.pop(req.request_id, None)
-            self.runner.release(req.request_id)
+        sched.finish(dropped, reason)
         self.runner.reset_streams()
         return dropped
 
@@ -175,15 +173,6 @@ class LLMEngine:
 
     def close(self) -> None:
         self.runner.close()
-
-    def _output(self, req: Request) -> RequestOutput:
-        self.runner.release(req.request_id)
-        detok = self._detokenizers.pop(req.request_id, None)
-        output_ids = req.output_token_ids
-        text = detok.text if detok is not None else \
-            detokenize(self.tokenizer, req.prompt_token_ids, output_ids)
-        return RequestOutput(req.request_id, text, output_ids, req.finish_reason,
-                             req.num_prompt_tokens)
 
 
 def _load_tokenizer(model_dir: str) -> Tokenizer:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fusegen.engine.request import Request
 from fusegen.engine.sampling_params import SamplingParams
 
 
@@ -27,10 +28,16 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def new_generator(self, seed: int) -> torch.Generator:
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(seed)
-        return gen
+    def generator_for(self, request: Request) -> torch.Generator | None:
+        """The request's own generator if it is seeded and samples, made on its first
+        draw; it lives on the request, so after a preemption its stream goes on."""
+        params = request.params
+        if params.seed is None or params.temperature == 0.0:
+            return None
+        if request.generator is None:
+            request.generator = torch.Generator(device=self.device)
+            request.generator.manual_seed(params.seed)
+        return request.generator
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         # logits [N, vocab] fp32 -> token ids [N]

@@ -145,15 +145,15 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Request]:
-        """Advance the batch's counters by what ran; append sampled tokens; return the
-        requests that finished (their blocks are already free)."""
+        """Advance the batch's counters by what ran; append sampled tokens; return every
+        request that finished this step, stop strings included (their blocks are
+        already free)."""
         finished = []
         for req, n, token in zip(batch.requests, batch.num_scheduled_tokens, sampled):
             req.num_computed_tokens += n
             if token is None:
                 continue
-            req.append_token(token)
-            reason = req.stop_reason(self.max_model_len)
+            reason = req.append_token(token, self.max_model_len)
             if reason is not None:
                 self._finish(req, reason)
                 finished.append(req)
@@ -162,7 +162,7 @@ class Scheduler:
         return finished
 
     def finish(self, requests: list[Request], reason: str) -> None:
-        """End requests from outside a step (a stop string matched, an abort)."""
+        """End requests from outside a step (an abort)."""
         for req in requests:
             self._finish(req, reason)
         gone = set(map(id, requests))

@@ -8,8 +8,10 @@ alone decides which special tokens `encode` adds, and a missing post-processor a
 """
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
+from dataclasses import dataclass
 from datetime import datetime
 
 from tokenizers import Tokenizer as _Backend
@@ -51,6 +53,16 @@ class Tokenizer:
                 config.update(_read_json(path / name))
         return cls(backend, config, _chat_template(path, config))
 
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """UTF-8 bytes of the longest vocabulary entry: no token stands for more bytes of
+        text (a byte-level entry spells each byte with one character, "▁" stands for one
+        space, "<0x41>" for one byte). Only a normalizer that folds characters into
+        shorter ones (NFC, NFKC) could pack more into a token, and only in text made of
+        such characters matching the longest entries: not a text that would fit."""
+        vocab = self._backend.get_vocab(with_added_tokens=True)
+        return max((len(t.encode("utf-8", "surrogatepass")) for t in vocab), default=1)
+
     def _id_of(self, name: str) -> int | None:
         token = self.special_tokens.get(name)
         return None if token is None else self._backend.token_to_id(token)
@@ -77,6 +89,40 @@ class Tokenizer:
             messages=messages, tools=None, documents=None,
             add_generation_prompt=add_generation_prompt, **self.special_tokens,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLimit:
+    """The most text that can be a prompt, known before tokenizing it: no token covers
+    more bytes than the longest vocabulary entry, so a text over max_model_len x that
+    many bytes cannot fit the context. Tokenizing costs a few hundred bytes of memory
+    per byte of text: checking first keeps one huge cell from taking the worker down."""
+    max_model_len: int
+    max_token_bytes: int
+
+    @property
+    def max_bytes(self) -> int:
+        return self.max_model_len * self.max_token_bytes
+
+    def too_long(self, num_bytes: int, what: str = "the prompt") -> str | None:
+        """A `prompt_too_long: ...` error for a text of num_bytes, or None if it may fit."""
+        if num_bytes <= self.max_bytes:
+            return None
+        return (f"prompt_too_long: {what} has {num_bytes:,} bytes; no text over "
+                f"{self.max_bytes:,} bytes fits the context (max_model_len "
+                f"{self.max_model_len} tokens x {self.max_token_bytes} bytes, the longest "
+                "token); shorten it")
+
+
+def prompt_problem(text: str, limit: PromptLimit | None = None) -> str | None:
+    """Why `text` cannot be tokenized as a prompt ("code: message"), or None: a lone
+    surrogate (not encodable as UTF-8), or more bytes than `limit` allows."""
+    try:
+        num_bytes = len(text) if text.isascii() else len(text.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        return (f"invalid_prompt: the prompt is not valid Unicode: lone surrogate "
+                f"U+{ord(text[exc.start]):04X} at character {exc.start}; remove it from the text")
+    return None if limit is None else limit.too_long(num_bytes)
 
 
 def _token_content(token) -> str | None:

@@ -8,7 +8,13 @@ from pathlib import Path
 
 import click
 
+from fusegen.engine.errors import EngineConfigError
+from fusegen.engine.options import EngineOptions
 from fusegen.jobs.bench.presets import PRESETS
+from fusegen.jobs.flags import engine_flags, with_flags
+
+# fusegen's own settings a benchmark may change (dtype and device apply to every engine).
+_ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "deterministic")
 
 
 @click.command()
@@ -28,17 +34,18 @@ from fusegen.jobs.bench.presets import PRESETS
 @click.option("--skip-hf-static", is_flag=True, help="No transformers static-batch baseline.")
 @click.option("--skip-hf-continuous", is_flag=True,
               help="No transformers continuous-batching baseline.")
-@click.option("--max-num-seqs", type=click.IntRange(min=1), help="fusegen: running requests at most.")
-@click.option("--max-num-batched-tokens", type=click.IntRange(min=1),
-              help="fusegen: tokens per engine step at most.")
+@with_flags(engine_flags(_ENGINE_FLAGS))
+@click.option("--deterministic-too", is_flag=True,
+              help="Run fusegen a second time in deterministic (batch-invariant) mode, "
+                   "to measure what it costs in the same run.")
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Where benchmark checkpoints are kept (default: $FUSEGEN_CACHE_DIR or "
                    "~/.cache/fusegen).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write every figure, the machine and the versions to this JSON file.")
 def bench(preset_name, num_requests, layers, hf_batch_size, dtype, device, seed, skip_hf,
-          skip_hf_static, skip_hf_continuous, max_num_seqs, max_num_batched_tokens, cache_dir,
-          json_path):
+          skip_hf_static, skip_hf_continuous, deterministic_too, cache_dir, json_path,
+          **engine):
     """Benchmark fusegen against transformers on a seeded synthetic workload.
 
     Builds (once, cached) a random model of the preset's shape and draws requests with
@@ -52,14 +59,14 @@ def bench(preset_name, num_requests, layers, hf_batch_size, dtype, device, seed,
 
     preset = PRESETS[preset_name].shrink(num_layers=layers, num_requests=num_requests,
                                          hf_batch_size=hf_batch_size)
-    options = {k: v for k, v in (("max_num_seqs", max_num_seqs),
-                                 ("max_num_batched_tokens", max_num_batched_tokens)) if v}
+    options = {k: v for k, v in engine.items() if v is not None}
     try:
+        EngineOptions.from_kwargs(options)  # a bad value fails before any model is built
         config = BenchConfig(preset, dtype=dtype, device=device, seed=seed, cache_dir=cache_dir,
                              hf_static=not (skip_hf or skip_hf_static),
                              hf_continuous=not (skip_hf or skip_hf_continuous),
-                             engine_options=options)
-    except ValueError as exc:
+                             engine_options=options, deterministic_too=deterministic_too)
+    except (ValueError, EngineConfigError) as exc:
         raise click.UsageError(str(exc)) from None
     report = run_benchmark(config, _progress_printer())
     click.echo(format_report(report))

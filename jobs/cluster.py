@@ -1,4 +1,5 @@
-"""Where the job's tasks run: an embedded local Dask cluster, or an existing one."""
+"""Where the job's tasks run: an embedded local Dask cluster, or an existing one; and
+which device each worker's engine uses."""
 from __future__ import annotations
 
 import logging
@@ -12,6 +13,8 @@ from fusegen.jobs.redact import redact_url
 from fusegen.jobs.spec import JobSpec
 
 _LOOPBACK = "127.0.0.1"
+_ANY_GPU = ("auto", "cuda")  # device options that leave the GPU to fusegen
+log = logging.getLogger("fusegen.jobs")
 
 
 @contextmanager
@@ -56,3 +59,37 @@ def _local_cluster(spec: JobSpec):
             # In-process, a failed task is reported once, by the JobError; worker
             # processes keep their warnings (memory pressure, restarts).
             silence_logs=logging.WARNING if processes else logging.CRITICAL)
+
+
+def worker_devices(workers: list[str], num_gpus: int, device: str,
+                   external: bool) -> dict[str, str]:
+    """Worker address -> the device its engine uses (`workers` sorted, `num_gpus` visible
+    on this machine, `device` the job's option).
+
+    With `auto` or `cuda` and GPUs visible, worker i gets `cuda:{i % num_gpus}`: its own
+    GPU while there are at least as many GPUs as workers; beyond that workers share GPUs
+    round-robin, each with its own engine. An explicit `cuda:K` or `cpu` is kept, and so
+    is any option on an external cluster (`--scheduler`), whose workers usually see one
+    GPU each through CUDA_VISIBLE_DEVICES. No GPU: the option as given."""
+    if external or num_gpus < 1 or device not in _ANY_GPU:
+        return {w: device for w in workers}
+    return {w: f"cuda:{i % num_gpus}" for i, w in enumerate(workers)}
+
+
+def engine_devices(spec: JobSpec, workers: list[str]) -> dict[str, str]:
+    """`worker_devices` for this job. The embedded cluster's workers are processes of this
+    machine, so the GPUs are counted here; an external cluster's are not."""
+    if spec.scheduler:
+        return worker_devices(workers, 0, spec.device, external=True)
+    on_gpus = spec.device in _ANY_GPU
+    num_gpus = _num_visible_gpus() if on_gpus else 0  # `cpu` never touches CUDA
+    if on_gpus and 0 < num_gpus < len(workers):
+        log.warning("%d workers share %d GPUs (round-robin, one engine each); use --workers "
+                    "%d for one GPU per worker", len(workers), num_gpus, num_gpus)
+    return worker_devices(workers, num_gpus, spec.device, external=False)
+
+
+def _num_visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()

@@ -4,6 +4,10 @@ is fed across partition boundaries.
 
 Only one engine is kept per process (a job asking for another model or other engine knobs
 closes the previous one), so a long-lived Dask worker does not accumulate models.
+
+The driver may assign this worker a device (`cuda:i`, one GPU per worker); every later
+lookup with the same device option then finds the engine on that device. A worker process
+started after the assignment (a restarted one) loads with the job's option as given.
 """
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import threading
 
 _lock = threading.Lock()
 _engines: dict = {}  # key -> LLM; at most one entry
+_devices: dict[str, str] = {}  # the job's device option -> this worker's device
 
 
 def _load(model: str, engine_kwargs: dict):
@@ -19,8 +24,14 @@ def _load(model: str, engine_kwargs: dict):
     return LLM(model, **engine_kwargs)
 
 
+def set_worker_device(option: str, device: str) -> None:
+    """Jobs with device `option` load their engine on `device` in this process."""
+    _devices[option] = device
+
+
 def get_engine(model: str, engine_kwargs: dict):
-    key = (model, tuple(sorted(engine_kwargs.items())))
+    engine_kwargs = _on_worker_device(engine_kwargs)
+    key = _key(model, engine_kwargs)
     with _lock:  # other tasks wait for the load rather than loading the model again
         llm = _engines.get(key)
         if llm is None:
@@ -31,12 +42,23 @@ def get_engine(model: str, engine_kwargs: dict):
 
 def loaded_engine(model: str, engine_kwargs: dict):
     """This process's engine for that config, or None (never loads)."""
-    return _engines.get((model, tuple(sorted(engine_kwargs.items()))))
+    return _engines.get(_key(model, _on_worker_device(engine_kwargs)))
+
+
+def _on_worker_device(engine_kwargs: dict) -> dict:
+    device = _devices.get(engine_kwargs.get("device"))
+    return engine_kwargs if device is None else {**engine_kwargs, "device": device}
+
+
+def _key(model: str, engine_kwargs: dict) -> tuple:
+    return model, tuple(sorted(engine_kwargs.items()))
 
 
 def close_engines() -> None:
+    """Close this process's engine and forget its device: its cluster is gone."""
     with _lock:
         _close_all()
+        _devices.clear()
 
 
 def _close_all():

@@ -16,6 +16,10 @@ class InputFile:
     path: str  # filesystem path (no protocol, no credentials)
     row_groups: tuple[int, ...]  # rows per row group
     columns: tuple[str, ...] = ()  # the file's column names
+    # Content identity: a file rewritten in place (same path, same row count) differs in
+    # one of these, so its output's fingerprint does too.
+    size: int | None = None  # bytes
+    version: str = ""  # e.g. "ETag=..." or "sha256=..." (`jobs/identity.py`)
 
     @property
     def num_rows(self) -> int:
@@ -29,6 +33,7 @@ class Partition:
     start: int  # first row, counted within the file
     stop: int  # one past the last row
     first_row: int  # global index of `start` over all files: row seeds derive from it
+    num_digits: int = 5  # of the part's name: the same for every partition of a plan
 
     @property
     def num_rows(self) -> int:
@@ -36,11 +41,13 @@ class Partition:
 
     @property
     def name(self) -> str:
-        return part_name(self.index)
+        return f"part-{self.index:0{self.num_digits}d}.parquet"
 
 
-def part_name(index: int) -> str:
-    return f"part-{index:05d}.parquet"
+def name_digits(num_partitions: int) -> int:
+    """Digits of the part names of a plan: 5 up to 100,000 partitions (the names outputs
+    have always had, so they resume), more beyond, so that names sort in input order."""
+    return max(5, len(str(num_partitions - 1)))
 
 
 def plan_partitions(files: list[InputFile], partition_rows: int) -> list[Partition]:
@@ -51,7 +58,8 @@ def plan_partitions(files: list[InputFile], partition_rows: int) -> list[Partiti
         for start, stop in _file_ranges(f.row_groups, partition_rows):
             ranges.append((f.path, start, stop, first_row + start))
         first_row += f.num_rows
-    return [Partition(i, *r) for i, r in enumerate(ranges)]
+    digits = name_digits(len(ranges))
+    return [Partition(i, *r, num_digits=digits) for i, r in enumerate(ranges)]
 
 
 def _file_ranges(row_groups, partition_rows: int):

@@ -12,10 +12,11 @@ from typing import Callable
 import pyarrow as pa
 
 from fusegen.engine.sampling_params import SamplingParams
+from fusegen.engine.tokenizer import PromptLimit, prompt_problem
 from fusegen.jobs import errors
 from fusegen.jobs.errors import JobError
 from fusegen.jobs.spec import MESSAGES_COLUMN, OUTPUT_COLUMNS, ROW_PARAM_COLUMNS, JobSpec
-from fusegen.jobs.template import PromptTemplate
+from fusegen.jobs.template import PromptTemplate, TemplateSizeError
 
 ChatFn = Callable[[list], "str | list[int]"]  # messages -> prompt for the engine
 _INT_PARAMS = ("max_tokens", "top_k", "seed")
@@ -31,9 +32,14 @@ class RowRequest:
 class RowPreparer:
     """Builds the requests of one partition's rows for one job."""
 
-    def __init__(self, spec: JobSpec, chat: ChatFn | None = None):
+    def __init__(self, spec: JobSpec, chat: ChatFn | None = None,
+                 prompt_limit: PromptLimit | None = None):
+        """`prompt_limit`: the engine's; without it prompts are not sized here (the engine
+        still refuses a prompt too large to fit) and templates get a default bound."""
         self.spec = spec
-        self.template = PromptTemplate(spec.prompt_template) if spec.prompt_template else None
+        self.limit = prompt_limit
+        self.template = PromptTemplate(spec.prompt_template, prompt_limit and
+                                       prompt_limit.max_bytes) if spec.prompt_template else None
         self.chat = chat
         self.base = spec.sampling_params()
 
@@ -60,12 +66,13 @@ class RowPreparer:
 
     def prepare(self, table: pa.Table, first_row: int) -> list[RowRequest]:
         columns = self.input_columns(table.column_names)
-        rows = table.select(columns).to_pylist()
+        rows = read_rows(table.select(columns))
         return [self.prepare_row(row, first_row + i) for i, row in enumerate(rows)]
 
     def prepare_row(self, row: dict, index: int) -> RowRequest:
         """`index`: the row's global position (over all input files): names it, seeds it."""
-        prompt, error = self._prompt(row)
+        error = self._unreadable(row)
+        prompt, error = (None, error) if error else self._prompt(row)
         if error is None:
             params, error = self._params(row, index)
         if error is not None:
@@ -74,14 +81,28 @@ class RowPreparer:
 
     def _where(self, row: dict, index: int) -> str:
         if self.spec.id_column:
-            return f"row {index} ({self.spec.id_column}={row.get(self.spec.id_column)!r})"
+            shown = repr(row.get(self.spec.id_column))
+            shown = shown if len(shown) <= 80 else shown[:80] + "..."
+            return f"row {index} ({self.spec.id_column}={shown})"
         return f"row {index}"
+
+    def _unreadable(self, row: dict):
+        """(code, message) for the first cell that could not be read, or None. An id alone
+        does not fail its row: it only names it (shown with the bad bytes escaped)."""
+        for column, value in row.items():
+            if isinstance(value, Unreadable) and column != self.spec.id_column:
+                code = errors.INVALID_PARAMS if column in ROW_PARAM_COLUMNS else \
+                    errors.INVALID_PROMPT
+                return code, f"column {column!r} {value.reason}; fix or drop this value in the input"
+        return None
 
     def _prompt(self, row: dict):
         """(prompt, None) or (None, (code, message))."""
         if self.template is not None:
             try:
                 text = self.template.render(row)
+            except TemplateSizeError as exc:
+                return None, (errors.TEMPLATE_ERROR, f"prompt_template: TemplateSizeError: {exc}")
             except Exception as exc:  # noqa: BLE001 - any failure is this row's error
                 return None, (errors.TEMPLATE_ERROR, f"prompt_template: {type(exc).__name__}: {exc}")
             if not text:
@@ -98,6 +119,9 @@ class RowPreparer:
                               f"column {col!r} holds {type(text).__name__}, not a string")
             if not text:
                 return None, (errors.EMPTY_PROMPT, f"column {col!r} is empty")
+        problem = prompt_problem(text, self.limit)
+        if problem:
+            return None, tuple(problem.split(": ", 1))
         if self.spec.chat:
             return self._chat([{"role": "user", "content": text}])
         return text, None
@@ -110,6 +134,11 @@ class RowPreparer:
                 and isinstance(m.get("content"), str) for m in messages):
             return None, (errors.INVALID_PROMPT, f"column {MESSAGES_COLUMN!r} must be a "
                           "non-empty list of {role: string, content: string} structs")
+        too_long = self.limit and self.limit.too_long(
+            sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages),
+            "the messages' content")
+        if too_long:  # checked before the chat template renders and tokenizes it
+            return None, tuple(too_long.split(": ", 1))
         try:
             return self.chat(messages), None
         except Exception as exc:  # noqa: BLE001
@@ -128,6 +157,50 @@ class RowPreparer:
         if problem:
             return None, (errors.INVALID_PARAMS, f"{problem} (per-row column override)")
         return params, None
+
+
+class Unreadable:
+    """A cell pyarrow could not turn into a Python value (invalid UTF-8 in a string
+    column, a date out of Python's range): it fails its row, not the partition."""
+
+    def __init__(self, reason: str, shown: str):
+        self.reason = reason  # "is not valid UTF-8 (...)"
+        self.shown = shown  # the value with bad bytes escaped, to name a row by its id
+
+    def __repr__(self) -> str:
+        return repr(self.shown)
+
+
+def read_rows(table: pa.Table) -> list[dict]:
+    """The table's rows as dicts; a cell that cannot be read becomes `Unreadable`."""
+    try:
+        return table.to_pylist()
+    except Exception:  # noqa: BLE001 - rare: find the cells, column by column
+        columns = {name: _read_column(table.column(name)) for name in table.column_names}
+        return [dict(zip(columns, values)) for values in zip(*columns.values())] \
+            if columns else [{} for _ in range(table.num_rows)]
+
+
+def _read_column(column: pa.ChunkedArray) -> list:
+    try:
+        return column.to_pylist()
+    except Exception:  # noqa: BLE001
+        return [_read_cell(cell) for cell in column]
+
+
+def _read_cell(cell: pa.Scalar):
+    try:
+        return cell.as_py()
+    except UnicodeDecodeError as exc:
+        byte = exc.object[exc.start]
+        reason = f"is not valid UTF-8 (byte 0x{byte:02x} at offset {exc.start}: {exc.reason})"
+    except Exception as exc:  # noqa: BLE001
+        reason = f"cannot be read ({type(exc).__name__}: {exc})"
+    try:
+        shown = cell.cast(pa.binary()).as_py().decode("utf-8", "backslashreplace")
+    except Exception:  # noqa: BLE001 - not a string: name it by its type
+        shown = f"<unreadable {cell.type}>"
+    return Unreadable(reason, shown)
 
 
 def _coerce(name: str, value):

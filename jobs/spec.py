@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import os
 from dataclasses import dataclass, field
 
-from fusegen.engine.memory.placement import parse_bytes
+from fusegen.engine.errors import EngineConfigError
+from fusegen.engine.options import NAMES as ENGINE_OPTIONS
+from fusegen.engine.options import OUTPUT_NAMES, EngineOptions
 from fusegen.engine.sampling_params import SamplingParams
 from fusegen.jobs.errors import JobError
 from fusegen.jobs.redact import Redactor, public_options, redact_url
@@ -20,8 +20,11 @@ OUTPUT_COLUMNS = ("generated_text", "finish_reason", "num_prompt_tokens",
 MESSAGES_COLUMN = "messages"
 
 
-@dataclass(slots=True)
-class JobSpec:
+@dataclass(slots=True, kw_only=True)
+class JobSpec(EngineOptions):
+    """Every job option. The engine's settings (dtype, device, batch limits, memory pool)
+    are inherited from `EngineOptions`, listed there once with their help; the fields
+    below are the job's own."""
     model: str  # local Hugging Face checkpoint directory
     input: str  # Parquet file, directory or glob at any fsspec URL
     output: str  # directory URL for the output parts and _manifest.json
@@ -35,22 +38,11 @@ class JobSpec:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    seed: int | None = 0  # base seed: row i samples with a seed derived from (seed, i)
+    # Base seed: row i samples with a seed derived from (seed, i). Replaces the engine's
+    # seed field (every row has its own seed, so the engine's generator goes unused).
+    seed: int | None = 0
     stop: list[str] = field(default_factory=list)
     output_token_ids: bool = False  # add a generated_token_ids list column
-    # engine
-    dtype: str = "auto"
-    device: str = "auto"
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    block_size: int = 16
-    kv_cache_memory: int | str | None = None  # bytes or a size like "16GiB"
-    max_model_len: int | None = None
-    allow_pickle: bool = False
-    # memory pool: bytes, a size like "24GiB", or a fraction of what is free
-    device_memory: int | str | float | None = None  # None: every layer on the device
-    host_memory: int | str | float | None = None  # pinned host tier (streamed layers, swap)
-    prefetch_depth: int = 1  # streamed layers copied ahead of compute
     # execution
     scheduler: str | None = None  # address of an existing Dask scheduler
     workers: int = 1  # local cluster only: >1 starts that many worker processes
@@ -72,23 +64,10 @@ class JobSpec:
         _check_int(self, "partition_rows", 1)
         _check_int(self, "workers", 1)
         _check_int(self, "partitions_per_worker", 1)
-        _check_int(self, "block_size", 1)
-        _check_int(self, "prefetch_depth", 1)
-        for name in ("device_memory", "host_memory"):
-            value = getattr(self, name)
-            if value is not None:
-                try:  # checked here so that a typo fails before any model loads
-                    parse_bytes(value, available=1, name=name)
-                except ValueError as exc:
-                    raise JobError(str(exc)) from None
-        if isinstance(self.kv_cache_memory, str):
-            try:
-                self.kv_cache_memory = parse_bytes(self.kv_cache_memory, None, "kv_cache_memory")
-            except ValueError as exc:
-                raise JobError(str(exc)) from None
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory"):
-            if getattr(self, name) is not None:
-                _check_int(self, name, 1)
+        try:
+            EngineOptions.__post_init__(self)
+        except EngineConfigError as exc:
+            raise JobError(str(exc)) from None
         if self.progress not in PROGRESS_MODES:
             raise JobError(f"progress must be one of {', '.join(PROGRESS_MODES)}, "
                            f"got {self.progress!r}")
@@ -101,18 +80,17 @@ class JobSpec:
         if problem:
             raise JobError(f"job sampling default: {problem}")
 
+    def _check_seed(self) -> None:
+        pass  # the rows' base seed: checked with the sampling defaults below
+
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature,
                               top_p=self.top_p, top_k=self.top_k, seed=self.seed,
                               stop=list(self.stop))
 
     def engine_kwargs(self) -> dict:
-        return dict(dtype=self.dtype, device=self.device, max_num_seqs=self.max_num_seqs,
-                    max_num_batched_tokens=self.max_num_batched_tokens,
-                    block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
-                    max_model_len=self.max_model_len, allow_pickle=self.allow_pickle,
-                    device_memory=self.device_memory, host_memory=self.host_memory,
-                    prefetch_depth=self.prefetch_depth)
+        """The engine's options, for `LLM(model, **...)` (the seed is the rows' own)."""
+        return {name: getattr(self, name) for name in ENGINE_OPTIONS if name != "seed"}
 
     def output_config(self) -> dict:
         """The fields an output depends on: a rerun with a different value is a new job."""
@@ -120,8 +98,9 @@ class JobSpec:
 
     def fingerprint(self, inputs: list) -> str:
         """Hash of the output config and the planned inputs (paths and row counts)."""
-        blob = json.dumps([self.output_config(), inputs], sort_keys=True, default=str)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+        from fusegen.jobs.output import output_fingerprint
+
+        return output_fingerprint(self.output_config(), inputs)
 
     def public_dict(self) -> dict:
         """The spec with credentials masked: for the manifest and logs."""
@@ -141,8 +120,12 @@ class JobSpec:
 
 _OUTPUT_FIELDS = ("model", "prompt_column", "id_column", "prompt_template", "chat",
                   "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                  "output_token_ids", "dtype", "max_model_len", "partition_rows")
-FIELD_NAMES = tuple(f.name for f in dataclasses.fields(JobSpec))
+                  "output_token_ids", *OUTPUT_NAMES, "partition_rows")
+# The job's own keys first, then the engine's: the order `fusegen run --help` and the
+# job file's "valid keys" list show.
+FIELD_NAMES = tuple(dict.fromkeys(
+    [f.name for f in dataclasses.fields(JobSpec) if f.name not in ENGINE_OPTIONS]
+    + list(ENGINE_OPTIONS)))
 
 
 def _check_int(spec: JobSpec, name: str, minimum: int):

@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fusegen.jobs.errors import JobError
+from fusegen.jobs.identity import content_version
 from fusegen.jobs.plan import InputFile, Partition
 
 # Streaming reads: without these pyarrow loads a whole row group (pre_buffer) or a whole
@@ -31,26 +32,33 @@ def filesystem(url: str, storage_options: dict):
 
 
 def list_input_files(url: str, storage_options: dict) -> list[InputFile]:
-    """The Parquet files of a file, directory or glob URL, sorted, with row-group sizes."""
+    """The Parquet files of a file, directory or glob URL, sorted, with row-group sizes.
+    A path that exists is that path, whatever characters it holds (`weird[1].parquet`);
+    only a path that does not exist is a glob."""
     fs, path = filesystem(url, storage_options)
     try:
-        if _glob.has_magic(path):
-            paths = [p for p in fs.glob(path) if fs.isfile(p) and _visible(p.rsplit("/", 1)[-1])]
-        elif fs.isdir(path):
-            paths = [p for p in fs.find(path) if p.endswith((".parquet", ".parq"))
-                     and all(_visible(s) for s in p[len(path):].split("/"))]
-        elif fs.isfile(path):
-            paths = [path]
-        else:
-            raise JobError(f"input {url} does not exist; pass a Parquet file, a directory "
-                           "of Parquet files, or a glob")
-        if not paths:
-            raise JobError(f"input {url} holds no Parquet files (*.parquet)")
-        return [_inspect(fs, p) for p in sorted(paths)]
+        paths = _input_paths(fs, path, url)
     except JobError:
         raise
     except Exception as exc:  # noqa: BLE001 - any backend error: the input is unreadable
         raise JobError(f"cannot read input {url}: {type(exc).__name__}: {exc}") from None
+    return [_inspect(fs, p, "" if p == path else f" (in {url})") for p in sorted(paths)]
+
+
+def _input_paths(fs, path: str, url: str) -> list[str]:
+    if fs.isfile(path):
+        return [path]
+    if fs.isdir(path):
+        paths = [p for p in fs.find(path) if p.endswith((".parquet", ".parq"))
+                 and all(_visible(s) for s in p[len(path):].split("/"))]
+    elif _glob.has_magic(path):
+        paths = [p for p in fs.glob(path) if fs.isfile(p) and _visible(p.rsplit("/", 1)[-1])]
+    else:
+        raise JobError(f"input {url} does not exist; pass a Parquet file, a directory "
+                       "of Parquet files, or a glob")
+    if not paths:
+        raise JobError(f"input {url} holds no Parquet files (*.parquet)")
+    return paths
 
 
 def _visible(name: str) -> bool:
@@ -58,12 +66,26 @@ def _visible(name: str) -> bool:
     return not name.startswith(("_", "."))
 
 
-def _inspect(fs, path: str) -> InputFile:
-    """Row-group sizes and column names, from the footer alone."""
-    with fs.open(path, "rb") as f:
-        pf = pq.ParquetFile(f)
-        groups = tuple(pf.metadata.row_group(i).num_rows for i in range(pf.metadata.num_row_groups))
-        return InputFile(path, groups, tuple(pf.schema_arrow.names))
+def _inspect(fs, path: str, where: str) -> InputFile:
+    """Row-group sizes, column names and content identity (`jobs/identity.py`). A file
+    that is not Parquet, or whose columns repeat a name, fails here, named, before any
+    model loads."""
+    try:
+        with fs.open(path, "rb") as f:
+            pf = pq.ParquetFile(f)
+            md = pf.metadata
+            groups = tuple(md.row_group(i).num_rows for i in range(md.num_row_groups))
+            names = tuple(pf.schema_arrow.names)
+        info = fs.info(path)
+        version = content_version(fs, path, info, md.serialized_size)
+    except Exception as exc:  # noqa: BLE001 - any reader or backend error names the file
+        raise JobError(f"cannot read input file {path}{where}: {type(exc).__name__}: {exc}; "
+                       "remove it or fix it, or point --input at the good files") from None
+    repeated = next((n for n in names if names.count(n) > 1), None)
+    if repeated is not None:
+        raise JobError(f"input file {path} has {names.count(repeated)} columns named "
+                       f"{repeated!r}; rename them so that every column name is unique")
+    return InputFile(path, groups, names, size=info.get("size"), version=version)
 
 
 def read_partition(fs, part: Partition) -> pa.Table:
@@ -102,11 +124,53 @@ def list_names(fs, path: str) -> set[str]:
         return set()
 
 
+# fsspec's mv and rm expand glob characters even in a path that exists: on object stores
+# and memory://, rm("out[1]/_tmp") removes out1/_tmp. Paths with such characters go
+# through the single-file calls, which are literal everywhere.
+
+def move(fs, src: str, dst: str) -> None:
+    """Rename one file (an atomic rename on local disks)."""
+    if _glob.has_magic(src + dst) and not _is_local(fs):
+        fs.cp_file(src, dst)
+        fs.rm_file(src)
+    else:
+        fs.mv(src, dst)
+
+
 def remove_tree(fs, path: str) -> None:
     try:
-        fs.rm(path, recursive=True)
+        if not _glob.has_magic(path) or _is_local(fs):
+            fs.rm(path, recursive=True)
+            return
+        entries = fs.find(path, withdirs=True, detail=True)
+        for name in sorted(entries, key=len, reverse=True):  # files before their folders
+            if entries[name]["type"] == "directory":
+                _remove_dir(fs, name)
+            else:
+                fs.rm_file(name)
+        _remove_dir(fs, path)
     except FileNotFoundError:
         pass
+
+
+def _remove_dir(fs, path: str) -> None:
+    try:
+        fs.rmdir(path)
+    except (OSError, NotImplementedError):  # object stores: no folder to remove
+        pass
+
+
+def is_process_local(fs) -> bool:
+    """Files that only this process sees (memory://): no use to worker processes."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    return isinstance(fs, MemoryFileSystem)
+
+
+def _is_local(fs) -> bool:
+    from fsspec.implementations.local import LocalFileSystem
+
+    return isinstance(fs, LocalFileSystem)
 
 
 def check_writable(fs, path: str, url: str):
@@ -116,7 +180,7 @@ def check_writable(fs, path: str, url: str):
         fs.makedirs(path, exist_ok=True)
         with fs.open(probe, "wb") as f:
             f.write(b"ok")
-        fs.rm(probe)
+        fs.rm_file(probe)
     except Exception as exc:  # noqa: BLE001 - any backend error means "not writable"
         raise JobError(f"output {url} is not writable ({type(exc).__name__}: {exc}); "
                        "pass an --output you can write to") from None

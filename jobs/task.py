@@ -5,18 +5,23 @@ from __future__ import annotations
 import time
 from concurrent.futures import wait
 
-from fusegen.jobs.engines import get_engine, loaded_engine
+from fusegen.jobs.engines import get_engine, loaded_engine, set_worker_device
 from fusegen.jobs.errors import JobError
-from fusegen.jobs.parts import PartStats, output_table, part_stats, write_part
+from fusegen.jobs.output import Output, PartStats
+from fusegen.jobs.parts import output_table, part_stats
 from fusegen.jobs.plan import Partition
 from fusegen.jobs.rows import RowPreparer
 from fusegen.jobs.spec import JobSpec
 from fusegen.jobs.storage import filesystem, read_partition
 
 
-def load_engine(spec: JobSpec) -> dict:
+def load_engine(spec: JobSpec, device: str | None = None) -> dict:
     """Load (or find) this worker's engine before any partition runs; fail early if the
-    model cannot load or the job needs a chat template the tokenizer lacks."""
+    model cannot load or the job needs a chat template the tokenizer lacks. `device`: the
+    one the driver assigned this worker; its partitions' engine lookups then find it."""
+    if device is not None:
+        set_worker_device(spec.device, device)
+    loads = loaded_engine(spec.model, spec.engine_kwargs()) is None
     llm = _guard(spec, "loading the model", lambda: get_engine(spec.model, spec.engine_kwargs()))
     if spec.chat:
         if not getattr(llm.tokenizer, "chat_template", None):
@@ -25,7 +30,9 @@ def load_engine(spec: JobSpec) -> dict:
         # A template that cannot render a plain user turn would fail every row: fail once.
         _guard(spec, "the model's chat template",
                lambda: _chat_ids(llm, [{"role": "user", "content": "hello"}]))
-    return {"max_model_len": llm.max_model_len, "placement": llm.placement.table()}
+    # loaded: False when an earlier job's engine serves this one (its plan was shown then)
+    return {"max_model_len": llm.max_model_len, "placement": llm.placement.table(),
+            "loaded": loads}
 
 
 def engine_stats(spec: JobSpec) -> dict | None:
@@ -35,20 +42,22 @@ def engine_stats(spec: JobSpec) -> dict | None:
 
 
 def run_partition(spec: JobSpec, part: Partition, fingerprint: str,
-                  progress_topic: str | None = None) -> PartStats:
-    """Read one partition, generate every row through the worker's engine, commit its part.
-    While it runs, rows and tokens done so far go to the Dask event `progress_topic`."""
+                  progress_topic: str | None = None, owner: str | None = None) -> PartStats:
+    """Read one partition, generate every row through the worker's engine, commit its part
+    (only while the run `owner` holds the output's lease). While it runs, rows and tokens
+    done so far go to the Dask event `progress_topic`."""
     return _guard(spec, f"{part.name} ({part.path} rows {part.start}-{part.stop})",
-                  lambda: _run_partition(spec, part, fingerprint, progress_topic))
+                  lambda: _run_partition(spec, part, fingerprint, progress_topic, owner))
 
 
 def _run_partition(spec: JobSpec, part: Partition, fingerprint: str,
-                   progress_topic: str | None) -> PartStats:
+                   progress_topic: str | None, owner: str | None) -> PartStats:
     start = time.perf_counter()
     llm = get_engine(spec.model, spec.engine_kwargs())
     in_fs, _ = filesystem(spec.input, spec.storage_options)
     table = read_partition(in_fs, part)
-    preparer = RowPreparer(spec, chat=lambda messages: _chat_ids(llm, messages))
+    preparer = RowPreparer(spec, chat=lambda messages: _chat_ids(llm, messages),
+                           prompt_limit=getattr(llm, "prompt_limit", None))  # None: tests' fake
     requests = preparer.prepare(table, part.first_row)
     valid = [r for r in requests if r.error is None]
     futures = llm.submit_many([(r.prompt, r.params) for r in valid])
@@ -56,8 +65,7 @@ def _run_partition(spec: JobSpec, part: Partition, fingerprint: str,
     outputs = [None if r.error else next(results) for r in requests]
     table = output_table(table, requests, outputs, spec.output_token_ids)
     stats = part_stats(table, part.name, fingerprint, time.perf_counter() - start)
-    out_fs, out_dir = filesystem(spec.output, spec.storage_options)
-    write_part(out_fs, out_dir.rstrip("/"), table, stats)
+    Output(spec.output, spec.storage_options, owner=owner).commit(table, stats)
     return stats
 
 

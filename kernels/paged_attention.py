@@ -48,14 +48,23 @@ except ImportError:  # no Triton on this platform: the reference still serves
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *,
                     max_query_len: int, max_seq_len: int, scale: float,
-                    sliding_window: int = 0) -> torch.Tensor:
+                    sliding_window: int = 0, deterministic: bool = False) -> torch.Tensor:
     """Dispatcher: the Triton kernel on CUDA, the C decode kernel with torch's fused
-    attention for prefill on CPUs, the torch reference where neither applies."""
+    attention for prefill on CPUs, the torch reference where neither applies.
+
+    `deterministic`: every query row reduces over its keys in one fixed order whatever
+    else is in the step (batch-invariant): on CUDA one launch shape and no split of the
+    keys; elsewhere each row runs as a decode of its own position."""
     if use_triton(q):
         return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens,
                                       query_start_loc, max_query_len=max_query_len,
                                       max_seq_len=max_seq_len, scale=scale,
-                                      sliding_window=sliding_window)
+                                      sliding_window=sliding_window,
+                                      deterministic=deterministic)
+    if deterministic:
+        return paged_attention_rowwise(q, k_cache, v_cache, block_tables, seq_lens,
+                                       query_start_loc, scale=scale,
+                                       sliding_window=sliding_window)
     if use_native(q):
         return paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens,
                                    query_start_loc, max_query_len=max_query_len,
@@ -202,9 +211,12 @@ def _paged_attention_reduce_kernel(
 def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *,
                            max_query_len: int, max_seq_len: int, scale: float,
                            sliding_window: int = 0, tile_n: int | None = None,
-                           num_kv_splits: int | None = None) -> torch.Tensor:
+                           num_kv_splits: int | None = None,
+                           deterministic: bool = False) -> torch.Tensor:
     """Launcher. `tile_n` (keys per tile) and `num_kv_splits` (a power of two) override
-    the heuristics, for tests and tuning. No host sync: grid sizes come from shapes."""
+    the heuristics, for tests and tuning. No host sync: grid sizes come from shapes.
+    `deterministic`: the same tile shapes for every step and no split of the keys, so a
+    row's reduction order does not depend on the step it is in."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -231,12 +243,12 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_st
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    block_m = max(16 if max_query_len <= 16 else 64, group_pad)
+    block_m = max(64 if deterministic or max_query_len > 16 else 16, group_pad)
     block_q = block_m // group_pad
     # fp32 dots run on FMA units (ieee), and wider key tiles spill registers there.
     tile_n = tile_n or (16 if q.dtype == torch.float32 else 64 if head_dim_pad <= 128 else 32)
-    splits = num_kv_splits or _num_kv_splits(q.device, num_seqs * num_kv_heads,
-                                             max_query_len, max_seq_len)
+    splits = 1 if deterministic else num_kv_splits or _num_kv_splits(
+        q.device, num_seqs * num_kv_heads, max_query_len, max_seq_len)
     assert splits & (splits - 1) == 0, f"num_kv_splits {splits} is not a power of two"
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, splits)
     if splits > 1:
@@ -354,6 +366,29 @@ def paged_decode_native(q, k_cache, v_cache, block_tables, seq_lens, query_start
         raise ValueError(f"the CPU decode kernel takes head_dim <= 256 and block_size <= 256 "
                          f"with num_heads a multiple of num_kv_heads; got head_dim {head_dim}, "
                          f"block_size {block_size}, {num_heads} heads, {num_kv_heads} KV heads")
+    return out
+
+
+def paged_attention_rowwise(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *,
+                            scale: float, sliding_window: int = 0) -> torch.Tensor:
+    """Batch-invariant attention off CUDA: every query row, prefill rows included, runs
+    as a decode of its own position, so its keys are reduced block by block in one
+    order whether it came in a whole prompt, a chunk of one, or a decode step. The C
+    decode kernel when it is available, else the same per row in torch."""
+    n = query_start_loc[1:] - query_start_loc[:-1]  # [B] query rows per sequence
+    seq_of_row = torch.repeat_interleave(torch.arange(n.shape[0]), n.long())  # [T]
+    row_in_seq = torch.arange(q.shape[0]) - query_start_loc[seq_of_row]
+    # Row j of a sequence with L tokens after the step and n new ones sits at L - n + j.
+    row_lens = (seq_lens[seq_of_row] - n[seq_of_row] + row_in_seq + 1).to(torch.int32)
+    row_tables = block_tables[seq_of_row]  # [T, W]
+    rows = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+    out = torch.empty_like(q)
+    if use_native(q):
+        return paged_decode_native(q, k_cache, v_cache, row_tables, row_lens, rows, out,
+                                   scale=scale, sliding_window=sliding_window)
+    for r, length in enumerate(row_lens.tolist()):  # no C kernel here: slow, but exact
+        out[r:r + 1] = _decode_group(q[r:r + 1], k_cache, v_cache, row_tables[r:r + 1],
+                                     [length], scale, sliding_window)
     return out
 
 

@@ -55,10 +55,11 @@ def test_preemption_equals_transformers(mistral_sp_dir):
 def test_logits_in_chunks_equal_transformers(llama_dir, monkeypatch):
     # Sampled rows through the LM head 3 at a time: 7 requests, 3 chunks per step.
     from fusegen.engine import runner
+    from fusegen.engine.models import decoder
     monkeypatch.setattr(runner, "LOGITS_CHUNK", 3)
     calls = []
-    original = runner.CausalLM.logits
-    monkeypatch.setattr(runner.CausalLM, "logits",
+    original = decoder.CausalLM.logits
+    monkeypatch.setattr(decoder.CausalLM, "logits",
                         lambda self, x, r: calls.append(len(x)) or original(self, x, r))
     check_equal(llama_dir)
     assert calls[:3] == [3, 3, 1] and max(calls) == 3

@@ -146,3 +146,83 @@ def test_generation_config_eos_list(tmp_path, llama_dir):
     assert out.finish_reason == "stop"
     assert out.token_ids == free_run[:free_run.index(free_run[3]) + 1]
     assert ignored.token_ids == free_run and ignored.finish_reason == "length"
+
+
+def test_bad_seed_or_stop_fails_alone_among_requests_in_flight(llm):
+    want = [o.token_ids for o in llm.generate(PROMPTS, greedy(12))]
+    in_flight = [llm.submit(p, greedy(12)) for p in PROMPTS]
+    bad = [llm.submit("ok", SamplingParams(seed=s)) for s in (2**64, -1, 10**20, 1.0)]
+    bad += [llm.submit("ok", SamplingParams(stop=s)) for s in (5, {"END": 1}, False)]
+    edge = llm.submit("ok", SamplingParams(seed=2**64 - 1, max_tokens=4, ignore_eos=True))
+    assert [f.result(timeout=60).token_ids for f in in_flight] == want
+    assert [f.result(timeout=60).error for f in bad] == [
+        f"invalid_params: seed must be an integer in [0, 2**64) or None, got {s}"
+        for s in (2**64, -1, 10**20, 1.0)] + [
+        f"invalid_params: stop must be a list of non-empty strings, got {s}"
+        for s in (5, {"END": 1}, False)]
+    assert edge.result(timeout=60).num_generated_tokens == 4
+
+
+def test_lone_surrogate_fails_only_its_request(llm):
+    want = llm.generate(PROMPTS[:2], greedy())
+    outs = llm.generate([PROMPTS[0], "bad \ud800 x", PROMPTS[1]], greedy())
+    assert outs[1].error == ("invalid_prompt: the prompt is not valid Unicode: lone "
+                             "surrogate U+D800 at character 4; remove it from the text")
+    assert [o.token_ids for o in (outs[0], outs[2])] == [o.token_ids for o in want]
+
+
+def test_huge_prompt_is_refused_before_tokenizing(llm, monkeypatch):
+    encoded = []
+    encode = llm.tokenizer.encode
+    monkeypatch.setattr(llm.tokenizer, "encode", lambda t, *a: encoded.append(len(t)) or
+                        encode(t, *a))
+    big = "x " * 500_000
+    outs = llm.generate([big, "é" * 2176, PROMPTS[0]], greedy())
+    assert outs[0].error == (
+        "prompt_too_long: the prompt has 1,000,000 bytes; no text over 4,352 bytes fits the "
+        "context (max_model_len 256 tokens x 17 bytes, the longest token); shorten it")
+    assert outs[1].error.startswith("prompt_too_long: the prompt has 2177 tokens;")
+    assert encoded == [2176, len(PROMPTS[0])] and outs[2].error is None
+
+
+def _unfinished(llm) -> int:
+    return llm.engine.scheduler.num_unfinished
+
+
+def _interrupt_when(condition):
+    """SIGINT this process (as Ctrl-C does) once condition() holds."""
+    import os
+    import signal
+    import time
+
+    def run():
+        while not condition():
+            time.sleep(0.001)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_keyboard_interrupt_in_generate_aborts_its_requests(llm):
+    want = [o.token_ids for o in llm.generate(PROMPTS, greedy(40))]
+    others = [llm.submit(p, greedy(40)) for p in PROMPTS]  # another caller's requests
+    steps = llm.engine.stats.num_steps
+    _interrupt_when(lambda: _unfinished(llm) > len(PROMPTS)
+                    and llm.engine.stats.num_steps > steps + 3)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS * 3, greedy(200))
+    assert _unfinished(llm) <= len(PROMPTS)  # only the other caller's are left
+    assert [f.result(timeout=60).token_ids for f in others] == want
+    assert _unfinished(llm) == 0
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy(40))] == want
+
+
+def test_cancelled_future_drops_its_request(llm):
+    want = [o.token_ids for o in llm.generate(PROMPTS, greedy(20))]
+    doomed = llm.submit(PROMPTS[0], greedy(200))
+    others = [llm.submit(p, greedy(20)) for p in PROMPTS]
+    assert doomed.cancel()
+    assert [f.result(timeout=60).token_ids for f in others] == want
+    assert _unfinished(llm) == 0 and doomed.cancelled()

@@ -107,13 +107,12 @@ def test_device_memory_budget_end_to_end(tmp_path):
 
     from checkpoints import make_hf_checkpoint
     from fusegen.engine.memory.placement import budget_for_resident_layers
-    from fusegen.engine.runner import model_sizes
 
     model = make_hf_checkpoint(tmp_path / "model", "llama", "bpe", num_hidden_layers=6)
     prompts = [f"row {i} " + "word " * (i % 6) for i in range(12)]
     pq.write_table(pa.table({"prompt": prompts}), tmp_path / "in.parquet")
     with LLM(str(model), max_num_seqs=8, dtype="float32") as llm:
-        sizes = model_sizes(llm.config)
+        sizes = llm.placement.sizes
     budget = budget_for_resident_layers(sizes, 1)
     stream = io.StringIO()
     stream.isatty = lambda: True  # the bar mode prints the plan on the stream

@@ -29,3 +29,13 @@ def test_plan_is_deterministic():
 def test_one_row_partitions():
     plan = plan_partitions([InputFile("/a", (2, 1))], 1)
     assert [(p.start, p.stop) for p in plan] == [(0, 1), (1, 2), (2, 3)]
+
+
+def test_part_names_sort_in_input_order_past_99999_partitions():
+    small = plan_partitions([InputFile("/a", (1,) * 100_000)], 1)
+    assert (small[0].name, small[-1].name) == ("part-00000.parquet", "part-99999.parquet")
+    big = plan_partitions([InputFile("/a", (1,) * 100_001)], 1)
+    names = [p.name for p in big]
+    assert (names[0], names[99_999], names[-1]) == (
+        "part-000000.parquet", "part-099999.parquet", "part-100000.parquet")
+    assert sorted(names) == names

@@ -15,6 +15,12 @@ from fusegen.jobs.spec import JobSpec
 from jobs_fixtures import FakeLLM, fake_engine, read_output, write_prompts  # noqa: F401
 
 
+def _sha256(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
+
+
 def _spec(model, inp, out, **kw):
     kw = {"max_tokens": 3, "partition_rows": 4, "progress": "none", **kw}
     return JobSpec(model=model, input=str(inp), output=str(out), **kw)
@@ -74,7 +80,9 @@ def test_manifest_records_config_parts_counts_and_no_secrets(fake_engine, tmp_pa
     assert [p["num_rows"] for p in m["parts"]] == [4, 4, 1]
     assert [p["input_rows"] for p in m["parts"]] == [[0, 4], [4, 8], [8, 9]]
     assert m["totals"]["num_generated_tokens"] == 27
-    assert m["inputs"] == [{"path": str(tmp_path / "in.parquet"), "num_rows": 9}]
+    data = (tmp_path / "in.parquet").read_bytes()
+    assert m["inputs"] == [{"path": str(tmp_path / "in.parquet"), "num_rows": 9,
+                            "size": len(data), "version": f"sha256={_sha256(data)}"}]
     assert len(m["runs"]) == 1 and m["runs"][0]["parts_computed"] == 3
 
 
@@ -168,7 +176,7 @@ def test_running_partitions_report_progress_before_they_commit(fake_engine, tmp_
 
 
 def test_resume_decision_policy():
-    from fusegen.jobs.manifest import FRESH, OVERWRITE, RESUME, resume_mode
+    from fusegen.jobs.output import FRESH, OVERWRITE, RESUME, resume_mode
 
     old = {"fingerprint": "a", "config": {"max_tokens": 8, "seed": 0}}
     assert resume_mode(None, "a", {}, False, False, "o") == FRESH
@@ -179,3 +187,117 @@ def test_resume_decision_policy():
         resume_mode(old, "b", {"max_tokens": 9, "seed": 0}, True, False, "o")
     with pytest.raises(JobError, match="changed: the input files or their row counts"):
         resume_mode(old, "b", {"max_tokens": 8, "seed": 0}, True, False, "o")
+
+
+def test_each_worker_engine_loads_on_its_assigned_gpu(fake_engine, tmp_path, monkeypatch):
+    from fusegen.jobs import cluster
+
+    loads = []
+    monkeypatch.setattr(cluster, "_num_visible_gpus", lambda: 2)
+    monkeypatch.setattr(engines, "_load",
+                        lambda m, kw: loads.append(kw["device"]) or FakeLLM(m, **kw))
+    write_prompts(tmp_path / "in.parquet", 9)
+    spec = _spec(fake_engine, tmp_path / "in.parquet", tmp_path / "out")
+    run_job(spec)
+    assert loads == ["cuda:0"]  # loaded once: all 3 partitions found the worker's engine
+    m = json.loads((tmp_path / "out" / "_manifest.json").read_text())
+    assert len(m["runs"][0]["engine_stats"]) == 1  # and so did engine_stats
+    assert m["fingerprint"] == spec.fingerprint(m["inputs"])
+    os.remove(tmp_path / "out" / "part-00001.parquet")
+    monkeypatch.setattr(cluster, "_num_visible_gpus", lambda: 0)
+    # same job, other assignment: same fingerprint, so it resumes
+    assert run_job(spec).num_parts_skipped == 2
+    assert loads == ["cuda:0", "auto"]
+
+
+def _old_part(path, num_rows: int, record: dict):
+    table = pa.table({"prompt": [f"p{i}" for i in range(num_rows)]})
+    pq.write_table(table.replace_schema_metadata({b"fusegen": json.dumps(record).encode()}), path)
+
+
+def test_parts_written_by_earlier_versions_resume(tmp_path):
+    from fusegen.jobs.output import Output, input_records, output_fingerprint
+    from fusegen.jobs.plan import plan_partitions
+    from fusegen.jobs.storage import list_input_files
+
+    write_prompts(tmp_path / "in.parquet", 10)
+    files = list_input_files(str(tmp_path / "in.parquet"), {})
+    plan = plan_partitions(files, 4)  # 4 + 4 + 2 rows
+    fp = output_fingerprint({"k": 1}, input_records(files))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "_manifest.json").write_text(json.dumps({"fingerprint": fp, "config": {"k": 1}}))
+    # a generation part's record, and a transform part's (a filter kept 1 of 2 rows)
+    _old_part(out / "part-00000.parquet", 4, {
+        "name": "part-00000.parquet", "fingerprint": fp, "num_rows": 4, "num_errors": 0,
+        "errors_by_code": {}, "num_prompt_tokens": 8, "num_generated_tokens": 12,
+        "seconds": 0.5})
+    _old_part(out / "part-00002.parquet", 1, {
+        "name": "part-00002.parquet", "fingerprint": fp, "num_input_rows": 2, "num_rows": 1,
+        "num_errors": 0, "seconds": 0.1})
+    _old_part(out / "part-00001.parquet", 3, {  # short: its record says 4 rows
+        "name": "part-00001.parquet", "fingerprint": fp, "num_rows": 4})
+    old, done = Output(str(out), {}).prepare(fp, {"k": 1}, plan, overwrite=False)
+    assert old == {"fingerprint": fp, "config": {"k": 1}}
+    assert sorted(done) == [0, 2]
+    assert (done[0].num_generated_tokens, done[0].num_input_rows) == (12, None)
+    assert (done[2].num_rows, done[2].num_input_rows) == (1, 2)
+
+
+def test_an_input_rewritten_in_place_is_refused_like_a_changed_config(fake_engine, tmp_path):
+    inp = tmp_path / "in.parquet"
+    write_prompts(inp, 10)
+    spec = _spec(fake_engine, inp, tmp_path / "out")
+    run_job(spec)
+    os.remove(tmp_path / "out" / "part-00001.parquet")  # as if killed before it committed
+    before = inp.read_bytes()
+    pq.write_table(pa.table({"id": list(range(10)),
+                             "prompt": [f"prompt {9 - i}" for i in range(10)]}), inp)
+    after = inp.read_bytes()
+    assert len(after) == len(before)  # same rows, same size: only the content moved
+    with pytest.raises(JobError) as info:
+        run_job(spec)
+    assert str(info.value) == (
+        f"output {tmp_path / 'out'} holds a different job (changed: input {inp} was "
+        f"rewritten (version 'sha256={_sha256(before)}' -> 'sha256={_sha256(after)}')); "
+        "rerun with --overwrite to start afresh, or choose another --output")
+    assert sorted(os.listdir(tmp_path / "out")) == ["_manifest.json", "part-00000.parquet",
+                                                    "part-00002.parquet"]
+    spec.overwrite = True
+    run_job(spec)
+    assert read_output(tmp_path / "out").column("prompt").to_pylist() == [
+        f"prompt {9 - i}" for i in range(10)]
+
+
+@pytest.mark.parametrize("option", [{"workers": 2}, {"scheduler": "tcp://127.0.0.1:1"}])
+@pytest.mark.parametrize("where", ["input", "output"])
+def test_memory_urls_with_worker_processes_are_refused(fake_engine, tmp_path, option, where):
+    write_prompts(tmp_path / "in.parquet", 3)
+    urls = {"input": str(tmp_path / "in.parquet"), "output": str(tmp_path / "out"),
+            where: f"memory://fusegen-{where}/x"}
+    spec = _spec(fake_engine, urls["input"], urls["output"], **option)
+    flag = "--workers 2" if "workers" in option else "--scheduler tcp://127.0.0.1:1"
+    with pytest.raises(JobError) as info:
+        run_job(spec)
+    assert str(info.value) == (
+        f"{where} memory://fusegen-{where}/x is in this process's memory, which the worker "
+        f"processes of {flag} cannot reach; use a shared filesystem or object store, or "
+        "one in-process worker (--workers 1, no --scheduler)")
+    assert not os.path.exists(tmp_path / "out") and FakeLLM.instances == []
+
+
+def test_the_memory_plan_is_printed_only_when_an_engine_loads(fake_engine, tmp_path,
+                                                              monkeypatch):
+    from fusegen.jobs.cluster import open_client
+    from fusegen.jobs.progress import Progress
+
+    notes = []
+    monkeypatch.setattr(Progress, "message", lambda self, text: notes.append(text))
+    write_prompts(tmp_path / "in.parquet", 3)
+    first = _spec(fake_engine, tmp_path / "in.parquet", tmp_path / "a")
+    with open_client(first) as client:  # two workflow steps on one client
+        run_job(first, client=client)
+        run_job(_spec(fake_engine, tmp_path / "in.parquet", tmp_path / "b", max_tokens=2),
+                client=client)
+    assert notes == ["memory plan (per worker):\n" + FakeLLM.placement.table()]
+    assert len(FakeLLM.instances) == 1

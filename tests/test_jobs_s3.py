@@ -72,3 +72,57 @@ def test_s3_errors_name_the_url_not_the_credentials(fake_engine, s3_options):
         run_job(spec)
     assert str(info.value).startswith("cannot read input s3://***@prompts/data: ")
     assert SECRET not in str(info.value) and KEY not in str(info.value)
+
+
+def test_s3_output_is_held_by_one_run_and_a_rewritten_input_is_refused(fake_engine,
+                                                                        s3_options):
+    import os
+    import socket
+    import threading
+
+    from fusegen.jobs.output import Output
+
+    fs = s3fs.S3FileSystem(**s3_options)
+    fs.copy("prompts/data/a.parquet", "prompts/held/a.parquet")
+    taken, done, owner = threading.Event(), threading.Event(), []
+
+    def hold():  # another run of this process, on its own thread
+        held = Output("s3://results/held", s3_options)
+        held.prepare("fp", {}, [], overwrite=False)
+        owner.append(held.owner)
+        taken.set()
+        done.wait(60)
+        held.release()
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    taken.wait(60)
+    fs.invalidate_cache()
+    assert json.loads(fs.cat("results/held/_lease.json"))["owner"] == owner[0]
+    spec = JobSpec(model=fake_engine, input="s3://prompts/held", output="s3://results/held",
+                   max_tokens=2, partition_rows=4, progress="none", storage_options=s3_options)
+    try:
+        with pytest.raises(JobError, match=r"^output s3://results/held is in use by another "
+                                           rf"fusegen run \(pid {os.getpid()} on "
+                                           rf"{socket.gethostname()}, holding it since"):
+            run_job(spec)
+    finally:
+        done.set()
+        thread.join()
+    assert run_job(spec).num_rows == 10
+    fs.invalidate_cache()
+    assert not fs.exists("results/held/_lease.json")
+    etag = fs.info("prompts/held/a.parquet")["ETag"].strip('"')
+    inputs = json.loads(fs.cat("results/held/_manifest.json"))["inputs"]
+    assert inputs == [{"path": "prompts/held/a.parquet", "num_rows": 10,
+                       "size": fs.info("prompts/held/a.parquet")["size"],
+                       "version": f"ETag={etag}"}]
+    fs.rm("results/held/part-00001.parquet")
+    with fs.open("prompts/held/a.parquet", "wb") as f:  # same rows, other prompts
+        pq.write_table(pa.table({"id": list(range(10)), "prompt": [f"S3 {i}" for i in range(10)]}),
+                       f, row_group_size=3)
+    fs.invalidate_cache()
+    with pytest.raises(JobError, match=r"holds a different job \(changed: input "
+                                       r"prompts/held/a.parquet was rewritten \(.*version "
+                                       rf"'ETag={etag}' -> 'ETag="):
+        run_job(spec)

@@ -2,9 +2,12 @@
 import pytest
 
 from fusegen.engine.block_manager import BlockManager
+from fusegen.engine.detokenizer import IncrementalDetokenizer
+from fusegen.engine.models.synthetic import build_tokenizer
 from fusegen.engine.request import Request, RequestStatus
 from fusegen.engine.sampling_params import SamplingParams
 from fusegen.engine.scheduler import Scheduler
+from fusegen.engine.tokenizer import Tokenizer
 
 
 def make(request_id, prompt_len, max_tokens=8, eos=frozenset()):
@@ -246,3 +249,31 @@ def test_swapping_progress_and_exact_counts():
     assert swaps > 0
     assert all(r.num_output_tokens == r.params.max_tokens for r in reqs)
     assert bm.num_free_blocks == 6 and bm.num_free_host_blocks == 6
+
+
+@pytest.mark.parametrize("max_tokens", [32, 7])
+def test_stop_string_finishes_in_update_once_and_frees_blocks_once(tmp_path, max_tokens):
+    # "Say:" + " one two three four" in the synthetic BPE vocabulary; the stop string
+    # " thr" straddles " th" + "ree", the 7th output token. With max_tokens=7 that token
+    # also reaches the length limit: the stop string still decides the reason.
+    tok = Tokenizer.from_dir(build_tokenizer(tmp_path, "bpe"))
+    prompt, output = [510, 50, 311, 25], [323, 68, 256, 86, 78, 322, 383, 272, 337]
+    assert tok.encode("Say: one two three four") == prompt + output
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=[" thr"])
+    a = Request(0, prompt, params, detokenizer=IncrementalDetokenizer(tok, prompt, [" thr"]))
+    b = make(1, 4, max_tokens=32)
+    bm = BlockManager(num_blocks=16, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    sched.add(a)
+    sched.add(b)
+    finished_per_step = []
+    for step in range(len(output)):
+        batch = sched.schedule()
+        sampled = [output[step] if r is a else 7 for r in batch.requests]
+        finished_per_step.append(sched.update(batch, sampled))
+    assert finished_per_step == [[]] * 6 + [[a], [], []]
+    assert a.finish_reason == "stop" and a.output_token_ids == output[:7]
+    assert a.detokenizer.text == " one two"
+    assert sched.running == [b] and a.block_table == []
+    # a's blocks went back once: the free list and b's table hold each id exactly once.
+    assert sorted(list(bm._free) + b.block_table) == list(range(16))

@@ -6,7 +6,7 @@ import jinja2
 import pytest
 
 from fusegen.engine.models.synthetic import build_tokenizer
-from fusegen.engine.tokenizer import Tokenizer
+from fusegen.engine.tokenizer import PromptLimit, Tokenizer, prompt_problem
 
 transformers = pytest.importorskip("transformers")
 
@@ -70,6 +70,29 @@ def test_special_tokens_and_vocab_size(pair):
     assert tok.eos_token_ids == [hf.eos_token_id]
     assert tok.pad_token_id is None and hf.pad_token_id is None
     assert tok.vocab_size == len(hf) == 512
+
+
+def test_no_token_covers_more_bytes_than_the_longest_entry(pair):
+    tok, _ = pair
+    longest = max(len(t.encode()) for t in tok._backend.get_vocab(with_added_tokens=True))
+    assert tok.max_token_bytes == longest
+    for text in TEXTS + ["<|begin_of_text|>" * 9, " " * 300, "\u00e9" * 50 + "🎉" * 20]:
+        assert len(text.encode()) <= len(tok.encode(text, False)) * tok.max_token_bytes, text
+
+
+def test_prompt_limit_checks_size_and_unicode_before_tokenizing():
+    limit = PromptLimit(256, 17)
+    assert limit.max_bytes == 4352 and limit.too_long(4352) is None
+    assert limit.too_long(4353, "the messages' content") == (
+        "prompt_too_long: the messages' content has 4,353 bytes; no text over 4,352 bytes "
+        "fits the context (max_model_len 256 tokens x 17 bytes, the longest token); shorten it")
+    assert prompt_problem("\u00e9" * 2176, limit) is None  # 4,352 bytes
+    assert prompt_problem("\u00e9" * 2177, limit).startswith(
+        "prompt_too_long: the prompt has 4,354 bytes;")
+    assert prompt_problem("x" * 10**6) is None  # no limit: only Unicode is checked
+    assert prompt_problem("ok \udc80 ok", limit) == (
+        "invalid_prompt: the prompt is not valid Unicode: lone surrogate U+DC80 at "
+        "character 3; remove it from the text")
 
 
 @pytest.mark.parametrize("add_generation_prompt", [True, False])

@@ -24,8 +24,10 @@ KEPT_IDS = [0, 2, 4, 8, 10]  # even ids with a generated row (3 and 6 are error 
 def _workflow_file(root, **keep_overrides) -> str:
     """12 topics (2 null) -> draft -> keep even ids, no errors -> expand."""
     ids = list(range(12))
-    pq.write_table(pa.table({"id": ids, "topic": [None if i in NULL_TOPICS else f"topic {i}"
-                                                 for i in ids]}), root / "topics.parquet")
+    if not (root / "topics.parquet").exists():  # rewritten, it would be another input
+        pq.write_table(pa.table({"id": ids, "topic": [None if i in NULL_TOPICS else
+                                                     f"topic {i}" for i in ids]}),
+                       root / "topics.parquet")
     keep = {"from": "draft", "drop_errors": True, "filter": "id % {{ modulus }} == 0",
             "select": ["id", "generated_text"], "rename": {"generated_text": "headline"},
             "partition_rows": 3, **keep_overrides}

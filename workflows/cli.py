@@ -7,8 +7,8 @@ from datetime import datetime
 
 import click
 
-from fusegen.jobs.errors import JobError
-from fusegen.workflows.errors import ValidationError, WorkflowBusy, WorkflowError
+from fusegen.jobs import JobError
+from fusegen.workflows.errors import ValidationError, WorkflowError
 
 _STORE = click.option("--store", "store_url", default=None, metavar="URL",
                       help="Run store: sqlite:///path/runs.db.  [default: "
@@ -50,7 +50,7 @@ def run(file, params, run_date, overwrite, store_url):
 
     Every step is a resumable job: if a run fails or is killed, the same command (same
     --param values and --run-date) continues where it stopped."""
-    from fusegen.jobs.run_cmd import setup_logging
+    from fusegen.jobs import setup_logging
     from fusegen.workflows.runner import default_run_date, run_workflow
     from fusegen.workflows.spec import load_workflow
     from fusegen.workflows.store import open_store
@@ -64,49 +64,66 @@ def run(file, params, run_date, overwrite, store_url):
         outcome = run_workflow(wf, store, params=overrides, run_date=run_date,
                                overwrite=overwrite, echo=click.echo)
     except (WorkflowError, JobError) as exc:
-        if not isinstance(exc, (ValidationError, WorkflowBusy)):
-            _retry_hint(file, params, run_date, store_url)
+        if getattr(exc, "run_id", None) is not None:
+            _retry_hint(store, exc.run_id, store_url, file, params, run_date)
         _fail(exc)
     click.echo(f"run {outcome.run_id} of {wf.name} ({outcome.run_date}) succeeded: "
                f"{len(outcome.steps)} steps; `fusegen workflow show {outcome.run_id}` "
                "for details")
 
 
-def _retry_hint(file, params, run_date, store_url):
-    if run_date is None:
+def _retry_hint(store, run_id: int, store_url, file=None, params=(), run_date=None):
+    """The commands that continue a failed run: the same `workflow run` (when it was one)
+    or `workflow resume`. Credential params show as MASK: the store does not keep them."""
+    from fusegen.workflows.credentials import MASK
+
+    run = store.run(run_id)
+    secret = sorted(k for k, v in (run.params if run else {}).items() if v == MASK)
+    store_args = [f"--store {store_url}"] if store_url else []
+    resume = " ".join([f"fusegen workflow resume {run_id}",
+                       *[f"--param {k}={MASK}" for k in secret], *store_args])
+    note = f"; {MASK} stands for the value you gave, which is not shown" if secret else ""
+    if file is None:
+        click.echo(f"to continue where it stopped: {resume}{note}", err=True)
         return
-    args = [f"--param {p}" for p in params] + [f"--run-date {run_date}"]
-    if store_url:
-        args.append(f"--store {store_url}")
+    args = [f"--param {key}={MASK}" if key in secret else f"--param {item}"
+            for item, key in ((p, p.partition("=")[0].strip()) for p in params)]
+    args += [f"--run-date {run_date}", *store_args]
     click.echo(f"to continue where it stopped: fusegen workflow run {file} {' '.join(args)} "
-               "(or `fusegen workflow resume RUN_ID`)", err=True)
+               f"(or {resume}){note}", err=True)
 
 
 @workflow.command()
 @click.argument("run_id", type=int)
+@click.option("--param", "params", multiple=True, metavar="KEY=VALUE",
+              help="A credential parameter of the run, which the run store does not keep "
+              "(repeatable); the run's other parameters are reused as recorded.")
 @click.option("--overwrite", is_flag=True, help="Recompute every step from scratch.")
 @_STORE
-def resume(run_id, overwrite, store_url):
+def resume(run_id, params, overwrite, store_url):
     """Run again the failed or interrupted run RUN_ID: same file, params and run date, so
-    every step keeps what it committed and continues where it stopped."""
-    from fusegen.jobs.run_cmd import setup_logging
-    from fusegen.workflows.runner import run_workflow
+    every step keeps what it committed and continues where it stopped. A run left
+    running by a process that is gone (killed) is taken over."""
+    from fusegen.jobs import setup_logging
+    from fusegen.workflows.runner import run_workflow, utc_now
+    from fusegen.workflows.credentials import restore_params
     from fusegen.workflows.spec import load_workflow
     from fusegen.workflows.store import open_store
 
     try:
         store = open_store(store_url)
-        old = store.run(run_id)
+        old = store.take_over(run_id, utc_now())
         if old is None:
             raise WorkflowError(f"no run {run_id} in the run store; `fusegen workflow "
                                 "history` lists them")
-        if old.status in ("queued", "running"):
-            raise WorkflowError(f"run {run_id} is {old.status}; wait for it to end")
+        run_params = restore_params(run_id, old.params, _params(params))
         wf = load_workflow(old.source)
         setup_logging()
-        outcome = run_workflow(wf, store, params=old.params, run_date=old.run_date,
+        outcome = run_workflow(wf, store, params=run_params, run_date=old.run_date,
                                overwrite=overwrite, echo=click.echo)
     except (WorkflowError, JobError) as exc:
+        if getattr(exc, "run_id", None) is not None:
+            _retry_hint(store, exc.run_id, store_url)
         _fail(exc)
     click.echo(f"run {outcome.run_id} of {wf.name} ({outcome.run_date}) succeeded: "
                f"{len(outcome.steps)} steps; `fusegen workflow show {outcome.run_id}` "
@@ -120,7 +137,10 @@ def resume(run_id, overwrite, store_url):
               "with.  [default: today]")
 def check(file, params, run_date):
     """Validate FILE without running it: keys, DAG, schedule, and (for the given params
-    and run date) the columns every step reads, from its inputs' Parquet schemas."""
+    and run date) the columns every step reads, from its inputs' Parquet schemas, and
+    each generate step's model folder (unless the workers of a --scheduler read it)."""
+    from fusegen.jobs import redact_url
+    from fusegen.workflows.preflight import check_models
     from fusegen.workflows.resolve import resolve
     from fusegen.workflows.runner import default_run_date
     from fusegen.workflows.spec import load_workflow
@@ -128,11 +148,15 @@ def check(file, params, run_date):
     try:
         wf = load_workflow(file)
         resolved = resolve(wf, _params(params), run_date or default_run_date(wf))
+        notes = check_models(resolved)
     except (WorkflowError, JobError) as exc:
         _fail(exc)
+    redact = resolved.redactor()
     for step in resolved.steps:
-        click.echo(f"{step.name} ({step.kind}): {step.input} -> {step.output}\n"
-                   f"  columns: {', '.join(step.schema.names)}")
+        click.echo(redact(f"{step.name} ({step.kind}): {redact_url(step.input)} -> "
+                          f"{redact_url(step.output)}\n  columns: {', '.join(step.schema.names)}"))
+    for note in notes:
+        click.echo(redact(note))
     click.echo(f"{file}: valid")
 
 
@@ -148,7 +172,7 @@ def schedule(files, params, poll_seconds, store_url):
     State lives in the run store: after a restart, fires missed while down follow each
     file's `missed:` policy and an interrupted run resumes. The first signal stops firing
     and waits for the run in progress; a second gives it up (it resumes next start)."""
-    from fusegen.jobs.run_cmd import setup_logging
+    from fusegen.jobs import setup_logging
     from fusegen.workflows.schedule import next_fire
     from fusegen.workflows.scheduler import Scheduler
     from fusegen.workflows.spec import load_workflow
@@ -226,6 +250,7 @@ def history(file_or_name, limit, store_url):
 def show(run_id, store_url):
     """One run in detail: status, params, and per step its status, start/end, rows in and
     out, tokens, error rows by code, and the error that stopped it."""
+    from fusegen.workflows.credentials import shown_params
     from fusegen.workflows.store import open_store
 
     try:
@@ -240,7 +265,7 @@ def show(run_id, store_url):
              f"status: {run.status}",
              f"trigger: {run.trigger}"
              + (f", fire {run.scheduled_for}" if run.scheduled_for else ""),
-             f"run date: {run.run_date}   params: {run.params}",
+             f"run date: {run.run_date}   params: {shown_params(run.params)}",
              f"started: {_time(run.started)}   finished: {_time(run.finished)} (UTC)"]
     if run.resumes:
         lines.append(f"continues run {run.resumes}")

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 class WorkflowError(Exception):
     """A workflow cannot start or go on; the message says what to fix."""
+    run_id: int | None = None  # the recorded run it stopped, when one had started
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,10 @@ _ARITH = {ast.Add: "add", ast.Sub: pc.subtract, ast.Mult: pc.multiply, ast.Div: 
           ast.FloorDiv: "floordiv", ast.Mod: pc.modulo}
 _FUNCTIONS = "len, lower, upper, strip, contains, startswith, endswith, matches, abs, " \
              "round, coalesce, col"
+# Bounds on what a filter may be: compiling and evaluating recurse once per level, and
+# Python's own parser gives up (RecursionError, MemoryError) on deep or huge input.
+MAX_LENGTH = 10_000  # characters
+MAX_DEPTH = 100  # nested operations, calls and parentheses
 
 
 class ExpressionError(ValueError):
@@ -44,10 +48,18 @@ class Expression:
             raise ExpressionError("a filter must be a non-empty expression, e.g. "
                                   "\"error is null and score > 3\"")
         self.source = source
+        if len(source) > MAX_LENGTH:
+            raise ExpressionError(f"is {len(source)} characters, longer than {MAX_LENGTH} "
+                                  "characters; split the condition over several steps")
         try:
             tree = ast.parse(source.strip(), mode="eval")
         except SyntaxError as exc:
+            if "too many nested" in str(exc.msg):
+                raise _too_deep() from None
             raise ExpressionError(f"syntax error at column {exc.offset}: {exc.msg}") from None
+        except (RecursionError, MemoryError):
+            raise _too_deep() from None
+        _check_depth(tree.body)
         self.columns: set[str] = set()
         self._fn = self._compile(tree.body)
 
@@ -151,9 +163,8 @@ class Expression:
             fn = pc.is_null if isinstance(op, ast.Is) else pc.is_valid
             return lambda table: _as_array(fn(left(table)), table)
         if isinstance(op, (ast.In, ast.NotIn)):
-            values = _literal_list(right_node)
+            value_set = _value_set(_literal_list(right_node))
             left = self._compile(left_node)
-            value_set = pa.array(values)
             negate = isinstance(op, ast.NotIn)
 
             def is_in(table):
@@ -287,6 +298,30 @@ def _literal_list(node) -> list:
             for e in node.elts):
         raise ExpressionError("`in` takes a list of literals: x in ['a', 'b'] or x in [1, 2]")
     return [e.value for e in node.elts]
+
+
+def _value_set(values: list) -> pa.Array:
+    kinds = list(dict.fromkeys(type(v).__name__ for v in values))
+    # bool is an int to Python and arrow would make [1, True] one type: keep them apart
+    if len(kinds) > 1 and kinds != ["int", "float"] and kinds != ["float", "int"]:
+        raise ExpressionError(f"the list after `in` mixes types ({', '.join(kinds)}); use "
+                              "values of one type: x in ['a', 'b'] or x in [1, 2]")
+    return pa.array(values)
+
+
+def _too_deep() -> ExpressionError:
+    return ExpressionError(f"is nested more than {MAX_DEPTH} levels deep; write it flatter "
+                           "(a and b and c rather than nested parentheses)")
+
+
+def _check_depth(root: ast.AST) -> None:
+    """Refuse a tree deeper than MAX_DEPTH, walking it without recursion."""
+    stack = [(root, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise _too_deep()
+        stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
 
 
 def _describe(node: ast.AST) -> str:

@@ -14,14 +14,12 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from fusegen.jobs.errors import JobError
-from fusegen.jobs.parts import output_table
-from fusegen.jobs.spec import MESSAGES_COLUMN, OUTPUT_COLUMNS, JobSpec, build_spec
-from fusegen.jobs.storage import filesystem, list_input_files
-from fusegen.jobs.template import PromptTemplate
+from fusegen.jobs import (MESSAGES_COLUMN, OUTPUT_COLUMNS, JobError, JobSpec, PromptTemplate,
+                          Redactor, build_spec, filesystem, list_input_files, output_table)
 from fusegen.workflows.errors import Problem, ValidationError
 from fusegen.workflows.expr import ExpressionError
 from fusegen.workflows.render import RUN_DATE, TemplateError, render
+from fusegen.workflows.credentials import public_params, secret_params, secret_values
 from fusegen.workflows.spec import Step, Workflow
 from fusegen.workflows.store import state_dir
 from fusegen.workflows.transform import Transform
@@ -49,6 +47,19 @@ class ResolvedWorkflow:
     params: dict  # defaults with the --param overrides applied
     workdir: str
     steps: list[ResolvedStep]  # run order
+    secret: set[str] = field(default_factory=set)  # the params that are credentials
+
+    @property
+    def public_params(self) -> dict:
+        """The params as the run store and every message show them."""
+        return public_params(self.params, self.secret)
+
+    def redactor(self, step: ResolvedStep | None = None) -> Redactor:
+        """Blanks the credential params, and the step's credentials, in any text."""
+        secrets = secret_values(self.params, self.secret)
+        if step is None:
+            return Redactor(secrets=secrets)
+        return Redactor(step.storage_options, urls=(step.input, step.output), secrets=secrets)
 
 
 def effective_params(workflow: Workflow, overrides: dict | None) -> dict:
@@ -77,7 +88,8 @@ def resolve(workflow: Workflow, overrides: dict | None, run_date: str) -> Resolv
         _check_columns(workflow, steps, problems)
     if problems:
         raise ValidationError(workflow.source, problems)
-    return ResolvedWorkflow(workflow, run_date, params, workdir, list(steps.values()))
+    return ResolvedWorkflow(workflow, run_date, params, workdir, list(steps.values()),
+                            secret_params(workflow, params, run_date))
 
 
 def _variables(params: dict, run_date: str, problems: list) -> dict:
@@ -138,7 +150,8 @@ def _build(workflow: Workflow, step: Step, variables: dict, workdir: str,
         resolved.storage_options = resolved.job.storage_options
         return resolved
     options = filled(step.transform, "")
-    if options is None:
+    storage_options = filled(step.storage_options or {}, "storage_options")
+    if options is None or storage_options is None:
         return None
     try:
         resolved.transform = Transform.from_options(options)
@@ -146,7 +159,7 @@ def _build(workflow: Workflow, step: Step, variables: dict, workdir: str,
         problems.append(Problem(step.name, "filter", str(exc)))
         return None
     resolved.partition_rows = step.partition_rows
-    resolved.storage_options = dict(step.storage_options or {})
+    resolved.storage_options = storage_options
     return resolved
 
 

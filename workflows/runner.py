@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from datetime import date, datetime, timezone
 from typing import Callable
 
-from fusegen.jobs.errors import JobError
-from fusegen.jobs.redact import Redactor, redact_url
+from fusegen.jobs import JobError, redact_url
 from fusegen.workflows.errors import WorkflowError
+from fusegen.workflows.preflight import check_models
 from fusegen.workflows.resolve import ResolvedWorkflow, resolve
 from fusegen.workflows.spec import Workflow
 from fusegen.workflows.steps import Clients, StepCounts, run_step
@@ -61,16 +61,19 @@ def run_workflow(workflow: Workflow, store: RunStore, *, params: dict | None = N
     ValidationError before anything is recorded or run."""
     run_date = _check_date(run_date or default_run_date(workflow, clock))
     resolved = resolve(workflow, params, run_date)
+    check_models(resolved)
     run_id = store.start_run(workflow.name, source=workflow.path or workflow.source,
-                             run_date=run_date,
-                             params=resolved.params, owner=new_owner(), now=clock())
+                             run_date=run_date, params=resolved.public_params,
+                             owner=new_owner(), now=clock())
     with _Heartbeat(store, run_id, clock):
         try:
             outcome = execute_run(resolved, store, run_id, overwrite=overwrite, clock=clock,
                                   echo=echo)
         except BaseException as exc:
             status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
-            store.finish_run(run_id, status, clock(), _message(exc))
+            store.finish_run(run_id, status, clock(), resolved.redactor()(_message(exc)))
+            if isinstance(exc, WorkflowError):
+                exc.run_id = run_id  # for the hint that resumes it
             raise
     store.finish_run(run_id, "succeeded", clock())
     return outcome
@@ -95,8 +98,7 @@ def execute_run(resolved: ResolvedWorkflow, store: RunStore, run_id: int, *,
             try:
                 counts = run_step(step, clients, overwrite, input_changed)
             except BaseException as exc:
-                redact = Redactor(step.storage_options, urls=(step.input, step.output))
-                message = redact(_message(exc))
+                message = resolved.redactor(step)(_message(exc))
                 store.step_failed(run_id, step.name, clock(), message)
                 if isinstance(exc, Exception):
                     raise WorkflowError(f"step {step.name!r} failed: {message}") from None

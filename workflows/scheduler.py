@@ -23,9 +23,11 @@ from datetime import datetime
 from typing import Callable
 
 from fusegen.workflows.errors import WorkflowBusy, WorkflowError
+from fusegen.workflows.preflight import check_models
 from fusegen.workflows.resolve import effective_params, resolve
 from fusegen.workflows.runner import Clock, _message, execute_run, utc_now
 from fusegen.workflows.schedule import decide, next_fire, run_date
+from fusegen.workflows.credentials import MASK, public_params, secret_params
 from fusegen.workflows.spec import Workflow
 from fusegen.workflows.store import LEASE_SECONDS, RunStore, new_owner
 
@@ -109,8 +111,11 @@ class Scheduler:
         old = last[0]
         log.info("%s: resuming interrupted run %s (fire %s)", workflow.name, old.run_id,
                  old.scheduled_for)
+        # The store keeps credential params masked: this scheduler's own values stand in
+        current = self.params[workflow.name]
+        params = {k: current.get(k, v) if v == MASK else v for k, v in old.params.items()}
         return self._start(workflow, datetime.fromisoformat(old.scheduled_for), now,
-                           old.run_date, old.params, old.run_id)
+                           old.run_date, params, old.run_id)
 
     def _fire(self, workflow: Workflow, now: datetime) -> Ticket | None:
         schedule = workflow.schedule
@@ -127,8 +132,9 @@ class Scheduler:
                            self.params[workflow.name])
 
     def _start(self, workflow, fire, now, date, params, resumes=None) -> Ticket:
+        public = public_params(params, secret_params(workflow, params, date))
         run_id = self.store.start_run(
-            workflow.name, source=workflow.path or workflow.source, run_date=date, params=params,
+            workflow.name, source=workflow.path or workflow.source, run_date=date, params=public,
             owner=self.owner, now=now, trigger="schedule", scheduled_for=fire,
             status="queued", lease_seconds=self.lease_seconds)
         ticket = Ticket(run_id, workflow, fire, date, params, resumes)
@@ -169,6 +175,7 @@ class Scheduler:
 
     def _execute(self, ticket: Ticket) -> None:
         resolved = resolve(ticket.workflow, ticket.params, ticket.run_date)
+        check_models(resolved)
         execute_run(resolved, self.store, ticket.run_id)
 
     # -- the real-time loop ------------------------------------------------------------------

@@ -24,12 +24,12 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
+from datetime import datetime
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from croniter import croniter
+from croniter import CroniterBadDateError, croniter
 
-from fusegen.jobs.errors import JobError
-from fusegen.jobs.spec import FIELD_NAMES, load_job_file
+from fusegen.jobs import FIELD_NAMES, JobError, load_job_file
 from fusegen.workflows.dag import CycleError, run_order
 from fusegen.workflows.errors import Problem, ValidationError
 from fusegen.workflows.expr import Expression, ExpressionError
@@ -45,8 +45,9 @@ STEP_KEYS = ("input", "from", "output", "generate", *TRANSFORM_KEYS, "partition_
              "storage_options")
 JOB_KEYS = tuple(k for k in FIELD_NAMES if k not in ("input", "output")) + ("job_file",)
 TRANSFORM_PARTITION_ROWS = 10_000
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-_PARAM = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# fullmatch, never match: `$` also matches before a trailing newline ("nightly\n")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+_PARAM = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 @dataclass(slots=True)
@@ -137,7 +138,7 @@ class _Checker:
             return None
         data = self._keys(data, TOP_KEYS, None, "")
         name = data.get("name", os.path.splitext(os.path.basename(self.source))[0])
-        if not isinstance(name, str) or not _NAME.match(name):
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
             self.problem(None, "name", f"{name!r} must be letters, digits, '_', '-' or '.'")
         params = self._params(data.get("params", {}))
         defaults = self._job_options(data.get("defaults", {}), None, "defaults")
@@ -170,7 +171,7 @@ class _Checker:
             self.problem(None, "params", "must be a mapping of name: default value")
             return {}
         for name, value in params.items():
-            if not isinstance(name, str) or not _PARAM.match(name):
+            if not isinstance(name, str) or not _PARAM.fullmatch(name):
                 self.problem(None, f"params.{name}", "a parameter name must be an identifier "
                              "(letters, digits, '_')")
             elif name == RUN_DATE:
@@ -243,7 +244,7 @@ class _Checker:
         steps = {}
         for name, body in data.items():
             name = str(name)
-            if not _NAME.match(name):
+            if not _NAME.fullmatch(name):
                 self.problem(name, None, "a step name must be letters, digits, '_', '-' or '.'")
             if not isinstance(body, dict):
                 self.problem(name, None, "a step must be a mapping (input: / from:, then "
@@ -361,6 +362,11 @@ def cron_problem(expr) -> str | None:
         croniter(expr)
     except (ValueError, KeyError) as exc:
         return f"{expr!r} is not a valid cron expression: {exc}"
+    try:  # valid fields can still name no date at all (February 30th)
+        croniter(expr, datetime(2000, 1, 1)).get_next(datetime)
+    except CroniterBadDateError:
+        return (f"{expr!r} never fires (no such date); check the day-of-month and month "
+                "fields")
     return None
 
 

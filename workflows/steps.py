@@ -2,34 +2,28 @@
 streams partition by partition into committed parts, resumable the same way.
 
 A transform runs in the driver (it is light: no model). It reads one partition at a time
-(`partition_rows` rows at most), writes it as one part under a temporary name and commits
-it by a rename; its `_manifest.json` and each part's footer carry a fingerprint of the
-transform and its inputs, so a rerun keeps the parts already committed.
+(`partition_rows` rows at most) and commits it as one part through jobs' output protocol
+(`Output`), like a generation job: its `_manifest.json` and each part's footer carry a
+fingerprint of the transform and its inputs, so a rerun keeps the parts already committed.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from fusegen.jobs.manifest import OVERWRITE, RESUME, clear_output, read_manifest, resume_mode, \
-    write_manifest
-from fusegen.jobs.parts import TMP_DIR, is_part_name, write_part
-from fusegen.jobs.plan import Partition, plan_partitions
-from fusegen.jobs.redact import redact_url
-from fusegen.jobs.storage import check_writable, filesystem, list_input_files, list_names, \
-    read_partition, remove_tree
+from fusegen.jobs import (Output, Partition, PartStats, filesystem, input_records,
+                          list_input_files, output_fingerprint, plan_partitions, read_partition,
+                          redact_url)
 from fusegen.workflows.errors import WorkflowError
 from fusegen.workflows.resolve import ResolvedStep
 
 log = logging.getLogger("fusegen.workflows")
-_META_KEY = b"fusegen"
 
 
 @dataclass(slots=True)
@@ -64,7 +58,7 @@ class Clients:
         self._client = None
 
     def get(self, job):
-        from fusegen.jobs.cluster import open_client
+        from fusegen.jobs import open_client
 
         key = (job.scheduler, job.workers, job.partitions_per_worker)
         if key != self._key:
@@ -84,46 +78,51 @@ def run_step(step: ResolvedStep, clients: Clients, overwrite: bool,
              input_changed: bool = False) -> StepCounts:
     """`input_changed`: the step it reads recomputed parts in this run, so parts this step
     committed earlier may come from another version of its input."""
-    if not overwrite and step.in_workdir and (input_changed or _holds_another_job(step)):
-        # The workflow's own intermediate output, made from an earlier input or version
-        # of the file: recompute it.
-        log.info("step %s: its input or definition changed since its output was made; "
-                 "recomputing it", step.name)
-        overwrite = True
-    elif not overwrite and input_changed and _manifest(step) is not None:
-        # An explicit `output:` is never discarded without --overwrite.
-        raise WorkflowError(
-            f"output {redact_url(step.output)} holds parts made from an earlier version of "
-            f"its input (step {step.parents[0]!r} was recomputed in this run); rerun with "
-            "--overwrite to recompute it, or give the step another `output:`")
+    old = None if overwrite else _manifest(step)
+    if old is not None:  # an output from an earlier run: is it still this step's?
+        why = _why_stale(step, old, input_changed)
+        if why and step.in_workdir:
+            # The workflow's own intermediate output: recompute it.
+            log.info("step %s: %s; recomputing it", step.name, why)
+            overwrite = True
+        elif why and input_changed:
+            # An explicit `output:` is never discarded without --overwrite.
+            raise WorkflowError(
+                f"output {redact_url(step.output)} holds parts made from an earlier version "
+                f"of its input (step {step.parents[0]!r} was recomputed in this run); rerun "
+                "with --overwrite to recompute it, or give the step another `output:`")
     if step.job is not None:
         return _generate(step, clients, overwrite)
     return run_transform(step, overwrite)
 
 
-def output_fingerprint(step: ResolvedStep) -> str:
-    """The fingerprint the step's job will give its output (jobs' for generate steps)."""
-    files = list_input_files(step.input, step.storage_options)
-    inputs = [{"path": redact_url(f.path), "num_rows": f.num_rows} for f in files]
+def _why_stale(step: ResolvedStep, old: dict, input_changed: bool) -> str | None:
+    """Why an output's earlier parts cannot be kept, or None when they can."""
+    if input_changed:
+        return f"step {step.parents[0]!r} recomputed parts in this run"
+    if not old:
+        return "its output's _manifest.json is damaged"
+    if old.get("fingerprint") != _step_fingerprint(step):
+        return "its definition or input changed since its output was made"
+    return None
+
+
+def _step_fingerprint(step: ResolvedStep) -> str:
+    """The fingerprint the step will give its output."""
+    inputs = input_records(list_input_files(step.input, step.storage_options))
     if step.job is not None:
         return step.job.fingerprint(inputs)
-    return _transform_fingerprint(_transform_config(step), inputs)
+    return output_fingerprint(_transform_config(step), inputs)
 
 
 def _manifest(step: ResolvedStep) -> dict | None:
-    fs, out_dir = filesystem(step.output, step.storage_options)
-    return read_manifest(fs, out_dir.rstrip("/"))
-
-
-def _holds_another_job(step: ResolvedStep) -> bool:
-    old = _manifest(step)
-    return old is not None and old.get("fingerprint") != output_fingerprint(step)
+    return Output(step.output, step.storage_options).read_manifest()
 
 
 def _generate(step: ResolvedStep, clients: Clients, overwrite: bool) -> StepCounts:
     import dataclasses
 
-    from fusegen.jobs.runner import run_job
+    from fusegen.jobs import run_job
 
     job = dataclasses.replace(step.job, overwrite=step.job.overwrite or overwrite)
     r = run_job(job, client=clients.get(job))
@@ -136,96 +135,76 @@ def _generate(step: ResolvedStep, clients: Clients, overwrite: bool) -> StepCoun
 
 # -- transforms -----------------------------------------------------------------------------
 
-@dataclass(slots=True)
-class TransformPart:
-    """A committed transform part, as recorded in its footer and the manifest."""
-    name: str
-    fingerprint: str
-    num_input_rows: int
-    num_rows: int
-    num_errors: int = 0
-    seconds: float = 0.0
-
-
 def run_transform(step: ResolvedStep, overwrite: bool, after_part=None) -> StepCounts:
     """Stream the step's input through its transform into committed parts. `after_part`
     (tests) is called with each newly committed part's name."""
-    so = step.storage_options
-    files = list_input_files(step.input, so)
-    in_fs, _ = filesystem(step.input, so)
+    files = list_input_files(step.input, step.storage_options)
+    in_fs, _ = filesystem(step.input, step.storage_options)
     plan = plan_partitions(files, step.partition_rows)
-    inputs = [{"path": redact_url(f.path), "num_rows": f.num_rows} for f in files]
+    inputs = input_records(files)
     config = _transform_config(step)
-    fingerprint = _transform_fingerprint(config, inputs)
-    out_fs, out_dir = filesystem(step.output, so)
-    out_dir = out_dir.rstrip("/")
-    check_writable(out_fs, out_dir, redact_url(step.output))
-    old = read_manifest(out_fs, out_dir)
-    names = list_names(out_fs, out_dir)
-    mode = resume_mode(old, fingerprint, config, any(is_part_name(n) for n in names),
-                       overwrite, redact_url(step.output))
-    done: dict[int, TransformPart] = {}
-    if mode == OVERWRITE:
-        clear_output(out_fs, out_dir)
-    else:
-        if TMP_DIR in names:
-            remove_tree(out_fs, f"{out_dir}/{TMP_DIR}")
-        if mode == RESUME:
-            done = _committed(out_fs, out_dir, plan, fingerprint)
-    manifest = {"format": 1, "kind": "transform", "status": "running",
-                "fingerprint": fingerprint, "config": config, "inputs": inputs,
-                "num_partitions": len(plan)}
-    write_manifest(out_fs, out_dir, manifest)
-    parts = dict(done)
-    for part in plan:
-        if part.index not in done:
-            parts[part.index] = _transform_part(step, in_fs, out_fs, out_dir, part, fingerprint)
-            if after_part is not None:
-                after_part(part.name)
-    manifest.update(status="complete", parts=[asdict(parts[p.index]) for p in plan])
-    write_manifest(out_fs, out_dir, manifest)
-    remove_tree(out_fs, f"{out_dir}/{TMP_DIR}")
+    fingerprint = output_fingerprint(config, inputs)
+    output = Output(step.output, step.storage_options)
+    _, done = output.prepare(fingerprint, config, plan, overwrite, inputs)  # takes the lease
+    manifest = {"format": 1, "kind": "transform", "fingerprint": fingerprint,
+                "config": config, "inputs": inputs, "num_partitions": len(plan)}
+    parts: dict[int, PartStats] = {}
+    try:
+        done = {i: stats for i, stats in done.items() if _readable(step, output, stats.name)}
+        parts.update(done)
+        output.start(manifest)
+        for part in plan:
+            if part.index not in done:
+                parts[part.index] = _transform_part(step, in_fs, output, part, fingerprint)
+                if after_part is not None:
+                    after_part(part.name)
+        manifest["parts"] = [parts[p.index].as_dict() for p in plan]
+        output.finish(manifest)
+    except KeyboardInterrupt:
+        manifest["parts"] = [parts[p.index].as_dict() for p in plan if p.index in parts]
+        output.interrupt(manifest)
+        raise
+    finally:
+        output.release()
     return StepCounts(num_input_rows=sum(f.num_rows for f in files),
                       num_rows=sum(p.num_rows for p in parts.values()),
                       num_errors=sum(p.num_errors for p in parts.values()),
                       num_parts=len(plan), num_parts_kept=len(done))
 
 
+def _readable(step: ResolvedStep, output: Output, name: str) -> bool:
+    """Whether a kept part reads to its end. Its footer was read already; damage inside
+    its pages would otherwise fail the step that reads it, on every rerun."""
+    try:
+        with output.fs.open(f"{output.path}/{name}", "rb") as f:
+            for _ in pq.ParquetFile(f).iter_batches():
+                pass
+        return True
+    except (OSError, pa.ArrowException) as exc:
+        log.warning("step %s: %s is damaged (%s); recomputing it", step.name, name,
+                    str(exc).splitlines()[0])
+        return False
+
+
 def _transform_config(step: ResolvedStep) -> dict:
     return {**step.transform.config(), "partition_rows": step.partition_rows}
 
 
-def _transform_fingerprint(config: dict, inputs: list) -> str:
-    return hashlib.sha256(json.dumps([config, inputs], sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _transform_part(step, in_fs, out_fs, out_dir, part: Partition, fingerprint) -> TransformPart:
+def _transform_part(step, in_fs, output: Output, part: Partition, fingerprint) -> PartStats:
     start = time.perf_counter()
-    table = step.transform.apply(read_partition(in_fs, part))
+    try:
+        rows = read_partition(in_fs, part)
+    except (OSError, pa.ArrowException) as exc:
+        raise WorkflowError(
+            f"cannot read rows {part.start}-{part.stop - 1} of {redact_url(part.path)}: "
+            f"{str(exc).splitlines()[0]}; if it is a part of an earlier step's output, "
+            "delete that part and rerun: the step recomputes it") from None
+    table = step.transform.apply(rows)
     errors = 0
     if "error" in table.column_names:
         errors = pc.count(table.column("error")).as_py()  # non-null: error rows
-    stats = TransformPart(part.name, fingerprint, part.num_rows, table.num_rows, errors,
-                          round(time.perf_counter() - start, 3))
-    write_part(out_fs, out_dir, table, stats)
+    stats = PartStats(part.name, fingerprint, num_rows=table.num_rows, num_errors=errors,
+                      seconds=round(time.perf_counter() - start, 3),
+                      num_input_rows=part.num_rows)
+    output.commit(table, stats)
     return stats
-
-
-def _committed(fs, out_dir: str, plan: list[Partition], fingerprint: str) -> dict:
-    """index -> TransformPart of the parts a previous attempt of this transform committed."""
-    existing = list_names(fs, out_dir)
-    done = {}
-    for part in plan:
-        if part.name not in existing:
-            continue
-        with fs.open(f"{out_dir}/{part.name}", "rb") as f:
-            md = pq.ParquetFile(f).metadata
-        raw = (md.metadata or {}).get(_META_KEY)
-        try:
-            stats = TransformPart(**json.loads(raw)) if raw else None
-        except (TypeError, ValueError):
-            stats = None  # another writer's part: recompute it
-        if stats and stats.fingerprint == fingerprint and stats.num_input_rows == part.num_rows \
-                and md.num_rows == stats.num_rows:
-            done[part.index] = stats
-    return done

@@ -100,6 +100,7 @@ class RunStore:
         self.path = Path(path).expanduser()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            _create_owner_only(self.path)
             conn = self._connect()
         except (OSError, sqlite3.Error) as exc:
             raise WorkflowError(f"cannot open the run store {self.path}: {exc}; pass --store "
@@ -187,6 +188,25 @@ class RunStore:
     def lock(self, workflow: str) -> Lock | None:
         with self._tx() as conn:
             return _lock(conn, workflow)
+
+    def take_over(self, run_id: int, now: datetime,
+                  lease_seconds: float = LEASE_SECONDS) -> RunRecord | None:
+        """The run, for a resume: one left queued or running by a process that is gone
+        (its lock stale, or no longer its own) is first marked interrupted and its lock
+        freed. A run still alive raises WorkflowBusy naming its process."""
+        with self._tx() as conn:
+            run = _run(conn, run_id)
+            if run is None or run.status not in ACTIVE:
+                return run
+            lock = _lock(conn, run.workflow)
+            if lock is not None and lock.run_id == run_id:
+                if not lock_is_stale(lock, now, lease_seconds):
+                    raise WorkflowBusy(f"run {run_id} is {run.status} "
+                                       f"({_owner_text(lock.owner)}); wait for it to end")
+                _interrupt(conn, lock, now)
+            else:
+                _mark_interrupted(conn, run_id, now)
+            return _run(conn, run_id)
 
     def release_stale(self, workflow: str, now: datetime,
                       lease_seconds: float = LEASE_SECONDS) -> RunRecord | None:
@@ -307,12 +327,29 @@ def _lock(conn, workflow: str) -> Lock | None:
 
 
 def _interrupt(conn, lock: Lock, now: datetime) -> None:
+    _mark_interrupted(conn, lock.run_id, now)
+    conn.execute("DELETE FROM locks WHERE workflow = ?", (lock.workflow,))
+
+
+def _mark_interrupted(conn, run_id: int, now: datetime) -> None:
     conn.execute("UPDATE runs SET status = 'interrupted', finished = ?, error = coalesce(error, "
                  "'the process running it stopped (killed or lost)') WHERE run_id = ? AND "
-                 "status IN ('queued', 'running')", (iso(now), lock.run_id))
+                 "status IN ('queued', 'running')", (iso(now), run_id))
     conn.execute("UPDATE steps SET status = 'interrupted' WHERE run_id = ? AND status = "
-                 "'running'", (lock.run_id,))
-    conn.execute("DELETE FROM locks WHERE workflow = ?", (lock.workflow,))
+                 "'running'", (run_id,))
+
+
+def _create_owner_only(path: Path) -> None:
+    """Create the database file readable by its owner only: runs record parameters and
+    errors. SQLite gives its journal files the database file's mode."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return  # an existing store keeps the mode its owner chose
+    try:
+        os.fchmod(fd, 0o600)  # whatever the umask
+    finally:
+        os.close(fd)
 
 
 def _run(conn, run_id: int) -> RunRecord | None:

@@ -24,8 +24,8 @@ import torch
 class WeightStreamer:
     def __init__(self, layers, sources: dict[int, dict[str, list[torch.Tensor]]],
                  num_slots: int, device: torch.device, dtype: torch.dtype):
-        # sources: layer index -> parameter name -> tensors stacked along dim 0
-        # (pinned host or memory-mapped disk tensors).
+        # sources: layer index -> parameter name ("qkv.weight", as in the architecture's
+        # weight map) -> tensors stacked along dim 0 (pinned host or memory-mapped disk).
         self.layers = layers
         self.sources = sources
         self.order = sorted(sources)  # streamed layer indices, in compute order

@@ -7,8 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fusegen.engine.errors import ModelLoadError
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+from fusegen.engine.models import SUPPORTED_ARCHITECTURES, get_architecture
 
 
 @dataclass(slots=True)
@@ -26,6 +25,7 @@ class ModelConfig:
     rope_theta: float
     rope_scaling: dict | None  # {"rope_type": "llama3" | "linear", ...} or None
     tie_word_embeddings: bool
+    # Set per architecture (its module's `config_flags`):
     qkv_bias: bool  # biases on q/k/v projections (Qwen2; Llama with attention_bias)
     o_bias: bool  # bias on the output projection (Llama with attention_bias)
     mlp_bias: bool
@@ -71,10 +71,7 @@ class ModelConfig:
                 rope_theta=float(_rope_param(raw, "rope_theta", 10000.0)),
                 rope_scaling=_rope_scaling(raw),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
-                o_bias=arch == "LlamaForCausalLM" and bool(raw.get("attention_bias", False)),
-                mlp_bias=arch == "LlamaForCausalLM" and bool(raw.get("mlp_bias", False)),
-                sliding_window=_sliding_window(arch, raw),
+                **get_architecture(arch).config_flags(raw),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=_as_list(raw.get("eos_token_id")),
                 torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
@@ -110,10 +107,3 @@ def _rope_scaling(raw: dict) -> dict | None:
         raise ModelLoadError(f"config.json: rope_scaling type {kind!r} not supported "
                              "(fusegen supports llama3 and linear)")
     return {**scaling, "rope_type": kind}
-
-
-def _sliding_window(arch: str, raw: dict) -> int:
-    window = raw.get("sliding_window")
-    if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
-        return 0
-    return int(window) if window else 0

@@ -22,7 +22,10 @@ from safetensors.torch import save_file
 import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors, trainers
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+from fusegen.engine.models import SUPPORTED_ARCHITECTURES, get_architecture
+from fusegen.engine.models.architecture import Architecture
+from fusegen.engine.models.config import ModelConfig
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Varied enough that BPE learns real merges while rare multi-byte characters (emoji, CJK)
@@ -201,8 +204,7 @@ def build_checkpoint(
     `vocab_size` defaults to the tokenizer's size rounded up to a multiple of 64 (the extra
     rows are never produced by the tokenizer, as in real padded vocabularies).
     """
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"arch must be one of {sorted(ARCHITECTURES)}, got {arch!r}")
+    family = _architecture(arch)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if num_heads % num_kv_heads:
@@ -219,10 +221,9 @@ def build_checkpoint(
     bos_id = tok.token_to_id(bos)
     eos_id = tok.token_to_id(eos) if eos_token_id is None else eos_token_id
     head_dim = head_dim or hidden_size // num_heads
-    attention_bias = (arch == "qwen2") if attention_bias is None else attention_bias
 
     config = _hf_config(
-        arch, vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        family, vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         tie_word_embeddings=tie_word_embeddings, attention_bias=attention_bias,
         max_position_embeddings=max_position_embeddings, rope_theta=rope_theta, rope_scaling=rope_scaling,
@@ -230,17 +231,21 @@ def build_checkpoint(
     )
     _write_json(path / "config.json", config)
     _write_json(path / "generation_config.json", {"bos_token_id": bos_id, "eos_token_id": eos_id})
-    # Llama's attention_bias also puts a bias on o_proj; Qwen2 has q/k/v biases only.
-    biases = ("q", "k", "v", "o") if arch == "llama" else ("q", "k", "v")
-    weights = _random_weights(
-        vocab_size, hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim,
-        tie_word_embeddings, biases if attention_bias else (), init_std, seed, DTYPES[dtype],
-    )
-    _save_weights(path, weights, max_shard_bytes)
+    # The tensors are what fusegen's loader expects for this config.json; rope settings
+    # do not change them (so a rope type fusegen refuses still builds, e.g. to test the refusal).
+    cfg = ModelConfig.from_dict({k: v for k, v in config.items() if not k.startswith("rope")})
+    _save_weights(path, _random_weights(family, cfg, init_std, seed, DTYPES[dtype]), max_shard_bytes)
     return path
 
 
-def _hf_config(arch, *, vocab_size, hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads,
+def _architecture(name: str) -> Architecture:
+    by_type = {a.model_type: a for a in map(get_architecture, SUPPORTED_ARCHITECTURES)}
+    if name not in by_type:
+        raise ValueError(f"arch must be one of {sorted(by_type)}, got {name!r}")
+    return by_type[name]
+
+
+def _hf_config(arch: Architecture, *, vocab_size, hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads,
                head_dim, tie_word_embeddings, attention_bias, max_position_embeddings, rope_theta,
                rope_scaling, dtype, init_std, bos_id, eos_id) -> dict:
     """config.json with the keys transformers 5 writes for the class, plus the legacy keys
@@ -252,7 +257,7 @@ def _hf_config(arch, *, vocab_size, hidden_size, intermediate_size, num_layers, 
         rope_parameters = {k: v for k, v in rope_scaling.items() if k != "type"}
         rope_parameters.update(rope_type=rope_type, rope_theta=rope_theta)
     config = {
-        "architectures": [ARCHITECTURES[arch]],
+        "architectures": [arch.hf_names[0]],
         "attention_dropout": 0.0,
         "bos_token_id": bos_id,
         "dtype": dtype,
@@ -263,7 +268,7 @@ def _hf_config(arch, *, vocab_size, hidden_size, intermediate_size, num_layers, 
         "initializer_range": init_std,
         "intermediate_size": intermediate_size,
         "max_position_embeddings": max_position_embeddings,
-        "model_type": arch,
+        "model_type": arch.model_type,
         "num_attention_heads": num_heads,
         "num_hidden_layers": num_layers,
         "num_key_value_heads": num_kv_heads,
@@ -277,51 +282,26 @@ def _hf_config(arch, *, vocab_size, hidden_size, intermediate_size, num_layers, 
         "use_cache": True,
         "vocab_size": vocab_size,
     }
-    if arch == "llama":
-        config.update(attention_bias=attention_bias, mlp_bias=False, pretraining_tp=1)
-    elif arch == "mistral":
-        if attention_bias:
-            raise ValueError("MistralForCausalLM has no attention biases; use arch='qwen2' or 'llama'")
-        config.update(sliding_window=None)
-    else:  # qwen2 always has q/k/v biases; transformers has no switch for them
-        if not attention_bias:
-            raise ValueError("Qwen2ForCausalLM always has q/k/v biases; attention_bias=False is not expressible")
-        config.update(
-            layer_types=["full_attention"] * num_layers, max_window_layers=num_layers,
-            sliding_window=None, use_sliding_window=False,
-        )
+    config.update(arch.synthetic_config(num_layers, attention_bias))
     return dict(sorted(config.items()))
 
 
-def _random_weights(vocab_size, hidden, inter, num_layers, num_heads, num_kv_heads, head_dim,
-                    tied, biases, std, seed, dtype) -> dict[str, torch.Tensor]:
+def _random_weights(arch: Architecture, cfg: ModelConfig, std: float, seed: int,
+                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
 
-    def normal(*shape):
+    def draw(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name.endswith("norm.weight"):
+            # 1 + noise, so a loader that drops or misplaces norm weights changes the output
+            return (1.0 + 0.1 * torch.randn(*shape, generator=gen)).to(dtype)
         return (torch.randn(*shape, generator=gen) * std).to(dtype)
 
-    def norm_weight():
-        # 1 + noise, so a loader that drops or misplaces norm weights changes the output
-        return (1.0 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
-
-    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    w = {"model.embed_tokens.weight": normal(vocab_size, hidden)}
-    for i in range(num_layers):
-        p = f"model.layers.{i}."
-        w[p + "input_layernorm.weight"] = norm_weight()
-        for proj, (rows, cols) in {"q": (q_size, hidden), "k": (kv_size, hidden), "v": (kv_size, hidden),
-                                   "o": (hidden, q_size)}.items():
-            w[p + f"self_attn.{proj}_proj.weight"] = normal(rows, cols)
-            if proj in biases:
-                w[p + f"self_attn.{proj}_proj.bias"] = normal(rows)
-        w[p + "post_attention_layernorm.weight"] = norm_weight()
-        w[p + "mlp.gate_proj.weight"] = normal(inter, hidden)
-        w[p + "mlp.up_proj.weight"] = normal(inter, hidden)
-        w[p + "mlp.down_proj.weight"] = normal(hidden, inter)
-    w["model.norm.weight"] = norm_weight()
-    if not tied:
-        w["lm_head.weight"] = normal(vocab_size, hidden)
-    return w
+    # transformers' order: the embedding, the layers, the rest. The draws follow it, so
+    # the same arguments give the same bytes.
+    embedding, *rest = arch.fixed_tensors(cfg)
+    layers = [(arch.layer_prefix.format(i) + name, shape, param)
+              for i in range(cfg.num_layers) for name, shape, param in arch.layer_tensors(cfg)]
+    return {name: draw(name, shape) for name, shape, _ in [embedding, *layers, *rest]}
 
 
 def _save_weights(path: pathlib.Path, weights: dict[str, torch.Tensor], max_shard_bytes: int | None):

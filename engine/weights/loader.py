@@ -13,8 +13,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from fusegen.engine.models.config import ModelConfig
+
 from fusegen.engine.errors import ModelLoadError
+from fusegen.engine.models import get_architecture
+from fusegen.engine.models.config import ModelConfig
 
 _PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth")
 # Buffers some exporters write that carry no weights.
@@ -94,35 +96,8 @@ def iter_tensors(files: list[Path]) -> Iterator[tuple[str, Path, torch.Tensor]]:
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor name the checkpoint must hold, with its shape."""
-    h, d = cfg.hidden_size, cfg.head_dim
-    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
-    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (cfg.intermediate_size, h),
-            p + "mlp.up_proj.weight": (cfg.intermediate_size, h),
-            p + "mlp.down_proj.weight": (h, cfg.intermediate_size),
-        }
-        if cfg.qkv_bias:
-            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                       p + "self_attn.v_proj.bias": (kv,)}
-        if cfg.o_bias:
-            shapes[p + "self_attn.o_proj.bias"] = (h,)
-        if cfg.mlp_bias:
-            shapes |= {p + "mlp.gate_proj.bias": (cfg.intermediate_size,),
-                       p + "mlp.up_proj.bias": (cfg.intermediate_size,),
-                       p + "mlp.down_proj.bias": (h,)}
-    return shapes
+    """Every tensor name the checkpoint must hold, with its shape (the architecture's)."""
+    return get_architecture(cfg.architecture).checkpoint_shapes(cfg)
 
 
 def load_state_dict(model_dir: str | Path, cfg: ModelConfig,
@@ -151,3 +126,10 @@ def load_state_dict(model_dir: str | Path, cfg: ModelConfig,
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise ModelLoadError(f"{model_dir}: weights missing for {', '.join(missing[:3])}{more}")
     return state
+
+
+def fuse(sources: dict[str, list[torch.Tensor]], device, dtype) -> dict[str, torch.Tensor]:
+    """A layer's parameters, each its source tensors stacked along dim 0, in `dtype`
+    on `device`; always a copy (the checkpoint's tensors stay untouched)."""
+    return {name: torch.cat([t.to(dtype) for t in parts]).to(device) if len(parts) > 1
+            else parts[0].to(device, dtype, copy=True) for name, parts in sources.items()}

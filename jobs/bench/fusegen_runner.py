@@ -12,10 +12,11 @@ from fusegen.jobs.bench.workload import BenchRequest
 
 def run_fusegen(model_dir: Path, requests: list[BenchRequest], warmup: list[BenchRequest], *,
                 dtype: str, device: str, engine_options: dict,
-                progress: Callable[[str], None]) -> EngineResult:
+                progress: Callable[[str], None], name: str = "fusegen",
+                label: str = "fusegen") -> EngineResult:
     from fusegen.engine import LLM
 
-    result = EngineResult("fusegen", "fusegen")
+    result = EngineResult(name, label)
     start = time.perf_counter()
     llm = LLM(str(model_dir), dtype=dtype, device=device, **engine_options)
     result.load_s = time.perf_counter() - start

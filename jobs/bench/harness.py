@@ -1,6 +1,7 @@
 """One benchmark run: workload, model, ceiling, then every engine on the same requests."""
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 from collections.abc import Callable
@@ -28,6 +29,7 @@ class BenchConfig:
     hf_static: bool = True
     hf_continuous: bool = True
     engine_options: dict = field(default_factory=dict)  # extra LLM(...) knobs for fusegen
+    deterministic_too: bool = False  # fusegen a second time, deterministic=True
 
     def __post_init__(self):
         if self.dtype is None:
@@ -90,6 +92,14 @@ def run_benchmark(config: BenchConfig, progress: Progress = lambda _: None) -> d
                            engine_options={**config.engine_options, **engine_options},
                            progress=progress)]
     _done(results[-1], progress)
+    if config.deterministic_too:
+        _free_memory(config.device)
+        progress("fusegen: again in deterministic (batch-invariant) mode")
+        results.append(run_fusegen(
+            model_dir, requests, warmup, dtype=config.dtype, device=config.device,
+            engine_options={**config.engine_options, **engine_options, "deterministic": True},
+            progress=progress, name="fusegen_deterministic", label="fusegen deterministic"))
+        _done(results[-1], progress)
     _free_memory(config.device)  # fusegen's weights and KV pool, before transformers loads
     if preset.offload:
         results += _run_offload_baseline(config, model_dir, requests, warmup, budgets, progress)
@@ -149,35 +159,41 @@ def _offload_budgets(config: BenchConfig, model_dir: Path, requests: list[BenchR
     planned with (pinned, so the engine plans alike). A budget stated as a share of
     resident layers also holds the KV cache of the whole workload at full length, so
     the run measures streamed weights, not a starved KV pool."""
-    from fusegen.engine.config import EngineConfig
-    from fusegen.engine.memory.placement import budget_for_resident_layers, parse_bytes, plan_placement
-    from fusegen.engine.runner import model_sizes
+    from fusegen.engine.config import free_memory, model_shape, resolve_dtype
+    from fusegen.engine.memory.placement import budget_for_resident_layers, parse_bytes
+    from fusegen.engine.memory.plan import batch_limits, model_sizes, plan_engine
+    from fusegen.engine.models.config import ModelConfig
+    from fusegen.engine.options import EngineOptions
 
     spec = config.preset.offload
-    engine_config = EngineConfig(model=str(model_dir), dtype=config.dtype, device=config.device,
-                                 **config.engine_options)
-    # The batch limits the engine uses once layers stream.
-    engine_config.resolve_limits(streaming=True)
-    sizes = model_sizes(engine_config)
+    model_config = ModelConfig.from_dir(model_dir)
+    shape = model_shape(model_config, resolve_dtype(config.dtype, config.device))
+    free = free_memory(config.device)
+    options = EngineOptions(dtype=config.dtype, device=config.device, **config.engine_options)
+    # The batch limits the engine uses once layers stream, and the sizes under them.
+    limits = batch_limits(options, free.on_gpu, streaming=True)
+    sizes = model_sizes(options, shape, limits,
+                        options.max_model_len or model_config.max_position_embeddings)
     host_memory = parse_bytes(spec.host_memory, name="host_memory")
     kv_reserve = None
     if spec.device_memory is not None:
         device_memory = parse_bytes(spec.device_memory, name="device_memory")
     else:
-        block = engine_config.block_size
-        running = requests[:engine_config.max_num_seqs]
+        block = options.block_size
+        running = requests[:limits[0]]
         kv_reserve = sizes.kv_block_bytes * sum(
             -(-(r.num_prompt_tokens + r.max_tokens) // block) for r in running)
         resident = int(spec.resident_fraction * sizes.num_layers)
         device_memory = budget_for_resident_layers(sizes, resident, kv_reserve=kv_reserve)
-    plan = plan_placement(sizes, device_memory, host_memory, kv_reserve=kv_reserve)
+    budgets = {"device_memory": device_memory, "host_memory": host_memory,
+               "kv_cache_memory": kv_reserve, "max_num_seqs": limits[0],
+               "max_num_batched_tokens": limits[1]}
+    # The engine's own plan under these budgets: what it will do, not a second guess.
+    plan = plan_engine(dataclasses.replace(options, **budgets), shape, free).placement
     progress(f"offload: device budget {device_memory / 2**20:,.0f} MiB, host budget "
              f"{host_memory / 2**20:,.0f} MiB; the plan keeps "
              f"{plan.layer_tiers.count('device')}/{sizes.num_layers} layers on the device")
-    return {"device_memory": device_memory, "host_memory": host_memory,
-            "kv_cache_memory": kv_reserve,
-            "max_num_seqs": engine_config.max_num_seqs,
-            "max_num_batched_tokens": engine_config.max_num_batched_tokens,
+    return {**budgets,
             # accelerate has no KV cache manager and no activation reserve: its device
             # budget is what fusegen's plan gives weights (resident layers + staging).
             "_baseline_device_memory": plan.device_bytes["weights"] + plan.device_bytes["staging"]}

@@ -1,0 +1,154 @@
+"""Options -> the engine's batch limits and memory placement, in one pure function.
+
+`plan_engine(options, shape, free)` is plain arithmetic over the user's options, the
+model's sizes (`ModelShape`) and the memory the machine has free (`FreeMemory`); the
+caller measures the machine, the engine freezes what comes back. Nothing is set twice:
+a plan that streams layers and leaves the batch limits to fusegen is planned again with
+larger limits, and the result is whichever of the two fits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fusegen.engine.errors import EngineConfigError
+from fusegen.engine.memory.placement import (BudgetTooSmall, ModelSizes, PlacementPlan,
+                                             parse_bytes, plan_placement)
+
+_CPU_KV_FRACTION = 0.3  # of available host memory for KV, when no budget is given
+_GPU_FREE_FRACTION = 0.9  # of free device memory, when no device budget is given
+_HOST_FRACTION = 0.5  # of available host memory for the host tier, when not given
+# Sampled rows go through the LM head and the sampler this many at a time, so the
+# logits of a 1024-request decode step never exist at once: the activation reserve
+# counts at most this many [vocab] rows whatever max_num_seqs is.
+LOGITS_CHUNK = 256
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """What the plan needs of a model, counted in parameters (no tensors)."""
+    num_layers: int
+    layer_params: int  # one decoder layer's weights (every layer has the same shape)
+    fixed_params: int  # embedding, final norm, LM head: needed by every step
+    kv_width: int  # keys + values per token per layer: 2 * kv_heads * head_dim
+    activation_width: int  # fp32 values per token alive at once inside a layer
+    vocab_size: int
+    max_position_embeddings: int
+    dtype_bytes: int  # of the run's dtype
+
+
+@dataclass(frozen=True, slots=True)
+class FreeMemory:
+    device: int  # bytes free on the device tier (the CPU's available memory on CPUs)
+    host: int  # bytes of available host memory
+    on_gpu: bool
+
+
+@dataclass(frozen=True, slots=True)
+class EnginePlan:
+    placement: PlacementPlan
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+def plan_engine(options, shape: ModelShape, free: FreeMemory) -> EnginePlan:
+    """`options`: an EngineOptions. Raises EngineConfigError naming the broken limit."""
+    max_model_len = options.max_model_len or shape.max_position_embeddings
+    if max_model_len > shape.max_position_embeddings:
+        raise EngineConfigError(f"max_model_len {max_model_len} exceeds the model's "
+                                f"max_position_embeddings {shape.max_position_embeddings}")
+    limits = batch_limits(options, free.on_gpu, streaming=False)
+    try:
+        placement = _place(options, shape, free, limits, max_model_len)
+    except BudgetTooSmall as exc:
+        raise EngineConfigError(str(exc)) from None
+    if placement.streamed_layers and None in (options.max_num_seqs,
+                                              options.max_num_batched_tokens):
+        # Streaming: every step pays the streamed weights' transfer, so larger default
+        # batches amortise it (FlexGen's lesson). Their activation reserve is larger
+        # too; keep the first plan when the second no longer fits.
+        larger = batch_limits(options, free.on_gpu, streaming=True)
+        try:
+            placement, limits = _place(options, shape, free, larger, max_model_len), larger
+        except BudgetTooSmall:
+            pass
+    return EnginePlan(placement, *limits, max_model_len)
+
+
+def batch_limits(options, on_gpu: bool, streaming: bool) -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens): the user's, or the defaults."""
+    scale = 4 if streaming else 1
+    max_num_seqs = options.max_num_seqs or 256 * scale
+    # A CPU is compute-bound from a few hundred tokens per step on: a bigger step only
+    # has to hold a decode step of every running request.
+    tokens = options.max_num_batched_tokens or (
+        8192 * scale if on_gpu else max(2048, max_num_seqs))
+    return max_num_seqs, tokens
+
+
+def model_sizes(options, shape: ModelShape, limits: tuple[int, int],
+                max_model_len: int) -> ModelSizes:
+    """The byte sizes the placement works over, for these batch limits."""
+    elem = shape.dtype_bytes
+    max_num_seqs, max_num_batched_tokens = limits
+    return ModelSizes(
+        layer_bytes=shape.layer_params * elem, num_layers=shape.num_layers,
+        fixed_bytes=shape.fixed_params * elem,
+        kv_block_bytes=shape.num_layers * options.block_size * shape.kv_width * elem,
+        min_kv_blocks=-(-max_model_len // options.block_size),
+        activation_bytes=activation_bytes(shape, max_num_batched_tokens, max_num_seqs))
+
+
+def activation_bytes(shape: ModelShape, num_tokens: int, num_sampled: int) -> int:
+    """A step's transient tensors: per token the activation width (fp32 at most), and
+    per sampled row (at most LOGITS_CHUNK at a time) the logits and the sampler's two
+    working copies."""
+    return (num_tokens * shape.activation_width * 4
+            + min(num_sampled, LOGITS_CHUNK) * shape.vocab_size * 4 * 3)
+
+
+def _place(options, shape: ModelShape, free: FreeMemory, limits: tuple[int, int],
+           max_model_len: int) -> PlacementPlan:
+    sizes = model_sizes(options, shape, limits, max_model_len)
+    if options.device_memory is not None:
+        budget = _bytes(options.device_memory, free.device, "device_memory")
+    else:
+        # No limit: all weights on the device; KV gets its own budget.
+        weights = sizes.fixed_bytes + sizes.num_layers * sizes.layer_bytes
+        if options.kv_cache_memory is not None:
+            kv = options.kv_cache_memory
+        elif options.num_kv_blocks is not None:
+            kv = options.num_kv_blocks * sizes.kv_block_bytes
+        elif free.on_gpu:
+            kv = int(free.device * _GPU_FREE_FRACTION) - weights - sizes.activation_bytes
+        else:
+            kv = int(free.device * _CPU_KV_FRACTION)
+        kv = max(kv, sizes.min_kv_blocks * sizes.kv_block_bytes)
+        budget = weights + sizes.activation_bytes + kv
+    if options.host_memory is not None:
+        host = _bytes(options.host_memory, free.host, "host_memory")
+    elif free.on_gpu or options.device_memory is not None:
+        host = int(free.host * _HOST_FRACTION)
+    else:
+        host = 0  # CPU with no device limit: nothing to spill to
+    ceiling = limits[0] * sizes.min_kv_blocks
+    host_cap = ceiling if options.num_host_kv_blocks is None else options.num_host_kv_blocks
+    # Under a device budget, kv_cache_memory is the KV share kept before layers are
+    # placed (the plan's default share otherwise).
+    kv_reserve = options.kv_cache_memory if options.device_memory is not None else None
+    plan = plan_placement(sizes, budget, host, options.prefetch_depth, kv_reserve=kv_reserve,
+                          max_kv_blocks=options.num_kv_blocks or ceiling,
+                          max_host_kv_blocks=host_cap)
+    if options.host_memory is None and options.num_host_kv_blocks is None:
+        # Unasked-for swap space: as much as the device pool, no more (pinned memory is
+        # slow to allocate and taken from everyone else).
+        plan.num_host_kv_blocks = min(plan.num_host_kv_blocks, plan.num_device_kv_blocks)
+        plan.host_bytes["kv_cache"] = plan.num_host_kv_blocks * sizes.kv_block_bytes
+    return plan
+
+
+def _bytes(value, free: int, name: str) -> int:
+    try:
+        return parse_bytes(value, free, name)
+    except ValueError as exc:
+        raise EngineConfigError(str(exc)) from None

@@ -1,0 +1,155 @@
+"""The Llama-style decoder (Llama, Mistral, Qwen2) over one ragged token stream.
+
+A step's tokens from all requests are packed into one sequence of T tokens with no
+padding (ByteTransformer's idea); the attention metadata says where each request's
+tokens start and where its keys and values live in the paged cache.
+Shapes: T tokens, B requests, H query heads, K kv heads, D head_dim, h hidden size,
+I intermediate size, V vocabulary.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fusegen.engine.weights.linear import Linear
+from fusegen.kernels.kv_cache import write_kv_cache
+from fusegen.kernels.paged_attention import paged_attention
+from fusegen.kernels.rms_norm import rms_norm
+from fusegen.kernels.rotary import rotary_embedding
+from fusegen.kernels.silu_mul import silu_and_mul
+
+if TYPE_CHECKING:
+    from fusegen.engine.models.config import ModelConfig
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32, tokens in the cache after this step
+    query_start_loc: torch.Tensor  # [B+1] int32
+    max_query_len: int
+    max_seq_len: int
+
+
+def _param() -> nn.Parameter:
+    # Empty until loading points it at the real tensor (`.data =`).
+    return nn.Parameter(torch.empty(0), requires_grad=False)
+
+
+def set_weights(module: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Point `module`'s tensors at `weights`, no copy. Names as in the weight-name
+    maps: "input_norm" is the module's own parameter, "qkv.weight" a Linear's."""
+    for name, tensor in weights.items():
+        owner, _, attr = name.rpartition(".")
+        if owner:
+            getattr(module, owner).set_weight(attr, tensor)
+        else:
+            getattr(module, attr).data = tensor
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d = cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+        self.eps = cfg.rms_norm_eps
+        self.sliding_window = cfg.sliding_window
+        self.scale = d ** -0.5
+        self.deterministic = False  # batch-invariant attention (CausalLM.make_deterministic)
+        self.input_norm = _param()  # [h]
+        self.qkv = Linear(bias=cfg.qkv_bias)  # [(H + 2K) * D, h]: q, k, v stacked
+        self.o = Linear(bias=cfg.o_bias)  # [h, H * D]
+        self.post_norm = _param()  # [h]
+        self.gate_up = Linear(bias=cfg.mlp_bias)  # [2I, h]: gate, up stacked
+        self.down = Linear(bias=cfg.mlp_bias)  # [h, I]
+
+    def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        set_weights(self, weights)
+
+    def forward(self, positions, x, residual, rope, kv_cache, meta: AttentionMetadata):
+        # x [T, h] is the previous layer's output, not yet added to the residual
+        # stream (the add is fused into the norm); residual is None at the first layer.
+        if residual is None:
+            residual, h = x, rms_norm(x, self.input_norm, self.eps)
+        else:
+            h, residual = rms_norm(x, self.input_norm, self.eps, residual=residual)
+        h = self._attention(positions, h, rope, kv_cache, meta)
+        h, residual = rms_norm(h, self.post_norm, self.eps, residual=residual)
+        return self._mlp(h), residual
+
+    def _attention(self, positions, x, rope, kv_cache, meta):
+        num_tokens = x.shape[0]
+        qkv = self.qkv(x)  # [T, (H + 2K) * D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, K, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, K, D]
+        rotary_embedding(positions, q, k, *rope)  # in place
+        k_cache, v_cache = kv_cache  # [num_blocks, block_size, K, D] each
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                              meta.query_start_loc, max_query_len=meta.max_query_len,
+                              max_seq_len=meta.max_seq_len, scale=self.scale,
+                              sliding_window=self.sliding_window,
+                              deterministic=self.deterministic)  # [T, H, D]
+        return self.o(out.reshape(num_tokens, self.q_size))  # [T, h]
+
+    def _mlp(self, x):
+        gate_up = self.gate_up(x)  # [T, 2I]
+        return self.down(silu_and_mul(gate_up))  # [T, I] -> [T, h]
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = _param()  # [V, h]
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = _param()  # [h]
+        self.lm_head = Linear()  # [V, h]; the embedding itself when tied
+        self.streamer = None  # engine.memory.offload.WeightStreamer when some layers stream
+
+    def make_deterministic(self, row_tile: int) -> None:
+        """Batch-invariant from now on: every matmul in fixed row tiles, every query row's
+        attention reduced in one order. Norms, rotary and SiLU already work row by row."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.row_tile = row_tile
+            elif isinstance(module, DecoderLayer):
+                module.deterministic = True
+
+    def forward(self, input_ids, positions, cos_sin, kv_caches, meta: AttentionMetadata):
+        # input_ids, positions [T]; cos_sin [max_len, D] (cos halves, sin halves)
+        rope = cos_sin.chunk(2, dim=-1)
+        x, residual = F.embedding(input_ids, self.embed), None  # [T, h]
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            if self.streamer is not None:
+                self.streamer.acquire(i)
+            x, residual = layer(positions, x, residual, rope, kv_cache, meta)
+            if self.streamer is not None:
+                self.streamer.release(i)
+        return x, residual  # [T, h] each: the stream is x + residual
+
+    def logits(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        # rows [N, h] of the tokens that sample -> [N, V] fp32
+        h, _ = rms_norm(x, self.norm, self.cfg.rms_norm_eps, residual=residual)
+        return self.lm_head(h).float()
+
+    def load_fixed(self, sources: dict[str, list[torch.Tensor]], device, dtype) -> None:
+        """The tensors every step needs: embedding, final norm, LM head. A checkpoint
+        tensor already on `device` in `dtype` is used as it is (memory-mapped)."""
+        set_weights(self, {name: parts[0].to(device, dtype) for name, parts in sources.items()})
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.set_weight("weight", self.embed.data)
+
+    @property
+    def fixed_nbytes(self) -> int:
+        # A tied head is the embedding: counted once.
+        head = 0 if self.cfg.tie_word_embeddings else self.lm_head.nbytes
+        return sum(t.numel() * t.element_size() for t in (self.embed, self.norm)) + head

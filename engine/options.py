@@ -1,0 +1,151 @@
+"""The engine's settings, listed once.
+
+`EngineOptions` is what a user may set on an engine. `LLM(model, **options)`, a job's
+engine keys (the job file and `JobSpec`), the `fusegen run` / `fusegen bench` flags and
+their --help text all come from these fields and their help. Checks here are the ones
+that need neither the model nor the machine; what follows from them (the batch limits,
+where weights and KV blocks live) is worked out by `engine.memory.plan.plan_engine`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from fusegen.engine.errors import EngineConfigError
+from fusegen.engine.memory.placement import parse_bytes
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def option(default, help: str, *, kind: type = str, unset: str = "none",
+           affects_output: bool = False):
+    """A field with its help text. `kind`: how a command line reads it (int, bool or
+    str: sizes and names are read as text). `unset`: what None means, for --help.
+    `affects_output`: a different value can give different tokens, so a job run with
+    another value is another job."""
+    return field(default=default, metadata={"help": help, "kind": kind, "unset": unset,
+                                            "affects_output": affects_output})
+
+
+@dataclass(slots=True, kw_only=True)
+class EngineOptions:
+    dtype: str = option(
+        "auto", "Weights dtype: auto, float32, bfloat16, float16 (auto: bf16 on GPUs and on "
+        "CPUs with bf16 matrix units, fp32 elsewhere).", affects_output=True)
+    device: str = option("auto", "Engine device: auto, cpu, cuda, cuda:N (auto: cuda when "
+                         "present).")
+    max_num_seqs: int | None = option(
+        None, "Running requests per step at most.", kind=int,
+        unset="from the machine; larger when layers stream")
+    max_num_batched_tokens: int | None = option(
+        None, "Tokens per step at most.", kind=int,
+        unset="from the machine; larger when layers stream")
+    # Attention sums a row's keys block by block: the block size is part of the result.
+    block_size: int = option(16, "Tokens per KV cache block (a power of two up to 128).",
+                             kind=int, affects_output=True)
+    kv_cache_memory: int | str | None = option(
+        None, "Bytes (or a size like 16GiB) for the KV cache; with --device-memory, the KV "
+        "share kept before layers are placed.",
+        unset="from free memory; a quarter of the room under --device-memory")
+    num_kv_blocks: int | None = option(
+        None, "Exact number of device KV blocks (overrides --kv-cache-memory).", kind=int,
+        unset="from the KV cache memory")
+    max_model_len: int | None = option(
+        None, "Context length limit; longer prompts become errors.", kind=int,
+        unset="the model's", affects_output=True)
+    allow_pickle: bool = option(
+        False, "Load pickle checkpoints (*.bin, *.pt) with torch.load(weights_only=True); "
+        "pickle files can run code.", kind=bool)
+    seed: int = option(0, "Seed of the engine-wide generator that requests without a seed "
+                       "of their own sample from.", kind=int)
+    device_memory: int | str | float | None = option(
+        None, "Memory pool: device budget (bytes, a size like 24GiB, or a fraction of free "
+        "memory); layers that do not fit stream from host or disk.", unset="no limit")
+    host_memory: int | str | float | None = option(
+        None, "Memory pool: pinned host budget for streamed layers and swapped KV blocks "
+        "(same forms).", unset="half of free host memory when --device-memory is set")
+    prefetch_depth: int = option(1, "Memory pool: streamed layers copied ahead of compute.",
+                                 kind=int)
+    deterministic: bool = option(
+        False, "Batch-invariant mode: a request's tokens are bit-identical whatever it is "
+        "batched with, however its prompt is chunked, across preemption and resume "
+        "(fixed reduction orders in matmuls and attention; costs throughput).", kind=bool,
+        affects_output=True)
+    num_host_kv_blocks: int | None = option(
+        None, "Exact number of host KV blocks that preempted requests swap to.", kind=int,
+        unset="as many as the device pool")
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise EngineConfigError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        device = self.device
+        if not isinstance(device, str) or not (
+                device in ("auto", "cpu", "cuda")
+                or (device.startswith("cuda:") and device[5:].isdigit())):
+            raise EngineConfigError(f"device must be auto, cpu, cuda or cuda:N; got {device!r}")
+        if isinstance(self.kv_cache_memory, str):  # a size like "16GiB"
+            self.kv_cache_memory = _parse(self.kv_cache_memory, None, "kv_cache_memory")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory",
+                     "num_kv_blocks", "max_model_len"):
+            if getattr(self, name) is not None:
+                _check_int(self, name, 1)
+        _check_int(self, "prefetch_depth", 1)
+        self._check_seed()
+        if self.num_host_kv_blocks is not None:
+            _check_int(self, "num_host_kv_blocks", 0)
+        if self.block_size not in BLOCK_SIZES:
+            raise EngineConfigError(f"block_size must be a power of two up to 128; "
+                                    f"got {self.block_size!r}")
+        for name in ("allow_pickle", "deterministic"):
+            if not isinstance(getattr(self, name), bool):
+                raise EngineConfigError(f"{name} must be true or false; got "
+                                        f"{getattr(self, name)!r}")
+        for name in ("device_memory", "host_memory"):
+            if getattr(self, name) is not None:  # a typo fails before any model loads
+                _parse(getattr(self, name), 1, name)
+
+    def _check_seed(self) -> None:
+        _check_int(self, "seed", 0)
+
+    @classmethod
+    def from_kwargs(cls, options: dict) -> "EngineOptions":
+        """`LLM(model, **options)`: an unknown name is an error that lists the known ones."""
+        unknown = sorted(set(options) - set(NAMES))
+        if unknown:
+            raise EngineConfigError(f"unknown engine option(s) {', '.join(unknown)}; the "
+                                    f"options are {', '.join(NAMES)}")
+        return cls(**options)
+
+    def as_dict(self) -> dict:
+        return {name: getattr(self, name) for name in NAMES}
+
+
+FIELDS = tuple(dataclasses.fields(EngineOptions))
+NAMES = tuple(f.name for f in FIELDS)
+OUTPUT_NAMES = tuple(f.name for f in FIELDS if f.metadata["affects_output"])
+
+
+def describe() -> str:
+    """One line per option with its default and help: the docstrings' list."""
+    lines = []
+    for f in FIELDS:
+        default = f.metadata["unset"] if f.default is None else repr(f.default)
+        lines.append(f"    {f.name} (default: {default}): {f.metadata['help']}")
+    return "\n".join(lines)
+
+
+EngineOptions.__doc__ = "What a user may set on an engine; every field:\n\n" + describe()
+
+
+def _check_int(options: EngineOptions, name: str, minimum: int) -> None:
+    value = getattr(options, name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise EngineConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _parse(value, available, name: str) -> int:
+    try:
+        return parse_bytes(value, available, name)
+    except ValueError as exc:
+        raise EngineConfigError(str(exc)) from None
