@@ -301,3 +301,17 @@ def test_the_memory_plan_is_printed_only_when_an_engine_loads(fake_engine, tmp_p
                 client=client)
     assert notes == ["memory plan (per worker):\n" + FakeLLM.placement.table()]
     assert len(FakeLLM.instances) == 1
+
+
+def test_a_torn_manifest_is_named_as_such(fake_engine, tmp_path):
+    write_prompts(tmp_path / "in.parquet", 5)
+    spec = _spec(fake_engine, tmp_path / "in.parquet", tmp_path / "out")
+    run_job(spec)
+    manifest = tmp_path / "out" / "_manifest.json"
+    manifest.write_text(manifest.read_text()[:40])
+    with pytest.raises(JobError) as info:
+        run_job(spec)
+    assert str(info.value) == (
+        f"output {tmp_path / 'out'} holds part files and a _manifest.json that is damaged or "
+        "not fusegen's, so they cannot be matched to this job; pass --overwrite to replace "
+        "them or choose another --output")
