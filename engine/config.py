@@ -1,7 +1,6 @@
 """An engine's configuration: options in, a plan made, frozen."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import psutil
@@ -10,9 +9,9 @@ import torch
 from fusegen.engine.errors import EngineConfigError
 from fusegen.engine.memory.placement import PlacementPlan
 from fusegen.engine.memory.plan import FreeMemory, ModelShape, plan_engine
+from fusegen.engine.models import get_architecture
 from fusegen.engine.models.config import ModelConfig
 from fusegen.engine.options import EngineOptions
-from fusegen.engine.weights.loader import expected_shapes
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -76,11 +75,8 @@ class EngineConfig:
 
 def model_shape(cfg: ModelConfig, dtype: torch.dtype) -> ModelShape:
     """The sizes the plan works over, from config.json alone (no weights are read)."""
-    shapes = expected_shapes(cfg)
-    layer = "model.layers.0."
-    layer_params = sum(math.prod(s) for name, s in shapes.items() if name.startswith(layer))
-    fixed_params = sum(math.prod(s) for name, s in shapes.items()
-                       if not name.startswith("model.layers."))
+    arch = get_architecture(cfg.architecture)
+    layer_params, fixed_params = arch.layer_numel(cfg), arch.fixed_numel(cfg)
     # Alive at once inside a layer, per token: the hidden stream, residual and norms,
     # q/k/v, and the MLP's gate/up.
     width = (4 * cfg.hidden_size + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim

@@ -16,7 +16,7 @@ from fusegen.engine.tokenizer import PromptLimit, prompt_problem
 from fusegen.jobs import errors
 from fusegen.jobs.errors import JobError
 from fusegen.jobs.spec import MESSAGES_COLUMN, OUTPUT_COLUMNS, ROW_PARAM_COLUMNS, JobSpec
-from fusegen.jobs.template import PromptTemplate, TemplateSizeError
+from fusegen.jobs.template import PromptTemplate
 
 ChatFn = Callable[[list], "str | list[int]"]  # messages -> prompt for the engine
 _INT_PARAMS = ("max_tokens", "top_k", "seed")
@@ -38,8 +38,13 @@ class RowPreparer:
         still refuses a prompt too large to fit) and templates get a default bound."""
         self.spec = spec
         self.limit = prompt_limit
-        self.template = PromptTemplate(spec.prompt_template, prompt_limit and
-                                       prompt_limit.max_bytes) if spec.prompt_template else None
+        self.template = None
+        if spec.prompt_template:  # no value it builds may be larger than a prompt can be
+            self.template = PromptTemplate(spec.prompt_template,
+                                           prompt_limit and prompt_limit.max_bytes)
+        # The columns a prompt is made of: an unreadable cell there fails the row.
+        self.prompt_columns = self.template.columns if self.template else \
+            {spec.prompt_column, MESSAGES_COLUMN}
         self.chat = chat
         self.base = spec.sampling_params()
 
@@ -90,10 +95,12 @@ class RowPreparer:
         """(code, message) for the first cell that could not be read, or None. An id alone
         does not fail its row: it only names it (shown with the bad bytes escaped)."""
         for column, value in row.items():
-            if isinstance(value, Unreadable) and column != self.spec.id_column:
-                code = errors.INVALID_PARAMS if column in ROW_PARAM_COLUMNS else \
-                    errors.INVALID_PROMPT
-                return code, f"column {column!r} {value.reason}; fix or drop this value in the input"
+            if not isinstance(value, Unreadable) or (
+                    column == self.spec.id_column and column not in self.prompt_columns):
+                continue
+            code = errors.INVALID_PARAMS if column in ROW_PARAM_COLUMNS else \
+                errors.INVALID_PROMPT
+            return code, f"column {column!r} {value.reason}; fix or drop this value in the input"
         return None
 
     def _prompt(self, row: dict):
@@ -101,8 +108,6 @@ class RowPreparer:
         if self.template is not None:
             try:
                 text = self.template.render(row)
-            except TemplateSizeError as exc:
-                return None, (errors.TEMPLATE_ERROR, f"prompt_template: TemplateSizeError: {exc}")
             except Exception as exc:  # noqa: BLE001 - any failure is this row's error
                 return None, (errors.TEMPLATE_ERROR, f"prompt_template: {type(exc).__name__}: {exc}")
             if not text:

@@ -9,6 +9,7 @@ import logging
 import time
 import uuid
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from itertools import islice
 
@@ -64,12 +65,11 @@ def _run(spec: JobSpec, progress_stream, client=None) -> JobResult:
     output = Output(spec.output, spec.storage_options)
     # The lease first: nothing (manifest, parts) is read or written without it.
     old, done = output.prepare(fingerprint, spec.output_config(), plan, spec.overwrite, inputs)
-    manifest = {"format": 1, "fingerprint": fingerprint, "config": spec.public_dict(),
-                "inputs": inputs, "num_partitions": len(plan),
-                "runs": (old or {}).get("runs", [])}
-    new: dict[int, PartStats] = {}  # filled as parts commit: what an interrupt keeps
+    run = _Run(spec, plan, output, started, t0, done, manifest={
+        "format": 1, "fingerprint": fingerprint, "config": spec.public_dict(),
+        "inputs": inputs, "num_partitions": len(plan), "runs": (old or {}).get("runs", [])})
     try:
-        output.start(manifest)
+        output.start(run.manifest)
         todo = [p for p in plan if p.index not in done]
         log.info("job %s: %d rows in %d partitions, %d to run, %d already committed",
                  fingerprint, sum(f.num_rows for f in files), len(plan), len(todo), len(done))
@@ -77,32 +77,57 @@ def _run(spec: JobSpec, progress_stream, client=None) -> JobResult:
                             sum(s.num_rows for s in done.values()), spec.progress,
                             stream=progress_stream)
         try:
-            engines = _execute(spec, todo, fingerprint, output.owner, progress, new,
+            engines = _execute(spec, todo, fingerprint, output.owner, progress, run.new,
                                client) if todo else []
         finally:
             progress.close()
-        stats = {**done, **new}
-        result = _result(spec, plan, stats, new, len(done), time.perf_counter() - t0)
-        manifest.update(parts=[_part_entry(p, stats[p.index]) for p in plan],
-                        totals=_totals(result))
-        manifest["runs"].append(_run_record(started, result.wall_seconds, len(new),
-                                            len(done), engines, "complete"))
-        output.finish(manifest)
-        return result
+        return run.complete(engines)
     except KeyboardInterrupt as exc:
-        stats = {**done, **new}
-        # Parts that committed while the driver was stopping, not yet reported to it.
-        unheard = [p for p in plan if p.index not in stats]
-        stats.update(output.committed(unheard, fingerprint))
-        manifest["parts"] = [_part_entry(p, stats[p.index]) for p in plan if p.index in stats]
-        manifest["runs"].append(_run_record(started, time.perf_counter() - t0,
-                                            len(stats) - len(done), len(done), [],
-                                            "interrupted"))
-        output.interrupt(manifest)
-        raise JobInterrupted(signal_of(exc), redact_url(spec.output), len(stats),
-                             len(plan)) from None
+        raise run.interrupted(signal_of(exc)) from None
     finally:
         output.release()
+
+
+@dataclass(slots=True)
+class _Run:
+    """One run of a job over its output, and what its manifest records at the end."""
+    spec: JobSpec
+    plan: list[Partition]
+    output: Output
+    started: str
+    t0: float  # perf_counter at the start
+    done: dict[int, PartStats]  # committed before this run
+    manifest: dict
+    new: dict[int, PartStats] = field(default_factory=dict)  # filled as parts commit
+
+    def complete(self, engines: list[dict]) -> JobResult:
+        stats = {**self.done, **self.new}
+        result = _result(self.spec, self.plan, stats, self.new, len(self.done),
+                          time.perf_counter() - self.t0)
+        self.manifest.update(parts=[_part_entry(p, stats[p.index]) for p in self.plan],
+                             totals=_totals(result))
+        self._record(len(self.new), engines, "complete")
+        self.output.finish(self.manifest)
+        return result
+
+    def interrupted(self, signum: int) -> JobInterrupted:
+        """Record what is committed, parts that committed while the driver was stopping
+        (not yet reported to it) included; the manifest says "interrupted"."""
+        stats = {**self.done, **self.new}
+        unheard = [p for p in self.plan if p.index not in stats]
+        stats.update(self.output.committed(unheard, self.manifest["fingerprint"]))
+        self.manifest["parts"] = [_part_entry(p, stats[p.index]) for p in self.plan
+                                  if p.index in stats]
+        self._record(len(stats) - len(self.done), [], "interrupted")
+        self.output.interrupt(self.manifest)
+        return JobInterrupted(signum, redact_url(self.spec.output), len(stats), len(self.plan))
+
+    def _record(self, num_computed: int, engines: list[dict], status: str) -> None:
+        self.manifest["runs"].append({
+            "started": self.started, "finished": _now(),
+            "wall_seconds": round(time.perf_counter() - self.t0, 3),
+            "parts_computed": num_computed, "parts_skipped": len(self.done),
+            "engine_stats": engines, "status": status})
 
 
 def _check_shared_storage(spec: JobSpec) -> None:
@@ -217,13 +242,6 @@ def _result(spec, plan, stats, new, num_skipped, wall) -> JobResult:
         num_parts=len(plan), num_parts_skipped=num_skipped,
         rows_computed=sum(s.num_rows for s in new.values()),
         tokens_computed=sum(s.num_generated_tokens for s in new.values()), wall_seconds=wall)
-
-
-def _run_record(started: str, wall: float, num_computed: int, num_skipped: int,
-                engines: list[dict], status: str) -> dict:
-    return {"started": started, "finished": _now(), "wall_seconds": round(wall, 3),
-            "parts_computed": num_computed, "parts_skipped": num_skipped,
-            "engine_stats": engines, "status": status}
 
 
 def _part_entry(part: Partition, stats: PartStats) -> dict:

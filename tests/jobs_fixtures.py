@@ -168,3 +168,21 @@ def tiny_model_dir() -> str:
         root = tempfile.mkdtemp(prefix="fusegen-jobs-model-")
         _TINY_MODEL["dir"] = str(build_checkpoint(os.path.join(root, "model"), seed=0))
     return _TINY_MODEL["dir"]
+
+
+def sigkill_when(args, log_path, ready, what: str, timeout: float = 300.0) -> None:
+    """Run `args` (from the repository root, output to `log_path`) and SIGKILL it as
+    soon as `ready()` holds (or it exits first); `what` names the wait in a time-out."""
+    import signal
+    import subprocess
+    import time
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(args, cwd=repo, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while not ready() and proc.poll() is None:
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()

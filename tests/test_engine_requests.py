@@ -189,30 +189,35 @@ def _unfinished(llm) -> int:
     return llm.engine.scheduler.num_unfinished
 
 
-def _interrupt_when(condition):
-    """SIGINT this process (as Ctrl-C does) once condition() holds."""
+def _interrupt_when(condition) -> threading.Event:
+    """SIGINT this process (as Ctrl-C does) once condition() holds, unless the returned
+    event is set first."""
     import os
     import signal
-    import time
+
+    disarmed = threading.Event()
 
     def run():
         while not condition():
-            time.sleep(0.001)
+            if disarmed.wait(0.001):
+                return
         os.kill(os.getpid(), signal.SIGINT)
 
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
+    threading.Thread(target=run, daemon=True).start()
+    return disarmed
 
 
 def test_keyboard_interrupt_in_generate_aborts_its_requests(llm):
     want = [o.token_ids for o in llm.generate(PROMPTS, greedy(40))]
     others = [llm.submit(p, greedy(40)) for p in PROMPTS]  # another caller's requests
     steps = llm.engine.stats.num_steps
-    _interrupt_when(lambda: _unfinished(llm) > len(PROMPTS)
-                    and llm.engine.stats.num_steps > steps + 3)
-    with pytest.raises(KeyboardInterrupt):
-        llm.generate(PROMPTS * 3, greedy(200))
+    disarmed = _interrupt_when(lambda: _unfinished(llm) > len(PROMPTS)
+                               and llm.engine.stats.num_steps > steps + 3)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(PROMPTS * 3, greedy(200))
+    finally:
+        disarmed.set()
     assert _unfinished(llm) <= len(PROMPTS)  # only the other caller's are left
     assert [f.result(timeout=60).token_ids for f in others] == want
     assert _unfinished(llm) == 0

@@ -1,18 +1,15 @@
 """`fusegen run --deterministic`: a SIGKILLed and resumed job equals an uninterrupted one
 byte for byte in generated_text and generated_token_ids, and so does a run that batches
 its rows differently."""
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs_fixtures import read_output
+from jobs_fixtures import read_output, sigkill_when
 
 REPO = Path(__file__).resolve().parent.parent
 NUM_ROWS, PARTITION_ROWS = 240, 12
@@ -58,15 +55,8 @@ def test_killed_and_resumed_job_equals_uninterrupted_bytes(model_dir, tmp_path):
                             cwd=REPO, capture_output=True, text=True, timeout=600)
     assert narrow.returncode == 0, narrow.stderr
     out = tmp_path / "out"
-    with open(tmp_path / "log", "wb") as log:
-        proc = subprocess.Popen(_args(model_dir, inp, out), cwd=REPO, stdout=log,
-                                stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300
-        while _num_parts(out) < 3 and proc.poll() is None:
-            assert time.monotonic() < deadline, "timed out"
-            time.sleep(0.01)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+    sigkill_when(_args(model_dir, inp, out), tmp_path / "log", lambda: _num_parts(out) >= 3,
+                 "three committed parts")
     kept = _num_parts(out)
     assert 3 <= kept < NUM_ROWS // PARTITION_ROWS, (tmp_path / "log").read_text()
     rerun = subprocess.run(_args(model_dir, inp, out), cwd=REPO, capture_output=True,

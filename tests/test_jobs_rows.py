@@ -202,3 +202,11 @@ def test_template_bounded_by_the_byte_limit():
     assert prep.prepare(pa.table({"text": ["ab"]}), 0)[0].error == (
         "template_error: row 0: prompt_template: TemplateSizeError: '*' would build a value "
         "of 200,000,000 characters or items; a prompt template may build at most 1,000")
+
+
+def test_undecodable_id_that_is_also_the_prompt_fails_the_row():
+    reqs = _prep(id_column="prompt").prepare(pa.table({"prompt": _utf8_column(b"k\xff", b"ok")}), 0)
+    assert reqs[0].error == (r"invalid_prompt: row 0 (prompt='k\\xff'): column 'prompt' is not "
+                             "valid UTF-8 (byte 0xff at offset 1: invalid start byte); fix or "
+                             "drop this value in the input")
+    assert reqs[1].prompt == "ok"

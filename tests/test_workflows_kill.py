@@ -1,23 +1,18 @@
 """A `fusegen workflow run` process SIGKILLed mid-step, then rerun: the killed run's lock
 is taken over (its process is gone), committed parts are kept, and the result equals an
 uninterrupted run's."""
-import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
-from jobs_fixtures import read_output, tiny_model_dir
+from jobs_fixtures import read_output, sigkill_when, tiny_model_dir
 from fusegen.workflows.runner import run_workflow
 from fusegen.workflows.spec import load_workflow
 from fusegen.workflows.store import open_store
 
-REPO = Path(__file__).resolve().parent.parent
 RUN_DATE = "2024-06-02"
 NUM_ROWS, PARTITION_ROWS = 96, 8
 
@@ -56,16 +51,9 @@ def test_sigkilled_run_reruns_to_the_uninterrupted_result(tmp_path):
     wf = _setup(root)
     store_url = f"sqlite:///{root}/runs.db"
     draft = root / "work" / RUN_DATE / "draft"
-    with open(tmp_path / "log", "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "fusegen.jobs.cli", "workflow", "run", wf, "--run-date", RUN_DATE,
-             "--store", store_url], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
-        while _parts(draft) < 2 and proc.poll() is None:
-            assert time.monotonic() < deadline, "the run never committed a part"
-            time.sleep(0.02)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+    sigkill_when([sys.executable, "-m", "fusegen.jobs.cli", "workflow", "run", wf,
+                  "--run-date", RUN_DATE, "--store", store_url], tmp_path / "log",
+                 lambda: _parts(draft) >= 2, "the run's first committed parts", timeout=120)
     kept = _parts(draft)
     assert 2 <= kept < NUM_ROWS // PARTITION_ROWS, (tmp_path / "log").read_text()
     store = open_store(store_url)

@@ -1,0 +1,241 @@
+"""Paged attention on CPUs (the shapes are those of `paged_attention.py`).
+
+Decode rows go to the C kernel (`kernels/csrc/paged_decode.c`), which reads each
+sequence's KV blocks in place; prefill rows go to torch's fused attention, one sequence
+at a time. `paged_attention_rowwise` is the batch-invariant path: every row a decode of
+its own position. `paged_attention_reference` is plain torch, for machines without a C
+compiler and for tests.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import torch
+import torch.nn.functional as F
+
+from fusegen.kernels import native, use_native
+
+
+_NATIVE_DECODE = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16",
+                  torch.float16: "paged_decode_f16"}
+
+
+def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *,
+                        max_query_len: int, max_seq_len: int, scale: float,
+                        sliding_window: int = 0) -> torch.Tensor:
+    """CPU path: decode rows through the C kernel (kernels/csrc/paged_decode.c), which
+    reads each sequence's blocks in place; prefill rows through torch's fused attention,
+    one sequence at a time."""
+    out = torch.empty_like(q)
+    if max_query_len == 1:  # a pure decode step: every sequence, no index lists
+        paged_decode_native(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                            out, scale=scale, sliding_window=sliding_window)
+        return out
+    starts = query_start_loc.tolist()
+    query_lens = [b - a for a, b in zip(starts, starts[1:])]
+    decode = [i for i, n in enumerate(query_lens) if n == 1]
+    if decode:
+        paged_decode_native(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                            out, scale=scale, sliding_window=sliding_window,
+                            seq_ids=torch.tensor(decode, dtype=torch.int32))
+    if len(decode) < len(query_lens):
+        lens = seq_lens.tolist()
+        for i, n in enumerate(query_lens):
+            if n > 1:
+                out[starts[i]:starts[i] + n] = _prefill(
+                    q[starts[i]:starts[i] + n], k_cache, v_cache, block_tables[i], lens[i],
+                    scale, sliding_window)
+    return out
+
+
+def paged_decode_native(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, *,
+                        scale: float, sliding_window: int = 0, seq_ids=None,
+                        num_threads: int | None = None) -> torch.Tensor:
+    """Decode attention for the sequences `seq_ids` (default: all), each with exactly one
+    query row at query_start_loc[i], written into `out` in place. CPU tensors; the C
+    kernel must be available (`kernels.native.library()`)."""
+    num_heads, head_dim = q.shape[1:]
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert q.dtype == k_cache.dtype == v_cache.dtype == out.dtype, \
+        f"dtypes q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}, out {out.dtype}"
+    assert q.dtype in _NATIVE_DECODE, f"unsupported dtype {q.dtype}"
+    for name, t in (("q", q), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
+        assert t.device.type == "cpu" and t.stride(-1) == 1, \
+            f"{name} must be a CPU tensor with a contiguous head dimension"
+    block_tables = _int32(block_tables)
+    assert block_tables.stride(1) == 1, "block_tables rows must be contiguous"
+    seq_lens, query_start_loc = _int32(seq_lens).contiguous(), _int32(query_start_loc).contiguous()
+    if seq_ids is not None:
+        seq_ids = _int32(seq_ids).contiguous()
+    num_items = seq_lens.shape[0] if seq_ids is None else seq_ids.shape[0]
+    if num_items == 0:
+        return out
+    # The C kernel indexes unchecked: refuse what would read outside the cache.
+    if int(seq_lens.max()) > block_tables.shape[1] * block_size or \
+            not 0 <= int(block_tables.min()) <= int(block_tables.max()) < k_cache.shape[0]:
+        raise IndexError(f"block tables [{tuple(block_tables.shape)}, ids "
+                         f"{int(block_tables.min())}..{int(block_tables.max())}] do not cover "
+                         f"sequences of up to {int(seq_lens.max())} tokens in a cache of "
+                         f"{k_cache.shape[0]} blocks of {block_size}")
+    strides = native.Strides(q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                             *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0))
+    fn = getattr(native.library(), _NATIVE_DECODE[q.dtype])
+    failed = fn(q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                block_tables.data_ptr(), seq_lens.data_ptr(), query_start_loc.data_ptr(),
+                None if seq_ids is None else seq_ids.data_ptr(), num_items, num_heads,
+                num_kv_heads, head_dim, block_size, sliding_window, scale,
+                ctypes.byref(strides), num_threads or torch.get_num_threads())
+    if failed == 2:
+        raise MemoryError("the CPU decode kernel could not allocate its per-thread scratch")
+    if failed:
+        raise ValueError(f"the CPU decode kernel takes head_dim <= 256 and block_size <= 256 "
+                         f"with num_heads a multiple of num_kv_heads; got head_dim {head_dim}, "
+                         f"block_size {block_size}, {num_heads} heads, {num_kv_heads} KV heads")
+    return out
+
+
+def paged_attention_rowwise(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *,
+                            scale: float, sliding_window: int = 0) -> torch.Tensor:
+    """Batch-invariant attention off CUDA: every query row, prefill rows included, runs
+    as a decode of its own position, so its keys are reduced block by block in one
+    order whether it came in a whole prompt, a chunk of one, or a decode step. The C
+    decode kernel when it is available, else the same per row in torch."""
+    n = query_start_loc[1:] - query_start_loc[:-1]  # [B] query rows per sequence
+    seq_of_row = torch.repeat_interleave(torch.arange(n.shape[0]), n.long())  # [T]
+    row_in_seq = torch.arange(q.shape[0]) - query_start_loc[seq_of_row]
+    # Row j of a sequence with L tokens after the step and n new ones sits at L - n + j.
+    row_lens = (seq_lens[seq_of_row] - n[seq_of_row] + row_in_seq + 1).to(torch.int32)
+    row_tables = block_tables[seq_of_row]  # [T, W]
+    rows = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+    out = torch.empty_like(q)
+    if use_native(q):
+        return paged_decode_native(q, k_cache, v_cache, row_tables, row_lens, rows, out,
+                                   scale=scale, sliding_window=sliding_window)
+    for r, length in enumerate(row_lens.tolist()):  # no C kernel here: slow, but exact
+        out[r:r + 1] = _decode_group(q[r:r + 1], k_cache, v_cache, row_tables[r:r + 1],
+                                     [length], scale, sliding_window)
+    return out
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int32 else t.to(torch.int32)
+
+
+def paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *,
+                              max_query_len: int, max_seq_len: int, scale: float,
+                              sliding_window: int = 0) -> torch.Tensor:
+    """Plain torch, and the CPU path: decode rows in one batched pass, prefill rows
+    one sequence at a time (a step holds few of those)."""
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    query_lens = [b - a for a, b in zip(starts, starts[1:])]
+    decode = [i for i, n in enumerate(query_lens) if n == 1]
+    if decode:
+        rows = [starts[i] for i in decode]
+        out[rows] = _decode(q[rows], k_cache, v_cache, block_tables[decode],
+                            [lens[i] for i in decode], scale, sliding_window)
+    for i, n in enumerate(query_lens):
+        if n > 1:
+            out[starts[i]:starts[i] + n] = _prefill(
+                q[starts[i]:starts[i] + n], k_cache, v_cache, block_tables[i], lens[i],
+                scale, sliding_window)
+    return out
+
+
+def _gather(cache, block_table, num_tokens):
+    # cache [N, bs, Hkv, D], block_table [..., W] -> [..., num_tokens, Hkv, D]
+    block_size = cache.shape[1]
+    num_blocks = -(-num_tokens // block_size)
+    blocks = cache[block_table[..., :num_blocks]]  # [..., nb, bs, Hkv, D]
+    flat = blocks.flatten(-4, -3) if blocks.dim() == 5 else blocks.flatten(0, 1)
+    return flat[..., :num_tokens, :, :]
+
+
+def _prefill(q, k_cache, v_cache, block_table, seq_len, scale, window):
+    # q [n, Hq, D]; the sequence's last n tokens. Inputs go to SDPA as 4-D
+    # [1, H, len, D]: torch's fused CPU kernel takes 4-D inputs (3-D falls back to the
+    # unfused math path, which materialises every score).
+    n = q.shape[0]
+    k = _gather(k_cache, block_table, seq_len).transpose(0, 1)[None]  # [1, Hkv, L, D]
+    v = _gather(v_cache, block_table, seq_len).transpose(0, 1)[None]
+    qh = q.transpose(0, 1)[None]  # [1, Hq, n, D]
+    if n == seq_len and not window:
+        o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale,
+                                           enable_gqa=True)
+    else:
+        q_pos = torch.arange(seq_len - n, seq_len).unsqueeze(1)
+        k_pos = torch.arange(seq_len).unsqueeze(0)
+        mask = k_pos <= q_pos
+        if window:
+            mask &= k_pos > q_pos - window
+        o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale,
+                                           enable_gqa=True)
+    return o[0].transpose(0, 1)
+
+
+_DECODE_GROUP = 16  # sequences per batched decode pass: bounds the gathered KV copy
+_DECODE_SPREAD = 0.8  # a group's shortest sequence is at least this fraction of its longest
+
+
+def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window):
+    # q [B, Hq, D], one query per sequence at position seq_len - 1. Sequences run in
+    # groups of similar length, so the padding each group gathers stays small.
+    order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__, reverse=True)
+    out = torch.empty_like(q)
+    start = 0
+    while start < len(order):
+        longest, end = seq_lens[order[start]], start + 1
+        while (end < len(order) and end - start < _DECODE_GROUP
+               and seq_lens[order[end]] >= _DECODE_SPREAD * longest):
+            end += 1
+        group = order[start:end]
+        out[group] = _decode_group(q[group], k_cache, v_cache, block_tables[group],
+                                   [seq_lens[i] for i in group], scale, window)
+        start = end
+    return out
+
+
+_workspaces = threading.local()
+
+
+def _workspace(numel: int, like: torch.Tensor) -> torch.Tensor:
+    """A flat buffer reused across calls (one per thread): gathering into fresh memory
+    costs a page fault per 4 KiB on every call, several times the copy itself."""
+    key = (like.device, like.dtype)
+    buffers = getattr(_workspaces, "buffers", None)
+    if buffers is None:
+        buffers = _workspaces.buffers = {}
+    buf = buffers.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = buffers[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+    return buf[:numel]
+
+
+def _gather_into(cache, block_tables, num_blocks, out):
+    # cache [N, bs, Hkv, D], block_tables [b, >= num_blocks] -> out [b, num_blocks * bs, Hkv, D]
+    ids = block_tables[:, :num_blocks].reshape(-1).long()
+    torch.index_select(cache, 0, ids, out=out.view(-1, *cache.shape[1:]))
+    return out
+
+
+def _decode_group(q, k_cache, v_cache, block_tables, seq_lens, scale, window):
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1:3]
+    num_blocks = -(-max(seq_lens) // block_size)
+    shape = (batch, num_blocks * block_size, num_kv_heads, head_dim)
+    size = batch * num_blocks * block_size * num_kv_heads * head_dim
+    kv = _workspace(2 * size, k_cache)
+    k = _gather_into(k_cache, block_tables, num_blocks, kv[:size].view(shape)).transpose(1, 2)
+    v = _gather_into(v_cache, block_tables, num_blocks, kv[size:].view(shape)).transpose(1, 2)
+    # k, v [b, Hkv, L, D] with L the group's longest length rounded up to a block
+    lens = torch.tensor(seq_lens).unsqueeze(1)
+    pos = torch.arange(k.shape[2]).unsqueeze(0)
+    valid = pos < lens  # [b, L]
+    if window:
+        valid &= pos >= lens - window
+    # The query heads sharing a KV head become that head's query rows.
+    qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=valid[:, None, None, :], scale=scale)
+    return o.reshape(batch, num_heads, head_dim)
