@@ -109,14 +109,18 @@ def _stopped(exc: KeyboardInterrupt, spec, job_file, file_overwrite) -> None:
     if not isinstance(exc, JobInterrupted):  # before the job started
         exc = JobInterrupted(signal_of(exc), redact_url(spec.output) if spec else "the output")
     click.echo(exc.message, err=True)
-    command = resume_command(click.get_current_context(), job_file, bool(file_overwrite))
-    masked = spec.redactor()(command) if spec else command
+    ctx = click.get_current_context()
+    command = resume_command(ctx, job_file, bool(file_overwrite))
+    # Without a spec its secrets are unknown: every storage option value is masked.
+    masked = spec.redactor()(command) if spec else \
+        resume_command(ctx, job_file, bool(file_overwrite), mask_options=True)
     note = "   (put back the masked secrets)" if masked != command else ""
     click.echo(f"resume with: {masked}{note}", err=True)
     sys.exit(exc.exit_code)
 
 
-def resume_command(ctx: click.Context, job_file: str | None, file_overwrite: bool) -> str:
+def resume_command(ctx: click.Context, job_file: str | None, file_overwrite: bool,
+                   mask_options: bool = False) -> str:
     """This command as given, less --overwrite (which would discard what is committed):
     the flags from the command line in their order, values as click parsed them."""
     words = ["fusegen", ctx.info_name or "run"] + ([job_file] if job_file else [])
@@ -131,6 +135,8 @@ def resume_command(ctx: click.Context, job_file: str | None, file_overwrite: boo
             words.append(flag if value else param.secondary_opts[0])
         else:
             for item in value if param.multiple else [value]:
+                if mask_options and name == "storage_option":
+                    item = item.partition("=")[0] + "=***"
                 words += [flag, str(item)]
     if file_overwrite:
         words.append("--no-overwrite")

@@ -103,6 +103,14 @@ def test_an_interrupt_before_the_output_is_touched(fake_engine, tmp_path, monkey
         f"interrupted by SIGINT before any part was committed to {tmp_path / 'out'}",
         f"resume with: fusegen run --model {fake_engine} --input in.parquet --output "
         f"{tmp_path / 'out'}"]
+    # before the job is built: every storage option value is masked
+    monkeypatch.setattr("fusegen.jobs.run_cmd.build_spec", stop)
+    res = CliRunner().invoke(main, ["run", "--output", "o", "--storage-option", "anon=false"])
+    assert res.exit_code == 130
+    assert res.output.splitlines()[-2:] == [
+        "interrupted by SIGINT before any part was committed to the output",
+        "resume with: fusegen run --output o --storage-option 'anon=***'   "
+        "(put back the masked secrets)"]
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])

@@ -114,7 +114,7 @@ def test_a_lease_from_another_machine_is_live_until_its_heartbeat_is_stale(fake_
     out.mkdir()
     (out / "_lease.json").write_text(json.dumps(_holder(heartbeat=time.time() - 5)))
     with pytest.raises(JobError, match=r"in use by another fusegen run \(pid 4242 on "
-                                       r"elsewhere, .*last heartbeat 5 s ago\)"):
+                                       r"elsewhere, .*last heartbeat [56] s ago\)"):
         run_job(_spec(fake_engine, tmp_path / "in.parquet", out))
     stale = time.time() - lease.STALE_SECONDS - 1
     (out / "_lease.json").write_text(json.dumps(_holder(heartbeat=stale)))
