@@ -12,6 +12,7 @@ _EXPORTS = {
     "JobSpec": "spec", "build_spec": "spec", "load_job_file": "spec",
     "FIELD_NAMES": "spec", "OUTPUT_COLUMNS": "spec", "MESSAGES_COLUMN": "spec",
     "run_job": "runner", "JobResult": "progress", "open_client": "cluster",
+    "JobInterrupted": "interrupt",
     "setup_logging": "run_cmd",
     "Redactor": "redact", "redact_url": "redact",
     "PromptTemplate": "template",

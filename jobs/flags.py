@@ -15,15 +15,18 @@ def option(flag: str, help: str, default_text, **kwargs):
                         **kwargs)
 
 
-def engine_flags(names: tuple[str, ...] | None = None, exclude: tuple[str, ...] = ()):
+def engine_flags(names: tuple[str, ...] | None = None, exclude: tuple[str, ...] = (),
+                 defaults: dict | None = None):
     """click options for the engine settings `names` (all when None), in their order.
+    `defaults`: where a command's own default differs from the engine's (for --help).
     Values are checked by EngineOptions, whose errors name the option and its limit."""
     flags = []
     for f in FIELDS:
         if (names is not None and f.name not in names) or f.name in exclude:
             continue
         flag, kind = "--" + f.name.replace("_", "-"), f.metadata["kind"]
-        default = f.metadata["unset"] if f.default is None else f.default
+        default = (defaults or {}).get(f.name, f.default)
+        default = f.metadata["unset"] if default is None else default
         if kind is bool:
             flags.append(option(f"{flag}/--no-{flag[2:]}", f.metadata["help"], default))
         else:

@@ -66,7 +66,7 @@ _OPTIONS = [
     _job_option("--progress", "auto: a live bar on a terminal, log lines otherwise.",
             type=click.Choice(["auto", "bar", "log", "none"])),
     # The engine's settings, from their one list (the job's --seed is the rows' own).
-    *engine_flags(exclude=("seed",)),
+    *engine_flags(exclude=("seed",), defaults=_DEFAULTS),
 ]
 
 

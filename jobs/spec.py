@@ -43,6 +43,9 @@ class JobSpec(EngineOptions):
     seed: int | None = 0
     stop: list[str] = field(default_factory=list)
     output_token_ids: bool = False  # add a generated_token_ids list column
+    # Jobs default to the batch-invariant engine, so a resumed job equals an uninterrupted
+    # one byte for byte (it costs ~13% of throughput: docs/performance.md).
+    deterministic: bool = True
     # execution
     scheduler: str | None = None  # address of an existing Dask scheduler
     workers: int = 1  # local cluster only: >1 starts that many worker processes
