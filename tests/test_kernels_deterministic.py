@@ -57,3 +57,4 @@ def test_every_split_of_a_prompt_gives_the_same_bits(monkeypatch, kernels, dtype
     assert torch.equal(whole[10:25], mixed[1:16])
     assert torch.equal(mixed[:1], _attend(batch, [(1, 19, 20)], window))
     assert torch.equal(mixed[16:], _attend(batch, [(2, 0, 5)], window))
+
