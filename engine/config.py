@@ -40,6 +40,25 @@ def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
 
 
 @dataclass(frozen=True, slots=True)
+class PlanInputs:
+    """What the plan is made over besides the options: the model's config and sizes in
+    the run's dtype, and the machine's resolved device and free memory."""
+    model_config: ModelConfig
+    device: str
+    dtype: torch.dtype
+    shape: ModelShape
+    free: FreeMemory
+
+    @classmethod
+    def gather(cls, model, options: EngineOptions) -> "PlanInputs":
+        model_config = ModelConfig.from_dir(str(model))
+        device = default_device() if options.device == "auto" else options.device
+        dtype = resolve_dtype(options.dtype, device)
+        return cls(model_config, device, dtype, model_shape(model_config, dtype),
+                   free_memory(device))
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """An engine's resolved configuration: the options as given, the model, and what the
     plan made of them. Built once by `EngineConfig.build`; nothing changes it after."""
@@ -59,14 +78,11 @@ class EngineConfig:
         """Read the model's config.json, measure the machine, plan (a pure function of
         the options, the model's sizes and the free memory), freeze."""
         options = options or EngineOptions()
-        model = str(model)
-        model_config = ModelConfig.from_dir(model)
-        device = default_device() if options.device == "auto" else options.device
-        dtype = resolve_dtype(options.dtype, device)
-        shape = model_shape(model_config, dtype)
-        plan = plan_engine(options, shape, free_memory(device))
-        return cls(model, model_config, options, device, dtype, shape, plan.placement,
-                   plan.max_num_seqs, plan.max_num_batched_tokens, plan.max_model_len)
+        inputs = PlanInputs.gather(model, options)
+        plan = plan_engine(options, inputs.shape, inputs.free)
+        return cls(str(model), inputs.model_config, options, inputs.device, inputs.dtype,
+                   inputs.shape, plan.placement, plan.max_num_seqs,
+                   plan.max_num_batched_tokens, plan.max_model_len)
 
     @property
     def block_size(self) -> int:

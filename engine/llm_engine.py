@@ -154,19 +154,20 @@ class LLMEngine:
     def abort(self, request_ids: set[int]) -> list[Request]:
         """Drop these unfinished requests (their callers gave up) between steps; returns
         those found, with finish_reason "abort" and their KV blocks freed."""
-        sched = self.scheduler
-        dropped = [r for queue in (sched.running, sched.waiting, sched.swapped)
-                   for r in queue if r.request_id in request_ids]
-        sched.finish(dropped, "abort")
+        dropped = [r for r in self._unfinished() if r.request_id in request_ids]
+        self.scheduler.finish(dropped, "abort")
         return dropped
 
     def abort_all(self, reason: str = "error") -> list[Request]:
         """Drop every unfinished request (after a failed step); returns them."""
-        sched = self.scheduler
-        dropped = list(sched.running) + list(sched.waiting) + list(sched.swapped)
-        sched.finish(dropped, reason)
+        dropped = self._unfinished()
+        self.scheduler.finish(dropped, reason)
         self.runner.reset_streams()
         return dropped
+
+    def _unfinished(self) -> list[Request]:
+        sched = self.scheduler
+        return [*sched.running, *sched.waiting, *sched.swapped]
 
     def memory_report(self) -> dict:
         return self.runner.memory_report()

@@ -117,9 +117,6 @@ class EngineOptions:
                                     f"options are {', '.join(NAMES)}")
         return cls(**options)
 
-    def as_dict(self) -> dict:
-        return {name: getattr(self, name) for name in NAMES}
-
 
 FIELDS = tuple(dataclasses.fields(EngineOptions))
 NAMES = tuple(f.name for f in FIELDS)

@@ -159,21 +159,18 @@ def _offload_budgets(config: BenchConfig, model_dir: Path, requests: list[BenchR
     planned with (pinned, so the engine plans alike). A budget stated as a share of
     resident layers also holds the KV cache of the whole workload at full length, so
     the run measures streamed weights, not a starved KV pool."""
-    from fusegen.engine.config import free_memory, model_shape, resolve_dtype
+    from fusegen.engine.config import PlanInputs
     from fusegen.engine.memory.placement import budget_for_resident_layers, parse_bytes
     from fusegen.engine.memory.plan import batch_limits, model_sizes, plan_engine
-    from fusegen.engine.models.config import ModelConfig
     from fusegen.engine.options import EngineOptions
 
     spec = config.preset.offload
-    model_config = ModelConfig.from_dir(model_dir)
-    shape = model_shape(model_config, resolve_dtype(config.dtype, config.device))
-    free = free_memory(config.device)
     options = EngineOptions(dtype=config.dtype, device=config.device, **config.engine_options)
+    inputs = PlanInputs.gather(model_dir, options)  # what the engine itself will plan over
     # The batch limits the engine uses once layers stream, and the sizes under them.
-    limits = batch_limits(options, free.on_gpu, streaming=True)
-    sizes = model_sizes(options, shape, limits,
-                        options.max_model_len or model_config.max_position_embeddings)
+    limits = batch_limits(options, inputs.free.on_gpu, streaming=True)
+    sizes = model_sizes(options, inputs.shape, limits, options.max_model_len
+                        or inputs.model_config.max_position_embeddings)
     host_memory = parse_bytes(spec.host_memory, name="host_memory")
     kv_reserve = None
     if spec.device_memory is not None:
@@ -189,7 +186,8 @@ def _offload_budgets(config: BenchConfig, model_dir: Path, requests: list[BenchR
                "kv_cache_memory": kv_reserve, "max_num_seqs": limits[0],
                "max_num_batched_tokens": limits[1]}
     # The engine's own plan under these budgets: what it will do, not a second guess.
-    plan = plan_engine(dataclasses.replace(options, **budgets), shape, free).placement
+    plan = plan_engine(dataclasses.replace(options, **budgets), inputs.shape,
+                       inputs.free).placement
     progress(f"offload: device budget {device_memory / 2**20:,.0f} MiB, host budget "
              f"{host_memory / 2**20:,.0f} MiB; the plan keeps "
              f"{plan.layer_tiers.count('device')}/{sizes.num_layers} layers on the device")
