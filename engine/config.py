@@ -12,6 +12,7 @@ from fusegen.engine.memory.plan import FreeMemory, ModelShape, plan_engine
 from fusegen.engine.models import get_architecture
 from fusegen.engine.models.config import ModelConfig
 from fusegen.engine.options import EngineOptions
+from fusegen.engine.weights.packed import can_pack
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -54,7 +55,11 @@ class PlanInputs:
         model_config = ModelConfig.from_dir(str(model))
         device = default_device() if options.device == "auto" else options.device
         dtype = resolve_dtype(options.dtype, device)
-        return cls(model_config, device, dtype, model_shape(model_config, dtype),
+        # A head tied to the embedding is packed as a copy on CPUs (weights/packed.py).
+        packed_head = (device == "cpu" and model_config.tie_word_embeddings
+                       and can_pack(dtype))
+        return cls(model_config, device, dtype,
+                   model_shape(model_config, dtype, packed_head=packed_head),
                    free_memory(device))
 
 
@@ -89,10 +94,13 @@ class EngineConfig:
         return self.options.block_size
 
 
-def model_shape(cfg: ModelConfig, dtype: torch.dtype) -> ModelShape:
-    """The sizes the plan works over, from config.json alone (no weights are read)."""
+def model_shape(cfg: ModelConfig, dtype: torch.dtype, packed_head: bool = False) -> ModelShape:
+    """The sizes the plan works over, from config.json alone (no weights are read).
+    `packed_head`: a tied head also kept as a packed copy."""
     arch = get_architecture(cfg.architecture)
     layer_params, fixed_params = arch.layer_numel(cfg), arch.fixed_numel(cfg)
+    if packed_head:
+        fixed_params += cfg.vocab_size * cfg.hidden_size
     # Alive at once inside a layer, per token: the hidden stream, residual and norms,
     # q/k/v, and the MLP's gate/up.
     width = (4 * cfg.hidden_size + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim

@@ -15,6 +15,7 @@ from fusegen.engine.models.rope import cos_sin_table
 from fusegen.engine.memory.offload import WeightStreamer
 from fusegen.engine.memory.plan import LOGITS_CHUNK, activation_bytes
 from fusegen.engine.weights.linear import ROW_TILE
+from fusegen.engine.weights.packed import PackedLinear, can_pack, pack_linears
 from fusegen.engine.sampler import Sampler, SamplingBatch
 from fusegen.engine.scheduler import ScheduledBatch
 
@@ -37,6 +38,8 @@ class ModelRunner:
         self.model.load_fixed(self.arch.fixed_sources(state, cfg), self.device, self.dtype)
         self.memory["device"]["weights"] += self.model.fixed_nbytes
         self._place_layers(state)
+        if self.device.type == "cpu" and can_pack(self.dtype):
+            self._pack_weights()
         self.cos_sin = cos_sin_table(cfg, config.max_model_len, self.dtype, self.device)
         self.num_blocks = self.plan.num_device_kv_blocks
         self.num_host_blocks = self.plan.num_host_kv_blocks
@@ -83,6 +86,16 @@ class ModelRunner:
                                                  self.dtype)
             for slot in self.model.streamer.slots:
                 self._account("device", "staging", *slot.values())
+
+    def _pack_weights(self) -> None:
+        """Resident weights packed once for oneDNN (engine/weights/packed.py); streamed
+        layers stay dense, their staging slots refill every step."""
+        for layer, tier in zip(self.model.layers, self.plan.layer_tiers):
+            if tier == "device":
+                pack_linears(layer, self.config.max_num_batched_tokens)
+        self.model.lm_head = PackedLinear.pack(self.model.lm_head, LOGITS_CHUNK)
+        if self.config.model_config.tie_word_embeddings:  # the embedding stays dense too
+            self._account("device", "weights", self.model.lm_head.weight)
 
     def _account(self, tier: str, use: str, *tensors) -> None:
         self.memory[tier][use] += sum(t.numel() * t.element_size() for t in tensors

@@ -14,6 +14,7 @@ import torch
 
 from fusegen.engine.request import Request
 from fusegen.engine.sampling_params import SamplingParams
+from fusegen.kernels.argmax import argmax
 
 
 @dataclass(slots=True)
@@ -43,7 +44,7 @@ class Sampler:
         # logits [N, vocab] fp32 -> token ids [N]
         params = batch.params
         if all(p.temperature == 0.0 for p in params):
-            return logits.argmax(dim=-1)
+            return argmax(logits)
         temps = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)
         logits = logits / temps.unsqueeze(1)
         if any(p.top_k > 0 for p in params):
@@ -55,14 +56,16 @@ class Sampler:
             probs = probs.masked_fill(probs < floor, 0.0)
         if any(p.top_p < 1.0 for p in params):
             probs = _top_p(probs, torch.tensor([p.top_p for p in params], device=probs.device))
-        q = torch.empty_like(probs).exponential_(generator=self.generator)
+        q = torch.empty_like(probs)
+        if not all(batch.generators):  # rows without a seed share the engine's stream
+            q.exponential_(generator=self.generator)
         for row, gen in enumerate(batch.generators):
             if gen is not None:
                 q[row].exponential_(generator=gen)
-        sampled = (probs / q).argmax(dim=-1)
+        sampled = argmax(probs.div_(q))
         greedy = torch.tensor([p.temperature == 0.0 for p in params], device=logits.device)
         if greedy.any():
-            sampled = torch.where(greedy, logits.argmax(dim=-1), sampled)
+            sampled = torch.where(greedy, argmax(logits), sampled)
         return sampled
 
 

@@ -30,10 +30,20 @@ _ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "determ
               help="Run dtype for every engine (default: the preset's).")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N].")
 @click.option("--seed", default=0, show_default=True, help="Seed of the drawn requests.")
-@click.option("--skip-hf", is_flag=True, help="Run fusegen only: no transformers baselines.")
+@click.option("--skip-hf", is_flag=True,
+              help="No transformers baselines (fusegen, and vLLM with --vllm-python, only).")
 @click.option("--skip-hf-static", is_flag=True, help="No transformers static-batch baseline.")
 @click.option("--skip-hf-continuous", is_flag=True,
               help="No transformers continuous-batching baseline.")
+@click.option("--vllm-python", metavar="PATH", envvar="FUSEGEN_VLLM_PYTHON",
+              help="Also run vLLM's offline API on the same checkpoint and requests, in the "
+                   "Python interpreter at PATH (an environment with vLLM installed, e.g. "
+                   "~/vllm-cpu/bin/python; default: $FUSEGEN_VLLM_PYTHON). If vLLM cannot run "
+                   "there, its row says why and the rest of the bench goes on. --max-num-seqs "
+                   "applies to it too. Not with the offload presets: vLLM has no comparable "
+                   "offload mode.")
+@click.option("--vllm-timeout", type=click.FloatRange(min=0, min_open=True), default=3600,
+              show_default=True, help="Seconds vLLM's run may take, its start included.")
 @with_flags(engine_flags(_ENGINE_FLAGS))
 @click.option("--deterministic-too", is_flag=True,
               help="Run fusegen a second time in deterministic (batch-invariant) mode, "
@@ -44,15 +54,15 @@ _ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "determ
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write every figure, the machine and the versions to this JSON file.")
 def bench(preset_name, num_requests, layers, hf_batch_size, dtype, device, seed, skip_hf,
-          skip_hf_static, skip_hf_continuous, deterministic_too, cache_dir, json_path,
-          **engine):
-    """Benchmark fusegen against transformers on a seeded synthetic workload.
+          skip_hf_static, skip_hf_continuous, vllm_python, vllm_timeout, deterministic_too,
+          cache_dir, json_path, **engine):
+    """Benchmark fusegen against transformers and vLLM on a seeded synthetic workload.
 
     Builds (once, cached) a random model of the preset's shape and draws requests with
     random prompt ids and output budgets, then runs the same requests through fusegen,
-    transformers `generate` in static batches and transformers' continuous batching,
-    and prints throughput, model FLOP/s and the ratios, beside the matmul FLOP/s and
-    memory bandwidth measured in the same run.
+    vLLM (with --vllm-python), transformers `generate` in static batches and
+    transformers' continuous batching, and prints throughput, model FLOP/s and the
+    ratios, beside the matmul FLOP/s and memory bandwidth measured in the same run.
     """
     from fusegen.jobs.bench.harness import BenchConfig, run_benchmark
     from fusegen.jobs.bench.report import format_report
@@ -65,7 +75,8 @@ def bench(preset_name, num_requests, layers, hf_batch_size, dtype, device, seed,
         config = BenchConfig(preset, dtype=dtype, device=device, seed=seed, cache_dir=cache_dir,
                              hf_static=not (skip_hf or skip_hf_static),
                              hf_continuous=not (skip_hf or skip_hf_continuous),
-                             engine_options=options, deterministic_too=deterministic_too)
+                             engine_options=options, deterministic_too=deterministic_too,
+                             vllm_python=vllm_python, vllm_timeout=vllm_timeout)
     except (ValueError, EngineConfigError) as exc:
         raise click.UsageError(str(exc)) from None
     report = run_benchmark(config, _progress_printer())

@@ -48,6 +48,8 @@ _SIGNATURES = {
     "rms_norm_f32": [_P] * 5 + [_L, _I, _F] + [_L] * 4 + [_I],
     "silu_mul_f32": [_P, _P, _L, _I, _L, _L, _I],
     "rotary_f32": [_P] * 5 + [_L, _I, _I, _I] + [_L] * 5 + [_I],
+    # csrc/argmax.c
+    "argmax_f32": [_P, _P, _L, _I, _L, _I],
 }
 
 

@@ -34,8 +34,12 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.row_tile is not None:
-            return row_tiled(x, self.weight, self.bias, self.row_tile)
+            return row_tiled(x, self._matmul, self.weight.shape[0], self.bias, self.row_tile)
         return F.linear(x, self.weight, self.bias)
+
+    def _matmul(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        # rows [n, in] -> [n, out], no bias: one call of row_tiled's
+        return torch.mm(rows, self.weight.t(), out=out)
 
     __call__ = forward
 
@@ -65,12 +69,13 @@ class Linear(nn.Module):
 ROW_TILE = 64
 
 
-def row_tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def row_tiled(x: torch.Tensor, matmul, out_features: int, bias: torch.Tensor | None,
               tile: int) -> torch.Tensor:
-    """x @ weight.T (+ bias) [T, out] computed `tile` rows per call, the last call
-    padded with zero rows, each call over a 64-byte aligned [tile, in] input."""
+    """x @ weight.T (+ bias) [T, out] computed `tile` rows per `matmul(rows, out=None)`
+    call, the last call padded with zero rows, each call over a 64-byte aligned
+    [tile, in] input."""
     num_rows = x.shape[0]
-    out = torch.empty(num_rows, weight.shape[0], dtype=x.dtype, device=x.device)
+    out = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
     staged = None
     for start in range(0, num_rows, tile):
         rows = x[start:start + tile]
@@ -80,9 +85,9 @@ def row_tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 staged = x.new_zeros(tile, x.shape[1])
             staged[:n] = rows
             staged[n:] = 0
-            out[start:start + n] = torch.mm(staged, weight.t())[:n]
+            out[start:start + n] = matmul(staged)[:n]
         else:
-            torch.mm(rows, weight.t(), out=out[start:start + n])
+            matmul(rows, out=out[start:start + n])
     if bias is not None:
         out += bias  # elementwise: the same bits whatever the batch
     return out

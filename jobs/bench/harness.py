@@ -30,6 +30,8 @@ class BenchConfig:
     hf_continuous: bool = True
     engine_options: dict = field(default_factory=dict)  # extra LLM(...) knobs for fusegen
     deterministic_too: bool = False  # fusegen a second time, deterministic=True
+    vllm_python: str | None = None  # vLLM's interpreter (its own environment); None: no vLLM row
+    vllm_timeout: float = 3600.0  # seconds for vLLM's whole run, its start included
 
     def __post_init__(self):
         if self.dtype is None:
@@ -56,6 +58,8 @@ class BenchConfig:
             raise ValueError(f"--layers must be at least 1; got {self.preset.model.num_layers}")
         if self.preset.hf_batch_size < 1:
             raise ValueError(f"--hf-batch-size must be at least 1; got {self.preset.hf_batch_size}")
+        if self.vllm_timeout <= 0:
+            raise ValueError(f"--vllm-timeout must be positive; got {self.vllm_timeout}")
 
 
 def workload_for(config: BenchConfig) -> tuple[list[BenchRequest], list[BenchRequest]]:
@@ -100,7 +104,8 @@ def run_benchmark(config: BenchConfig, progress: Progress = lambda _: None) -> d
             engine_options={**config.engine_options, **engine_options, "deterministic": True},
             progress=progress, name="fusegen_deterministic", label="fusegen deterministic"))
         _done(results[-1], progress)
-    _free_memory(config.device)  # fusegen's weights and KV pool, before transformers loads
+    _free_memory(config.device)  # fusegen's weights and KV pool, before vLLM and transformers
+    results += _run_vllm(config, model_dir, requests, warmup, progress)
     if preset.offload:
         results += _run_offload_baseline(config, model_dir, requests, warmup, budgets, progress)
     else:
@@ -110,6 +115,30 @@ def run_benchmark(config: BenchConfig, progress: Progress = lambda _: None) -> d
         if result.skipped is None:
             result.model_flops = flops.workload_flops(shape, result.counts)
     return build_report(config, model_dir, requests, ceiling, results)
+
+
+def _run_vllm(config: BenchConfig, model_dir: Path, requests, warmup,
+              progress: Progress) -> list[EngineResult]:
+    """vLLM in its own interpreter and process: nothing of it stays in this one's memory."""
+    if config.vllm_python is None:
+        return []
+    if config.preset.offload:
+        return [EngineResult("vllm", "vLLM",
+                             skipped="skipped: vLLM has no comparable offload mode")]
+    from fusegen.jobs.bench.vllm_runner import run_vllm
+
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    log_path = Path(config.cache_dir) / "bench" / "logs" / f"vllm-{config.preset.name}-{stamp}.log"
+    result = run_vllm(config.vllm_python, model_dir, requests, warmup, dtype=config.dtype,
+                      device=config.device, seed=config.seed, log_path=log_path,
+                      max_model_len=config.preset.model.max_position_embeddings,
+                      max_num_seqs=config.engine_options.get("max_num_seqs"),
+                      timeout_s=config.vllm_timeout, progress=progress)
+    if result.skipped is None:
+        _done(result, progress)
+    else:
+        progress(f"vllm: {result.skipped}")
+    return [result]
 
 
 def _run_baselines(config: BenchConfig, model_dir: Path, requests, warmup,

@@ -135,6 +135,13 @@ PRESETS: dict[str, Preset] = {
 PRESETS["cpu-offload"] = replace(
     PRESETS["cpu-small"], name="cpu-offload",
     offload=OffloadSpec(resident_fraction=0.25, host_memory="0"))
+# Prefill-heavy: cpu-small's model on 64 prompts of exactly 1024 tokens, 128 outputs each
+# (positions up to 2048, so 1024 + 128 fits).
+PRESETS["cpu-prefill"] = replace(
+    PRESETS["cpu-small"], name="cpu-prefill",
+    model=replace(PRESETS["cpu-small"].model, max_position_embeddings=2048),
+    num_requests=64, prompt_len=LengthDist("uniform", 1024, 1024),
+    output_len=LengthDist("uniform", 128, 128), hf_batch_size=16)
 
 
 def get_preset(name: str) -> Preset:
