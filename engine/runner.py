@@ -8,6 +8,7 @@ from collections import Counter
 import torch
 
 from fusegen.engine.config import EngineConfig
+from fusegen.engine.host import keep_freed_memory
 from fusegen.engine.weights.loader import fuse, load_state_dict
 from fusegen.engine.models import get_architecture
 from fusegen.engine.models.decoder import AttentionMetadata
@@ -29,6 +30,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.memory: dict[str, Counter] = {"device": Counter(), "host": Counter(),
                                            "disk": Counter()}
+        if self.device.type == "cpu":
+            keep_freed_memory()
         state = load_state_dict(config.model, cfg, config.options.allow_pickle)  # memory-mapped
         self.plan = config.placement
         self.arch = get_architecture(cfg.architecture)

@@ -203,8 +203,19 @@ static void paged_decode_f32x8_item(const float *q, float *out, const float *kc,
         const int n = (block_size - slot0 < len - pos) ? block_size - slot0 : len - pos;
         const float *kb = kc + block * st->k_b + (int64_t)slot0 * st->k_s;
         const float *vb = vc + block * st->v_b + (int64_t)slot0 * st->v_s;
+        /* The next block is elsewhere in the cache (its id comes from the table), where
+         * the hardware prefetcher cannot follow: ask for its rows while this one runs. */
+        const int has_next = pos + n < len;
+        const float *kn = has_next ? kc + (int64_t)table[(pos + n) / block_size] * st->k_b : kb;
+        const float *vn = has_next ? vc + (int64_t)table[(pos + n) / block_size] * st->v_b : vb;
         for (int j = 0; j < n; j++) {
             for (int h = h0; h < h1; h++) {
+                if (has_next) {
+                    for (int c = 0; c < head_dim; c += 16) {
+                        __builtin_prefetch(kn + (int64_t)j * st->k_s + (int64_t)h * st->k_h + c);
+                        __builtin_prefetch(vn + (int64_t)j * st->v_s + (int64_t)h * st->v_h + c);
+                    }
+                }
                 const v8f *kp = (const v8f *)(kb + (int64_t)j * st->k_s + (int64_t)h * st->k_h);
                 for (int g = 0; g < group; g++) {
                     const int i = (h - h0) * group + g;

@@ -1,0 +1,36 @@
+"""The greedy sampler's argmax kernel (kernels/csrc/argmax.c): torch's answer exactly,
+the first index on ties."""
+import pytest
+import torch
+
+from fusegen.kernels import native
+from fusegen.kernels.argmax import argmax, argmax_native
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler here")
+
+
+@pytest.mark.parametrize("rows, cols", [(1, 1), (1, 7), (5, 33), (125, 32000), (3, 151936)])
+def test_equals_torch(rows, cols):
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows * cols))
+    assert torch.equal(argmax_native(x), x.argmax(dim=-1))
+
+
+def test_ties_take_the_first_index():
+    x = torch.randint(0, 3, (64, 1000), generator=torch.Generator().manual_seed(0)).float()
+    x[0] = 2.0  # the whole row ties
+    got = argmax_native(x)
+    assert torch.equal(got, x.argmax(dim=-1)) and got[0].item() == 0
+
+
+def test_masked_logits_and_strided_rows():
+    x = torch.randn(8, 300, generator=torch.Generator().manual_seed(1))
+    x[:, ::2] = float("-inf")  # what top-k leaves of a row
+    x[3, :299] = float("-inf")
+    sliced = torch.randn(8, 400)[:, 50:350]  # rows of 300 with a stride of 400
+    assert torch.equal(argmax_native(x), x.argmax(dim=-1)) and argmax_native(x)[3] == 299
+    assert torch.equal(argmax_native(sliced), sliced.argmax(dim=-1))
+
+
+def test_dispatcher_keeps_other_dtypes_on_torch():
+    x = torch.randn(4, 50).bfloat16()
+    assert torch.equal(argmax(x), x.argmax(dim=-1))

@@ -1,0 +1,139 @@
+"""Weights packed for oneDNN on CPUs (engine/weights/packed.py): the same products as
+the dense `Linear`, batch-invariant in row tiles, used for resident layers only, and
+the engine's tokens unchanged by them."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from checkpoints import make_hf_checkpoint
+from fusegen.engine import LLM, SamplingParams
+from fusegen.engine.models.decoder import DecoderLayer
+from fusegen.engine.weights.linear import Linear
+from fusegen.engine.weights.packed import PackedLinear, can_pack, pack_linears
+
+pytestmark = pytest.mark.skipif(not can_pack(torch.float32),
+                                reason="oneDNN cannot pack fp32 weights on this CPU")
+
+
+def _linear(out_features, in_features, bias=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    linear = Linear(bias=bias)
+    linear.weight = torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5
+    if bias:
+        linear.bias = torch.randn(out_features, generator=gen)
+    return linear
+
+
+@pytest.mark.parametrize("shape", [(96, 64), (1024, 512), (512, 1536), (3000, 128)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 17, 130])
+def test_packed_equals_the_dense_product(shape, bias, rows):
+    dense = _linear(*shape, bias=bias)
+    packed = PackedLinear.pack(dense, batch_hint=256)
+    x = torch.randn(rows, shape[1])
+    torch.testing.assert_close(packed(x), F.linear(x, dense.weight, dense.bias),
+                               rtol=1e-5, atol=1e-5)
+    assert packed.nbytes == dense.nbytes  # the packed copy replaces the dense one
+
+
+def test_packed_takes_strided_rows():
+    dense = _linear(256, 64)
+    packed = PackedLinear.pack(dense, batch_hint=64)
+    x = torch.randn(9, 128)[:, 32:96]  # rows of 64 with a stride of 128
+    torch.testing.assert_close(packed(x), F.linear(x, dense.weight), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_row_tiles_are_batch_invariant():
+    """In deterministic mode a row's bits do not depend on its neighbours or position."""
+    dense = _linear(1024, 512, bias=True)
+    dense.row_tile = 64
+    packed = PackedLinear.pack(dense, batch_hint=2048)
+    assert packed.row_tile == 64
+    gen = torch.Generator().manual_seed(1)
+    row = torch.randn(1, 512, generator=gen)
+    alone = packed(row)[0]
+    for before, after in [(3, 5), (63, 0), (64, 10), (200, 77)]:
+        x = torch.cat([torch.randn(before, 512, generator=gen), row,
+                       torch.randn(after, 512, generator=gen)])
+        assert torch.equal(packed(x)[before], alone)
+    torch.testing.assert_close(alone, F.linear(row, dense.weight, dense.bias)[0],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_a_packed_weight_cannot_be_repointed():
+    packed = PackedLinear.pack(_linear(64, 32), batch_hint=8)
+    with pytest.raises(TypeError, match="streamed layers use Linear"):
+        packed.set_weight("weight", torch.zeros(64, 32))
+
+
+def test_pack_linears_replaces_every_dense_linear(llama_dir):
+    from fusegen.engine.models.config import ModelConfig
+
+    layer = DecoderLayer(ModelConfig.from_dir(str(llama_dir)))
+    for name in ("qkv", "o", "gate_up", "down"):
+        getattr(layer, name).weight = torch.randn(32, 16)
+    pack_linears(layer, batch_hint=64)
+    assert {name: type(getattr(layer, name)) for name in ("qkv", "o", "gate_up", "down")} == \
+        dict.fromkeys(("qkv", "o", "gate_up", "down"), PackedLinear)
+
+
+def test_reference_kernels_turn_packing_off(monkeypatch):
+    monkeypatch.setenv("FUSEGEN_KERNELS", "reference")
+    assert not can_pack(torch.float32)
+    monkeypatch.setenv("FUSEGEN_KERNELS", "auto")
+    assert can_pack(torch.float32)
+
+
+@pytest.fixture(scope="module")
+def deep_dir(tmp_path_factory):
+    return make_hf_checkpoint(tmp_path_factory.mktemp("packed"), "llama", "bpe", seed=5,
+                              num_hidden_layers=10, max_position_embeddings=128)
+
+
+OPTIONS = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128)
+PROMPTS = ["The quick brown fox", "Hello", "1 2 3 4 5 6 7 8 9", "a b c d e f g h i j k"]
+PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def _kinds(llm):
+    model = llm.engine.runner.model
+    return [type(layer.qkv).__name__ for layer in model.layers], type(model.lm_head).__name__
+
+
+def test_engine_packs_resident_layers_and_keeps_tokens(deep_dir, monkeypatch):
+    with LLM(str(deep_dir), **OPTIONS) as llm:
+        packed = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
+        assert _kinds(llm) == (["PackedLinear"] * 10, "PackedLinear")
+    monkeypatch.setenv("FUSEGEN_KERNELS", "reference")
+    with LLM(str(deep_dir), **OPTIONS) as llm:
+        dense = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
+        assert _kinds(llm) == (["Linear"] * 10, "Linear")
+    assert packed == dense
+
+
+def test_streamed_layers_stay_dense(deep_dir):
+    from test_offload import budget_for
+
+    with LLM(str(deep_dir), **OPTIONS) as llm:
+        want = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
+        sizes = llm.placement.sizes
+    budget = budget_for(sizes, resident=5)
+    with LLM(str(deep_dir), device_memory=budget, host_memory="1GiB", **OPTIONS) as llm:
+        tiers = llm.placement.layer_tiers
+        layers, head = _kinds(llm)
+        assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == want
+    assert tiers.count("device") == 5 and tiers.count("host") == 5
+    assert layers == ["PackedLinear" if t == "device" else "Linear" for t in tiers]
+    assert head == "PackedLinear"
+
+
+def test_a_tied_head_is_counted_twice(qwen2_dir, monkeypatch):
+    """A head tied to the embedding keeps the dense embedding beside the packed copy."""
+    with LLM(str(qwen2_dir), dtype="float32") as llm:
+        packed = llm.memory_report()["device"]["weights"]
+        head = llm.engine.runner.model.lm_head.nbytes
+        assert llm.config.shape.fixed_params * 4 >= 2 * head
+    monkeypatch.setenv("FUSEGEN_KERNELS", "reference")
+    with LLM(str(qwen2_dir), dtype="float32") as llm:
+        dense = llm.memory_report()["device"]["weights"]
+    assert packed == dense + head
