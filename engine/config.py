@@ -1,6 +1,8 @@
 """An engine's configuration: options in, a plan made, frozen."""
 from __future__ import annotations
 
+import functools
+import time
 from dataclasses import dataclass, field
 
 import psutil
@@ -28,13 +30,47 @@ def cpu_supports_bf16() -> bool:
     return any(getattr(cpu, name, lambda: False)() for name in checks)
 
 
+# bf16 must beat fp32 by this much to be chosen: a margin that timing noise cannot cross,
+# so that "auto" resolves the same way on every start (the dtype changes outputs).
+BF16_MIN_SPEEDUP = 1.5
+
+
+@functools.cache
+def cpu_prefers_bf16() -> bool:
+    """Whether "auto" runs in bf16 on this CPU: only where it has bf16 units (the flags)
+    and a measured matmul through the engine's own linear shows them paying."""
+    if not cpu_supports_bf16():
+        return False
+    return matmul_seconds(torch.float32) >= BF16_MIN_SPEEDUP * matmul_seconds(torch.bfloat16)
+
+
+def matmul_seconds(dtype: torch.dtype, rows: int = 256, size: int = 1024) -> float:
+    """Best of five [rows, size] x [size, size] products, through the linear the engine
+    would use for `dtype` (packed for oneDNN where it can be)."""
+    from fusegen.engine.weights.linear import Linear
+    from fusegen.engine.weights.packed import PackedLinear, can_pack
+
+    linear = Linear()
+    linear.weight = torch.randn(size, size).to(dtype)
+    if can_pack(dtype):
+        linear = PackedLinear.pack(linear, rows)
+    x = torch.randn(rows, size).to(dtype)
+    linear(x)  # warm-up
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        linear(x)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         if device.startswith("cuda"):
             return torch.bfloat16
-        return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+        return torch.bfloat16 if cpu_prefers_bf16() else torch.float32
     if dtype not in _DTYPES:
         raise EngineConfigError(f"dtype must be auto, {', '.join(_DTYPES)}; got {dtype!r}")
     return _DTYPES[dtype]

@@ -32,7 +32,8 @@ def option(default, help: str, *, kind: type = str, unset: str = "none",
 class EngineOptions:
     dtype: str = option(
         "auto", "Weights dtype: auto, float32, bfloat16, float16 (auto: bf16 on GPUs and on "
-        "CPUs with bf16 matrix units, fp32 elsewhere).", affects_output=True)
+        "CPUs whose bf16 matrix units measure at least 1.5x fp32, fp32 elsewhere).",
+        affects_output=True)
     device: str = option("auto", "Engine device: auto, cpu, cuda, cuda:N (auto: cuda when "
                          "present).")
     max_num_seqs: int | None = option(

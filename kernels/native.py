@@ -43,11 +43,12 @@ _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     # csrc/paged_decode.c
     **{name: [_P] * 8 + [_I] * 6 + [_F, ctypes.POINTER(Strides), _I]
-       for name in ("paged_decode_f32", "paged_decode_bf16", "paged_decode_f16")},
+       for name in ("paged_decode_f32", "paged_decode_bf16", "paged_decode_f16",
+                    "paged_prefill_f32")},  # and csrc/paged_prefill.c
     # csrc/elementwise.c
-    "rms_norm_f32": [_P] * 5 + [_L, _I, _F] + [_L] * 4 + [_I],
-    "silu_mul_f32": [_P, _P, _L, _I, _L, _L, _I],
-    "rotary_f32": [_P] * 5 + [_L, _I, _I, _I] + [_L] * 5 + [_I],
+    **{f"rms_norm_{t}": [_P] * 5 + [_L, _I, _F] + [_L] * 4 + [_I, _I] for t in ("f32", "bf16")},
+    **{f"silu_mul_{t}": [_P, _P, _L, _I, _L, _L, _I] for t in ("f32", "bf16")},
+    **{f"rotary_{t}": [_P] * 5 + [_L, _I, _I, _I] + [_L] * 5 + [_I] for t in ("f32", "bf16")},
     # csrc/argmax.c
     "argmax_f32": [_P, _P, _L, _I, _L, _I],
 }
@@ -122,5 +123,5 @@ def library() -> ctypes.CDLL | None:
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
-        fn.restype = ctypes.c_int if name.startswith("paged_decode") else None
+        fn.restype = ctypes.c_int if name.startswith("paged_") else None
     return lib

@@ -39,7 +39,10 @@ def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start
         paged_decode_native(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                             out, scale=scale, sliding_window=sliding_window,
                             seq_ids=torch.tensor(decode, dtype=torch.int32))
-    if len(decode) < len(query_lens):
+    prefill = [i for i, n in enumerate(query_lens) if n > 1]
+    if prefill and not paged_prefill_native(q, k_cache, v_cache, block_tables, seq_lens,
+                                            query_start_loc, out, prefill, scale=scale,
+                                            sliding_window=sliding_window):
         lens = seq_lens.tolist()
         for i, n in enumerate(query_lens):
             if n > 1:
@@ -55,23 +58,50 @@ def paged_decode_native(q, k_cache, v_cache, block_tables, seq_lens, query_start
     """Decode attention for the sequences `seq_ids` (default: all), each with exactly one
     query row at query_start_loc[i], written into `out` in place. CPU tensors; the C
     kernel must be available (`kernels.native.library()`)."""
+    assert q.dtype in _NATIVE_DECODE, f"unsupported dtype {q.dtype}"
+    failed = _call(_NATIVE_DECODE[q.dtype], q, k_cache, v_cache, block_tables, seq_lens,
+                   query_start_loc, out, scale, sliding_window, seq_ids, num_threads)
+    if failed:
+        raise ValueError(f"the CPU decode kernel takes head_dim <= 256 and block_size <= 256 "
+                         f"with num_heads a multiple of num_kv_heads; got head_dim "
+                         f"{q.shape[2]}, block_size {k_cache.shape[1]}, {q.shape[1]} heads, "
+                         f"{k_cache.shape[2]} KV heads")
+    return out
+
+
+def paged_prefill_native(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+                         seq_ids, *, scale: float, sliding_window: int = 0,
+                         num_threads: int | None = None) -> bool:
+    """Prefill attention (kernels/csrc/paged_prefill.c) for the sequences `seq_ids`, each
+    with its query rows query_start_loc[i]..[i+1] the last of its seq_lens[i] tokens,
+    into `out` in place. fp32 only; False (nothing written) for a shape the kernel does
+    not take (head_dim not a multiple of 8, more than 16 query heads per KV head), which
+    the caller then runs another way."""
+    if q.dtype != torch.float32 or seq_ids is None or len(seq_ids) == 0:
+        return False
+    return _call("paged_prefill_f32", q, k_cache, v_cache, block_tables, seq_lens,
+                 query_start_loc, out, scale, sliding_window, seq_ids, num_threads) == 0
+
+
+def _call(name, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, scale,
+          sliding_window, seq_ids, num_threads) -> int:
+    """Check what the C kernels index unchecked, then call `name`; its return code."""
     num_heads, head_dim = q.shape[1:]
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert q.dtype == k_cache.dtype == v_cache.dtype == out.dtype, \
         f"dtypes q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}, out {out.dtype}"
-    assert q.dtype in _NATIVE_DECODE, f"unsupported dtype {q.dtype}"
-    for name, t in (("q", q), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
+    for label, t in (("q", q), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
         assert t.device.type == "cpu" and t.stride(-1) == 1, \
-            f"{name} must be a CPU tensor with a contiguous head dimension"
+            f"{label} must be a CPU tensor with a contiguous head dimension"
     block_tables = _int32(block_tables)
     assert block_tables.stride(1) == 1, "block_tables rows must be contiguous"
     seq_lens, query_start_loc = _int32(seq_lens).contiguous(), _int32(query_start_loc).contiguous()
     if seq_ids is not None:
-        seq_ids = _int32(seq_ids).contiguous()
+        seq_ids = _int32(torch.as_tensor(seq_ids)).contiguous()
     num_items = seq_lens.shape[0] if seq_ids is None else seq_ids.shape[0]
     if num_items == 0:
-        return out
-    # The C kernel indexes unchecked: refuse what would read outside the cache.
+        return 0
+    # The C kernels index unchecked: refuse what would read outside the cache.
     if int(seq_lens.max()) > block_tables.shape[1] * block_size or \
             not 0 <= int(block_tables.min()) <= int(block_tables.max()) < k_cache.shape[0]:
         raise IndexError(f"block tables [{tuple(block_tables.shape)}, ids "
@@ -80,19 +110,15 @@ def paged_decode_native(q, k_cache, v_cache, block_tables, seq_lens, query_start
                          f"{k_cache.shape[0]} blocks of {block_size}")
     strides = native.Strides(q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                              *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0))
-    fn = getattr(native.library(), _NATIVE_DECODE[q.dtype])
-    failed = fn(q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                block_tables.data_ptr(), seq_lens.data_ptr(), query_start_loc.data_ptr(),
-                None if seq_ids is None else seq_ids.data_ptr(), num_items, num_heads,
-                num_kv_heads, head_dim, block_size, sliding_window, scale,
-                ctypes.byref(strides), num_threads or torch.get_num_threads())
+    failed = getattr(native.library(), name)(
+        q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        block_tables.data_ptr(), seq_lens.data_ptr(), query_start_loc.data_ptr(),
+        None if seq_ids is None else seq_ids.data_ptr(), num_items, num_heads, num_kv_heads,
+        head_dim, block_size, sliding_window, scale, ctypes.byref(strides),
+        num_threads or torch.get_num_threads())
     if failed == 2:
-        raise MemoryError("the CPU decode kernel could not allocate its per-thread scratch")
-    if failed:
-        raise ValueError(f"the CPU decode kernel takes head_dim <= 256 and block_size <= 256 "
-                         f"with num_heads a multiple of num_kv_heads; got head_dim {head_dim}, "
-                         f"block_size {block_size}, {num_heads} heads, {num_kv_heads} KV heads")
-    return out
+        raise MemoryError(f"the CPU attention kernel {name} could not allocate its scratch")
+    return failed
 
 
 def paged_attention_rowwise(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *,

@@ -30,8 +30,9 @@ def run_fusegen(model_dir: Path, requests: list[BenchRequest], warmup: list[Benc
                  f"max_num_batched_tokens {llm.config.max_num_batched_tokens})")
         prompts, params = _prompts_and_params(requests)
         start = time.perf_counter()
-        # submit() is what generate() does, but finishing requests can be counted on the way.
-        futures = [llm.submit(p, sp) for p, sp in zip(prompts, params)]
+        # What generate() does (every request joins the same first step), but finishing
+        # requests can be counted on the way.
+        futures = llm.submit_many(list(zip(prompts, params)))
         _report_progress(futures, progress, start)
         outputs = [f.result() for f in futures]
         result.elapsed_s = time.perf_counter() - start

@@ -1,0 +1,231 @@
+/* Prefill attention over a paged KV cache, for CPUs (fp32, head_dim a multiple of 8).
+ *
+ * A prefill sequence's n query rows are the last n of its seq_len tokens; their keys and
+ * values (the new ones included) are already in the cache. Work items are
+ * (sequence, KV head, tile of TILE_Q query positions); an item holds the tile's rows for
+ * every query head sharing the KV head (GQA: each key is loaded once for the group)
+ * and walks the sequence's blocks in place up to the tile's last position, with an
+ * online softmax in fp32. Per block, scores are a small matrix product done as outer
+ * products (the block's keys transposed once into scratch, each query value broadcast),
+ * and the values are accumulated row by row with the accumulator kept in registers:
+ * both inner loops issue one FMA per load or better, where torch's fused attention
+ * reaches 46-68 GFLOP/s on these shapes (docs/performance.md).
+ *
+ * Layouts as in paged_decode.c: q, out [T, Hq, D]; caches [N, block_size, Hkv, D];
+ * block_tables [B, W] int32, seq_lens [B] int32, query_start_loc [B+1] int32;
+ * seq_ids [n] int32 lists the sequences to compute. Returns 0, 1 for a shape it does not
+ * take (head_dim not a multiple of 8 or over 256, block_size over 256, heads not a
+ * multiple of KV heads), 2 when scratch could not be allocated.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    int64_t q_t, q_h, o_t, o_h, k_b, k_s, k_h, v_b, v_s, v_h, bt;
+} strides_t; /* the same struct as paged_decode.c's (kernels/native.py Strides) */
+
+typedef float v8f __attribute__((vector_size(32), aligned(4)));
+
+#define TILE_Q 16
+#define MAX_GROUP 16
+#define MAX_HEAD_DIM 256
+#define MAX_BLOCK 256
+#define MASKED (-FLT_MAX)
+
+typedef struct {
+    int seq, head, tile;
+} item_t;
+
+static const float zero_row[MAX_HEAD_DIM];  /* stands in for keys past a block's end */
+
+/* Transposed scores st[j][r] = k[j] . q[r] for a block's keys j < nk (rounded up to 4;
+ * keys past nk read zeros) and all R rows (a multiple of 16): per head channel d, two
+ * vectors of 8 rows of the transposed queries, four key values broadcast, eight FMAs. */
+static inline void block_scores(const float *qt, const float *kb, int64_t k_s, int nk,
+                                float *st, int R, int head_dim) {
+    for (int j = 0; j < nk; j += 4) {
+        const float *k0 = kb + j * k_s;
+        const float *k1 = j + 1 < nk ? k0 + k_s : zero_row;
+        const float *k2 = j + 2 < nk ? k0 + 2 * k_s : zero_row;
+        const float *k3 = j + 3 < nk ? k0 + 3 * k_s : zero_row;
+        for (int r = 0; r < R; r += 16) {
+            v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+            for (int d = 0; d < head_dim; d++) {
+                const v8f q0 = *(const v8f *)(qt + (int64_t)d * R + r);
+                const v8f q1 = *(const v8f *)(qt + (int64_t)d * R + r + 8);
+                a0 += k0[d] * q0; b0 += k0[d] * q1;
+                a1 += k1[d] * q0; b1 += k1[d] * q1;
+                a2 += k2[d] * q0; b2 += k2[d] * q1;
+                a3 += k3[d] * q0; b3 += k3[d] * q1;
+            }
+            v8f *out = (v8f *)(st + (int64_t)j * R + r);
+            const int64_t row = R / 8;
+            out[0] = a0; out[1] = b0;
+            out[row] = a1; out[row + 1] = b1;
+            out[2 * row] = a2; out[2 * row + 1] = b2;
+            out[3 * row] = a3; out[3 * row + 1] = b3;
+        }
+    }
+}
+
+/* acc[0:lanes] = acc * alpha + sum_j p[j * R] v[j], four vectors (32 channels) at a time
+ * kept in registers over the keys. */
+static inline void block_values(v8f *acc, float alpha, const float *p, int R, const float *vb,
+                                int64_t v_s, int nk, int lanes) {
+    for (int c = 0; c < lanes; c += 4) {
+        const int w = lanes - c < 4 ? lanes - c : 4;
+        v8f o0 = acc[c] * alpha, o1 = {0}, o2 = {0}, o3 = {0};
+        if (w > 1) o1 = acc[c + 1] * alpha;
+        if (w > 2) o2 = acc[c + 2] * alpha;
+        if (w > 3) o3 = acc[c + 3] * alpha;
+        for (int j = 0; j < nk; j++) {
+            const v8f *vp = (const v8f *)(vb + (int64_t)j * v_s) + c;
+            const float pj = p[(int64_t)j * R];
+            o0 += pj * vp[0];
+            if (w > 1) o1 += pj * vp[1];
+            if (w > 2) o2 += pj * vp[2];
+            if (w > 3) o3 += pj * vp[3];
+        }
+        acc[c] = o0;
+        if (w > 1) acc[c + 1] = o1;
+        if (w > 2) acc[c + 2] = o2;
+        if (w > 3) acc[c + 3] = o3;
+    }
+}
+
+/* One item. `lanes` = head_dim / 8; the wrappers below call it with a constant so the
+ * inner loops unroll. Rows are laid out in vector lanes for the softmax: row r is query
+ * position t0 + r / group of head head * group + r % group; R = TILE_Q * group rows, the
+ * ones past the sequence's end zero and never written out. */
+static inline void prefill_item(const float *q, float *out, const float *kc, const float *vc,
+                                const int32_t *block_tables, const int32_t *seq_lens,
+                                const int32_t *query_start_loc, item_t it, int group,
+                                int lanes, int block_size, int window, float scale,
+                                const strides_t *st, float *work) {
+    const int head_dim = lanes * 8, R = TILE_Q * group;
+    const int64_t first = query_start_loc[it.seq];
+    const int n = query_start_loc[it.seq + 1] - (int)first, len = seq_lens[it.seq];
+    const int t0 = it.tile * TILE_Q, tq = n - t0 < TILE_Q ? n - t0 : TILE_Q;
+    const int rows = tq * group;
+    const int pos_lo = len - n + t0, pos_hi = pos_lo + tq - 1;
+    float *qt = work;                                  /* [head_dim, R] scaled queries^T */
+    v8f *acc = (v8f *)(qt + (int64_t)head_dim * R);    /* [R, lanes] */
+    float *sc = (float *)(acc + (int64_t)R * lanes);   /* [block_size + 3, R] scores^T */
+    float *m = sc + (int64_t)(block_size + 3) * R, *l = m + R, *alpha = l + R;
+    int *last = (int *)(alpha + R), *first_key = last + R;  /* visible key range per row */
+    for (int r = 0; r < R; r++) {
+        const int t = t0 + r / group, h = it.head * group + r % group;
+        const float *qp = q + (first + t) * st->q_t + (int64_t)h * st->q_h;
+        for (int d = 0; d < head_dim; d++) qt[(int64_t)d * R + r] = r < rows ? qp[d] * scale : 0.0f;
+        for (int c = 0; c < lanes; c++) acc[r * lanes + c] = (v8f){0};
+        m[r] = MASKED;
+        l[r] = 0.0f;
+        last[r] = r < rows ? pos_lo + r / group : -1;  /* padded rows see nothing */
+        first_key[r] = window > 0 ? last[r] - window + 1 : 0;
+    }
+    const int32_t *table = block_tables + (int64_t)it.seq * st->bt;
+    int pos = window > 0 && pos_lo - window + 1 > 0 ? pos_lo - window + 1 : 0;
+    pos -= pos % block_size;
+    for (; pos <= pos_hi; pos += block_size) {
+        const int64_t block = table[pos / block_size];
+        const int nk = len - pos < block_size ? len - pos : block_size;
+        const float *kb = kc + block * st->k_b + (int64_t)it.head * st->k_h;
+        const float *vb = vc + block * st->v_b + (int64_t)it.head * st->v_h;
+        block_scores(qt, kb, st->k_s, nk, sc, R, head_dim);
+        for (int j = 0; j < nk; j++) {  /* causal and window masks */
+            float *sj = sc + (int64_t)j * R;
+            _Pragma("omp simd")
+            for (int r = 0; r < R; r++)
+                sj[r] = (pos + j <= last[r] && pos + j >= first_key[r]) ? sj[r] : MASKED;
+        }
+        _Pragma("omp simd")
+        for (int r = 0; r < R; r++) {  /* new running max; alpha rescales the old terms */
+            float top = m[r];
+            for (int j = 0; j < nk; j++) top = sc[(int64_t)j * R + r] > top ? sc[(int64_t)j * R + r] : top;
+            alpha[r] = expf(m[r] - top);
+            m[r] = top;
+            l[r] *= alpha[r];
+        }
+        for (int j = 0; j < nk; j++) {
+            float *sj = sc + (int64_t)j * R;
+            _Pragma("omp simd")
+            for (int r = 0; r < R; r++) {
+                const float e = expf(sj[r] - m[r]);
+                sj[r] = sj[r] > MASKED ? e : 0.0f;
+                l[r] += sj[r];
+            }
+        }
+        for (int r = 0; r < rows; r++)
+            block_values(acc + r * lanes, alpha[r], sc + r, R, vb, st->v_s, nk, lanes);
+    }
+    for (int r = 0; r < rows; r++) {
+        const int t = t0 + r / group, h = it.head * group + r % group;
+        v8f *op = (v8f *)(out + (first + t) * st->o_t + (int64_t)h * st->o_h);
+        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+        for (int c = 0; c < lanes; c++) op[c] = acc[r * lanes + c] * inv;
+    }
+}
+
+#define ITEM_FOR(LANES)                                                                     \
+static void prefill_item_##LANES(const float *q, float *out, const float *kc,              \
+                                 const float *vc, const int32_t *bt, const int32_t *sl,    \
+                                 const int32_t *qsl, item_t it, int group, int bs, int w,  \
+                                 float scale, const strides_t *st, float *work) {          \
+    prefill_item(q, out, kc, vc, bt, sl, qsl, it, group, LANES, bs, w, scale, st, work);    \
+}
+ITEM_FOR(8)
+ITEM_FOR(16)
+
+int paged_prefill_f32(const float *q, float *out, const float *kc, const float *vc,
+                      const int32_t *block_tables, const int32_t *seq_lens,
+                      const int32_t *query_start_loc, const int32_t *seq_ids, int num_seqs,
+                      int num_heads, int num_kv_heads, int head_dim, int block_size,
+                      int window, float scale, const strides_t *st, int num_threads) {
+    const int group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
+    if (head_dim % 8 || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK || group < 1
+        || group > MAX_GROUP || num_heads % num_kv_heads || st->q_h % 8 || st->o_h % 8
+        || st->v_s % 8 || st->v_h % 8 || st->k_s % 8 || st->k_h % 8)
+        return 1;
+    int num_items = 0;
+    for (int i = 0; i < num_seqs; i++) {
+        const int s = seq_ids[i], n = query_start_loc[s + 1] - query_start_loc[s];
+        num_items += (n + TILE_Q - 1) / TILE_Q * num_kv_heads;
+    }
+    item_t *items = malloc(sizeof(item_t) * (num_items > 0 ? num_items : 1));
+    if (!items) return 2;
+    /* Longest tiles first (the last tiles of the longest sequences see the most keys),
+     * so dynamic scheduling ends evenly. */
+    int k = 0;
+    for (int i = 0; i < num_seqs; i++) {
+        const int s = seq_ids[i], n = query_start_loc[s + 1] - query_start_loc[s];
+        for (int t = (n + TILE_Q - 1) / TILE_Q - 1; t >= 0; t--)
+            for (int h = 0; h < num_kv_heads; h++) items[k++] = (item_t){s, h, t};
+    }
+    const int lanes = head_dim / 8;
+    const int64_t R = (int64_t)TILE_Q * group;
+    const int64_t work_floats = R * head_dim * 2 + (block_size + 3) * R + 5 * R;
+    int out_of_memory = 0;
+    _Pragma("omp parallel num_threads(num_threads)")
+    {
+        float *work = aligned_alloc(32, ((size_t)work_floats * 4 + 31) / 32 * 32);
+        _Pragma("omp for schedule(dynamic, 1)")
+        for (int i = 0; i < num_items; i++) {
+            if (!work) { out_of_memory = 1; continue; }
+            if (lanes == 8)
+                prefill_item_8(q, out, kc, vc, block_tables, seq_lens, query_start_loc,
+                               items[i], group, block_size, window, scale, st, work);
+            else if (lanes == 16)
+                prefill_item_16(q, out, kc, vc, block_tables, seq_lens, query_start_loc,
+                                items[i], group, block_size, window, scale, st, work);
+            else
+                prefill_item(q, out, kc, vc, block_tables, seq_lens, query_start_loc,
+                             items[i], group, lanes, block_size, window, scale, st, work);
+        }
+        free(work);
+    }
+    free(items);
+    return out_of_memory ? 2 : 0;
+}
