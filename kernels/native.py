@@ -29,8 +29,11 @@ log = logging.getLogger("fusegen.kernels")
 
 _SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.c"))
 # -ffast-math lets reductions reassociate into vector lanes and expf vectorise (glibc's
-# libmvec); the kernels never rely on inf/NaN arithmetic.
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-shared", "-fPIC", "-std=gnu11"]
+# libmvec); the kernels never rely on inf/NaN arithmetic. It is a compile flag only:
+# linking with it adds crtfastmath.o, whose constructor would switch the loading thread
+# to flush-to-zero, changing torch's own results on subnormal values in that thread.
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-std=gnu11"]
+_LINK_FLAGS = ["-shared", "-fopenmp"]
 
 
 class Strides(ctypes.Structure):
@@ -86,7 +89,8 @@ def build(sources: list[Path] = _SOURCES) -> Path:
     except OSError as exc:
         raise RuntimeError(f"the C compiler {cc} cannot run: {exc}") from exc
     key = hashlib.sha256("\0".join(
-        [*(p.read_text() for p in sources), " ".join(_FLAGS), version, _cpu_flags()]
+        [*(p.read_text() for p in sources), " ".join(_FLAGS + _LINK_FLAGS), version,
+         _cpu_flags()]
     ).encode()).hexdigest()[:16]
     target = _cache_dir() / f"fusegen-cpu-{key}.so"
     if target.exists():
@@ -96,17 +100,24 @@ def build(sources: list[Path] = _SOURCES) -> Path:
     # together) each write their own file and the last rename wins, never a torn file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    try:
-        done = subprocess.run([cc, *_FLAGS, "-o", tmp, *map(str, sources), "-lm"],
-                              capture_output=True, text=True)
-        if done.returncode != 0:
-            names = ", ".join(p.name for p in sources)
-            raise RuntimeError(f"{cc} failed on {names}:\n{done.stderr.strip()}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with tempfile.TemporaryDirectory(dir=target.parent) as objects:
+        try:
+            outputs = []
+            for source in sources:
+                outputs.append(str(Path(objects) / f"{source.stem}.o"))
+                _run(cc, [*_FLAGS, "-c", str(source), "-o", outputs[-1]], source.name)
+            _run(cc, [*_LINK_FLAGS, "-o", tmp, *outputs, "-lm"], "the link")
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     return target
+
+
+def _run(cc: str, args: list[str], what: str) -> None:
+    done = subprocess.run([cc, *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{cc} failed on {what}:\n{done.stderr.strip()}")
 
 
 @functools.cache

@@ -25,22 +25,32 @@ except ImportError:  # no Triton on this platform: the reference still serves
     from fusegen.kernels._triton_stub import tl, triton
 
 
+# The C kernels' storage types: fp32, and bf16 rounded where the reference rounds.
+_NATIVE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+# torch sums a row of floats in vectors of 8 (16 in its AVX-512 kernels) and then across
+# the lanes; the C kernel adds in the same order, so its mean of squares, and every bf16
+# rounding after it, is the reference's to the bit.
+_SUM_LANES = 16 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 8
+
+
 def rms_norm(x, weight, eps: float, residual=None):
-    """Dispatcher: the Triton kernel on CUDA, the C kernel for fp32 on CPUs, the
-    torch reference elsewhere."""
+    """Dispatcher: the Triton kernel on CUDA, the C kernel for fp32 and bf16 on CPUs,
+    the torch reference elsewhere."""
     if use_triton(x):
         return rms_norm_triton(x, weight, eps, residual)
-    if x.dtype == torch.float32 and use_native(x):
+    same_dtype = weight.dtype == x.dtype and (residual is None or residual.dtype == x.dtype)
+    if x.dtype in _NATIVE_SUFFIX and same_dtype and use_native(x):
         return rms_norm_native(x, weight, eps, residual)
     return rms_norm_reference(x, weight, eps, residual)
 
 
 def rms_norm_native(x, weight, eps: float, residual=None):
-    """fp32 CPU tensors, rows contiguous along the hidden dimension (kernels/csrc)."""
+    """fp32 or bf16 CPU tensors, rows contiguous along the hidden dimension
+    (kernels/csrc/elementwise.c)."""
     from fusegen.kernels import native
 
     hidden = x.shape[-1]
-    assert x.dtype == weight.dtype == torch.float32 and weight.is_contiguous()
+    assert x.dtype == weight.dtype and x.dtype in _NATIVE_SUFFIX and weight.is_contiguous()
     x2 = x.reshape(-1, hidden)
     assert x2.stride(-1) == 1, "the hidden dimension must be contiguous"
     out = torch.empty(x2.shape, dtype=x.dtype)
@@ -50,11 +60,11 @@ def rms_norm_native(x, weight, eps: float, residual=None):
         res_out = torch.empty(x2.shape, dtype=x.dtype)
     else:
         res2 = res_out = None
-    native.library().rms_norm_f32(
-        x2.data_ptr(), None if res2 is None else res2.data_ptr(), weight.data_ptr(),
-        out.data_ptr(), None if res_out is None else res_out.data_ptr(), x2.shape[0], hidden,
-        eps, x2.stride(0), 0 if res2 is None else res2.stride(0), out.stride(0),
-        0 if res_out is None else res_out.stride(0), torch.get_num_threads())
+    kernel = getattr(native.library(), f"rms_norm_{_NATIVE_SUFFIX[x.dtype]}")
+    kernel(x2.data_ptr(), None if res2 is None else res2.data_ptr(), weight.data_ptr(),
+           out.data_ptr(), None if res_out is None else res_out.data_ptr(), x2.shape[0],
+           hidden, eps, x2.stride(0), 0 if res2 is None else res2.stride(0), out.stride(0),
+           0 if res_out is None else res_out.stride(0), _SUM_LANES, torch.get_num_threads())
     out = out.view(x.shape)
     return out if residual is None else (out, res_out.view(x.shape))
 

@@ -11,7 +11,8 @@ Shapes:
   positions  [T] int
   q          [T, Hq, D]     any token and head strides (views of a fused qkv work)
   k          [T, Hkv, D]
-  cos, sin   [max_positions, R / 2] half-width tables, R <= D, usually fp32
+  cos, sin   [max_positions, R / 2] half-width tables, R <= D (the engine's are in the
+             model dtype)
 
 Triton launch: one program per token rotates all its q and k heads, reading the
 token's cos/sin row once.
@@ -29,22 +30,31 @@ except ImportError:  # no Triton on this platform: the reference still serves
     from fusegen.kernels._triton_stub import tl, triton
 
 
+# The C kernels' storage types: fp32, and bf16 rounded where the reference rounds.
+_NATIVE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
 def rotary_embedding(positions, q, k, cos, sin) -> None:
-    """Dispatcher: the Triton kernel on CUDA, the C kernel for fp32 on CPUs, the
+    """Dispatcher: the Triton kernel on CUDA, the C kernel on CPUs when q, k and the
+    tables are all fp32 or all bf16 (the engine's tables are in the model dtype), the
     torch reference elsewhere."""
     if use_triton(q):
         return rotary_embedding_triton(positions, q, k, cos, sin)
-    if q.dtype == k.dtype == cos.dtype == torch.float32 and use_native(q):
+    same_dtype = q.dtype == k.dtype == cos.dtype == sin.dtype
+    if same_dtype and q.dtype in _NATIVE_SUFFIX and use_native(q):
         return rotary_embedding_native(positions, q, k, cos, sin)
     return rotary_embedding_reference(positions, q, k, cos, sin)
 
 
 def rotary_embedding_native(positions, q, k, cos, sin) -> None:
-    """In place on fp32 CPU q [T, Hq, D] and k [T, Hkv, D] (kernels/csrc)."""
+    """In place on fp32 or bf16 CPU q [T, Hq, D] and k [T, Hkv, D], the tables in the
+    same dtype (kernels/csrc/elementwise.c)."""
     from fusegen.kernels import native
 
     num_tokens, num_heads, head_dim = q.shape
     half = cos.shape[-1]
+    assert q.dtype == k.dtype == cos.dtype == sin.dtype and q.dtype in _NATIVE_SUFFIX, \
+        f"q {q.dtype}, k {k.dtype}, cos {cos.dtype}, sin {sin.dtype}: one of fp32 or bf16"
     assert 2 * half <= head_dim, f"rotary width {2 * half} > head_dim {head_dim}"
     assert cos.stride() == sin.stride() and cos.stride(1) == 1, \
         "cos and sin must have the same strides, contiguous along R/2"
@@ -55,10 +65,10 @@ def rotary_embedding_native(positions, q, k, cos, sin) -> None:
         # The C kernel indexes the table unchecked.
         raise IndexError(f"positions {int(positions.min())}..{int(positions.max())} outside "
                          f"the rotary table's {cos.shape[0]} rows")
-    native.library().rotary_f32(
-        positions.data_ptr(), q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-        num_tokens, num_heads, k.shape[1], half, q.stride(0), q.stride(1), k.stride(0),
-        k.stride(1), cos.stride(0), torch.get_num_threads())
+    kernel = getattr(native.library(), f"rotary_{_NATIVE_SUFFIX[q.dtype]}")
+    kernel(positions.data_ptr(), q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+           num_tokens, num_heads, k.shape[1], half, q.stride(0), q.stride(1), k.stride(0),
+           k.stride(1), cos.stride(0), torch.get_num_threads())
 
 
 @triton.jit

@@ -23,26 +23,32 @@ except ImportError:  # no Triton on this platform: the reference still serves
     from fusegen.kernels._triton_stub import tl, triton
 
 
+# The C kernels' storage types: fp32, and bf16 rounded where the reference rounds.
+_NATIVE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
 def silu_and_mul(x) -> torch.Tensor:
-    """Dispatcher: the Triton kernel on CUDA, the C kernel for fp32 on CPUs, the
-    torch reference elsewhere."""
+    """Dispatcher: the Triton kernel on CUDA, the C kernel for fp32 and bf16 on CPUs,
+    the torch reference elsewhere."""
     if use_triton(x):
         return silu_and_mul_triton(x)
-    if x.dtype == torch.float32 and use_native(x):
+    if x.dtype in _NATIVE_SUFFIX and use_native(x):
         return silu_and_mul_native(x)
     return silu_and_mul_reference(x)
 
 
 def silu_and_mul_native(x) -> torch.Tensor:
-    """fp32 CPU tensors, rows contiguous (kernels/csrc)."""
+    """fp32 or bf16 CPU tensors, rows contiguous (kernels/csrc/elementwise.c)."""
     from fusegen.kernels import native
 
     intermediate = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * intermediate)
-    assert x2.dtype == torch.float32 and x2.stride(-1) == 1, "rows must be contiguous fp32"
+    assert x2.dtype in _NATIVE_SUFFIX and x2.stride(-1) == 1, \
+        f"rows must be contiguous fp32 or bf16, got {x2.dtype} with strides {x2.stride()}"
     out = torch.empty(x2.shape[0], intermediate, dtype=x.dtype)
-    native.library().silu_mul_f32(x2.data_ptr(), out.data_ptr(), x2.shape[0], intermediate,
-                                  x2.stride(0), out.stride(0), torch.get_num_threads())
+    kernel = getattr(native.library(), f"silu_mul_{_NATIVE_SUFFIX[x.dtype]}")
+    kernel(x2.data_ptr(), out.data_ptr(), x2.shape[0], intermediate, x2.stride(0),
+           out.stride(0), torch.get_num_threads())
     return out.view(*x.shape[:-1], intermediate)
 
 

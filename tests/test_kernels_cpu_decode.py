@@ -164,3 +164,16 @@ def test_tables_outside_the_cache_are_refused():
     longer = torch.tensor([3, 13], dtype=torch.int32)  # 13 tokens need 4 blocks of 4; 3 listed
     with pytest.raises(IndexError, match="sequences of up to 13 tokens"):
         paged_decode_native(*args(batch["block_tables"], longer), scale=0.1)
+
+
+def test_loading_the_kernels_keeps_subnormals(tmp_path):
+    """-ffast-math at link time would add crtfastmath.o, whose constructor turns on
+    flush-to-zero in the loading thread: torch's own results would change there."""
+    script = ("import torch\n"
+              "from fusegen.kernels import native\n"
+              "assert native.library() is not None\n"
+              "print(float(torch.tensor([1e-40]) * 1.0))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env={**os.environ, "FUSEGEN_CACHE_DIR": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    assert float(done.stdout) == pytest.approx(1e-40, rel=1e-3)

@@ -1,75 +1,254 @@
-/* Row-wise fp32 operations for CPUs, each one pass over memory where torch makes
- * several (and allocates a temporary per pass): the residual add fused with RMSNorm,
+/* Row-wise operations for CPUs, each one pass over memory where torch makes several
+ * (and allocates a temporary per pass): the residual add fused with RMSNorm,
  * SiLU(gate) * up, and rotary embedding in place. Rows are spread over OpenMP threads;
- * each row's inner loop is vectorised by the compiler.
+ * each row's inner loops are vectorised by the compiler.
  *
- * The arithmetic follows the torch references (kernels/rms_norm.py, silu_mul.py,
- * rotary.py): RMSNorm squares, averages and scales in fp32 and multiplies by the
- * weight last; rotary rotates the first 2 * half channels of each head as
- * (x1 c - x2 s, x2 c + x1 s).
+ * Two storage types share one algorithm per op: fp32, and bf16 (uint16_t bits) computed
+ * in fp32 and rounded back to bf16 wherever the torch references (kernels/rms_norm.py,
+ * silu_mul.py, rotary.py) round in the model dtype, so the bf16 outputs are theirs to
+ * the bit and the engine's tokens do not change with the kernel. That takes torch's
+ * exact operations in fp32 too: its order of summation, its exp (SLEEF's expf_u10, as
+ * ATen's AVX2 / AVX-512 kernels call it), true division and square root, no fused
+ * multiply-adds. The library is built with -ffast-math (native.py), which would allow
+ * reassociation, reciprocal approximations and contraction, so this file opts out.
  */
+#if defined(__clang__)
+#pragma float_control(precise, on)
+#pragma clang fp contract(off)
+#else
+#pragma GCC optimize("no-fast-math", "fp-contract=off", "no-math-errno", "no-trapping-math")
+#endif
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
-/* out = weight * (h / sqrt(mean(h^2) + eps)), h = x (+ residual, also written to
- * residual_out when residual is not NULL). Strides are per row, in elements. */
-void rms_norm_f32(const float *x, const float *residual, const float *weight, float *out,
-                  float *residual_out, int64_t rows, int hidden, float eps, int64_t x_stride,
-                  int64_t res_stride, int64_t out_stride, int64_t res_out_stride,
-                  int num_threads) {
-    _Pragma("omp parallel for num_threads(num_threads) schedule(static)")
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * x_stride;
-        float *o = out + r * out_stride;
-        const float *h = xr;
-        if (residual) {
-            const float *rr = residual + r * res_stride;
-            float *ro = residual_out + r * res_out_stride;
-            _Pragma("omp simd")
-            for (int i = 0; i < hidden; i++) ro[i] = xr[i] + rr[i];
-            h = ro;
+typedef union { float f; uint32_t u; } f32_bits_t;
+
+/* f rounded to bf16 (nearest, ties to even), as fp32 bits with the low half zero; a NaN
+ * stays a quiet NaN. Integer arithmetic; f != f holds for NaN since the pragma above
+ * takes this file out of -ffast-math. */
+static inline uint32_t bf16_rounded_bits(float f) {
+    const f32_bits_t b = {.f = f};
+    const uint32_t nearest_even = b.u + 0x7fffu + ((b.u >> 16) & 1u);
+    return (f != f ? b.u | 0x400000u : nearest_even) & 0xffff0000u;
+}
+
+static inline uint16_t f32_to_bf16(float f) { return (uint16_t)(bf16_rounded_bits(f) >> 16); }
+
+static inline float bf16_to_f32(uint16_t h) {
+    f32_bits_t b = {.u = (uint32_t)h << 16};
+    return b.f;
+}
+
+/* Element access for both storage types; `bf16` is a literal at every call site, so
+ * each inlined copy keeps one branch. */
+static inline float load(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void store(void *p, int64_t i, float v, int bf16) {
+    if (bf16)
+        ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else
+        ((float *)p)[i] = v;
+}
+
+/* v as the model dtype holds it: the rounding torch makes between two ops in bf16. */
+static inline float in_dtype(float v, int bf16) {
+    if (!bf16) return v;
+    const f32_bits_t b = {.u = bf16_rounded_bits(v)};
+    return b.f;
+}
+
+/* --- RMSNorm ------------------------------------------------------------------------ */
+
+#define SUM_LEVELS 4
+#define SUM_ILP 4
+#define MAX_SUM_LANES 16
+
+static int ceil_log2(int64_t x) {
+    int r = 0;
+    while (((int64_t)1 << r) < x) r++;
+    return r;
+}
+
+/* sum(h[i]^2) in the order of ATen's cascade_sum over a contiguous row (SumKernel.cpp):
+ * the row read as vectors of `lanes` floats, 4 vectors at a time into a 4-level cascade
+ * of accumulators, the leftover vectors into the first, the 4 partial vectors added,
+ * then the leftover scalars and the lanes one by one. Rows shorter than a vector are
+ * summed the same way with 1-float vectors. */
+static inline __attribute__((always_inline)) float
+sum_squares_in(const void *h, int64_t n, int lanes, int bf16) {
+    const int width = SUM_ILP * lanes;
+    const int64_t num_vectors = n / lanes, num_steps = num_vectors / SUM_ILP;
+    int power = ceil_log2(num_steps) / SUM_LEVELS; /* levels of 2^power steps, 16 at least */
+    if (power < 4) power = 4;
+    const int64_t level_step = (int64_t)1 << power, level_mask = level_step - 1;
+    float acc[SUM_LEVELS][SUM_ILP * MAX_SUM_LANES];
+    memset(acc, 0, sizeof acc);
+    int64_t i = 0;
+    while (i + level_step <= num_steps) {
+        for (int64_t end = i + level_step; i < end; i++)
+            for (int c = 0; c < width; c++) {
+                const float v = load(h, i * width + c, bf16);
+                acc[0][c] += v * v;
+            }
+        for (int l = 1; l < SUM_LEVELS; l++) {
+            for (int c = 0; c < width; c++) {
+                acc[l][c] += acc[l - 1][c];
+                acc[l - 1][c] = 0.0f;
+            }
+            if (i & (level_mask << (l * power))) break;
         }
-        float sum = 0.0f;
-        _Pragma("omp simd reduction(+:sum)")
-        for (int i = 0; i < hidden; i++) sum += h[i] * h[i];
-        const float inv = 1.0f / sqrtf(sum / hidden + eps);
-        _Pragma("omp simd")
-        for (int i = 0; i < hidden; i++) o[i] = weight[i] * (h[i] * inv);
+    }
+    for (; i < num_steps; i++)
+        for (int c = 0; c < width; c++) {
+            const float v = load(h, i * width + c, bf16);
+            acc[0][c] += v * v;
+        }
+    for (int l = 1; l < SUM_LEVELS; l++)
+        for (int c = 0; c < width; c++) acc[0][c] += acc[l][c];
+    for (int64_t e = num_steps * width; e < num_vectors * lanes; e++) {
+        const float v = load(h, e, bf16);
+        acc[0][e % lanes] += v * v;
+    }
+    float *partial = acc[0]; /* [SUM_ILP, lanes] -> [lanes] */
+    for (int k = 1; k < SUM_ILP; k++)
+        for (int c = 0; c < lanes; c++) partial[c] += partial[k * lanes + c];
+    if (lanes == 1) return partial[0];
+    float total = 0.0f;
+    for (int64_t e = num_vectors * lanes; e < n; e++) {
+        const float v = load(h, e, bf16);
+        total += v * v;
+    }
+    for (int c = 0; c < lanes; c++) total += partial[c];
+    return total;
+}
+
+/* The vector width as a constant in each copy, so the accumulators live in registers. */
+static inline __attribute__((always_inline)) float
+sum_squares(const void *h, int64_t n, int lanes, int bf16) {
+    if (n < lanes) return sum_squares_in(h, n, 1, bf16);
+    return lanes == 16 ? sum_squares_in(h, n, 16, bf16) : sum_squares_in(h, n, 8, bf16);
+}
+
+/* out = weight * (h * rsqrt(mean(h^2) + eps)) rounded to the dtype before the weight,
+ * h = x (+ residual, rounded to the dtype and written to residual_out when residual is
+ * not NULL). */
+static inline __attribute__((always_inline)) void
+rms_norm_row(const void *x, const void *residual, const void *weight, void *out,
+             void *residual_out, int hidden, float eps, int sum_lanes, int bf16) {
+    const void *h = x;
+    if (residual) {
+        for (int i = 0; i < hidden; i++)
+            store(residual_out, i, load(x, i, bf16) + load(residual, i, bf16), bf16);
+        h = residual_out;
+    }
+    const float mean = sum_squares(h, hidden, sum_lanes, bf16) / (float)hidden;
+    const float inv = 1.0f / sqrtf(mean + eps);
+    for (int i = 0; i < hidden; i++)
+        store(out, i, load(weight, i, bf16) * in_dtype(load(h, i, bf16) * inv, bf16), bf16);
+}
+
+/* --- SiLU-mul ----------------------------------------------------------------------- */
+
+static inline float pow2i(int32_t q) {
+    f32_bits_t b = {.u = (uint32_t)(q + 0x7f) << 23};
+    return b.f;
+}
+
+/* SLEEF's expf_u10 (FMA form, as in ATen's Vectorized<float>::exp on AVX2 / AVX-512),
+ * step for step: silu's results are then torch's to the bit. */
+static inline float sleef_expf(float d) {
+    const int32_t q = (int32_t)rintf(d * 1.442695040888963407359924681001892137f);
+    float s = fmaf((float)q, -0.693145751953125f, d);
+    s = fmaf((float)q, -1.428606765330187045e-06f, s);
+    float u = 0.000198527617612853646278381f;
+    u = fmaf(u, s, 0.00139304355252534151077271f);
+    u = fmaf(u, s, 0.00833336077630519866943359f);
+    u = fmaf(u, s, 0.0416664853692054748535156f);
+    u = fmaf(u, s, 0.166666671633720397949219f);
+    u = fmaf(u, s, 0.5f);
+    u = 1.0f + fmaf(s * s, u, s);
+    u = u * pow2i(q >> 1) * pow2i(q - (q >> 1));
+    u = d < -104.0f ? 0.0f : u;
+    return d > 100.0f ? INFINITY : u;
+}
+
+/* gate, up [inter] -> out [inter] = silu(gate) (rounded to the dtype) * up */
+static inline __attribute__((always_inline)) void
+silu_mul_row(const void *gate, const void *up, void *out, int inter, int bf16) {
+    for (int i = 0; i < inter; i++) {
+        const float g = load(gate, i, bf16);
+        const float act = in_dtype(g / (1.0f + sleef_expf(-g)), bf16);
+        store(out, i, act * load(up, i, bf16), bf16);
     }
 }
 
-/* x [rows, 2 * inter] (gate | up) -> out [rows, inter] = silu(gate) * up */
-void silu_mul_f32(const float *x, float *out, int64_t rows, int inter, int64_t x_stride,
-                  int64_t out_stride, int num_threads) {
-    _Pragma("omp parallel for num_threads(num_threads) schedule(static)")
-    for (int64_t r = 0; r < rows; r++) {
-        const float *g = x + r * x_stride, *u = g + inter;
-        float *o = out + r * out_stride;
-        _Pragma("omp simd")
-        for (int i = 0; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-    }
+/* --- rotary ------------------------------------------------------------------------- */
+
+/* A token's cos or sin row in fp32, read once for all its heads. */
+static inline __attribute__((always_inline)) void
+load_row(const void *src, float *dst, int n, int bf16) {
+    for (int i = 0; i < n; i++) dst[i] = load(src, i, bf16);
 }
 
-/* In place on q [T, Hq, D] and k [T, Hkv, D]: channels [0, half) and [half, 2 half) of
- * each head rotate by the angle of the token's position; cos/sin are [positions, half]
- * with row stride cs_stride. */
-static inline void rotate(float *x, const float *c, const float *s, int half) {
-    _Pragma("omp simd")
+/* Channels [0, half) and [half, 2 half) of one head: (x1 c - x2 s, x2 c + x1 s), each
+ * product rounded to the dtype before the sum, as torch computes it in that dtype. */
+static inline __attribute__((always_inline)) void
+rotate(void *x, const float *c, const float *s, int half, int bf16) {
     for (int i = 0; i < half; i++) {
-        const float x1 = x[i], x2 = x[half + i];
-        x[i] = x1 * c[i] - x2 * s[i];
-        x[half + i] = x2 * c[i] + x1 * s[i];
+        const float x1 = load(x, i, bf16), x2 = load(x, half + i, bf16);
+        const float ci = c[i], si = s[i];
+        store(x, i, in_dtype(x1 * ci, bf16) - in_dtype(x2 * si, bf16), bf16);
+        store(x, half + i, in_dtype(x2 * ci, bf16) + in_dtype(x1 * si, bf16), bf16);
     }
 }
 
-void rotary_f32(const int64_t *positions, float *q, float *k, const float *cos_t,
-                const float *sin_t, int64_t tokens, int num_heads, int num_kv_heads, int half,
-                int64_t q_t, int64_t q_h, int64_t k_t, int64_t k_h, int64_t cs_stride,
-                int num_threads) {
-    _Pragma("omp parallel for num_threads(num_threads) schedule(static)")
-    for (int64_t t = 0; t < tokens; t++) {
-        const float *c = cos_t + positions[t] * cs_stride, *s = sin_t + positions[t] * cs_stride;
-        for (int h = 0; h < num_heads; h++) rotate(q + t * q_t + h * q_h, c, s, half);
-        for (int h = 0; h < num_kv_heads; h++) rotate(k + t * k_t + h * k_h, c, s, half);
-    }
+/* --- entry points, one set per storage type T -------------------------------------- */
+
+/* rms_norm: x, residual, out, residual_out [rows, hidden] with the given row strides
+ *   (elements); residual NULL for none. sum_lanes: the float vector width of torch's
+ *   CPU kernels (8, or 16 with AVX-512), which fixes its order of summation.
+ * silu_mul: x [rows, 2 * inter] (gate | up) -> out [rows, inter].
+ * rotary: in place on q [T, Hq, D] and k [T, Hkv, D] (token and head strides given, D
+ *   contiguous); cos/sin [positions, half] with row stride cs_stride, in T as well. */
+#define DEFINE_ELEMENTWISE(SUFFIX, T, BF16)                                                 \
+void rms_norm_##SUFFIX(const T *x, const T *residual, const T *weight, T *out,             \
+                       T *residual_out, int64_t rows, int hidden, float eps,               \
+                       int64_t x_stride, int64_t res_stride, int64_t out_stride,           \
+                       int64_t res_out_stride, int sum_lanes, int num_threads) {           \
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static)")                   \
+    for (int64_t r = 0; r < rows; r++)                                                      \
+        rms_norm_row(x + r * x_stride, residual ? residual + r * res_stride : NULL,        \
+                     weight, out + r * out_stride,                                          \
+                     residual ? residual_out + r * res_out_stride : NULL, hidden, eps,     \
+                     sum_lanes, BF16);                                                      \
+}                                                                                           \
+                                                                                            \
+void silu_mul_##SUFFIX(const T *x, T *out, int64_t rows, int inter, int64_t x_stride,       \
+                       int64_t out_stride, int num_threads) {                               \
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static)")                   \
+    for (int64_t r = 0; r < rows; r++)                                                      \
+        silu_mul_row(x + r * x_stride, x + r * x_stride + inter, out + r * out_stride,      \
+                     inter, BF16);                                                          \
+}                                                                                           \
+                                                                                            \
+void rotary_##SUFFIX(const int64_t *positions, T *q, T *k, const T *cos_t, const T *sin_t,  \
+                     int64_t tokens, int num_heads, int num_kv_heads, int half,             \
+                     int64_t q_t, int64_t q_h, int64_t k_t, int64_t k_h, int64_t cs_stride, \
+                     int num_threads) {                                                     \
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static)")                   \
+    for (int64_t t = 0; t < tokens; t++) {                                                  \
+        float c[half], s[half];                                                             \
+        load_row(cos_t + positions[t] * cs_stride, c, half, BF16);                          \
+        load_row(sin_t + positions[t] * cs_stride, s, half, BF16);                          \
+        for (int h = 0; h < num_heads; h++) rotate(q + t * q_t + h * q_h, c, s, half, BF16); \
+        for (int h = 0; h < num_kv_heads; h++)                                              \
+            rotate(k + t * k_t + h * k_h, c, s, half, BF16);                                \
+    }                                                                                       \
 }
+
+DEFINE_ELEMENTWISE(f32, float, 0)
+DEFINE_ELEMENTWISE(bf16, uint16_t, 1)
