@@ -75,7 +75,7 @@ def paged_prefill_native(q, k_cache, v_cache, block_tables, seq_lens, query_star
     """Prefill attention (kernels/csrc/paged_prefill.c) for the sequences `seq_ids`, each
     with its query rows query_start_loc[i]..[i+1] the last of its seq_lens[i] tokens,
     into `out` in place. fp32 only; False (nothing written) for a shape the kernel does
-    not take (head_dim not a multiple of 8, more than 16 query heads per KV head), which
+    not take (head_dim not a multiple of 32, more than 16 query heads per KV head), which
     the caller then runs another way."""
     if q.dtype != torch.float32 or seq_ids is None or len(seq_ids) == 0:
         return False

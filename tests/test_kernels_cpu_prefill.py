@@ -44,8 +44,9 @@ def _reference(q, k_cache, v_cache, tables, lens, starts, window=0):
     (8, 4, 64, 16, [(40, 40), (17, 90)], 20),  # sliding window
     (4, 4, 128, 32, [(70, 70), (9, 200)], 0),  # MHA, head_dim 128
     (12, 2, 32, 8, [(50, 60)], 0),  # six query heads per KV head
-    (6, 2, 24, 5, [(13, 13), (7, 30)], 0),  # head_dim 24, block 5
-    (2, 1, 8, 1, [(3, 3), (4, 9)], 2),  # one token per block, tiny window
+    (6, 2, 96, 5, [(13, 13), (7, 30)], 0),  # head_dim 96, block 5
+    (2, 1, 32, 1, [(3, 3), (4, 9)], 2),  # one token per block, tiny window
+    (3, 3, 256, 16, [(21, 21), (1, 5)], 0),  # head_dim 256, an odd query row
 ])
 def test_prefill_kernel_matches_the_reference(heads, kv_heads, head_dim, block_size, specs,
                                               window):
@@ -60,7 +61,7 @@ def test_prefill_kernel_matches_the_reference(heads, kv_heads, head_dim, block_s
 
 
 def test_only_the_listed_sequences_are_written():
-    q, k_cache, v_cache, tables, lens, starts = _case(4, 2, 16, 4, [(6, 6), (5, 11), (3, 3)])
+    q, k_cache, v_cache, tables, lens, starts = _case(4, 2, 32, 4, [(6, 6), (5, 11), (3, 3)])
     out = torch.full_like(q, float("nan"))
     assert paged_prefill_native(q, k_cache, v_cache, tables, lens, starts, out, [0, 2],
                                 scale=0.25)

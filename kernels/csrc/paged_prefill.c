@@ -1,4 +1,4 @@
-/* Prefill attention over a paged KV cache, for CPUs (fp32, head_dim a multiple of 8).
+/* Prefill attention over a paged KV cache, for CPUs (fp32, head_dim a multiple of 32).
  *
  * A prefill sequence's n query rows are the last n of its seq_len tokens; their keys and
  * values (the new ones included) are already in the cache. Work items are
@@ -7,14 +7,14 @@
  * and walks the sequence's blocks in place up to the tile's last position, with an
  * online softmax in fp32. Per block, scores are a small matrix product done as outer
  * products (the block's keys transposed once into scratch, each query value broadcast),
- * and the values are accumulated row by row with the accumulator kept in registers:
+ * and the values are accumulated two rows at a time with the accumulators in registers:
  * both inner loops issue one FMA per load or better, where torch's fused attention
  * reaches 46-68 GFLOP/s on these shapes (docs/performance.md).
  *
  * Layouts as in paged_decode.c: q, out [T, Hq, D]; caches [N, block_size, Hkv, D];
  * block_tables [B, W] int32, seq_lens [B] int32, query_start_loc [B+1] int32;
  * seq_ids [n] int32 lists the sequences to compute. Returns 0, 1 for a shape it does not
- * take (head_dim not a multiple of 8 or over 256, block_size over 256, heads not a
+ * take (head_dim not a multiple of 32 or over 256, block_size over 256, heads not a
  * multiple of KV heads), 2 when scratch could not be allocated.
  */
 #include <float.h>
@@ -71,28 +71,34 @@ static inline void block_scores(const float *qt, const float *kb, int64_t k_s, i
     }
 }
 
-/* acc[0:lanes] = acc * alpha + sum_j p[j * R] v[j], four vectors (32 channels) at a time
- * kept in registers over the keys. */
-static inline void block_values(v8f *acc, float alpha, const float *p, int R, const float *vb,
+/* Two rows at once: acc_a = acc_a * alpha_a + sum_j pa[j * R] v[j], and the same for b,
+ * sharing each loaded value vector (four vectors, 32 channels, at a time in registers).
+ * With b == NULL only row a is computed. */
+static inline void block_values(v8f *acc_a, v8f *acc_b, float alpha_a, float alpha_b,
+                                const float *pa, const float *pb, int R, const float *vb,
                                 int64_t v_s, int nk, int lanes) {
     for (int c = 0; c < lanes; c += 4) {
-        const int w = lanes - c < 4 ? lanes - c : 4;
-        v8f o0 = acc[c] * alpha, o1 = {0}, o2 = {0}, o3 = {0};
-        if (w > 1) o1 = acc[c + 1] * alpha;
-        if (w > 2) o2 = acc[c + 2] * alpha;
-        if (w > 3) o3 = acc[c + 3] * alpha;
+        v8f a0 = acc_a[c] * alpha_a, a1 = acc_a[c + 1] * alpha_a;
+        v8f a2 = acc_a[c + 2] * alpha_a, a3 = acc_a[c + 3] * alpha_a;
+        v8f b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+        if (acc_b) {
+            b0 = acc_b[c] * alpha_b; b1 = acc_b[c + 1] * alpha_b;
+            b2 = acc_b[c + 2] * alpha_b; b3 = acc_b[c + 3] * alpha_b;
+        }
         for (int j = 0; j < nk; j++) {
             const v8f *vp = (const v8f *)(vb + (int64_t)j * v_s) + c;
-            const float pj = p[(int64_t)j * R];
-            o0 += pj * vp[0];
-            if (w > 1) o1 += pj * vp[1];
-            if (w > 2) o2 += pj * vp[2];
-            if (w > 3) o3 += pj * vp[3];
+            const v8f v0 = vp[0], v1 = vp[1], v2 = vp[2], v3 = vp[3];
+            const float x = pa[(int64_t)j * R];
+            a0 += x * v0; a1 += x * v1; a2 += x * v2; a3 += x * v3;
+            if (acc_b) {
+                const float y = pb[(int64_t)j * R];
+                b0 += y * v0; b1 += y * v1; b2 += y * v2; b3 += y * v3;
+            }
         }
-        acc[c] = o0;
-        if (w > 1) acc[c + 1] = o1;
-        if (w > 2) acc[c + 2] = o2;
-        if (w > 3) acc[c + 3] = o3;
+        acc_a[c] = a0; acc_a[c + 1] = a1; acc_a[c + 2] = a2; acc_a[c + 3] = a3;
+        if (acc_b) {
+            acc_b[c] = b0; acc_b[c + 1] = b1; acc_b[c + 2] = b2; acc_b[c + 3] = b3;
+        }
     }
 }
 
@@ -158,8 +164,12 @@ static inline void prefill_item(const float *q, float *out, const float *kc, con
                 l[r] += sj[r];
             }
         }
-        for (int r = 0; r < rows; r++)
-            block_values(acc + r * lanes, alpha[r], sc + r, R, vb, st->v_s, nk, lanes);
+        for (int r = 0; r < rows; r += 2) {
+            const int pair = r + 1 < rows;
+            block_values(acc + r * lanes, pair ? acc + (r + 1) * lanes : NULL, alpha[r],
+                         pair ? alpha[r + 1] : 0.0f, sc + r, sc + r + 1, R, vb, st->v_s, nk,
+                         lanes);
+        }
     }
     for (int r = 0; r < rows; r++) {
         const int t = t0 + r / group, h = it.head * group + r % group;
@@ -185,7 +195,7 @@ int paged_prefill_f32(const float *q, float *out, const float *kc, const float *
                       int num_heads, int num_kv_heads, int head_dim, int block_size,
                       int window, float scale, const strides_t *st, int num_threads) {
     const int group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
-    if (head_dim % 8 || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK || group < 1
+    if (head_dim % 32 || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK || group < 1
         || group > MAX_GROUP || num_heads % num_kv_heads || st->q_h % 8 || st->o_h % 8
         || st->v_s % 8 || st->v_h % 8 || st->k_s % 8 || st->k_h % 8)
         return 1;
