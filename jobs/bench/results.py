@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True)
 class EngineResult:
-    name: str  # "fusegen", "hf_static", "hf_continuous"
+    name: str  # "fusegen", "vllm", "hf_static", "hf_continuous", ...
     label: str  # how the table names it
     elapsed_s: float = 0.0  # wall time of the timed run (model load and warm-up excluded)
     load_s: float = 0.0  # model load, for information
