@@ -48,7 +48,7 @@ def matmul_seconds(dtype: torch.dtype, rows: int = 256, size: int = 1024) -> flo
     """Best of five [rows, size] x [size, size] products, through the linear the engine
     would use for `dtype` (packed for oneDNN where it can be)."""
     from fusegen.engine.weights.linear import Linear
-    from fusegen.engine.weights.packed import PackedLinear, can_pack
+    from fusegen.engine.weights.packed import PackedLinear
 
     linear = Linear()
     linear.weight = torch.randn(size, size).to(dtype)
