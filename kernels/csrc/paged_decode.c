@@ -172,6 +172,20 @@ static inline float hsum8(v8f v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
+/* acc [lanes] += sum over the block's n slots of p[j] * v row j (rows v_s floats
+ * apart). One query at a time, slot after slot: with `lanes` a constant the compiler
+ * keeps acc in registers instead of loading and storing it for every slot. */
+static inline __attribute__((always_inline)) void accumulate_values(
+        v8f *acc, const float *p, const float *v, int64_t v_s, int n, const int lanes) {
+    v8f a[MAX_LANES];
+    for (int c = 0; c < lanes; c++) a[c] = acc[c];
+    for (int j = 0; j < n; j++) {
+        const v8f *vp = (const v8f *)(v + (int64_t)j * v_s);
+        for (int c = 0; c < lanes; c++) a[c] += p[j] * vp[c];
+    }
+    for (int c = 0; c < lanes; c++) acc[c] = a[c];
+}
+
 static void paged_decode_f32x8_item(const float *q, float *out, const float *kc,
                                     const float *vc, const int32_t *block_tables,
                                     const int32_t *seq_lens, const int32_t *query_start_loc,
@@ -244,17 +258,17 @@ static void paged_decode_f32x8_item(const float *q, float *out, const float *kc,
             if (alpha != 1.0f)
                 for (int c = 0; c < lanes; c++) acc[i * lanes + c] *= alpha;
         }
-        for (int j = 0; j < n; j++) {
-            for (int h = h0; h < h1; h++) {
-                const v8f *vp = (const v8f *)(vb + (int64_t)j * st->v_s + (int64_t)h * st->v_h);
-                for (int g = 0; g < group; g++) {
-                    const int i = (h - h0) * group + g;
-                    const float p = s[i * block_size + j];
-                    v8f *ai = acc + i * lanes;
-                    for (int c = 0; c < lanes; c++) ai[c] += p * vp[c];
-                }
+        for (int h = h0; h < h1; h++)
+            for (int g = 0; g < group; g++) {
+                const int i = (h - h0) * group + g;
+                const float *vh = vb + (int64_t)h * st->v_h;
+                if (lanes == 8)  /* head_dim 64: the accumulator stays in registers */
+                    accumulate_values(acc + i * 8, s + i * block_size, vh, st->v_s, n, 8);
+                else if (lanes == 16)  /* head_dim 128 */
+                    accumulate_values(acc + i * 16, s + i * block_size, vh, st->v_s, n, 16);
+                else
+                    accumulate_values(acc + i * lanes, s + i * block_size, vh, st->v_s, n, lanes);
             }
-        }
         pos += n;
     }
     for (int i = 0; i < nq; i++) {

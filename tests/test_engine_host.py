@@ -1,0 +1,44 @@
+"""engine/host.py: the allocator settings a CPU engine makes for itself."""
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fusegen.engine.host import HUGE_PAGE, advise_huge_pages, keep_freed_memory, zeros_huge
+
+_THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _huge_bytes(tensor: torch.Tensor) -> int:
+    """AnonHugePages of the mappings that hold `tensor`'s memory (/proc/self/smaps)."""
+    lo, hi = tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+        if head:
+            start, end = (int(x, 16) for x in head.groups())
+            inside = start < hi and end > lo
+        elif inside and line.startswith("AnonHugePages:"):
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not _THP.is_file()
+                    or "[never]" in _THP.read_text(),
+                    reason="transparent huge pages are off or absent on this machine")
+def test_kv_cache_memory_gets_huge_pages():
+    cache = zeros_huge((8, 2, 256, 16, 4, 64), torch.float32)  # 64 MiB
+    assert cache.count_nonzero() == 0
+    # The kernel may lack free 2 MiB frames on a busy machine; most of the span should not.
+    assert _huge_bytes(cache) >= 16 * HUGE_PAGE
+
+
+def test_advise_refuses_what_holds_no_whole_huge_page():
+    assert not advise_huge_pages(torch.empty(1000))
+
+
+def test_freed_memory_kept_on_glibc():
+    assert keep_freed_memory() is (sys.platform.startswith("linux") and
+                                   "glibc" in " ".join(__import__("platform").libc_ver()))
