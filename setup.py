@@ -35,6 +35,11 @@ setup(
         "pyyaml>=6",  # job and workflow files
         "croniter>=2.0",  # workflow schedules: cron parsing with time zones
         "psutil>=5.9",  # machine-derived defaults (free host memory)
+        # Models named by hub id (org/name): the Hugging Face cache, downloads, revisions.
+        "huggingface_hub>=0.23",
+        # GGUF checkpoints (`LLM("model.gguf")`): the format's own library, for its type
+        # table, its dequantizers and its tensor-name tables (0.17 on: qwen3, gemma3).
+        "gguf>=0.17",
     ],
     extras_require={
         # Reading and writing s3:// URLs.

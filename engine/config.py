@@ -14,6 +14,8 @@ from fusegen.engine.memory.plan import FreeMemory, ModelShape, plan_engine
 from fusegen.engine.models import get_architecture
 from fusegen.engine.models.config import ModelConfig
 from fusegen.engine.options import EngineOptions
+from fusegen.engine.weights.gguf_names import is_gguf
+from fusegen.engine.weights.hub import resolve_model
 from fusegen.engine.weights.packed import can_pack
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -64,6 +66,15 @@ def matmul_seconds(dtype: torch.dtype, rows: int = 256, size: int = 1024) -> flo
     return best
 
 
+def read_model_config(model) -> ModelConfig:
+    """A checkpoint directory's config.json, or a GGUF file's metadata."""
+    if is_gguf(model):
+        from fusegen.engine.weights.gguf import gguf_model_config  # the gguf package
+
+        return gguf_model_config(model)
+    return ModelConfig.from_dir(str(model))
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -88,7 +99,7 @@ class PlanInputs:
 
     @classmethod
     def gather(cls, model, options: EngineOptions) -> "PlanInputs":
-        model_config = ModelConfig.from_dir(str(model))
+        model_config = read_model_config(model)
         device = default_device() if options.device == "auto" else options.device
         dtype = resolve_dtype(options.dtype, device)
         # A head tied to the embedding is packed as a copy on CPUs (weights/packed.py).
@@ -103,7 +114,8 @@ class PlanInputs:
 class EngineConfig:
     """An engine's resolved configuration: the options as given, the model, and what the
     plan made of them. Built once by `EngineConfig.build`; nothing changes it after."""
-    model: str  # a local Hugging Face checkpoint directory
+    model: str  # what the engine reads: a local checkpoint path (a hub id resolved)
+    model_name: str  # the model as the caller named it (a hub id, a path)
     model_config: ModelConfig = field(repr=False)
     options: EngineOptions
     device: str  # resolved: cpu, cuda or cuda:N
@@ -116,13 +128,15 @@ class EngineConfig:
 
     @classmethod
     def build(cls, model, options: EngineOptions | None = None) -> "EngineConfig":
-        """Read the model's config.json, measure the machine, plan (a pure function of
-        the options, the model's sizes and the free memory), freeze."""
+        """Resolve the model's name to local files (a hub id through the Hugging Face
+        cache), read its config, measure the machine, plan (a pure function of the
+        options, the model's sizes and the free memory), freeze."""
         options = options or EngineOptions()
-        inputs = PlanInputs.gather(model, options)
+        path = resolve_model(str(model), options.revision)
+        inputs = PlanInputs.gather(path, options)
         plan = plan_engine(options, inputs.shape, inputs.free)
-        return cls(str(model), inputs.model_config, options, inputs.device, inputs.dtype,
-                   inputs.shape, plan.placement, plan.max_num_seqs,
+        return cls(path, str(model), inputs.model_config, options, inputs.device,
+                   inputs.dtype, inputs.shape, plan.placement, plan.max_num_seqs,
                    plan.max_num_batched_tokens, plan.max_model_len)
 
     @property
@@ -138,9 +152,11 @@ def model_shape(cfg: ModelConfig, dtype: torch.dtype, packed_head: bool = False)
     if packed_head:
         fixed_params += cfg.vocab_size * cfg.hidden_size
     # Alive at once inside a layer, per token: the hidden stream, residual and norms,
-    # q/k/v, and the MLP's gate/up.
-    width = (4 * cfg.hidden_size + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-             + 3 * cfg.intermediate_size)
+    # q/k/v, and the MLP's gate/up; in a mixture of experts (models/moe.py), three
+    # copies of the token's k routed rows, one expert's gate/up, the router's logits.
+    mlp = (3 * cfg.num_experts_per_tok * cfg.hidden_size + 3 * cfg.moe_intermediate_size
+           + cfg.num_experts if cfg.num_experts else 3 * cfg.intermediate_size)
+    width = 4 * cfg.hidden_size + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + mlp
     return ModelShape(num_layers=cfg.num_layers, layer_params=layer_params,
                       fixed_params=fixed_params, kv_width=2 * cfg.num_kv_heads * cfg.head_dim,
                       activation_width=width, vocab_size=cfg.vocab_size,

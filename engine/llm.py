@@ -14,13 +14,15 @@ from fusegen.engine.llm_engine import LLMEngine, Prompt
 from fusegen.engine.options import EngineOptions, describe
 from fusegen.engine.outputs import RequestOutput
 from fusegen.engine.sampling_params import SamplingParams
-from fusegen.engine.tokenizer import PromptLimit
+from fusegen.engine.tokenizer import PromptLimit, messages_problem
 
 
 class LLM:
     def __init__(self, model: str, **options):
-        """`model`: a Hugging Face checkpoint directory. `options`: the fields of
-        `EngineOptions` (listed below); an unknown name is an error."""
+        """`model`: a Hugging Face checkpoint directory, a .gguf file, or a hub id
+        (`org/name`, resolved through the Hugging Face cache, downloaded when missing and
+        the machine can; `revision=` pins it). `options`: the fields of `EngineOptions`
+        (listed below); an unknown name is an error."""
         self.config = EngineConfig.build(model, EngineOptions.from_kwargs(options))
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
@@ -71,6 +73,50 @@ class LLM:
         except BaseException:  # KeyboardInterrupt above all: nobody waits for the rest
             self._cancel(futures)
             raise
+
+    def chat(self, conversations: Sequence[dict] | Sequence[Sequence[dict]],
+             params: SamplingParams | Sequence[SamplingParams] | None = None,
+             add_generation_prompt: bool = True, chat_template: str | None = None
+             ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} dicts) or
+        a list of them, each written out by the model's chat template (or
+        `chat_template`, a Jinja source) and tokenized as transformers'
+        `apply_chat_template(..., tokenize=True)` does. Outputs in input order; a
+        conversation that is malformed or that the template refuses gives an output with
+        finish_reason "error", as a bad prompt does in `generate()`."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        if chat_template is None and not self.tokenizer.chat_template:
+            raise ValueError(
+                f"{self.config.model_name} has no chat template (no chat_template in its "
+                "tokenizer files): pass one, llm.chat(conversations, chat_template=\"{% for "
+                "m in messages %}...{% endfor %}\"), or use generate() with plain prompts")
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(conversations)
+        if len(params) != len(conversations):
+            raise ValueError(f"{len(conversations)} conversations but {len(params)} "
+                             "SamplingParams")
+        prompts = [self._chat_prompt(c, add_generation_prompt, chat_template)
+                   for c in conversations]
+        valid = [i for i, p in enumerate(prompts) if not isinstance(p, RequestOutput)]
+        outputs = iter(self.generate([prompts[i] for i in valid], [params[i] for i in valid])
+                       if valid else [])
+        return [p if isinstance(p, RequestOutput) else next(outputs) for p in prompts]
+
+    def _chat_prompt(self, messages, add_generation_prompt: bool,
+                     chat_template: str | None) -> list[int] | RequestOutput:
+        """The conversation's prompt ids, or an error output saying why there are none."""
+        problem = messages_problem(messages)
+        if problem:
+            return self.engine.error_output(f"invalid_prompt: a conversation {problem}")
+        too_long = self.prompt_limit.conversation_too_long(messages)
+        if too_long:  # before the template renders it and the tokenizer encodes it
+            return self.engine.error_output(too_long)
+        try:
+            return self.tokenizer.encode_chat(messages, add_generation_prompt, chat_template)
+        except Exception as exc:  # noqa: BLE001 - the template's refusal is this request's
+            return self.engine.error_output(
+                f"invalid_prompt: the chat template failed: {type(exc).__name__}: {exc}")
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None) -> Future:
         """Thread-safe. The future resolves to the request's RequestOutput; cancelling it

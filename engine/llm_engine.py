@@ -13,12 +13,14 @@ from fusegen.engine.block_manager import BlockManager
 from fusegen.engine.config import EngineConfig
 from fusegen.engine.errors import ModelLoadError
 from fusegen.engine.detokenizer import IncrementalDetokenizer
+from fusegen.engine.models.rope import recompute_length
 from fusegen.engine.outputs import RequestOutput
 from fusegen.engine.request import Request
 from fusegen.engine.runner import ModelRunner
 from fusegen.engine.sampling_params import SamplingParams
 from fusegen.engine.scheduler import ScheduledBatch, Scheduler
 from fusegen.engine.tokenizer import PromptLimit, Tokenizer, prompt_problem
+from fusegen.engine.weights.gguf_names import is_gguf
 
 Prompt = str | list[int]
 
@@ -80,7 +82,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
                                           self.runner.num_host_blocks)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens, config.max_model_len)
+                                   config.max_num_batched_tokens, config.max_model_len,
+                                   recompute_length(config.model_config, config.max_model_len))
         self.stats = EngineStats()
         self._ids = itertools.count()
 
@@ -116,6 +119,11 @@ class LLMEngine:
         if params.stop:  # it decodes the prompt's tail: here, off the step loop
             request.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
         return request
+
+    def error_output(self, error: str) -> RequestOutput:
+        """A finished error output, under a fresh id, for a request that could not even
+        be made (`LLM.chat`: a conversation its chat template refuses)."""
+        return RequestOutput(next(self._ids), "", [], "error", 0, error)
 
     def _prompt_ids(self, prompt) -> tuple[list[int] | None, str | None]:
         if isinstance(prompt, str):
@@ -176,9 +184,9 @@ class LLMEngine:
         self.runner.close()
 
 
-def _load_tokenizer(model_dir: str) -> Tokenizer:
+def _load_tokenizer(model: str) -> Tokenizer:
     try:
-        return Tokenizer.from_dir(model_dir)
+        return Tokenizer.from_gguf(model) if is_gguf(model) else Tokenizer.from_dir(model)
     except ModelLoadError:
         raise
     except Exception as exc:  # noqa: BLE001 - any tokenizer failure is the checkpoint's

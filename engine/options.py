@@ -76,6 +76,10 @@ class EngineOptions:
     num_host_kv_blocks: int | None = option(
         None, "Exact number of host KV blocks that preempted requests swap to.", kind=int,
         unset="as many as the device pool")
+    # Another revision is other weights: part of a job's identity.
+    revision: str | None = option(
+        None, "Hub revision (branch, tag or commit) of a model named by its hub id "
+        "(org/name); an error for a local path.", unset="main", affects_output=True)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -102,6 +106,10 @@ class EngineOptions:
             if not isinstance(getattr(self, name), bool):
                 raise EngineConfigError(f"{name} must be true or false; got "
                                         f"{getattr(self, name)!r}")
+        if self.revision is not None and (not isinstance(self.revision, str)
+                                          or not self.revision):
+            raise EngineConfigError(f"revision must be a branch, tag or commit name; got "
+                                    f"{self.revision!r}")
         for name in ("device_memory", "host_memory"):
             if getattr(self, name) is not None:  # a typo fails before any model loads
                 _parse(getattr(self, name), 1, name)

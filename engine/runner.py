@@ -8,17 +8,28 @@ from collections import Counter
 import torch
 
 from fusegen.engine.config import EngineConfig
-from fusegen.engine.host import keep_freed_memory
+from fusegen.engine.host import keep_freed_memory, zeros_huge
+from fusegen.engine.weights.gguf_names import is_gguf
 from fusegen.engine.weights.loader import fuse, load_state_dict
 from fusegen.engine.models import get_architecture
 from fusegen.engine.models.decoder import AttentionMetadata
-from fusegen.engine.models.rope import cos_sin_table
+from fusegen.engine.models.rope import cos_sin_tables
 from fusegen.engine.memory.offload import WeightStreamer
 from fusegen.engine.memory.plan import LOGITS_CHUNK, activation_bytes
 from fusegen.engine.weights.linear import ROW_TILE
 from fusegen.engine.weights.packed import PackedLinear, can_pack, pack_linears
 from fusegen.engine.sampler import Sampler, SamplingBatch
 from fusegen.engine.scheduler import ScheduledBatch
+
+
+def _checkpoint_tensors(config: EngineConfig, dtype: torch.dtype) -> dict:
+    """Every weight under its Hugging Face name, none read yet: memory-mapped
+    safetensors, or a GGUF file's tensors, each dequantized into `dtype` when used."""
+    if is_gguf(config.model):
+        from fusegen.engine.weights.gguf import load_gguf_state_dict  # the gguf package
+
+        return load_gguf_state_dict(config.model, config.model_config, dtype)
+    return load_state_dict(config.model, config.model_config, config.options.allow_pickle)
 
 
 class ModelRunner:
@@ -32,10 +43,11 @@ class ModelRunner:
                                            "disk": Counter()}
         if self.device.type == "cpu":
             keep_freed_memory()
-        state = load_state_dict(config.model, cfg, config.options.allow_pickle)  # memory-mapped
+        state = _checkpoint_tensors(config, self.dtype)  # nothing read yet
         self.plan = config.placement
         self.arch = get_architecture(cfg.architecture)
         self.model = self.arch.build_model(cfg)
+        self.model_uses_request_lengths = getattr(self.model, "uses_request_lengths", False)
         if config.options.deterministic:
             self.model.make_deterministic(ROW_TILE)
         self.model.load_fixed(self.arch.fixed_sources(state, cfg), self.device, self.dtype)
@@ -43,13 +55,15 @@ class ModelRunner:
         self._place_layers(state)
         if self.device.type == "cpu" and can_pack(self.dtype):
             self._pack_weights()
-        self.cos_sin = cos_sin_table(cfg, config.max_model_len, self.dtype, self.device)
+        # one table per rotary base (Gemma 3: the sliding-window layers' own)
+        self.cos_sin = cos_sin_tables(cfg, config.max_model_len, self.dtype, self.device)
         self.num_blocks = self.plan.num_device_kv_blocks
         self.num_host_blocks = self.plan.num_host_kv_blocks
         # [layers, k|v, blocks, block_size, kv_heads, head_dim]
         shape = (cfg.num_layers, 2, self.num_blocks, self.block_size, cfg.num_kv_heads,
                  cfg.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = zeros_huge(shape, self.dtype) if self.device.type == "cpu" else \
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.host_kv_cache = torch.zeros((*shape[:2], self.num_host_blocks, *shape[3:]),
                                          dtype=self.dtype, pin_memory=self._pin)
         self._account("device", "kv_cache", self.kv_cache)
@@ -178,6 +192,8 @@ class ModelRunner:
             max_query_len=max(batch.num_scheduled_tokens),
             max_seq_len=max(seq_lens),
         )
+        if self.model_uses_request_lengths:
+            meta.num_tokens = self._tensor([r.num_tokens for r in batch.requests], torch.int32)
         x, residual = self.model(self._tensor(input_ids, torch.int64),
                                  self._tensor(positions, torch.int64), self.cos_sin,
                                  self.kv_cache, meta)

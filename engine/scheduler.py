@@ -50,11 +50,14 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int):
+                 max_num_batched_tokens: int, max_model_len: int, recompute_at: int = 0):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        # A request growing from this many tokens to one more computes its whole
+        # sequence again, in its blocks (LongRoPE's switch, models/phi3.py); 0: never.
+        self.recompute_at = recompute_at
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
@@ -157,6 +160,9 @@ class Scheduler:
             if reason is not None:
                 self._finish(req, reason)
                 finished.append(req)
+            elif self.recompute_at and req.num_computed_tokens == self.recompute_at \
+                    and req.num_tokens == self.recompute_at + 1:
+                req.num_computed_tokens = 0
         if finished:
             self.running = [r for r in self.running if not r.is_finished]
         return finished

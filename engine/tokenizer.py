@@ -31,7 +31,6 @@ class Tokenizer:
         self.eos_token_ids = [] if eos is None else [eos]
         self.pad_token_id = self._id_of("pad_token")
         self.chat_template = chat_template
-        self._compiled_template = None
         # transformers skips this cleanup for BPE models; it matters only for WordPiece/Unigram ones.
         self._clean_up_spaces = bool(config.get("clean_up_tokenization_spaces")) and (
             type(backend.model).__name__ != "BPE"
@@ -52,6 +51,14 @@ class Tokenizer:
             if (path / name).is_file():
                 config.update(_read_json(path / name))
         return cls(backend, config, _chat_template(path, config))
+
+    @classmethod
+    def from_gguf(cls, path) -> "Tokenizer":
+        """The tokenizer a GGUF file embeds (engine/weights/gguf_tokenizer.py)."""
+        from fusegen.engine.weights.gguf import GGUFFile
+        from fusegen.engine.weights.gguf_tokenizer import gguf_tokenizer
+
+        return cls(*gguf_tokenizer(GGUFFile.open(path).metadata, str(path)))
 
     @functools.cached_property
     def max_token_bytes(self) -> int:
@@ -77,18 +84,31 @@ class Tokenizer:
         text = self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
         return _clean_up_tokenization(text) if self._clean_up_spaces else text
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        if self.chat_template is None:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            chat_template: str | None = None) -> str:
+        """The conversation as the model's template (or `chat_template`) writes it. Keys
+        whose value is None are left out, as transformers does: a Parquet struct column
+        has every field in every row, and templates test for a key, not for None."""
+        if chat_template is None and self.chat_template is None:
             raise ValueError(
                 "this tokenizer has no chat template (no chat_template in tokenizer_config.json and no "
-                "chat_template.jinja): pass plain-text prompts, or add a template to the checkpoint"
+                "chat_template.jinja): pass plain-text prompts, pass a template (LLM.chat(..., "
+                "chat_template=...)), or add chat_template.jinja to the checkpoint"
             )
-        if self._compiled_template is None:
-            self._compiled_template = _compile_template(self.chat_template)
-        return self._compiled_template.render(
+        compiled = _compile_template(chat_template or self.chat_template)
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        return compiled.render(
             messages=messages, tools=None, documents=None,
             add_generation_prompt=add_generation_prompt, **self.special_tokens,
         )
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    chat_template: str | None = None) -> list[int]:
+        """The conversation's prompt ids, as transformers' `apply_chat_template(...,
+        tokenize=True)` gives them: the rendered text already carries the special tokens
+        the template writes (BOS...), so the post-processor adds none again."""
+        text = self.apply_chat_template(messages, add_generation_prompt, chat_template)
+        return self.encode(text, add_special_tokens=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +133,11 @@ class PromptLimit:
                 f"{self.max_model_len} tokens x {self.max_token_bytes} bytes, the longest "
                 "token); shorten it")
 
+    def conversation_too_long(self, messages: list[dict]) -> str | None:
+        """`too_long` over a conversation's content, before its template renders it."""
+        num_bytes = sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages)
+        return self.too_long(num_bytes, "the messages' content")
+
 
 def prompt_problem(text: str, limit: PromptLimit | None = None) -> str | None:
     """Why `text` cannot be tokenized as a prompt ("code: message"), or None: a lone
@@ -123,6 +148,22 @@ def prompt_problem(text: str, limit: PromptLimit | None = None) -> str | None:
         return (f"invalid_prompt: the prompt is not valid Unicode: lone surrogate "
                 f"U+{ord(text[exc.start]):04X} at character {exc.start}; remove it from the text")
     return None if limit is None else limit.too_long(num_bytes)
+
+
+def messages_problem(messages) -> str | None:
+    """Why `messages` is not a conversation (a non-empty list of {role, content} mappings
+    with string values; None-valued keys ignored), or None."""
+    shape = "must be a non-empty list of {role: string, content: string} messages"
+    if not isinstance(messages, list) or not messages:
+        got = "an empty list" if isinstance(messages, list) else type(messages).__name__
+        return f"{shape}; got {got}"
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            return f"{shape}; message {i} is {type(message).__name__}"
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                return f"{shape}; message {i} has no string {key!r}"
+    return None
 
 
 def _token_content(token) -> str | None:
@@ -149,6 +190,7 @@ def _chat_template(path: pathlib.Path, config: dict) -> str | None:
     return template
 
 
+@functools.lru_cache(maxsize=16)  # LLM.chat renders every conversation through one template
 def _compile_template(source: str):
     # Chat templates come from the checkpoint, i.e. untrusted: render them sandboxed, with
     # the same environment and helpers as transformers so they render identically.

@@ -6,13 +6,14 @@ step (the tokenizer's chat template), passed in as a function.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Callable
 
 import pyarrow as pa
 
 from fusegen.engine.sampling_params import SamplingParams
-from fusegen.engine.tokenizer import PromptLimit, prompt_problem
+from fusegen.engine.tokenizer import PromptLimit, messages_problem, prompt_problem
 from fusegen.jobs import errors
 from fusegen.jobs.errors import JobError
 from fusegen.jobs.spec import MESSAGES_COLUMN, OUTPUT_COLUMNS, ROW_PARAM_COLUMNS, JobSpec
@@ -44,7 +45,7 @@ class RowPreparer:
                                            prompt_limit and prompt_limit.max_bytes)
         # The columns a prompt is made of: an unreadable cell there fails the row.
         self.prompt_columns = self.template.columns if self.template else \
-            {spec.prompt_column, MESSAGES_COLUMN}
+            {spec.prompt_column, MESSAGES_COLUMN, spec.messages_column} - {None}
         self.chat = chat
         self.base = spec.sampling_params()
 
@@ -57,6 +58,8 @@ class RowPreparer:
                            "or drop them (e.g. when feeding a job's output to another job)")
         if self.template is not None:
             needed = {c: "--prompt-template" for c in self.template.columns}
+        elif self.spec.messages_column:
+            needed = {self.spec.messages_column: "--messages-column"}
         elif self.spec.chat and MESSAGES_COLUMN in names:
             needed = {MESSAGES_COLUMN: "--chat"}
         else:
@@ -105,6 +108,8 @@ class RowPreparer:
 
     def _prompt(self, row: dict):
         """(prompt, None) or (None, (code, message))."""
+        if self.spec.messages_column:
+            return self._chat(row[self.spec.messages_column], self.spec.messages_column)
         if self.template is not None:
             try:
                 text = self.template.render(row)
@@ -131,17 +136,21 @@ class RowPreparer:
             return self._chat([{"role": "user", "content": text}])
         return text, None
 
-    def _chat(self, messages):
+    def _chat(self, messages, column: str = MESSAGES_COLUMN):
+        """A list of messages (Parquet list<struct<role, content>>, or that list as JSON
+        text) through the chat template."""
         if messages is None:
-            return None, (errors.NULL_PROMPT, f"column {MESSAGES_COLUMN!r} is null")
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str) for m in messages):
-            return None, (errors.INVALID_PROMPT, f"column {MESSAGES_COLUMN!r} must be a "
-                          "non-empty list of {role: string, content: string} structs")
-        too_long = self.limit and self.limit.too_long(
-            sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages),
-            "the messages' content")
+            return None, (errors.NULL_PROMPT, f"column {column!r} is null")
+        if isinstance(messages, str):
+            try:
+                messages = json.loads(messages)
+            except json.JSONDecodeError as exc:
+                return None, (errors.INVALID_PROMPT, f"column {column!r} is not a JSON list "
+                              f"of messages ({exc})")
+        problem = messages_problem(messages)
+        if problem:
+            return None, (errors.INVALID_PROMPT, f"column {column!r} {problem}")
+        too_long = self.limit and self.limit.conversation_too_long(messages)
         if too_long:  # checked before the chat template renders and tokenizes it
             return None, tuple(too_long.split(": ", 1))
         try:

@@ -28,7 +28,9 @@ def _job_option(flag: str, help: str, **kwargs):
 
 _OPTIONS = [
     _job_option("--model", "Model directory (Hugging Face format: config.json, *.safetensors, "
-            "tokenizer.json). Required, here or in the job file."),
+            "tokenizer.json), a GGUF file (model.gguf; a split set by its first file), or a "
+            "hub id (org/name: from the Hugging Face cache, downloaded "
+            "when missing; --revision pins it). Required, here or in the job file."),
     _job_option("--input", "Input Parquet file, directory or glob at any fsspec URL (local, "
             "memory://, s3://...). Required."),
     _job_option("--output", "Output directory URL: parts, then _manifest.json. Required."),
@@ -36,6 +38,9 @@ _OPTIONS = [
     _job_option("--id-column", "Column naming rows in error messages (must exist when given)."),
     _job_option("--prompt-template", "Jinja template over the row's columns, e.g. "
             "'Translate: {{ text }}'; replaces --prompt-column."),
+    _job_option("--messages-column", "Column of chat message lists ({role, content} structs, "
+            "or that list as JSON text), each row rendered by the model's chat template; "
+            "replaces --prompt-column and --prompt-template."),
     _job_option("--chat/--no-chat", "Apply the tokenizer's chat template to a `messages` column "
             "(role/content structs), or to the prompt as one user turn."),
     _job_option("--max-tokens", "Generated tokens per row at most (row column `max_tokens` "

@@ -25,7 +25,7 @@ class JobSpec(EngineOptions):
     """Every job option. The engine's settings (dtype, device, batch limits, memory pool)
     are inherited from `EngineOptions`, listed there once with their help; the fields
     below are the job's own."""
-    model: str  # local Hugging Face checkpoint directory
+    model: str  # local checkpoint path, or a hub id (org/name) resolved on each worker
     input: str  # Parquet file, directory or glob at any fsspec URL
     output: str  # directory URL for the output parts and _manifest.json
     # prompts
@@ -33,6 +33,9 @@ class JobSpec(EngineOptions):
     id_column: str | None = None  # names rows in error messages; must exist when set
     prompt_template: str | None = None  # Jinja over the row's columns; replaces prompt_column
     chat: bool = False  # chat template over `messages`, or the prompt as one user turn
+    # A column of message lists (list<struct<role, content>>, or JSON text) rendered by
+    # the chat template; replaces prompt_column and prompt_template.
+    messages_column: str | None = None
     # sampling defaults; a row column of the same name overrides them for that row
     max_tokens: int = 64
     temperature: float = 1.0
@@ -59,7 +62,8 @@ class JobSpec(EngineOptions):
         for name in ("model", "input", "output"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise JobError(f"{name} is required: pass --{name} or set `{name}:` in the job file")
-        if "://" not in self.model:  # one spelling per model, so resume sees the same job
+        # One spelling per model, so resume sees the same job; a hub id stays a name.
+        if "://" not in self.model and not _hub_name(self.model):
             self.model = os.path.abspath(os.path.expanduser(self.model))
         if isinstance(self.stop, str):
             self.stop = [self.stop]
@@ -79,9 +83,23 @@ class JobSpec(EngineOptions):
         if self.prompt_column in OUTPUT_COLUMNS or self.prompt_column == "":
             raise JobError(f"prompt_column {self.prompt_column!r} is an output column name; "
                            "rename the input column")
+        self._check_messages_column()
         problem = self.sampling_params().validate()
         if problem:
             raise JobError(f"job sampling default: {problem}")
+
+    def _check_messages_column(self) -> None:
+        column = self.messages_column
+        if column is None:
+            return
+        if not isinstance(column, str) or not column or column in OUTPUT_COLUMNS:
+            raise JobError(f"messages_column must name an input column (not an output "
+                           f"column); got {column!r}")
+        given = [name for name, value in (("prompt_column", self.prompt_column != "prompt"),
+                                          ("prompt_template", self.prompt_template)) if value]
+        if given:
+            raise JobError(f"messages_column and {given[0]} are both set; a row's prompt "
+                           "comes from one of them: drop one")
 
     def _check_seed(self) -> None:
         pass  # the rows' base seed: checked with the sampling defaults below
@@ -96,8 +114,11 @@ class JobSpec(EngineOptions):
         return {name: getattr(self, name) for name in ENGINE_OPTIONS if name != "seed"}
 
     def output_config(self) -> dict:
-        """The fields an output depends on: a rerun with a different value is a new job."""
-        return {name: getattr(self, name) for name in _OUTPUT_FIELDS}
+        """The fields an output depends on: a rerun with a different value is a new job.
+        Fields added since outputs were first written appear only when set, so those
+        outputs keep their fingerprint and still resume."""
+        return {name: getattr(self, name) for name in _OUTPUT_FIELDS
+                if name not in _LATER_FIELDS or getattr(self, name) is not None}
 
     def fingerprint(self, inputs: list) -> str:
         """Hash of the output config and the planned inputs (paths and row counts)."""
@@ -122,8 +143,10 @@ class JobSpec(EngineOptions):
 
 
 _OUTPUT_FIELDS = ("model", "prompt_column", "id_column", "prompt_template", "chat",
+                  "messages_column",
                   "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                   "output_token_ids", *OUTPUT_NAMES, "partition_rows")
+_LATER_FIELDS = ("messages_column", "revision")
 # The job's own keys first, then the engine's: the order `fusegen run --help` and the
 # job file's "valid keys" list show.
 FIELD_NAMES = tuple(dict.fromkeys(
@@ -135,6 +158,13 @@ def _check_int(spec: JobSpec, name: str, minimum: int):
     value = getattr(spec, name)
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise JobError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _hub_name(model: str) -> bool:
+    """A hub id (org/name) that is no local path here: each worker resolves it."""
+    from fusegen.engine.weights.hub import looks_like_hub_id
+
+    return looks_like_hub_id(model) and not os.path.exists(os.path.expanduser(model))
 
 
 def load_job_file(path: str) -> dict:

@@ -23,10 +23,12 @@ def load_engine(spec: JobSpec, device: str | None = None) -> dict:
         set_worker_device(spec.device, device)
     loads = loaded_engine(spec.model, spec.engine_kwargs()) is None
     llm = _guard(spec, "loading the model", lambda: get_engine(spec.model, spec.engine_kwargs()))
-    if spec.chat:
+    if spec.chat or spec.messages_column:
         if not getattr(llm.tokenizer, "chat_template", None):
-            raise JobError(f"--chat needs a chat template, but {spec.model} has none in "
-                           "tokenizer_config.json; drop --chat or use --prompt-template")
+            flag = "--messages-column" if spec.messages_column else "--chat"
+            raise JobError(f"{flag} needs a chat template, but {spec.model} has none in its "
+                           f"tokenizer files; drop {flag} and use --prompt-column or "
+                           "--prompt-template")
         # A template that cannot render a plain user turn would fail every row: fail once.
         _guard(spec, "the model's chat template",
                lambda: _chat_ids(llm, [{"role": "user", "content": "hello"}]))
@@ -38,7 +40,10 @@ def load_engine(spec: JobSpec, device: str | None = None) -> dict:
 def engine_stats(spec: JobSpec) -> dict | None:
     """The worker engine's counters since it loaded (steps, mean running batch...)."""
     llm = loaded_engine(spec.model, spec.engine_kwargs())
-    return None if llm is None else {**llm.stats(), "memory": llm.memory_report()}
+    if llm is None:
+        return None
+    # model_path: the files the model's name resolved to here (a hub id: its snapshot).
+    return {**llm.stats(), "memory": llm.memory_report(), "model_path": llm.config.model}
 
 
 def run_partition(spec: JobSpec, part: Partition, fingerprint: str,
@@ -92,10 +97,7 @@ def _reporter(topic: str | None, index: int):
 
 
 def _chat_ids(llm, messages) -> list[int]:
-    # The template's text already carries the special tokens (BOS...): encode it without
-    # adding them again.
-    text = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    return llm.tokenizer.encode(text, add_special_tokens=False)
+    return llm.tokenizer.encode_chat(messages, add_generation_prompt=True)
 
 
 def _guard(spec: JobSpec, what: str, fn):

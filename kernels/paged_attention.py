@@ -48,10 +48,13 @@ except ImportError:  # no Triton on this platform: the reference still serves
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *,
                     max_query_len: int, max_seq_len: int, scale: float,
-                    sliding_window: int = 0, deterministic: bool = False) -> torch.Tensor:
+                    sliding_window: int = 0, softcap: float = 0.0,
+                    deterministic: bool = False) -> torch.Tensor:
     """Dispatcher: the Triton kernel on CUDA, the C decode kernel with torch's fused
     attention for prefill on CPUs, the torch reference where neither applies.
 
+    `softcap` c > 0: each scaled score s becomes c * tanh(s / c) before the mask (Gemma
+    2); on CPUs only the torch reference does that.
     `deterministic`: every query row reduces over its keys in one fixed order whatever
     else is in the step (batch-invariant): on CUDA one launch shape and no split of the
     keys; elsewhere each row runs as a decode of its own position."""
@@ -59,13 +62,13 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
         return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens,
                                       query_start_loc, max_query_len=max_query_len,
                                       max_seq_len=max_seq_len, scale=scale,
-                                      sliding_window=sliding_window,
+                                      sliding_window=sliding_window, softcap=softcap,
                                       deterministic=deterministic)
     if deterministic:
         return paged_attention_rowwise(q, k_cache, v_cache, block_tables, seq_lens,
                                        query_start_loc, scale=scale,
-                                       sliding_window=sliding_window)
-    if use_native(q):
+                                       sliding_window=sliding_window, softcap=softcap)
+    if use_native(q) and not softcap:
         return paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens,
                                    query_start_loc, max_query_len=max_query_len,
                                    max_seq_len=max_seq_len, scale=scale,
@@ -73,7 +76,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     return paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens,
                                      query_start_loc, max_query_len=max_query_len,
                                      max_seq_len=max_seq_len, scale=scale,
-                                     sliding_window=sliding_window)
+                                     sliding_window=sliding_window, softcap=softcap)
 
 
 @triton.jit
@@ -92,17 +95,26 @@ def _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _tanh(x):
+    # tanh(|x|) = (1 - e^(-2|x|)) / (1 + e^(-2|x|)): no overflow at any |x|; Triton has no
+    # portable tanh (libdevice's is CUDA / HIP only, not in the interpreter).
+    t = tl.math.exp2(-2.8853900817779268 * tl.abs(x))  # e^(-2|x|); 2.885... = 2 * log2(e)
+    y = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -y, y)
+
+
+@triton.jit
 def _paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
         query_start_loc_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
-        scale_log2, num_seqs, sliding_window,
+        scale_log2, softcap_log2, num_seqs, sliding_window,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         stride_ps, stride_pt, stride_ph,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q)
@@ -156,6 +168,9 @@ def _paged_attention_kernel(
         k = tl.load(k_cache_ptr + k_off[None, :] + offs_d[:, None],
                     mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [D, TILE_N]
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
+        if USE_SOFTCAP:
+            # c * tanh(s / c) in natural units is C * tanh(s / C) in log2 units, C = c * log2(e)
+            s = softcap_log2 * _tanh(s / softcap_log2)
         visible = row_ok[:, None] & k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
@@ -210,7 +225,8 @@ def _paged_attention_reduce_kernel(
 
 def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *,
                            max_query_len: int, max_seq_len: int, scale: float,
-                           sliding_window: int = 0, tile_n: int | None = None,
+                           sliding_window: int = 0, softcap: float = 0.0,
+                           tile_n: int | None = None,
                            num_kv_splits: int | None = None,
                            deterministic: bool = False) -> torch.Tensor:
     """Launcher. `tile_n` (keys per tile) and `num_kv_splits` (a power of two) override
@@ -236,6 +252,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_st
         assert t.dtype in (torch.int32, torch.int64), f"{name} must be int32 (or int64), got {t.dtype}"
         assert t.device == q.device, f"{name} is on {t.device}, q on {q.device}"
     assert 16 <= head_dim <= 256, f"head_dim {head_dim} outside 16..256"
+    assert softcap >= 0, f"softcap {softcap} must be positive (or 0: off)"
 
     out = torch.empty_like(q)
     if num_tokens == 0:
@@ -260,14 +277,15 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_st
         part_out = part_m = part_l = out  # unused
     _paged_attention_kernel[grid](
         out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        part_out, part_m, part_l, scale * math.log2(math.e), num_seqs, sliding_window,
+        part_out, part_m, part_l, scale * math.log2(math.e), softcap * math.log2(math.e),
+        num_seqs, sliding_window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         num_tokens * num_heads, num_heads, 1,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
-        NUM_SPLITS=splits, USE_WINDOW=sliding_window > 0,
+        NUM_SPLITS=splits, USE_WINDOW=sliding_window > 0, USE_SOFTCAP=softcap > 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
     if splits > 1:
         _paged_attention_reduce_kernel[(num_tokens, num_heads)](

@@ -122,11 +122,13 @@ def _call(name, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, ou
 
 
 def paged_attention_rowwise(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *,
-                            scale: float, sliding_window: int = 0) -> torch.Tensor:
+                            scale: float, sliding_window: int = 0,
+                            softcap: float = 0.0) -> torch.Tensor:
     """Batch-invariant attention off CUDA: every query row, prefill rows included, runs
     as a decode of its own position, so its keys are reduced block by block in one
     order whether it came in a whole prompt, a chunk of one, or a decode step. The C
-    decode kernel when it is available, else the same per row in torch."""
+    decode kernel when it is available (and `softcap` is off), else the same per row in
+    torch."""
     n = query_start_loc[1:] - query_start_loc[:-1]  # [B] query rows per sequence
     seq_of_row = torch.repeat_interleave(torch.arange(n.shape[0]), n.long())  # [T]
     row_in_seq = torch.arange(q.shape[0]) - query_start_loc[seq_of_row]
@@ -135,12 +137,12 @@ def paged_attention_rowwise(q, k_cache, v_cache, block_tables, seq_lens, query_s
     row_tables = block_tables[seq_of_row]  # [T, W]
     rows = torch.arange(q.shape[0] + 1, dtype=torch.int32)
     out = torch.empty_like(q)
-    if use_native(q):
+    if use_native(q) and not softcap:
         return paged_decode_native(q, k_cache, v_cache, row_tables, row_lens, rows, out,
                                    scale=scale, sliding_window=sliding_window)
     for r, length in enumerate(row_lens.tolist()):  # no C kernel here: slow, but exact
         out[r:r + 1] = _decode_group(q[r:r + 1], k_cache, v_cache, row_tables[r:r + 1],
-                                     [length], scale, sliding_window)
+                                     [length], scale, sliding_window, softcap)
     return out
 
 
@@ -150,9 +152,10 @@ def _int32(t: torch.Tensor) -> torch.Tensor:
 
 def paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *,
                               max_query_len: int, max_seq_len: int, scale: float,
-                              sliding_window: int = 0) -> torch.Tensor:
+                              sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Plain torch, and the CPU path: decode rows in one batched pass, prefill rows
-    one sequence at a time (a step holds few of those)."""
+    one sequence at a time (a step holds few of those). `softcap` c > 0: scores become
+    c * tanh(s / c) before the mask, as transformers' eager attention does it."""
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -161,12 +164,12 @@ def paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query
     if decode:
         rows = [starts[i] for i in decode]
         out[rows] = _decode(q[rows], k_cache, v_cache, block_tables[decode],
-                            [lens[i] for i in decode], scale, sliding_window)
+                            [lens[i] for i in decode], scale, sliding_window, softcap)
     for i, n in enumerate(query_lens):
         if n > 1:
             out[starts[i]:starts[i] + n] = _prefill(
                 q[starts[i]:starts[i] + n], k_cache, v_cache, block_tables[i], lens[i],
-                scale, sliding_window)
+                scale, sliding_window, softcap)
     return out
 
 
@@ -179,7 +182,7 @@ def _gather(cache, block_table, num_tokens):
     return flat[..., :num_tokens, :, :]
 
 
-def _prefill(q, k_cache, v_cache, block_table, seq_len, scale, window):
+def _prefill(q, k_cache, v_cache, block_table, seq_len, scale, window, softcap=0.0):
     # q [n, Hq, D]; the sequence's last n tokens. Inputs go to SDPA as 4-D
     # [1, H, len, D]: torch's fused CPU kernel takes 4-D inputs (3-D falls back to the
     # unfused math path, which materialises every score).
@@ -187,7 +190,7 @@ def _prefill(q, k_cache, v_cache, block_table, seq_len, scale, window):
     k = _gather(k_cache, block_table, seq_len).transpose(0, 1)[None]  # [1, Hkv, L, D]
     v = _gather(v_cache, block_table, seq_len).transpose(0, 1)[None]
     qh = q.transpose(0, 1)[None]  # [1, Hq, n, D]
-    if n == seq_len and not window:
+    if n == seq_len and not window and not softcap:
         o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale,
                                            enable_gqa=True)
     else:
@@ -196,16 +199,28 @@ def _prefill(q, k_cache, v_cache, block_table, seq_len, scale, window):
         mask = k_pos <= q_pos
         if window:
             mask &= k_pos > q_pos - window
-        o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale,
-                                           enable_gqa=True)
+        o = (_softcapped(qh, k, v, mask, scale, softcap) if softcap else
+             F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale,
+                                            enable_gqa=True))
     return o[0].transpose(0, 1)
+
+
+def _softcapped(q, k, v, mask, scale, softcap):
+    # q [b, Hq, n, D], k/v [b, Hkv, L, D] with Hq a multiple of Hkv; mask broadcasts to
+    # [b, Hq, n, L]. The scores are written out (SDPA cannot cap them), in transformers'
+    # eager order: scale, cap, mask, softmax in fp32, back to q's dtype.
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.tanh(q @ k.transpose(-1, -2) * scale / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1, dtype=torch.float32).to(q.dtype) @ v
 
 
 _DECODE_GROUP = 16  # sequences per batched decode pass: bounds the gathered KV copy
 _DECODE_SPREAD = 0.8  # a group's shortest sequence is at least this fraction of its longest
 
 
-def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window):
+def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap=0.0):
     # q [B, Hq, D], one query per sequence at position seq_len - 1. Sequences run in
     # groups of similar length, so the padding each group gathers stays small.
     order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__, reverse=True)
@@ -218,7 +233,7 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window):
             end += 1
         group = order[start:end]
         out[group] = _decode_group(q[group], k_cache, v_cache, block_tables[group],
-                                   [seq_lens[i] for i in group], scale, window)
+                                   [seq_lens[i] for i in group], scale, window, softcap)
         start = end
     return out
 
@@ -246,7 +261,7 @@ def _gather_into(cache, block_tables, num_blocks, out):
     return out
 
 
-def _decode_group(q, k_cache, v_cache, block_tables, seq_lens, scale, window):
+def _decode_group(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap=0.0):
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1:3]
     num_blocks = -(-max(seq_lens) // block_size)
@@ -263,5 +278,7 @@ def _decode_group(q, k_cache, v_cache, block_tables, seq_lens, scale, window):
         valid &= pos >= lens - window
     # The query heads sharing a KV head become that head's query rows.
     qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=valid[:, None, None, :], scale=scale)
+    mask = valid[:, None, None, :]
+    o = (_softcapped(qg, k, v, mask, scale, softcap) if softcap else
+         F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale))
     return o.reshape(batch, num_heads, head_dim)

@@ -9,6 +9,7 @@ import threading
 import time
 import zlib
 from concurrent.futures import Future
+from types import SimpleNamespace
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -30,6 +31,9 @@ class FakeTokenizer:
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
 
+    def encode_chat(self, messages, add_generation_prompt=True):
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), False)
+
 
 class FakeLLM:
     """Iteration-level batching like the engine: every step, waiting requests join the
@@ -42,6 +46,7 @@ class FakeLLM:
         if not os.path.isdir(model):
             raise ValueError(f"{model}/config.json: not found")
         self.tokenizer = FakeTokenizer()
+        self.config = SimpleNamespace(model=model)  # the path the model's name resolved to
         self.max_num_seqs = max_num_seqs or 8
         self.max_model_len = max_model_len or 64
         self.step_seconds = step_seconds

@@ -69,7 +69,7 @@ def test_a_packed_weight_cannot_be_repointed():
 def test_pack_linears_replaces_every_dense_linear(llama_dir):
     from fusegen.engine.models.config import ModelConfig
 
-    layer = DecoderLayer(ModelConfig.from_dir(str(llama_dir)))
+    layer = DecoderLayer(ModelConfig.from_dir(str(llama_dir)), 0)
     for name in ("qkv", "o", "gate_up", "down"):
         getattr(layer, name).weight = torch.randn(32, 16)
     pack_linears(layer, batch_hint=64)

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import os
 
+from fusegen.engine.config import read_model_config
 from fusegen.engine.errors import ModelLoadError
-from fusegen.engine.models.config import ModelConfig
+from fusegen.engine.weights.gguf_names import is_gguf
+from fusegen.engine.weights.hub import hub_offline, looks_like_hub_id, resolve_model
 from fusegen.jobs import redact_url
 from fusegen.workflows.errors import Problem, ValidationError
 from fusegen.workflows.resolve import ResolvedWorkflow
@@ -25,7 +27,12 @@ def check_models(resolved: ResolvedWorkflow) -> list[str]:
             notes.append(f"{step.name}: model {job.model} is read by the workers of "
                          f"{redact_url(job.scheduler)}; not checked here")
             continue
-        problem = _model_problem(job.model)
+        hub_id = looks_like_hub_id(job.model) and not os.path.exists(job.model)
+        if hub_id and not hub_offline():
+            notes.append(f"{step.name}: model {job.model} is a hub id, fetched into the "
+                         "Hugging Face cache (downloaded if missing) when the step loads")
+            continue
+        problem = _model_problem(job.model, job.revision, hub_id)
         if problem:
             problems.append(Problem(step.name, "generate.model", problem))
     if problems:
@@ -33,12 +40,13 @@ def check_models(resolved: ResolvedWorkflow) -> list[str]:
     return notes
 
 
-def _model_problem(model: str) -> str | None:
-    if not os.path.isdir(model):
+def _model_problem(model: str, revision: str | None, hub_id: bool) -> str | None:
+    if not hub_id and not (os.path.isdir(model) or (is_gguf(model) and os.path.isfile(model))):
         return (f"model folder {model} does not exist; set generate.model (or "
-                "defaults.model) to a Hugging Face checkpoint directory")
-    try:
-        ModelConfig.from_dir(model)
+                "defaults.model) to a Hugging Face checkpoint directory, a .gguf file or "
+                "a hub id")
+    try:  # offline, a hub id is looked up in the cache alone
+        read_model_config(resolve_model(model, revision))
     except ModelLoadError as exc:
         return str(exc)
     return None

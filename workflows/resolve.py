@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 
 from fusegen.jobs import (MESSAGES_COLUMN, OUTPUT_COLUMNS, JobError, JobSpec, PromptTemplate,
                           Redactor, build_spec, filesystem, list_input_files, output_table)
+from fusegen.engine.weights.hub import looks_like_hub_id
 from fusegen.workflows.errors import Problem, ValidationError
 from fusegen.workflows.expr import ExpressionError
 from fusegen.workflows.render import RUN_DATE, TemplateError, render
@@ -141,7 +142,7 @@ def _build(workflow: Workflow, step: Step, variables: dict, workdir: str,
         if options is None:
             return None
         if isinstance(options.get("model"), str):
-            options["model"] = _local(options["model"], base)
+            options["model"] = _model(options["model"], base)
         try:
             resolved.job = build_spec(options, {"input": url, "output": output})
         except JobError as exc:
@@ -213,6 +214,8 @@ def _generate_problems(step: ResolvedStep, columns: list[str], origin: str) -> l
                       for c in sorted(PromptTemplate(job.prompt_template).columns)}
         except JobError as exc:
             return [Problem(step.name, "generate.prompt_template", str(exc))]
+    elif job.messages_column:
+        needed = {job.messages_column: "generate.messages_column"}
     elif job.chat and MESSAGES_COLUMN in have:
         needed = {}
     else:
@@ -232,6 +235,13 @@ def _output_schema(step: ResolvedStep, schema: pa.Schema, problems: list) -> pa.
     except ExpressionError as exc:
         problems.append(Problem(step.name, "filter", str(exc)))
         return None
+
+
+def _model(name: str, base_dir: str) -> str:
+    """A local path (a relative one from the workflow file's directory), or a hub id
+    (org/name) when no such path exists there."""
+    path = _local(name, base_dir)
+    return name if looks_like_hub_id(name) and not os.path.exists(path) else path
 
 
 def _local(url: str, base_dir: str) -> str:

@@ -36,4 +36,5 @@ def get_architecture(name: str) -> Architecture:
 
 
 # Each module registers itself on import; after the registry exists, since they use it.
-from fusegen.engine.models import llama, mistral, qwen2  # noqa: E402,F401
+from fusegen.engine.models import (  # noqa: E402,F401
+    llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3, mixtral, qwen3_moe)

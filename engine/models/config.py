@@ -23,16 +23,45 @@ class ModelConfig:
     max_position_embeddings: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict | None  # {"rope_type": "llama3" | "linear", ...} or None
+    rope_scaling: dict | None  # {"rope_type": "llama3" | "linear" | "longrope", ...} or None
     tie_word_embeddings: bool
     # Set per architecture (its module's `config_flags`):
     qkv_bias: bool  # biases on q/k/v projections (Qwen2; Llama with attention_bias)
     o_bias: bool  # bias on the output projection (Llama with attention_bias)
     mlp_bias: bool
-    sliding_window: int  # 0: full attention
+    sliding_window: int  # 0: full attention; with `layer_types`, the sliding layers' window
     bos_token_id: int | None
     eos_token_ids: list[int]
     torch_dtype: str | None  # the checkpoint's own dtype, when the config says
+    # Set by the architectures that differ from Llama here (defaults: Llama's):
+    # each layer's "sliding_attention" or "full_attention"; None: every layer attends
+    # through `sliding_window` (0: fully).
+    layer_types: list[str] | None = None
+    # The rotary table of the sliding-window layers when it differs from the others'
+    # (Gemma 3's local base); None: one table for every layer.
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict | None = None
+    attn_scale: float | None = None  # attention logit scale; None: head_dim ** -0.5
+    attn_softcap: float = 0.0  # scores become c * tanh(s / c) before the mask; 0: off
+    final_softcap: float = 0.0  # the same on the LM head's logits; 0: off
+    # Rotary over the first int(head_dim * factor) of each head's dims (Phi-3 may set it).
+    partial_rotary_factor: float = 1.0
+    # Mixture-of-experts MLP (Mixtral, Qwen3-MoE; models/moe.py); 0 experts: dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # k: the experts each token runs through
+    moe_intermediate_size: int = 0  # one expert's intermediate size
+    norm_topk_prob: bool = False  # the k routing weights renormalised to sum to 1
+
+    def layer_window(self, index: int) -> int:
+        """Layer `index`'s sliding window (0: it attends to every earlier position)."""
+        if self.layer_types is None:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[index] == SLIDING else 0
+
+    def layer_rope(self, index: int) -> int:
+        """Which rotary table layer `index` uses: 0 the model's, 1 the local one."""
+        local = self.local_rope_theta is not None and self.layer_types is not None
+        return int(local and self.layer_types[index] == SLIDING)
 
     @classmethod
     def from_dir(cls, model_dir: str | os.PathLike) -> "ModelConfig":
@@ -57,7 +86,7 @@ class ModelConfig:
         try:
             num_heads = int(raw["num_attention_heads"])
             hidden = int(raw["hidden_size"])
-            cfg = cls(
+            fields = dict(
                 architecture=arch,
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=hidden,
@@ -69,15 +98,21 @@ class ModelConfig:
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(_rope_param(raw, "rope_theta", 10000.0)),
-                rope_scaling=_rope_scaling(raw),
+                rope_scaling=None,
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                **get_architecture(arch).config_flags(raw),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=_as_list(raw.get("eos_token_id")),
                 torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             )
+            # The architecture's flags may restate common fields (Gemma 3's rotary tables).
+            flags = get_architecture(arch).config_flags(raw)
+            if "rope_scaling" not in flags:
+                fields["rope_scaling"] = _rope_scaling(raw)
+            cfg = cls(**(fields | flags))
         except KeyError as exc:
             raise ModelLoadError(f"{source}: missing required key {exc.args[0]!r}") from None
+        except ValueError as exc:  # a value fusegen cannot run, named by its key
+            raise ModelLoadError(f"{source}: {exc}") from None
         if cfg.num_heads % cfg.num_kv_heads:
             raise ModelLoadError(f"{source}: num_attention_heads ({cfg.num_heads}) is not a "
                                  f"multiple of num_key_value_heads ({cfg.num_kv_heads})")
@@ -97,13 +132,33 @@ def _rope_param(raw: dict, key: str, default):
 
 
 def _rope_scaling(raw: dict) -> dict | None:
-    scaling = raw.get("rope_scaling") or raw.get("rope_parameters")
+    return rope_scaling_of(raw.get("rope_scaling") or raw.get("rope_parameters"), "rope_scaling")
+
+
+def rope_scaling_of(scaling: dict | None, key: str) -> dict | None:
+    """The scaling one rotary table uses: None for plain rotary, else a dict with its
+    `rope_type`. `key` names where config.json holds it, for the error."""
     if not scaling:
         return None
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return None
     if kind not in ("llama3", "linear"):
-        raise ModelLoadError(f"config.json: rope_scaling type {kind!r} not supported "
-                             "(fusegen supports llama3 and linear)")
+        raise ValueError(f"{key} type {kind!r} not supported (fusegen supports llama3 "
+                         "and linear)")
     return {**scaling, "rope_type": kind}
+
+
+SLIDING, FULL = "sliding_attention", "full_attention"  # config.json `layer_types` entries
+
+
+def check_layer_types(layer_types, num_layers: int) -> list[str]:
+    """config.json's `layer_types`, checked: one known entry per layer."""
+    if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+        raise ValueError(f"layer_types must list one entry per layer ({num_layers}), "
+                         f"got {layer_types!r}")
+    unknown = sorted(set(layer_types) - {SLIDING, FULL})
+    if unknown:
+        raise ValueError(f"layer_types entry {unknown[0]!r} not supported (fusegen runs "
+                         f"{SLIDING!r} and {FULL!r} layers)")
+    return list(layer_types)

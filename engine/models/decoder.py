@@ -1,4 +1,5 @@
-"""The Llama-style decoder (Llama, Mistral, Qwen2) over one ragged token stream.
+"""The Llama-style decoder (Llama, Mistral, Qwen2) over one ragged token stream; the
+other families (Qwen3, Gemma, Phi-3, the MoE ones) subclass its layer and model.
 
 A step's tokens from all requests are packed into one sequence of T tokens with no
 padding (ByteTransformer's idea); the attention metadata says where each request's
@@ -34,9 +35,13 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [B+1] int32
     max_query_len: int
     max_seq_len: int
+    # [B] int32, each request's whole length (prompt and generated tokens, computed or
+    # not); filled only for a model that sets `uses_request_lengths` (LongRoPE picks
+    # its factors by it, models/phi3.py)
+    num_tokens: torch.Tensor | None = None
 
 
-def _param() -> nn.Parameter:
+def empty_param() -> nn.Parameter:
     # Empty until loading points it at the real tensor (`.data =`).
     return nn.Parameter(torch.empty(0), requires_grad=False)
 
@@ -53,19 +58,24 @@ def set_weights(module: nn.Module, weights: dict[str, torch.Tensor]) -> None:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Llama's layer. Architectures that differ subclass it and override `_qkv` (q/k
+    norms), `_mlp` (another activation, experts) or `forward` (other norms)."""
+
+    def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
         d = cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
         self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
         self.eps = cfg.rms_norm_eps
-        self.sliding_window = cfg.sliding_window
-        self.scale = d ** -0.5
+        self.sliding_window = cfg.layer_window(index)
+        self.rope_index = cfg.layer_rope(index)  # which of the model's rotary tables
+        self.scale = cfg.attn_scale or d ** -0.5
+        self.softcap = cfg.attn_softcap
         self.deterministic = False  # batch-invariant attention (CausalLM.make_deterministic)
-        self.input_norm = _param()  # [h]
+        self.input_norm = empty_param()  # [h]
         self.qkv = Linear(bias=cfg.qkv_bias)  # [(H + 2K) * D, h]: q, k, v stacked
         self.o = Linear(bias=cfg.o_bias)  # [h, H * D]
-        self.post_norm = _param()  # [h]
+        self.post_norm = empty_param()  # [h]
         self.gate_up = Linear(bias=cfg.mlp_bias)  # [2I, h]: gate, up stacked
         self.down = Linear(bias=cfg.mlp_bias)  # [h, I]
 
@@ -83,20 +93,25 @@ class DecoderLayer(nn.Module):
         h, residual = rms_norm(h, self.post_norm, self.eps, residual=residual)
         return self._mlp(h), residual
 
-    def _attention(self, positions, x, rope, kv_cache, meta):
+    def _qkv(self, x):
         num_tokens = x.shape[0]
         qkv = self.qkv(x)  # [T, (H + 2K) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, K, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, K, D]
+        return q, k, v
+
+    def _attention(self, positions, x, rope, kv_cache, meta):
+        num_tokens = x.shape[0]
+        q, k, v = self._qkv(x)
         rotary_embedding(positions, q, k, *rope)  # in place
         k_cache, v_cache = kv_cache  # [num_blocks, block_size, K, D] each
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                               meta.query_start_loc, max_query_len=meta.max_query_len,
                               max_seq_len=meta.max_seq_len, scale=self.scale,
-                              sliding_window=self.sliding_window,
+                              sliding_window=self.sliding_window, softcap=self.softcap,
                               deterministic=self.deterministic)  # [T, H, D]
         return self.o(out.reshape(num_tokens, self.q_size))  # [T, h]
 
@@ -106,12 +121,14 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
+    layer_cls = DecoderLayer  # an architecture's own layer: a subclass sets it
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed = _param()  # [V, h]
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = _param()  # [h]
+        self.embed = empty_param()  # [V, h]
+        self.layers = nn.ModuleList(self.layer_cls(cfg, i) for i in range(cfg.num_layers))
+        self.norm = empty_param()  # [h]
         self.lm_head = Linear()  # [V, h]; the embedding itself when tied
         self.streamer = None  # engine.memory.offload.WeightStreamer when some layers stream
 
@@ -125,16 +142,20 @@ class CausalLM(nn.Module):
                 module.deterministic = True
 
     def forward(self, input_ids, positions, cos_sin, kv_caches, meta: AttentionMetadata):
-        # input_ids, positions [T]; cos_sin [max_len, D] (cos halves, sin halves)
-        rope = cos_sin.chunk(2, dim=-1)
-        x, residual = F.embedding(input_ids, self.embed), None  # [T, h]
+        # input_ids, positions [T]; cos_sin: per rotary table [max_len, D] (cos halves,
+        # sin halves), layer i reads table layers[i].rope_index
+        ropes = [table.chunk(2, dim=-1) for table in cos_sin]
+        x, residual = self.embed_tokens(input_ids), None  # [T, h]
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             if self.streamer is not None:
                 self.streamer.acquire(i)
-            x, residual = layer(positions, x, residual, rope, kv_cache, meta)
+            x, residual = layer(positions, x, residual, ropes[layer.rope_index], kv_cache, meta)
             if self.streamer is not None:
                 self.streamer.release(i)
         return x, residual  # [T, h] each: the stream is x + residual
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed)  # [T] -> [T, h]
 
     def logits(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         # rows [N, h] of the tokens that sample -> [N, V] fp32
