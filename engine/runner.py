@@ -59,13 +59,17 @@ class ModelRunner:
         self.cos_sin = cos_sin_tables(cfg, config.max_model_len, self.dtype, self.device)
         self.num_blocks = self.plan.num_device_kv_blocks
         self.num_host_blocks = self.plan.num_host_kv_blocks
-        # [layers, k|v, blocks, block_size, kv_heads, head_dim]
-        shape = (cfg.num_layers, 2, self.num_blocks, self.block_size, cfg.num_kv_heads,
+        # [layers, blocks, k|v, block_size, kv_heads, head_dim]: a block's keys and values
+        # side by side, so attention reads each block as one run of memory (on a CPU one
+        # run streams near the memory's bandwidth; two half-size runs a block do not)
+        shape = (cfg.num_layers, self.num_blocks, 2, self.block_size, cfg.num_kv_heads,
                  cfg.head_dim)
         self.kv_cache = zeros_huge(shape, self.dtype) if self.device.type == "cpu" else \
             torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.host_kv_cache = torch.zeros((*shape[:2], self.num_host_blocks, *shape[3:]),
+        self.host_kv_cache = torch.zeros((shape[0], self.num_host_blocks, *shape[2:]),
                                          dtype=self.dtype, pin_memory=self._pin)
+        # per layer (keys, values), each a [blocks, block_size, kv_heads, head_dim] view
+        self.kv_caches = [layer.unbind(1) for layer in self.kv_cache]
         self._account("device", "kv_cache", self.kv_cache)
         self._account("host", "kv_cache", self.host_kv_cache)
         self.sampler = Sampler(self.device, config.options.seed)
@@ -154,9 +158,9 @@ class ModelRunner:
             return
         src, dst = (torch.tensor(c, dtype=torch.int64) for c in zip(*pairs))
         if to_host:
-            self.host_kv_cache[:, :, dst] = self.kv_cache[:, :, src.to(self.device)].cpu()
+            self.host_kv_cache[:, dst] = self.kv_cache[:, src.to(self.device)].cpu()
         else:
-            self.kv_cache[:, :, dst.to(self.device)] = self.host_kv_cache[:, :, src].to(
+            self.kv_cache[:, dst.to(self.device)] = self.host_kv_cache[:, src].to(
                 self.device, non_blocking=True)
 
     @torch.inference_mode()
@@ -196,7 +200,7 @@ class ModelRunner:
             meta.num_tokens = self._tensor([r.num_tokens for r in batch.requests], torch.int32)
         x, residual = self.model(self._tensor(input_ids, torch.int64),
                                  self._tensor(positions, torch.int64), self.cos_sin,
-                                 self.kv_cache, meta)
+                                 self.kv_caches, meta)
         out: list[int | None] = [None] * len(batch)
         if not sample_rows:
             return out

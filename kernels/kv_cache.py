@@ -2,7 +2,8 @@
 
 Shapes:
   key/value      [T, Hkv, D]
-  k/v_cache      [num_blocks, block_size, Hkv, D]
+  k/v_cache      [num_blocks, block_size, Hkv, D]  any block stride (keys and values
+                 of a block may sit side by side in one tensor)
   slot_mapping   [T] int64: block_id * block_size + offset for each token
 
 Triton launch: one program per token copies its [Hkv, D] key and value rows into the
@@ -85,6 +86,9 @@ def write_kv_cache_triton(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 
 def write_kv_cache_reference(key, value, k_cache, v_cache, slot_mapping) -> None:
-    num_kv_heads, head_dim = k_cache.shape[2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    for cache, rows in ((k_cache, key), (v_cache, value)):
+        if cache.is_contiguous():
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, rows)
+        else:  # a view into a cache that keeps each block's keys and values side by side
+            block_size = cache.shape[1]
+            cache[slot_mapping // block_size, slot_mapping % block_size] = rows

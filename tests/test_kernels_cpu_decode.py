@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fusegen.kernels import native
+from fusegen.kernels.kv_cache import write_kv_cache_reference
 from fusegen.kernels.paged_attention import (paged_attention, paged_attention_cpu,
                                      paged_attention_reference, paged_decode_native)
 from tests.test_kernels_paged_attention import CASES, _dense_attention, _make_batch
@@ -79,6 +80,28 @@ def test_strided_queries_from_the_fused_projection():
     assert not q.is_contiguous()
     out = paged_attention_cpu(**{**batch, "q": q}, sliding_window=window)
     torch.testing.assert_close(out, paged_attention_reference(**batch), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("case", ["gqa2_d64", "mha_d80_window"])
+def test_keys_and_values_side_by_side_in_one_cache(case):
+    # The engine keeps a block's keys and values next to each other ([blocks, 2, ...]):
+    # writing and attending through the two strided views equals separate caches.
+    seq_lens, hq, hkv, d, bs, window = DECODE[case]
+    q_lens = [1] * (len(seq_lens) - 1) + [3]  # a mixed step: the last row is prefill
+    batch = _make_batch(q_lens, seq_lens, hq, hkv, d, bs)
+    both = torch.stack([batch["k_cache"], batch["v_cache"]], dim=1)
+    k_view, v_view = both.unbind(1)
+    new_k, new_v = torch.randn(2, 4, hkv, d).unbind(0)
+    slots = torch.tensor([0, bs + 1, 2 * bs - 1, bs * (both.shape[0] - 1)])
+    write_kv_cache_reference(new_k, new_v, batch["k_cache"], batch["v_cache"], slots)
+    write_kv_cache_reference(new_k, new_v, k_view, v_view, slots)
+    assert torch.equal(k_view, batch["k_cache"]) and torch.equal(v_view, batch["v_cache"])
+    separate = paged_attention_cpu(**batch, sliding_window=window)
+    interleaved = paged_attention_cpu(**{**batch, "k_cache": k_view, "v_cache": v_view},
+                                      sliding_window=window)
+    assert torch.equal(interleaved, separate)
+    torch.testing.assert_close(interleaved, paged_attention_reference(**batch, sliding_window=window),
+                               atol=2e-5, rtol=2e-5)
 
 
 def test_subset_leaves_other_rows_untouched():
