@@ -20,6 +20,8 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import math
+import mmap
 import sys
 
 import torch
@@ -53,11 +55,19 @@ HUGE_PAGE = 2 * 2**20
 
 
 def zeros_huge(shape, dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor, backed by transparent huge pages where Linux grants them:
-    asked for before the first write, so the pages fault in huge."""
-    tensor = torch.empty(shape, dtype=dtype)
+    """A zeroed CPU tensor, backed by transparent huge pages where Linux grants them.
+    On Linux it is an anonymous mapping of its own: the kernel hands out zeroed pages as
+    they are first touched, so a KV pool of gigabytes costs neither a zero-fill at start
+    nor memory for blocks never used; asked for huge pages before any touch."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if not sys.platform.startswith("linux") or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    # anonymous and private (shared anonymous memory would be shmem, outside THP);
+    # the tensor keeps the mapping alive
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    tensor = torch.frombuffer(region, dtype=dtype, count=math.prod(shape)).view(shape)
     advise_huge_pages(tensor)
-    return tensor.zero_()
+    return tensor
 
 
 def advise_huge_pages(tensor: torch.Tensor) -> bool:

@@ -88,8 +88,9 @@ class LLM:
             conversations = [conversations]
         if chat_template is None and not self.tokenizer.chat_template:
             raise ValueError(
-                f"{self.config.model_name} has no chat template (no chat_template in its "
-                "tokenizer files): pass one, llm.chat(conversations, chat_template=\"{% for "
+                f"{self.config.model_name} has no chat template (no "
+                f"{self.tokenizer.template_key} in its {self.tokenizer.template_home}): pass "
+                "one, llm.chat(conversations, chat_template=\"{% for "
                 "m in messages %}...{% endfor %}\"), or use generate() with plain prompts")
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(conversations)

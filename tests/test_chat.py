@@ -3,6 +3,7 @@ tokenize=True)` and greedy `generate`; jobs over a `--messages-column` (Parquet
 list<struct<role, content>> or JSON text), its malformed rows and its flag checks."""
 import json
 import shutil
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -79,26 +80,47 @@ def test_bad_conversations_fail_alone_in_input_order(mistral_sp_dir):
     assert outs[3].error.endswith("messages; got str")
 
 
-def test_a_model_without_a_chat_template_says_how_to_pass_one(tmp_path):
+def _without_chat_template(form: str, tmp_path):
+    """The tiny model with no chat template, as a directory or (like Gemma 3's files) as
+    a GGUF file; and where the error says the template was missing."""
+    if form == "gguf":
+        from gguf_checkpoints import write_gguf  # here: it skips without the gguf package
+
+        path = write_gguf(Path(tiny_model_dir()), tmp_path / "model.gguf",
+                          drop=("tokenizer.chat_template",))
+        return path, "tokenizer.chat_template", "GGUF metadata"
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir(), model)
     config = json.loads((model / "tokenizer_config.json").read_text())
     del config["chat_template"]
     (model / "tokenizer_config.json").write_text(json.dumps(config))
+    return model, "chat_template", "tokenizer files"
+
+
+@pytest.mark.parametrize("form", ["dir", "gguf"])
+def test_a_model_without_a_chat_template_says_how_to_pass_one(form, tmp_path):
+    model, key, home = _without_chat_template(form, tmp_path)
     with LLM(str(model)) as llm:
         with pytest.raises(ValueError) as err:
             llm.chat(CONVERSATIONS[0])
         assert str(err.value) == (
-            f"{model} has no chat template (no chat_template in its tokenizer files): pass "
+            f"{model} has no chat template (no {key} in its {home}): pass "
             "one, llm.chat(conversations, chat_template=\"{% for m in messages %}...{% endfor "
             "%}\"), or use generate() with plain prompts")
         (out,) = llm.chat(CONVERSATIONS[0], SamplingParams(max_tokens=2),
                           chat_template="{{ messages[0]['content'] }}")
         assert out.error is None and out.num_prompt_tokens > 0
+        if form == "gguf":  # no files to add a template to
+            with pytest.raises(ValueError) as err:
+                llm.tokenizer.apply_chat_template(CONVERSATIONS[0])
+            assert str(err.value) == (
+                "this tokenizer has no chat template (no tokenizer.chat_template in its GGUF "
+                "metadata): pass plain-text prompts, or pass a template (LLM.chat(..., "
+                "chat_template=...))")
     spec = _spec(tmp_path / "in.parquet", tmp_path / "out", model=str(model))
     pq.write_table(pa.table({"conv": [json.dumps(CONVERSATIONS[0])]}), tmp_path / "in.parquet")
     with pytest.raises(JobError, match="--messages-column needs a chat template, but .* has "
-                       "none in its tokenizer files; drop --messages-column"):
+                       f"none in its {home}; drop --messages-column"):
         run_job(spec)
 
 

@@ -29,10 +29,28 @@ def _huge_bytes(tensor: torch.Tensor) -> int:
                     or "[never]" in _THP.read_text(),
                     reason="transparent huge pages are off or absent on this machine")
 def test_kv_cache_memory_gets_huge_pages():
-    cache = zeros_huge((8, 2, 256, 16, 4, 64), torch.float32)  # 64 MiB
+    cache = zeros_huge((8, 256, 2, 16, 4, 64), torch.float32)  # 64 MiB
     assert cache.count_nonzero() == 0
+    cache.fill_(0.5)  # the engine writing keys and values
     # The kernel may lack free 2 MiB frames on a busy machine; most of the span should not.
     assert _huge_bytes(cache) >= 16 * HUGE_PAGE
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the lazy pool is Linux's")
+def test_a_kv_pool_costs_memory_only_where_written():
+    before = _resident_bytes()
+    cache = zeros_huge((2**30 // 4,), torch.float32)  # 1 GiB
+    cache[:2**20] = 1.0  # 4 MiB written
+    grown = _resident_bytes() - before
+    assert grown < 64 * 2**20, f"a 1 GiB pool made the process grow by {grown} bytes"
+    assert cache.sum() == 2**20
+
+
+def _resident_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
 
 
 def test_advise_refuses_what_holds_no_whole_huge_page():

@@ -1,7 +1,9 @@
 """`fusegen bench`: fusegen beside vLLM, transformers and the machine's own ceiling.
 
-presets.py (shapes) -> workload.py (seeded requests) -> checkpoint.py (cached random model)
--> ceiling.py (matmul FLOP/s, bandwidth) -> fusegen_runner.py, vllm_runner.py (vLLM in
-its own interpreter, running vllm_child.py), hf_static.py, hf_continuous.py (the engines) -> flops.py (model FLOPs and bytes) -> report.py (JSON
-and table); harness.py runs them in that order.
+presets.py (shapes) -> workload.py, chat_prompts.py (seeded requests: random ids or
+chat-templated prompts) -> checkpoint.py (cached random model), or model.py (a real
+--model; a GGUF file's export for the baselines) -> ceiling.py (matmul FLOP/s,
+bandwidth) -> fusegen_runner.py, vllm_runner.py (vLLM in its own interpreter, running
+vllm_child.py), hf_static.py, hf_continuous.py (the engines) -> flops.py (model FLOPs
+and bytes) -> report.py (JSON and table); harness.py runs them in that order.
 """

@@ -1,9 +1,12 @@
-"""The benchmark's random model, saved once as a normal checkpoint and reused.
+"""The benchmark's random model, saved once as a normal checkpoint and reused; and a
+real GGUF model's export to a Hugging Face checkpoint for the baselines, likewise.
 
 A checkpoint lives under <cache>/bench/<preset>-<hash of its shape>/. A changed shape
 (another preset version, `--layers`) hashes elsewhere, so it is built anew; the old one is
 kept, so that switching back does not rebuild (delete the directory to reclaim the space).
-A directory counts as built only once its marker file exists (written last)."""
+An export lives under <cache>/bench/gguf-export/<file stem>-<dtype>-<hash of the file's
+path, size and mtime>/: a changed file exports anew. A directory counts as built only
+once its marker file exists (written last, in a temporary directory renamed into place)."""
 from __future__ import annotations
 
 import hashlib
@@ -16,6 +19,10 @@ from pathlib import Path
 from fusegen.jobs.bench.presets import ModelShape
 
 _MARKER = "bench_shape.json"
+_EXPORT_MARKER = "bench_export.json"
+_MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+# Bump when engine.weights.gguf_export's output changes.
+_EXPORT_VERSION = 1
 # Bump when engine.models.synthetic's output changes in a way the shape does not show.
 _BUILDER_VERSION = 1
 _SEED = 0
@@ -27,8 +34,10 @@ def default_cache_dir() -> Path:
 
 
 def shape_key(shape: ModelShape) -> str:
-    text = json.dumps({**shape.to_dict(), "builder": _BUILDER_VERSION, "seed": _SEED},
-                      sort_keys=True)
+    # A dense shape hashes without the MoE fields, as before they existed: cached
+    # checkpoints stay valid.
+    fields = {k: v for k, v in shape.to_dict().items() if v or k not in _MOE_FIELDS}
+    text = json.dumps({**fields, "builder": _BUILDER_VERSION, "seed": _SEED}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -47,12 +56,46 @@ def ensure_checkpoint(name: str, shape: ModelShape, cache_dir: Path,
     if is_built(path):
         progress(f"model: cached checkpoint {path}")
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
     progress(f"model: building a random {shape.num_layers}-layer checkpoint in {path}")
+    return _build_once(path, lambda tmp: _build(tmp, shape), _MARKER, shape.to_dict())
+
+
+def export_dir(gguf: Path, dtype: str, cache_dir: Path) -> Path:
+    """Where `gguf`'s export in `dtype` is cached (for a split set: keyed by its first file)."""
+    stat = Path(gguf).stat()
+    key = {"path": str(Path(gguf).resolve()), "size": stat.st_size,
+           "mtime_ns": stat.st_mtime_ns, "dtype": dtype, "exporter": _EXPORT_VERSION}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    return Path(cache_dir) / "bench" / "gguf-export" / f"{Path(gguf).stem}-{dtype}-{digest}"
+
+
+def ensure_export(gguf: Path, dtype: str, cache_dir: Path,
+                  progress: Callable[[str], None] = lambda _: None) -> Path:
+    """A Hugging Face checkpoint of the GGUF file `gguf` with its weights in `dtype`
+    (what fusegen runs from the file: engine.weights.gguf_export), exported first when
+    missing."""
+    import torch
+
+    from fusegen.engine.weights.gguf_export import export_gguf
+
+    path = export_dir(gguf, dtype, cache_dir)
+    if (path / _EXPORT_MARKER).is_file():
+        progress(f"model: cached Hugging Face export {path}")
+        return path
+    progress(f"model: exporting {Path(gguf).name} as a Hugging Face checkpoint ({dtype}) for "
+             f"the baselines, in {path}")
+    return _build_once(path, lambda tmp: export_gguf(gguf, tmp, getattr(torch, dtype)),
+                       _EXPORT_MARKER, {"gguf": str(gguf), "dtype": dtype})
+
+
+def _build_once(path: Path, build: Callable[[Path], object], marker: str, about: dict) -> Path:
+    """`build` into a temporary sibling of `path`, the marker last, then renamed into
+    place: an interrupted build never looks finished."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.building-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    _build(tmp, shape)
-    (tmp / _MARKER).write_text(json.dumps(shape.to_dict(), indent=2) + "\n")
+    build(tmp)
+    (tmp / marker).write_text(json.dumps(about, indent=2) + "\n")
     shutil.rmtree(path, ignore_errors=True)  # an earlier, interrupted build
     os.replace(tmp, path)
     return path

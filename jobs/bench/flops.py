@@ -8,6 +8,7 @@ FLOPs of one request with `p` prompt tokens and `n` generated tokens (n >= 1):
   weights of the decoder layers' projections q, k, v, o, gate, up, down. The embedding
   lookup is a gather (no FLOPs); norms and biases (< 0.1%) are left out.
       2 * T * num_layers * (h*nh*d + 2*h*nkv*d + nh*d*h + 3*h*i)
+  (a mixture of experts: 3*h*i becomes the router's h*E and k experts' k*3*h*i_expert.)
 - Attention: the token at position t (0-based) attends to its context c = t + 1 (itself
   and everything before, causal). Per layer and head, q.K^T is c dot products of length
   d (2*c*d FLOPs) and P.V the same again: 4*c*d. Over positions t = 0..T-1 the contexts
@@ -31,11 +32,24 @@ from fusegen.jobs.bench.presets import ModelShape
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
+def _attention_params(shape: ModelShape) -> int:
+    h, d = shape.hidden_size, shape.head_dim
+    return h * shape.num_heads * d + 2 * h * shape.num_kv_heads * d + shape.num_heads * d * h
+
+
+def _mlp_params(shape: ModelShape, num_experts: int) -> int:
+    """A dense MLP's weights; of a mixture of experts, the router's and `num_experts`
+    experts'."""
+    h = shape.hidden_size
+    if not shape.num_experts:
+        return 3 * h * shape.intermediate_size
+    return h * shape.num_experts + num_experts * 3 * h * shape.moe_intermediate_size
+
+
 def layer_linear_params(shape: ModelShape) -> int:
-    """Weights of one decoder layer's projections (no norms, no biases)."""
-    h, d, i = shape.hidden_size, shape.head_dim, shape.intermediate_size
-    attn = h * shape.num_heads * d + 2 * h * shape.num_kv_heads * d + shape.num_heads * d * h
-    return attn + 3 * h * i
+    """Weights of one decoder layer's projections that a token passes through (no norms,
+    no biases; of a mixture of experts, the router and the experts it picks)."""
+    return _attention_params(shape) + _mlp_params(shape, shape.num_experts_per_tok)
 
 
 def lm_head_params(shape: ModelShape) -> int:
@@ -43,9 +57,11 @@ def lm_head_params(shape: ModelShape) -> int:
 
 
 def num_params(shape: ModelShape) -> int:
-    """Every weight of the checkpoint, norms included (biases: Llama presets have none)."""
+    """Every weight of the checkpoint, norms included (biases: Llama presets have none;
+    a real model's biases and extra norms, < 0.1%, are left out)."""
     h = shape.hidden_size
-    per_layer = layer_linear_params(shape) + 2 * h  # + input and post-attention RMSNorm
+    # every expert, + input and post-attention RMSNorm
+    per_layer = _attention_params(shape) + _mlp_params(shape, shape.num_experts) + 2 * h
     embed = shape.vocab_size * h
     head = 0 if shape.tie_word_embeddings else lm_head_params(shape)
     return shape.num_layers * per_layer + embed + head + h  # + final norm
@@ -69,7 +85,8 @@ def workload_flops(shape: ModelShape, counts: Iterable[tuple[int, int]]) -> int:
 # --- bytes: the memory side of the roofline -------------------------------------------
 
 def weight_bytes(shape: ModelShape, dtype: str) -> int:
-    """Weights every step reads: all but the embedding table (a step gathers a few rows)."""
+    """Weights every step reads: all but the embedding table (a step gathers a few rows;
+    of a mixture of experts, every expert: a batch's tokens pick most of them)."""
     streamed = num_params(shape) - shape.vocab_size * shape.hidden_size
     if shape.tie_word_embeddings:
         streamed += lm_head_params(shape)  # the tied table is read whole as the LM head

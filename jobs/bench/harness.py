@@ -1,4 +1,9 @@
-"""One benchmark run: workload, model, ceiling, then every engine on the same requests."""
+"""One benchmark run: workload, model, ceiling, then every engine on the same requests.
+
+The model is the preset's random checkpoint or a real one (`--model`, or the preset's
+default_model): fusegen runs it as named (a GGUF file itself), the baselines a Hugging
+Face directory (a GGUF file's export, made once). With a GGUF file, transformers' own
+GGUF loader is timed once beside fusegen's load."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,8 +15,11 @@ from pathlib import Path
 
 from fusegen.jobs.bench import flops
 from fusegen.jobs.bench.ceiling import measure_ceiling
+from fusegen.jobs.bench.chat_prompts import make_chat_workload
 from fusegen.jobs.bench.checkpoint import default_cache_dir, ensure_checkpoint
-from fusegen.jobs.bench.presets import LengthDist, Preset
+from fusegen.jobs.bench.model import (BenchModel, baseline_dir, load_tokenizer, random_model,
+                                      resolve_bench_model)
+from fusegen.jobs.bench.presets import LengthDist, ModelShape, Preset
 from fusegen.jobs.bench.report import build_report
 from fusegen.jobs.bench.results import EngineResult
 from fusegen.jobs.bench.workload import BenchRequest, make_workload, max_context
@@ -22,6 +30,8 @@ Progress = Callable[[str], None]
 @dataclass(slots=True)
 class BenchConfig:
     preset: Preset  # already shrunk by --layers / --requests / --hf-batch-size
+    # A real model (--model); None: the preset's default_model, else its random checkpoint.
+    model: BenchModel | None = None
     dtype: str | None = None  # the run's dtype; None: the preset's
     device: str = "auto"  # auto: cuda when present, else cpu
     seed: int = 0  # the workload's requests
@@ -34,8 +44,13 @@ class BenchConfig:
     vllm_timeout: float = 3600.0  # seconds for vLLM's whole run, its start included
 
     def __post_init__(self):
+        if self.model is None and self.preset.default_model is not None:
+            self.model = resolve_bench_model(self.preset.default_model)
+        if self.model is None and self.preset.prompts == "chat":
+            raise ValueError(f"preset {self.preset.name} prompts through a chat template: "
+                             "pass a real model with --model")
         if self.dtype is None:
-            self.dtype = self.preset.run_dtype or self.preset.model.dtype
+            self.dtype = self.preset.run_dtype or self.shape.dtype
         if self.device == "auto":
             import torch
 
@@ -60,28 +75,54 @@ class BenchConfig:
             raise ValueError(f"--hf-batch-size must be at least 1; got {self.preset.hf_batch_size}")
         if self.vllm_timeout <= 0:
             raise ValueError(f"--vllm-timeout must be positive; got {self.vllm_timeout}")
+        longest = self.preset.prompt_len.high + self.preset.output_len.high
+        if self.model is not None and longest > self.shape.max_position_embeddings:
+            raise ValueError(
+                f"preset {self.preset.name}'s requests reach {longest} positions but "
+                f"{self.model.source} has max_position_embeddings "
+                f"{self.shape.max_position_embeddings}; run a preset with shorter requests, "
+                "or a model with a longer context")
+
+    @property
+    def shape(self) -> ModelShape:
+        """The shape FLOPs and bytes are counted over: the real model's, or the preset's."""
+        return self.preset.model if self.model is None else self.model.shape
 
 
 def workload_for(config: BenchConfig) -> tuple[list[BenchRequest], list[BenchRequest]]:
-    """(the timed requests, a few short warm-up requests drawn apart from them)."""
-    preset, vocab = config.preset, config.preset.model.vocab_size
-    requests = make_workload(preset.num_requests, preset.prompt_len, preset.output_len, vocab,
-                             seed=config.seed)
+    """(the timed requests, a few short warm-up requests drawn apart from them). Chat
+    prompts are templated and tokenized here, once, outside every timed run."""
+    preset, vocab = config.preset, config.shape.vocab_size
+    if preset.prompts == "chat":
+        requests = make_chat_workload(load_tokenizer(config.model), preset.num_requests,
+                                      preset.prompt_len, preset.output_len, seed=config.seed)
+    else:
+        requests = make_workload(preset.num_requests, preset.prompt_len, preset.output_len,
+                                 vocab, seed=config.seed)
     warmup = make_workload(2, LengthDist("uniform", 4, 16), LengthDist("uniform", 2, 4), vocab,
                            seed=config.seed + 1_000_003)
-    limit = preset.model.max_position_embeddings
+    limit = config.shape.max_position_embeddings
     if max_context(requests) > limit:
+        fix = ("raise it in the preset" if config.model is None else
+               "run a preset with shorter requests, or a model with a longer context")
         raise ValueError(f"preset {preset.name}: a request needs {max_context(requests)} positions "
-                         f"but the model has max_position_embeddings {limit}; raise it in the preset")
+                         f"but the model has max_position_embeddings {limit}; {fix}")
     return requests, warmup
 
 
 def run_benchmark(config: BenchConfig, progress: Progress = lambda _: None) -> dict:
-    preset, shape = config.preset, config.preset.model
+    preset, shape = config.preset, config.shape
     requests, warmup = workload_for(config)
-    progress(f"workload: {len(requests)} requests, prompts {preset.prompt_len.describe()}, "
+    kind = "chat prompts" if preset.prompts == "chat" else "prompts"
+    progress(f"workload: {len(requests)} requests, {kind} {preset.prompt_len.describe()}, "
              f"outputs {preset.output_len.describe()} (seed {config.seed})")
-    model_dir = ensure_checkpoint(preset.name, shape, config.cache_dir, progress)
+    model = config.model or random_model(
+        shape, ensure_checkpoint(preset.name, shape, config.cache_dir, progress))
+    if config.model is not None:
+        where = "" if str(model.path) == model.source else f" ({model.path})"
+        progress(f"model: {model.source}{where}: {shape.num_layers} layers, hidden "
+                 f"{shape.hidden_size}, vocab {shape.vocab_size}")
+    model_dir = model.path
 
     progress(f"ceiling: measuring matmul FLOP/s and memory bandwidth on {config.device}")
     dtypes = tuple(dict.fromkeys(("bfloat16", "float32", config.dtype)))
@@ -105,16 +146,46 @@ def run_benchmark(config: BenchConfig, progress: Progress = lambda _: None) -> d
             progress=progress, name="fusegen_deterministic", label="fusegen deterministic"))
         _done(results[-1], progress)
     _free_memory(config.device)  # fusegen's weights and KV pool, before vLLM and transformers
-    results += _run_vllm(config, model_dir, requests, warmup, progress)
+    hf_on = config.hf_static or config.hf_continuous
+    needs_dir = hf_on or (config.vllm_python is not None and not preset.offload)
+    hf_dir = baseline_dir(model, config.dtype, config.cache_dir, progress) if needs_dir \
+        else model_dir
+    results += _run_vllm(config, hf_dir, requests, warmup, progress)
+    load = {"fusegen_s": results[0].load_s, "transformers_s": None}
+    if model.gguf and hf_on:
+        load |= _time_hf_gguf_load(config, model, progress)
     if preset.offload:
-        results += _run_offload_baseline(config, model_dir, requests, warmup, budgets, progress)
+        results += _run_offload_baseline(config, hf_dir, requests, warmup, budgets, progress)
     else:
-        results += _run_baselines(config, model_dir, requests, warmup, progress)
+        results += _run_baselines(config, hf_dir, requests, warmup, progress)
 
     for result in results:
         if result.skipped is None:
             result.model_flops = flops.workload_flops(shape, result.counts)
-    return build_report(config, model_dir, requests, ceiling, results)
+    return build_report(config, model, hf_dir, requests, ceiling, results,
+                        load if model.gguf else None)
+
+
+def _time_hf_gguf_load(config: BenchConfig, model: BenchModel, progress: Progress) -> dict:
+    """Seconds transformers' own GGUF loader takes for the file (one load, then freed:
+    the baselines run the export, which loads in a fraction of that), or why it failed."""
+    from transformers import AutoModelForCausalLM  # noqa: F401 - imported before the clock
+
+    from fusegen.jobs.bench.hf_static import load_hf_model
+
+    progress(f"transformers: loading {model.path.name} with its GGUF loader (timed once)")
+    start = time.perf_counter()
+    try:
+        loaded = load_hf_model(model.path.parent, config.dtype, config.device,
+                               gguf_file=model.path.name)
+    except Exception as exc:  # noqa: BLE001 - its loader's refusal is a figure, not the bench's end
+        progress(f"transformers: its GGUF loader failed: {type(exc).__name__}: {exc}")
+        return {"transformers_error": f"{type(exc).__name__}: {exc}"}
+    seconds = time.perf_counter() - start
+    del loaded
+    _free_memory(config.device)
+    progress(f"transformers: GGUF load took {seconds:.2f}s")
+    return {"transformers_s": seconds}
 
 
 def _run_vllm(config: BenchConfig, model_dir: Path, requests, warmup,
@@ -131,7 +202,7 @@ def _run_vllm(config: BenchConfig, model_dir: Path, requests, warmup,
     log_path = Path(config.cache_dir) / "bench" / "logs" / f"vllm-{config.preset.name}-{stamp}.log"
     result = run_vllm(config.vllm_python, model_dir, requests, warmup, dtype=config.dtype,
                       device=config.device, seed=config.seed, log_path=log_path,
-                      max_model_len=config.preset.model.max_position_embeddings,
+                      max_model_len=config.shape.max_position_embeddings,
                       max_num_seqs=config.engine_options.get("max_num_seqs"),
                       timeout_s=config.vllm_timeout, progress=progress)
     if result.skipped is None:

@@ -17,12 +17,15 @@ from fusegen.jobs.bench.workload import BenchRequest
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_hf_model(model_dir: Path, dtype: str, device: str):
+def load_hf_model(model_dir: Path, dtype: str, device: str, gguf_file: str | None = None):
+    """`gguf_file`: a GGUF file in model_dir, read by transformers' own GGUF loader."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # the benchmark prints its own progress lines
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=TORCH_DTYPES[dtype])
+    gguf = {} if gguf_file is None else {"gguf_file": gguf_file}
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=TORCH_DTYPES[dtype],
+                                                 **gguf)
     return model.to(device).eval()
 
 

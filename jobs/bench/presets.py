@@ -6,8 +6,9 @@ from dataclasses import asdict, dataclass, replace
 
 @dataclass(frozen=True, slots=True)
 class ModelShape:
-    """A Llama-family decoder, as fusegen.engine.models.synthetic.build_checkpoint takes it."""
-    arch: str  # "llama" (the synthetic builder's name for LlamaForCausalLM)
+    """A decoder's shape: a Llama-family one as fusegen.engine.models.synthetic.build_checkpoint
+    takes it, or a real checkpoint's (`jobs/bench/model.py`)."""
+    arch: str  # config.json's model_type; "llama": the synthetic builder's LlamaForCausalLM
     vocab_size: int
     hidden_size: int
     intermediate_size: int  # SwiGLU: gate, up [hidden -> intermediate], down [intermediate -> hidden]
@@ -17,7 +18,14 @@ class ModelShape:
     head_dim: int
     max_position_embeddings: int  # must hold the longest prompt + output of the workload
     tie_word_embeddings: bool = False
-    dtype: str = "bfloat16"  # the checkpoint's stored dtype (the run may load it as another)
+    # The checkpoint's stored dtype (the run may load it as another); "auto": none of
+    # torch's (a GGUF file's quantized blocks).
+    dtype: str = "bfloat16"
+    # A mixture-of-experts MLP in every layer (a real --model's; 0 experts: dense): each
+    # token runs through num_experts_per_tok experts of moe_intermediate_size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -69,6 +77,17 @@ class Preset:
     # bf16 matmuls are emulated several times slower than fp32.
     run_dtype: str | None = None  # None: the checkpoint's dtype
     offload: OffloadSpec | None = None
+    # "random": random prompt ids; "chat": the built-in chat prompts (chat_prompts.py) in
+    # the model's chat template, so the model must be a real one with a tokenizer.
+    prompts: str = "random"
+    # The real model it runs when --model is not given (jobs/bench/model.py names);
+    # None: a random checkpoint of `model`'s shape.
+    default_model: str | None = None
+
+    def __post_init__(self):
+        if self.prompts not in ("random", "chat"):
+            raise ValueError(f"preset {self.name}: prompts must be 'random' or 'chat', "
+                             f"got {self.prompts!r}")
 
     def shrink(self, *, num_layers: int | None = None, num_requests: int | None = None,
                hf_batch_size: int | None = None) -> "Preset":
@@ -129,6 +148,23 @@ PRESETS: dict[str, Preset] = {
         offload=OffloadSpec(device_memory="24GiB", host_memory="100GiB"),
     ),
 }
+# Chat traffic on a real model, SmolLM2-135M-Instruct by default (`model` is its shape;
+# a run reads the shape of the model it loads): the built-in chat prompts in the model's
+# chat template, lengths like chat requests (30..600 tokens, mean ~200), answers of
+# 32..256 tokens (mean ~120).
+PRESETS["chat"] = Preset(
+    name="chat",
+    model=ModelShape(arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                     num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+                     max_position_embeddings=8192, tie_word_embeddings=True, dtype="auto"),
+    num_requests=64,
+    prompt_len=LengthDist("lognormal", 30, 600, mean=200.0, sigma=0.8),
+    output_len=LengthDist("lognormal", 32, 256, mean=120.0, sigma=0.6),
+    hf_batch_size=16,
+    run_dtype="auto",
+    prompts="chat",
+    default_model="smollm2",
+)
 # cpu-small with a device budget that holds a quarter of its layers beside the KV cache
 # of the whole workload; the rest stream from disk (the memory-mapped checkpoint), as
 # accelerate's offload does on a CPU.

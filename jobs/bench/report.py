@@ -12,9 +12,11 @@ from fusegen.jobs.bench.workload import BenchRequest, describe_workload
 _RATES = ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "flops_per_s")
 
 
-def build_report(config, model_dir: Path, requests: list[BenchRequest], ceiling: Ceiling,
-                 results: list[EngineResult]) -> dict:
-    preset, shape, dtype = config.preset, config.preset.model, config.dtype
+def build_report(config, model, baseline_dir: Path, requests: list[BenchRequest],
+                 ceiling: Ceiling, results: list[EngineResult], load: dict | None = None) -> dict:
+    """`model`: the BenchModel run; `load`: with a GGUF file, fusegen's and transformers'
+    load seconds (None: transformers' was not timed)."""
+    preset, shape, dtype = config.preset, model.shape, config.dtype
     peak = ceiling.matmul_flops[dtype]
     engines = {}
     for r in results:
@@ -31,7 +33,8 @@ def build_report(config, model_dir: Path, requests: list[BenchRequest], ceiling:
                    "num_requests": preset.num_requests, "hf_batch_size": preset.hf_batch_size,
                    "engine_options": dict(config.engine_options)},
         "model": {**shape.to_dict(), "num_params": flops.num_params(shape),
-                  "checkpoint": str(model_dir)},
+                  "source": model.source, "format": model.format,
+                  "checkpoint": str(model.path), "baseline_checkpoint": str(baseline_dir)},
         "workload": {**describe_workload(requests), "prompt_dist": preset.prompt_len.describe(),
                      "output_dist": preset.output_len.describe()},
         "ceiling": ceiling.to_dict(),
@@ -39,6 +42,7 @@ def build_report(config, model_dir: Path, requests: list[BenchRequest], ceiling:
         "ratios": {r.name: _ratios(fusegen, r) for r in results
                    if r is not fusegen and r.skipped is None and fusegen.skipped is None},
         "utilisation": _utilisation(fusegen, shape, dtype, ceiling),
+        **({} if load is None else {"load": {**load, "file_bytes": model.path.stat().st_size}}),
     }
 
 
@@ -86,10 +90,12 @@ def format_report(report: dict) -> str:
     cfg, model, work, ceil = report["config"], report["model"], report["workload"], report["ceiling"]
     machine = report["machine"]
     where = machine.get("gpu") or f"{machine['cpu']}, {ceil['num_threads']} torch threads"
+    named = "" if model.get("source", "random") == "random" else \
+        f"{model['source']} ({model['format']}), "
     lines = [
         f"fusegen bench: preset {report['preset']}, {work['num_requests']} requests, "
         f"{cfg['dtype']} on {cfg['device']} ({where}), {report['date']}",
-        f"  model: {model['num_layers']} layers, hidden {model['hidden_size']}, vocab "
+        f"  model: {named}{model['num_layers']} layers, hidden {model['hidden_size']}, vocab "
         f"{model['vocab_size']}, {model['num_params'] / 1e6:.1f}M parameters",
         f"  prompts: {work['num_prompt_tokens']:,} tokens ({work['prompt_dist']}, mean "
         f"{work['prompt_len']['mean']}); outputs: {work['num_output_tokens']:,} tokens "
@@ -110,6 +116,8 @@ def format_report(report: dict) -> str:
             f"{_flops(r['flops_per_s']):>16}{r['mfu']:>8.1%}"
             f"{(f'{ratio:.2f}x' if ratio else '-'):>11}{mark}")
     lines += ["", _ceiling_line(ceil)]
+    if "load" in report:
+        lines.append(_load_line(report["load"], report["results"]["fusegen"], cfg["dtype"]))
     offload = report["results"].get("fusegen", {}).get("offload")
     if offload:
         layers = offload["layers"]
@@ -138,3 +146,18 @@ def _ceiling_line(ceil: dict) -> str:
                        for dtype, value in ceil["matmul_flops"].items())
     return (f"ceiling, measured in this run: matmul {matmul}; memory bandwidth "
             f"{ceil['memory_bandwidth'] / 1e9:.1f} GB/s (copy, read + write)")
+
+
+def _load_line(load: dict, fusegen: dict, dtype: str) -> str:
+    kv = f"a {fusegen['kv_cache_bytes'] / 1e9:,.1f} GB KV cache" if "kv_cache_bytes" in fusegen \
+        else "the KV cache"
+    line = (f"model load from the GGUF file ({load['file_bytes'] / 1e6:,.1f} MB): fusegen "
+            f"{load['fusegen_s']:.2f}s (LLM(...): weights dequantized into {dtype}, {kv} "
+            "allocated)")
+    if "transformers_error" in load:
+        return line + f"; transformers' GGUF loader failed: {load['transformers_error'][:300]}"
+    if load["transformers_s"] is None:
+        return line + "; transformers not timed (--skip-hf)"
+    ratio = load["transformers_s"] / load["fusegen_s"] if load["fusegen_s"] > 0 else 0.0
+    return (line + f"; transformers from_pretrained(gguf_file=) {load['transformers_s']:.2f}s "
+            f"({ratio:.2f}x fusegen's)")
