@@ -50,12 +50,12 @@ def matmul_seconds(dtype: torch.dtype, rows: int = 256, size: int = 1024) -> flo
     """Best of five [rows, size] x [size, size] products, through the linear the engine
     would use for `dtype` (packed for oneDNN where it can be)."""
     from fusegen.engine.weights.linear import Linear
-    from fusegen.engine.weights.packed import PackedLinear
+    from fusegen.engine.weights.packed import pack_linear
 
     linear = Linear()
     linear.weight = torch.randn(size, size).to(dtype)
     if can_pack(dtype):
-        linear = PackedLinear.pack(linear, rows)
+        linear = pack_linear(linear, rows)
     x = torch.randn(rows, size).to(dtype)
     linear(x)  # warm-up
     best = float("inf")

@@ -17,7 +17,7 @@ from fusegen.engine.models.rope import cos_sin_tables
 from fusegen.engine.memory.offload import WeightStreamer
 from fusegen.engine.memory.plan import LOGITS_CHUNK, activation_bytes
 from fusegen.engine.weights.linear import ROW_TILE
-from fusegen.engine.weights.packed import PackedLinear, can_pack, pack_linears
+from fusegen.engine.weights.packed import can_pack, pack_linear, pack_linears
 from fusegen.engine.sampler import Sampler, SamplingBatch
 from fusegen.engine.scheduler import ScheduledBatch
 
@@ -114,7 +114,7 @@ class ModelRunner:
         for layer, tier in zip(self.model.layers, self.plan.layer_tiers):
             if tier == "device":
                 pack_linears(layer, self.config.max_num_batched_tokens)
-        self.model.lm_head = PackedLinear.pack(self.model.lm_head, LOGITS_CHUNK)
+        self.model.lm_head = pack_linear(self.model.lm_head, LOGITS_CHUNK)
         if self.config.model_config.tie_word_embeddings:  # the embedding stays dense too
             self._account("device", "weights", self.model.lm_head.weight)
 

@@ -13,9 +13,11 @@ slot to be valid.
 """
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
-from fusegen.kernels import use_triton
+from fusegen.kernels import use_native, use_triton
 
 try:
     import triton
@@ -25,10 +27,71 @@ except ImportError:  # no Triton on this platform: the reference still serves
 
 
 def write_kv_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
-    """Dispatcher: the Triton kernel on CUDA, the torch reference elsewhere."""
+    """Dispatcher: the Triton kernel on CUDA, the C kernel on CPUs, the torch reference
+    elsewhere."""
     if use_triton(key):
         return write_kv_cache_triton(key, value, k_cache, v_cache, slot_mapping)
+    if key.dtype in _NATIVE_CACHE and use_native(key):
+        return rotary_cache_native(None, None, key, value, None, None, k_cache, v_cache,
+                                   slot_mapping)
     return write_kv_cache_reference(key, value, k_cache, v_cache, slot_mapping)
+
+
+class CacheStrides(ctypes.Structure):
+    # Mirrors cache_strides_t in csrc/elementwise.c (element strides).
+    _fields_ = [(name, ctypes.c_int64) for name in
+                ("q_t", "q_h", "k_t", "k_h", "v_t", "v_h", "kc_b", "kc_s", "kc_h",
+                 "vc_b", "vc_s", "vc_h", "cs")]
+
+
+_NATIVE_CACHE = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+
+
+def rotary_cache_native(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> None:
+    """On CPUs, in one pass over the step's tokens (kernels/csrc/elementwise.c): rotary
+    on q and k in place (as `rotary_embedding`; skipped when `positions` is None), then
+    each token's key and value written to its slot of the cache (as `write_kv_cache`; a
+    negative slot is padding, not stored). Same dtype everywhere; fp16 without rotary.
+    The C side checks every position and slot before it writes anything."""
+    from fusegen.kernels import native
+
+    num_tokens, num_kv_heads, head_dim = k.shape
+    rotate = positions is not None
+    tensors = (k, v, k_cache, v_cache) + ((q, cos, sin) if rotate else ())
+    assert all(t.dtype == k.dtype and t.device.type == "cpu" for t in tensors), \
+        f"one CPU dtype for all of {[(tuple(t.shape), t.dtype) for t in tensors]}"
+    assert v.shape == k.shape and k_cache.shape == v_cache.shape and \
+        k_cache.shape[2:] == (num_kv_heads, head_dim), \
+        f"key {tuple(k.shape)}, value {tuple(v.shape)}, caches {tuple(k_cache.shape)}"
+    assert all(t.stride(-1) == 1 for t in tensors), "the head dimension must be contiguous"
+    assert slot_mapping.shape == (num_tokens,), \
+        f"slot_mapping {tuple(slot_mapping.shape)} != ({num_tokens},)"
+    slots = slot_mapping.to(torch.int64).contiguous()
+    half, num_heads, q_strides = 0, 0, (0, 0)
+    if rotate:
+        assert k.dtype != torch.float16, "fp16 has no C rotary: rotate with the reference"
+        num_heads, half = q.shape[1], cos.shape[-1]
+        assert 2 * half <= head_dim and cos.stride() == sin.stride(), \
+            f"rotary width {2 * half} > head_dim {head_dim}, or cos/sin strides differ"
+        positions = positions.to(torch.int64).contiguous()
+        q_strides = q.stride()[:2]
+    strides = CacheStrides(*q_strides, *k.stride()[:2], *v.stride()[:2],
+                           *k_cache.stride()[:3], *v_cache.stride()[:3],
+                           cos.stride(0) if rotate else 0)
+    block_size = k_cache.shape[1]
+    failed = getattr(native.library(), f"rotary_cache_{_NATIVE_CACHE[k.dtype]}")(
+        positions.data_ptr() if rotate else None, q.data_ptr() if rotate else None,
+        k.data_ptr(), v.data_ptr(), cos.data_ptr() if rotate else None,
+        sin.data_ptr() if rotate else None, k_cache.data_ptr(), v_cache.data_ptr(),
+        slots.data_ptr(), num_tokens, num_heads, num_kv_heads, half, head_dim,
+        ctypes.byref(strides), cos.shape[0] if rotate else 0,
+        k_cache.shape[0] * block_size, block_size, torch.get_num_threads())
+    if failed == 1:
+        raise IndexError(f"positions {int(positions.min())}..{int(positions.max())} outside "
+                         f"the rotary table's {cos.shape[0]} rows")
+    if failed == 2:
+        raise IndexError(f"slot {int(slots.max())} outside a KV cache of "
+                         f"{k_cache.shape[0]} blocks of {block_size}")
 
 
 @triton.jit

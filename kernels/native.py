@@ -52,6 +52,11 @@ _SIGNATURES = {
     **{f"rms_norm_{t}": [_P] * 5 + [_L, _I, _F] + [_L] * 4 + [_I, _I] for t in ("f32", "bf16")},
     **{f"silu_mul_{t}": [_P, _P, _L, _I, _L, _L, _I] for t in ("f32", "bf16")},
     **{f"rotary_{t}": [_P] * 5 + [_L, _I, _I, _I] + [_L] * 5 + [_I] for t in ("f32", "bf16")},
+    **{f"rotary_cache_{t}": [_P] * 9 + [_L, _I, _I, _I, _I, _P, _L, _L, _I, _I]
+       for t in ("f32", "bf16", "f16")},
+    # csrc/gemm.c
+    "gemm_pack_f32": [_P, _P, _L, _L, _I],
+    "gemm_f32": [_P, _L, _L, _P, _L, _L, _P, _P, _L, _I],
     # csrc/argmax.c
     "argmax_f32": [_P, _P, _L, _I, _L, _I],
 }
@@ -134,5 +139,5 @@ def library() -> ctypes.CDLL | None:
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
-        fn.restype = ctypes.c_int if name.startswith("paged_") else None
+        fn.restype = ctypes.c_int if name.startswith(("paged_", "rotary_cache_")) else None
     return lib

@@ -32,15 +32,12 @@ def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start
         paged_decode_native(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                             out, scale=scale, sliding_window=sliding_window)
         return out
-    starts = query_start_loc.tolist()
-    query_lens = [b - a for a, b in zip(starts, starts[1:])]
-    decode = [i for i, n in enumerate(query_lens) if n == 1]
-    if decode:
+    split = _per_step(("split", query_start_loc), lambda: _split_rows(query_start_loc))
+    starts, query_lens, decode, prefill = split
+    if decode is not None:
         paged_decode_native(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                            out, scale=scale, sliding_window=sliding_window,
-                            seq_ids=torch.tensor(decode, dtype=torch.int32))
-    prefill = [i for i, n in enumerate(query_lens) if n > 1]
-    if prefill and not paged_prefill_native(q, k_cache, v_cache, block_tables, seq_lens,
+                            out, scale=scale, sliding_window=sliding_window, seq_ids=decode)
+    if prefill is not None and not paged_prefill_native(q, k_cache, v_cache, block_tables, seq_lens,
                                             query_start_loc, out, prefill, scale=scale,
                                             sliding_window=sliding_window):
         lens = seq_lens.tolist()
@@ -50,6 +47,41 @@ def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start
                     q[starts[i]:starts[i] + n], k_cache, v_cache, block_tables[i], lens[i],
                     scale, sliding_window)
     return out
+
+
+def _split_rows(query_start_loc):
+    """(starts, query lengths, decode sequence ids as an int32 tensor or None, prefill
+    sequence ids as an int32 tensor or None) of a step."""
+    starts = query_start_loc.tolist()
+    query_lens = [b - a for a, b in zip(starts, starts[1:])]
+    ids = [[i for i, n in enumerate(query_lens) if (n == 1) == decode] for decode in (1, 0)]
+    decode, prefill = (torch.tensor(x, dtype=torch.int32) if x else None for x in ids)
+    return starts, query_lens, decode, prefill
+
+
+_step_memo = threading.local()
+
+
+def _per_step(key: tuple, compute):
+    """`compute()`, once for as long as the tensors in `key` are the same objects: every
+    layer of a step passes the step's metadata tensors, which nobody changes in place,
+    so what is derived from them (index lists, bounds checks) is derived once per step
+    instead of once per layer. The memo holds the tensors, so their ids cannot be
+    reused while it does, and their version counters, so an in-place change is seen."""
+    memo = getattr(_step_memo, "entries", None)
+    if memo is None:
+        memo = _step_memo.entries = {}
+    tag, *tensors = key
+    # bumped by any in-place change; inference tensors (the engine's) keep no counter,
+    # and the engine never changes a step's metadata in place
+    versions = [None if t.is_inference() else t._version for t in tensors]
+    hit = memo.get(tag)
+    if hit is not None and len(hit[0]) == len(tensors) and hit[1] == versions and \
+            all(a is b for a, b in zip(hit[0], tensors)):
+        return hit[2]
+    value = compute()
+    memo[tag] = (tensors, versions, value)
+    return value
 
 
 def paged_decode_native(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, *,
@@ -101,13 +133,13 @@ def _call(name, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, ou
     num_items = seq_lens.shape[0] if seq_ids is None else seq_ids.shape[0]
     if num_items == 0:
         return 0
-    # The C kernels index unchecked: refuse what would read outside the cache.
-    if int(seq_lens.max()) > block_tables.shape[1] * block_size or \
-            not 0 <= int(block_tables.min()) <= int(block_tables.max()) < k_cache.shape[0]:
-        raise IndexError(f"block tables [{tuple(block_tables.shape)}, ids "
-                         f"{int(block_tables.min())}..{int(block_tables.max())}] do not cover "
-                         f"sequences of up to {int(seq_lens.max())} tokens in a cache of "
-                         f"{k_cache.shape[0]} blocks of {block_size}")
+    # The C kernels index unchecked: refuse what would read outside the cache (checked
+    # once per step's tables and cache size, not once per layer).
+    problem = _per_step((("bounds", k_cache.shape[0], block_size), block_tables, seq_lens),
+                        lambda: _bounds_problem(block_tables, seq_lens, k_cache.shape[0],
+                                                block_size))
+    if problem:
+        raise IndexError(problem)
     strides = native.Strides(q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                              *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0))
     failed = getattr(native.library(), name)(
@@ -119,6 +151,15 @@ def _call(name, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, ou
     if failed == 2:
         raise MemoryError(f"the CPU attention kernel {name} could not allocate its scratch")
     return failed
+
+
+def _bounds_problem(block_tables, seq_lens, num_blocks: int, block_size: int) -> str | None:
+    low, high, longest = int(block_tables.min()), int(block_tables.max()), int(seq_lens.max())
+    if longest > block_tables.shape[1] * block_size or not 0 <= low <= high < num_blocks:
+        return (f"block tables [{tuple(block_tables.shape)}, ids {low}..{high}] do not cover "
+                f"sequences of up to {longest} tokens in a cache of {num_blocks} blocks of "
+                f"{block_size}")
+    return None
 
 
 def paged_attention_rowwise(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *,

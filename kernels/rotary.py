@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from fusegen.kernels import use_native, use_triton
+from fusegen.kernels.kv_cache import rotary_cache_native, write_kv_cache
 
 try:
     import triton
@@ -44,6 +45,18 @@ def rotary_embedding(positions, q, k, cos, sin) -> None:
     if same_dtype and q.dtype in _NATIVE_SUFFIX and use_native(q):
         return rotary_embedding_native(positions, q, k, cos, sin)
     return rotary_embedding_reference(positions, q, k, cos, sin)
+
+
+def rotary_and_cache(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> None:
+    """`rotary_embedding` on q and k, then `write_kv_cache` of k and v: on CPUs in one
+    C pass over the tokens (kv_cache.rotary_cache_native), elsewhere one after the
+    other. Same results either way, to the bit."""
+    if not use_triton(q) and q.dtype in _NATIVE_SUFFIX and use_native(q) and all(
+            t.dtype == q.dtype for t in (k, v, cos, sin, k_cache, v_cache)):
+        return rotary_cache_native(positions, q, k, v, cos, sin, k_cache, v_cache,
+                                   slot_mapping)
+    rotary_embedding(positions, q, k, cos, sin)
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
 
 def rotary_embedding_native(positions, q, k, cos, sin) -> None:

@@ -200,3 +200,21 @@ def test_loading_the_kernels_keeps_subnormals(tmp_path):
                           env={**os.environ, "FUSEGEN_CACHE_DIR": str(tmp_path)})
     assert done.returncode == 0, done.stderr
     assert float(done.stdout) == pytest.approx(1e-40, rel=1e-3)
+
+
+def test_tables_changed_in_place_are_checked_again():
+    # The bounds check runs once per step's tables (not per layer); a table changed in
+    # place after a call is a new table and must be checked again.
+
+    gen = torch.Generator().manual_seed(3)
+    cache = torch.randn(4, 2, 8, 2, 16, generator=gen)
+    k_cache, v_cache = cache.unbind(1)
+    q = torch.randn(2, 4, 16, generator=gen)
+    tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    lens = torch.tensor([9, 16], dtype=torch.int32)
+    starts = torch.tensor([0, 1, 2], dtype=torch.int32)
+    args = dict(max_query_len=1, max_seq_len=16, scale=0.25)
+    paged_attention_cpu(q, k_cache, v_cache, tables, lens, starts, **args)
+    tables[1, 1] = 4  # one past the cache's last block
+    with pytest.raises(IndexError, match=r"ids 0\.\.4\] do not cover .* cache of 4 blocks"):
+        paged_attention_cpu(q, k_cache, v_cache, tables, lens, starts, **args)

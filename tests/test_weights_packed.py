@@ -1,6 +1,7 @@
-"""Weights packed for oneDNN on CPUs (engine/weights/packed.py): the same products as
-the dense `Linear`, batch-invariant in row tiles, used for resident layers only, and
-the engine's tokens unchanged by them."""
+"""Weights packed on CPUs (engine/weights/packed.py): fusegen's own fp32 GEMM
+(`NativeLinear`) and oneDNN's (`PackedLinear`) give the same products as the dense
+`Linear`, batch-invariant (the GEMM by construction, oneDNN in row tiles), used for
+resident layers only, and the engine's tokens unchanged by them."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,7 +10,8 @@ from checkpoints import make_hf_checkpoint
 from fusegen.engine import LLM, SamplingParams
 from fusegen.engine.models.decoder import DecoderLayer
 from fusegen.engine.weights.linear import Linear
-from fusegen.engine.weights.packed import PackedLinear, can_pack, pack_linears
+from fusegen.engine.weights.packed import NativeLinear, PackedLinear, can_pack, \
+    pack_linears
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.float32),
                                 reason="oneDNN cannot pack fp32 weights on this CPU")
@@ -60,10 +62,47 @@ def test_packed_row_tiles_are_batch_invariant():
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(96, 64), (1024, 512), (512, 1536), (3000, 1100)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 6, 17, 130])
+def test_native_gemm_equals_the_dense_product(shape, bias, rows):
+    # 1536 and 1100 run over more than one depth block (KC = 512), 3000 ends in a
+    # partial panel of 8 columns, row counts cover partial blocks of 6 rows.
+    dense = _linear(*shape, bias=bias)
+    packed = NativeLinear.pack(dense)
+    x = torch.randn(rows, shape[1])
+    torch.testing.assert_close(packed(x), F.linear(x, dense.weight, dense.bias),
+                               rtol=1e-5, atol=1e-5)
+    assert packed.weight.numel() == -(-shape[0] // 16) * 16 * shape[1]
+
+
+def test_native_gemm_takes_strided_and_batched_rows():
+    dense = _linear(256, 64)
+    packed = NativeLinear.pack(dense)
+    x = torch.randn(9, 128)[:, 32:96]  # rows of 64 with a stride of 128
+    torch.testing.assert_close(packed(x), F.linear(x, dense.weight), rtol=1e-5, atol=1e-5)
+    x3 = torch.randn(2, 5, 64).transpose(0, 1)  # [5, 2, 64], not contiguous
+    torch.testing.assert_close(packed(x3), F.linear(x3, dense.weight), rtol=1e-5, atol=1e-5)
+
+
+def test_native_gemm_is_batch_invariant_without_row_tiles():
+    """A row's bits do not depend on its neighbours, its position or the row count."""
+    dense = _linear(1000, 1100, bias=True)
+    packed = NativeLinear.pack(dense)
+    gen = torch.Generator().manual_seed(1)
+    row = torch.randn(1, 1100, generator=gen)
+    alone = packed(row)[0]
+    for before, after in [(3, 5), (5, 0), (6, 11), (63, 0), (200, 77)]:
+        x = torch.cat([torch.randn(before, 1100, generator=gen), row,
+                       torch.randn(after, 1100, generator=gen)])
+        assert torch.equal(packed(x)[before], alone)
+
+
 def test_a_packed_weight_cannot_be_repointed():
-    packed = PackedLinear.pack(_linear(64, 32), batch_hint=8)
-    with pytest.raises(TypeError, match="streamed layers use Linear"):
-        packed.set_weight("weight", torch.zeros(64, 32))
+    for packed in (PackedLinear.pack(_linear(64, 32), batch_hint=8),
+                   NativeLinear.pack(_linear(64, 32))):
+        with pytest.raises(TypeError, match="streamed layers use Linear"):
+            packed.set_weight("weight", torch.zeros(64, 32))
 
 
 def test_pack_linears_replaces_every_dense_linear(llama_dir):
@@ -74,7 +113,7 @@ def test_pack_linears_replaces_every_dense_linear(llama_dir):
         getattr(layer, name).weight = torch.randn(32, 16)
     pack_linears(layer, batch_hint=64)
     assert {name: type(getattr(layer, name)) for name in ("qkv", "o", "gate_up", "down")} == \
-        dict.fromkeys(("qkv", "o", "gate_up", "down"), PackedLinear)
+        dict.fromkeys(("qkv", "o", "gate_up", "down"), NativeLinear)
 
 
 def test_reference_kernels_turn_packing_off(monkeypatch):
@@ -103,7 +142,7 @@ def _kinds(llm):
 def test_engine_packs_resident_layers_and_keeps_tokens(deep_dir, monkeypatch):
     with LLM(str(deep_dir), **OPTIONS) as llm:
         packed = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
-        assert _kinds(llm) == (["PackedLinear"] * 10, "PackedLinear")
+        assert _kinds(llm) == (["NativeLinear"] * 10, "NativeLinear")
     monkeypatch.setenv("FUSEGEN_KERNELS", "reference")
     with LLM(str(deep_dir), **OPTIONS) as llm:
         dense = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
@@ -123,8 +162,8 @@ def test_streamed_layers_stay_dense(deep_dir):
         layers, head = _kinds(llm)
         assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == want
     assert tiers.count("device") == 5 and tiers.count("host") == 5
-    assert layers == ["PackedLinear" if t == "device" else "Linear" for t in tiers]
-    assert head == "PackedLinear"
+    assert layers == ["NativeLinear" if t == "device" else "Linear" for t in tiers]
+    assert head == "NativeLinear"
 
 
 def test_a_tied_head_is_counted_twice(qwen2_dir, monkeypatch):

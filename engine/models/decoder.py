@@ -17,10 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusegen.engine.weights.linear import Linear
-from fusegen.kernels.kv_cache import write_kv_cache
 from fusegen.kernels.paged_attention import paged_attention
 from fusegen.kernels.rms_norm import rms_norm
-from fusegen.kernels.rotary import rotary_embedding
+from fusegen.kernels.rotary import rotary_and_cache
 from fusegen.kernels.silu_mul import silu_and_mul
 
 if TYPE_CHECKING:
@@ -105,9 +104,9 @@ class DecoderLayer(nn.Module):
     def _attention(self, positions, x, rope, kv_cache, meta):
         num_tokens = x.shape[0]
         q, k, v = self._qkv(x)
-        rotary_embedding(positions, q, k, *rope)  # in place
         k_cache, v_cache = kv_cache  # [num_blocks, block_size, K, D] each
-        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        # q, k rotated in place; k, v stored in their slots
+        rotary_and_cache(positions, q, k, v, *rope, k_cache, v_cache, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                               meta.query_start_loc, max_query_len=meta.max_query_len,
                               max_seq_len=meta.max_seq_len, scale=self.scale,

@@ -252,3 +252,65 @@ void rotary_##SUFFIX(const int64_t *positions, T *q, T *k, const T *cos_t, const
 
 DEFINE_ELEMENTWISE(f32, float, 0)
 DEFINE_ELEMENTWISE(bf16, uint16_t, 1)
+
+/* --- rotary and the KV cache write in one pass -------------------------------------- */
+
+/* Element strides of rotary_cache's tensors (kernels/kv_cache.py CacheStrides). */
+typedef struct {
+    int64_t q_t, q_h, k_t, k_h, v_t, v_h, kc_b, kc_s, kc_h, vc_b, vc_s, vc_h, cs;
+} cache_strides_t;
+
+/* A token's k or v heads [Hkv, D] into its cache slot, head by head (a head's D
+ * channels are contiguous on both sides). */
+static inline void copy_heads(const char *src, int64_t src_h, char *dst, int64_t dst_h,
+                              int num_kv_heads, size_t row_bytes) {
+    for (int h = 0; h < num_kv_heads; h++)
+        memcpy(dst + h * dst_h, src + h * src_h, row_bytes);
+}
+
+/* rotary_cache: rotary as rotary_* above on q [T, Hq, D] and k [T, Hkv, D] (skipped when
+ * half == 0), then each token's key and value heads copied to slot slots[t] of the paged
+ * caches [N, block_size, Hkv, D] (block slots[t] / block_size, row slots[t] % block_size;
+ * strides in elements, so keys and values may share one tensor). A negative slot is a
+ * padding token: rotated, not stored. Everything is checked before anything is written:
+ * returns 1 when a position is outside the rotary table's num_positions rows, 2 when a
+ * slot is at or past num_slots, 0 when done. Small steps stay on the calling thread:
+ * waking a second one costs more than a few hundred rows of work. */
+#define DEFINE_ROTARY_CACHE(SUFFIX, T, BF16)                                                \
+int rotary_cache_##SUFFIX(const int64_t *positions, T *q, T *k, const T *v, const T *cos_t, \
+                          const T *sin_t, T *k_cache, T *v_cache, const int64_t *slots,     \
+                          int64_t tokens, int num_heads, int num_kv_heads, int half,        \
+                          int head_dim, const cache_strides_t *st, int64_t num_positions,   \
+                          int64_t num_slots, int block_size, int num_threads) {             \
+    for (int64_t t = 0; t < tokens; t++) {                                                  \
+        if (half > 0 && (positions[t] < 0 || positions[t] >= num_positions)) return 1;     \
+        if (slots[t] >= num_slots) return 2;                                                \
+    }                                                                                       \
+    const size_t row_bytes = (size_t)head_dim * sizeof(T);                                  \
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static) if(tokens >= 256)") \
+    for (int64_t t = 0; t < tokens; t++) {                                                  \
+        if (half > 0) {                                                                     \
+            float c[half], s[half];                                                         \
+            load_row(cos_t + positions[t] * st->cs, c, half, BF16);                         \
+            load_row(sin_t + positions[t] * st->cs, s, half, BF16);                         \
+            for (int h = 0; h < num_heads; h++)                                             \
+                rotate(q + t * st->q_t + h * st->q_h, c, s, half, BF16);                    \
+            for (int h = 0; h < num_kv_heads; h++)                                          \
+                rotate(k + t * st->k_t + h * st->k_h, c, s, half, BF16);                    \
+        }                                                                                   \
+        if (slots[t] < 0) continue;                                                         \
+        const int64_t block = slots[t] / block_size, row = slots[t] % block_size;           \
+        copy_heads((const char *)(k + t * st->k_t), st->k_h * (int64_t)sizeof(T),          \
+                   (char *)(k_cache + block * st->kc_b + row * st->kc_s),                   \
+                   st->kc_h * (int64_t)sizeof(T), num_kv_heads, row_bytes);                 \
+        copy_heads((const char *)(v + t * st->v_t), st->v_h * (int64_t)sizeof(T),          \
+                   (char *)(v_cache + block * st->vc_b + row * st->vc_s),                   \
+                   st->vc_h * (int64_t)sizeof(T), num_kv_heads, row_bytes);                 \
+    }                                                                                       \
+    return 0;                                                                               \
+}
+
+DEFINE_ROTARY_CACHE(f32, float, 0)
+DEFINE_ROTARY_CACHE(bf16, uint16_t, 1)
+/* fp16 caches: no rotary (half == 0 only; the rotary tables are fp32 or bf16). */
+DEFINE_ROTARY_CACHE(f16, uint16_t, 0)

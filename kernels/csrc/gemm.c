@@ -1,0 +1,131 @@
+/* fp32 matrix products against a weight packed once, for CPUs: out [M, N] = x [M, K] W^T
+ * (+ bias), W a linear's weight [N, K].
+ *
+ * The weight is packed into panels of 16 output columns, [ceil(N / 16)][K][16] (the last
+ * panel padded with zeros), so the inner loop reads one panel's 16 floats for each k as
+ * one contiguous run. The micro-kernel keeps a 6 x 16 block of outputs in twelve 8-lane
+ * registers: per k, two panel vectors and six broadcast x values, twelve fused multiply-
+ * adds (the register shape BLIS uses for AVX2). Threads split the panels; K is walked in
+ * blocks of KC so a panel's slice stays in L1/L2 for large K.
+ *
+ * Every output element is the same sequence of operations whatever M is and wherever
+ * its row sits: sum over k in order within each KC block, blocks added in order, the
+ * bias last. A row's result is therefore independent of the batch it came in
+ * (batch-invariant), which the engine's deterministic mode relies on.
+ *
+ * The micro-kernel is written with AVX2/FMA intrinsics where the build targets them
+ * (-march=native), else with GCC vector extensions (NEON pairs on Arm), where
+ * -ffast-math (native.py) lets `c += x * b` contract to a fused multiply-add.
+ */
+#include <stdint.h>
+#include <string.h>
+
+typedef float v8f __attribute__((vector_size(32), aligned(4)));
+
+#define NR 16  /* panel width: output columns per panel */
+#define MR 6   /* rows per micro-kernel call */
+#define KC 512 /* depth per cache block */
+
+/* w [n, k] row-major -> panels [ceil(n / NR)][k][NR]. */
+void gemm_pack_f32(const float *w, float *packed, int64_t n, int64_t k, int num_threads) {
+    const int64_t panels = (n + NR - 1) / NR;
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static)")
+    for (int64_t p = 0; p < panels; p++) {
+        float *dst = packed + p * k * NR;
+        for (int64_t kk = 0; kk < k; kk++)
+            for (int j = 0; j < NR; j++) {
+                const int64_t col = p * NR + j;
+                dst[kk * NR + j] = col < n ? w[col * k + kk] : 0.0f;
+            }
+    }
+}
+
+static inline v8f splat(float v) { return (v8f){v, v, v, v, v, v, v, v}; }
+
+/* Rows past `rows` (a partial block) repeat row 0: computed, never stored. */
+#define ROW(r) (x + ((r) < rows ? (r) : 0) * ldx)
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+/* With intrinsics: GCC's vector-extension form of the same loop runs out of registers
+ * (twelve accumulators, two panel vectors, one broadcast) and adds moves to the loop. */
+#define MICRO_LOOP(c)                                                                       \
+    do {                                                                                    \
+        const float *x0 = ROW(0), *x1 = ROW(1), *x2 = ROW(2), *x3 = ROW(3), *x4 = ROW(4),  \
+                    *x5 = ROW(5);                                                           \
+        __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00,       \
+               c21 = c00, c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00; \
+        for (int64_t kk = 0; kk < kd; kk++) {                                               \
+            const __m256 b0 = _mm256_loadu_ps(panel + kk * NR);                             \
+            const __m256 b1 = _mm256_loadu_ps(panel + kk * NR + 8);                         \
+            __m256 a = _mm256_broadcast_ss(x0 + kk);                                        \
+            c00 = _mm256_fmadd_ps(a, b0, c00); c01 = _mm256_fmadd_ps(a, b1, c01);           \
+            a = _mm256_broadcast_ss(x1 + kk);                                               \
+            c10 = _mm256_fmadd_ps(a, b0, c10); c11 = _mm256_fmadd_ps(a, b1, c11);           \
+            a = _mm256_broadcast_ss(x2 + kk);                                               \
+            c20 = _mm256_fmadd_ps(a, b0, c20); c21 = _mm256_fmadd_ps(a, b1, c21);           \
+            a = _mm256_broadcast_ss(x3 + kk);                                               \
+            c30 = _mm256_fmadd_ps(a, b0, c30); c31 = _mm256_fmadd_ps(a, b1, c31);           \
+            a = _mm256_broadcast_ss(x4 + kk);                                               \
+            c40 = _mm256_fmadd_ps(a, b0, c40); c41 = _mm256_fmadd_ps(a, b1, c41);           \
+            a = _mm256_broadcast_ss(x5 + kk);                                               \
+            c50 = _mm256_fmadd_ps(a, b0, c50); c51 = _mm256_fmadd_ps(a, b1, c51);           \
+        }                                                                                   \
+        const __m256 all[MR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31},          \
+                                   {c40, c41}, {c50, c51}};                                 \
+        memcpy(c, all, sizeof all);                                                         \
+    } while (0)
+#else
+#define MICRO_LOOP(c)                                                                       \
+    do {                                                                                    \
+        v8f acc[MR][2];                                                                     \
+        for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = splat(0.0f);                   \
+        for (int64_t kk = 0; kk < kd; kk++) {                                               \
+            const v8f b0 = *(const v8f *)(panel + kk * NR);                                 \
+            const v8f b1 = *(const v8f *)(panel + kk * NR + 8);                             \
+            for (int r = 0; r < MR; r++) {                                                  \
+                const v8f a = splat(ROW(r)[kk]);                                            \
+                acc[r][0] += a * b0;                                                        \
+                acc[r][1] += a * b1;                                                        \
+            }                                                                               \
+        }                                                                                   \
+        memcpy(c, acc, sizeof acc);                                                         \
+    } while (0)
+#endif
+
+/* out rows [0, rows) x panel columns [0, cols) (+)= x rows . panel, over depth kd.
+ * accumulate: add to what out holds (a later KC block) instead of starting from zero. */
+static inline void micro(const float *x, int64_t ldx, const float *panel, int64_t kd,
+                         float *out, int64_t ldo, int rows, int cols, int accumulate) {
+    float c[MR][NR] __attribute__((aligned(32)));
+    MICRO_LOOP(c);
+    for (int r = 0; r < rows; r++) {
+        float *o = out + r * ldo;
+        if (accumulate)
+            for (int j = 0; j < cols; j++) o[j] += c[r][j];
+        else
+            memcpy(o, c[r], (size_t)cols * sizeof(float));
+    }
+}
+
+/* out [m, n] (row stride ldo) = x [m, k] (row stride ldx) . packed^T + bias (NULL: none).
+ * Threads take contiguous runs of panels; a panel's KC slice stays in L1/L2 while every
+ * row passes over it. */
+void gemm_f32(const float *x, int64_t m, int64_t ldx, const float *packed, int64_t n,
+              int64_t k, const float *bias, float *out, int64_t ldo, int num_threads) {
+    const int64_t panels = (n + NR - 1) / NR;
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static)")
+    for (int64_t p = 0; p < panels; p++) {
+        const int cols = (int)(n - p * NR < NR ? n - p * NR : NR);
+        for (int64_t k0 = 0; k0 < k; k0 += KC) {
+            const int64_t kd = k - k0 < KC ? k - k0 : KC;
+            const float *panel = packed + (p * k + k0) * NR;
+            for (int64_t r = 0; r < m; r += MR)
+                micro(x + r * ldx + k0, ldx, panel, kd, out + r * ldo + p * NR, ldo,
+                      (int)(m - r < MR ? m - r : MR), cols, k0 > 0);
+        }
+        if (bias)
+            for (int64_t r = 0; r < m; r++)
+                for (int j = 0; j < cols; j++) out[r * ldo + p * NR + j] += bias[p * NR + j];
+    }
+}
