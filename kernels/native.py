@@ -57,6 +57,7 @@ _SIGNATURES = {
     # csrc/gemm.c
     "gemm_pack_f32": [_P, _P, _L, _L, _I],
     "gemm_f32": [_P, _L, _L, _P, _L, _L, _P, _P, _L, _I],
+    "gemm_argmax_f32": [_P, _L, _L, _P, _L, _L, _P, _P, _I],
     # csrc/argmax.c
     "argmax_f32": [_P, _P, _L, _I, _L, _I],
 }
@@ -139,5 +140,6 @@ def library() -> ctypes.CDLL | None:
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
-        fn.restype = ctypes.c_int if name.startswith(("paged_", "rotary_cache_")) else None
+        fn.restype = ctypes.c_int if name.startswith(("paged_", "rotary_cache_", "gemm_argmax")) \
+            else None
     return lib

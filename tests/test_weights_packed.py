@@ -10,11 +10,13 @@ from checkpoints import make_hf_checkpoint
 from fusegen.engine import LLM, SamplingParams
 from fusegen.engine.models.decoder import DecoderLayer
 from fusegen.engine.weights.linear import Linear
-from fusegen.engine.weights.packed import NativeLinear, PackedLinear, can_pack, \
-    pack_linears
+from fusegen.engine.weights.packed import NativeLinear, PackedLinear, _native_gemm, \
+    can_pack, pack_linears
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.float32),
-                                reason="oneDNN cannot pack fp32 weights on this CPU")
+                                reason="fp32 weights are not packed on this CPU")
+# fp32 weights go to fusegen's GEMM on AVX2 CPUs, to oneDNN on AVX-512 ones
+FP32_KIND = NativeLinear if _native_gemm() else PackedLinear
 
 
 def _linear(out_features, in_features, bias=False, seed=0):
@@ -98,6 +100,27 @@ def test_native_gemm_is_batch_invariant_without_row_tiles():
         assert torch.equal(packed(x)[before], alone)
 
 
+@pytest.mark.parametrize("shape", [(32000, 64), (3000, 1100), (17, 32)])
+@pytest.mark.parametrize("rows", [1, 7, 40])
+def test_native_argmax_is_the_argmax_of_the_product(shape, rows):
+    from fusegen.kernels.argmax import argmax_native
+
+    dense = _linear(*shape, bias=True)
+    packed = NativeLinear.pack(dense)
+    x = torch.randn(rows, 256)[:, :shape[1]] if shape[1] < 256 else torch.randn(rows, shape[1])
+    assert torch.equal(packed.argmax(x), argmax_native(packed(x)))
+
+
+def test_native_argmax_keeps_the_first_column_on_ties():
+    # Duplicated weight rows give equal logits in columns far apart (in different
+    # panels, and on different threads for the 4,000 columns).
+    dense = _linear(4000, 32)
+    dense.weight[3990] = dense.weight[5] = dense.weight[2001] = 10 * dense.weight[5]
+    packed = NativeLinear.pack(dense)
+    x = dense.weight[5:6] / dense.weight[5].norm()  # scores highest on rows 5, 2001, 3990
+    assert packed.argmax(x).tolist() == [5]
+
+
 def test_a_packed_weight_cannot_be_repointed():
     for packed in (PackedLinear.pack(_linear(64, 32), batch_hint=8),
                    NativeLinear.pack(_linear(64, 32))):
@@ -113,7 +136,7 @@ def test_pack_linears_replaces_every_dense_linear(llama_dir):
         getattr(layer, name).weight = torch.randn(32, 16)
     pack_linears(layer, batch_hint=64)
     assert {name: type(getattr(layer, name)) for name in ("qkv", "o", "gate_up", "down")} == \
-        dict.fromkeys(("qkv", "o", "gate_up", "down"), NativeLinear)
+        dict.fromkeys(("qkv", "o", "gate_up", "down"), FP32_KIND)
 
 
 def test_reference_kernels_turn_packing_off(monkeypatch):
@@ -142,7 +165,7 @@ def _kinds(llm):
 def test_engine_packs_resident_layers_and_keeps_tokens(deep_dir, monkeypatch):
     with LLM(str(deep_dir), **OPTIONS) as llm:
         packed = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
-        assert _kinds(llm) == (["NativeLinear"] * 10, "NativeLinear")
+        assert _kinds(llm) == ([FP32_KIND.__name__] * 10, FP32_KIND.__name__)
     monkeypatch.setenv("FUSEGEN_KERNELS", "reference")
     with LLM(str(deep_dir), **OPTIONS) as llm:
         dense = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
@@ -162,8 +185,8 @@ def test_streamed_layers_stay_dense(deep_dir):
         layers, head = _kinds(llm)
         assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == want
     assert tiers.count("device") == 5 and tiers.count("host") == 5
-    assert layers == ["NativeLinear" if t == "device" else "Linear" for t in tiers]
-    assert head == "NativeLinear"
+    assert layers == [FP32_KIND.__name__ if t == "device" else "Linear" for t in tiers]
+    assert head == FP32_KIND.__name__
 
 
 def test_a_tied_head_is_counted_twice(qwen2_dir, monkeypatch):

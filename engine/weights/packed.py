@@ -98,22 +98,43 @@ class NativeLinear(Linear):
             self.out_features, torch.get_num_threads())
         return out.view(*x.shape[:-1], self.out_features)
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, in] -> [T] int64: each row's first column of the maximum of `forward(x)`,
+        bit for bit argmax(forward(x)) without writing the [T, out] product (greedy
+        decoding's head over a large vocabulary)."""
+        from fusegen.kernels import native
+
+        rows = x if x.stride(-1) == 1 else x.contiguous()
+        out = torch.empty(rows.shape[0], dtype=torch.int64)
+        if native.library().gemm_argmax_f32(
+                rows.data_ptr(), rows.shape[0], rows.stride(0), self.weight.data_ptr(),
+                self.out_features, self.in_features,
+                None if self.bias is None else self.bias.data_ptr(), out.data_ptr(),
+                torch.get_num_threads()):
+            raise MemoryError("the CPU GEMM could not allocate its argmax scratch")
+        return out
+
     def set_weight(self, name: str, tensor: torch.Tensor) -> None:
         raise TypeError("a packed linear's weight is fixed at load; streamed layers use Linear")
 
 
 def pack_linear(linear: Linear, batch_hint: int) -> Linear:
-    """`linear` packed for this CPU: fusegen's own GEMM for fp32 where the C kernels
-    build, else oneDNN's packed weight (`batch_hint`: the row count it blocks for)."""
+    """`linear` packed for this CPU: fusegen's own GEMM for fp32 on AVX2 CPUs where the
+    C kernels build, else oneDNN's packed weight (`batch_hint`: the row count it blocks
+    for)."""
     if linear.weight.dtype == torch.float32 and _native_gemm():
         return NativeLinear.pack(linear)
     return PackedLinear.pack(linear, batch_hint)
 
 
+@functools.cache
 def _native_gemm() -> bool:
+    """Whether fp32 weights go to fusegen's GEMM: on CPUs whose widest vectors are AVX2's
+    (its micro-kernel's), where it measured faster than oneDNN at every row count; on
+    AVX-512 CPUs oneDNN's 16-lane kernels are the faster choice."""
     from fusegen.kernels import native
 
-    return native.library() is not None
+    return torch.backends.cpu.get_cpu_capability() == "AVX2" and native.library() is not None
 
 
 def can_pack(dtype: torch.dtype) -> bool:

@@ -17,7 +17,9 @@
  * (-march=native), else with GCC vector extensions (NEON pairs on Arm), where
  * -ffast-math (native.py) lets `c += x * b` contract to a fused multiply-add.
  */
+#include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef float v8f __attribute__((vector_size(32), aligned(4)));
@@ -128,4 +130,65 @@ void gemm_f32(const float *x, int64_t m, int64_t ldx, const float *packed, int64
             for (int64_t r = 0; r < m; r++)
                 for (int j = 0; j < cols; j++) out[r * ldo + p * NR + j] += bias[p * NR + j];
     }
+}
+
+/* Greedy decoding's head: idx[r] = the first column of the maximum of row r of
+ * x . packed^T + bias (finite values, as argmax_f32 takes them), without writing the [m, n] product (for a vocabulary of 32,000
+ * that is 128 KB a row written and read back). Each product is computed exactly as
+ * gemm_f32 computes it (same depth blocks, same additions, bias last), so the answer is
+ * argmax_f32's over gemm_f32's output, ties included. Threads take contiguous runs of
+ * panels in order and their row maxima are merged in that order with a strict `>`,
+ * which keeps the first column on ties. scratch: num_threads * m floats and as many
+ * int64; returns 2 when it cannot be allocated, else 0. */
+int gemm_argmax_f32(const float *x, int64_t m, int64_t ldx, const float *packed, int64_t n,
+                    int64_t k, const float *bias, int64_t *idx, int num_threads) {
+    const int64_t panels = (n + NR - 1) / NR;
+    float *best = malloc(sizeof(float) * (size_t)(num_threads * m));
+    int64_t *at = malloc(sizeof(int64_t) * (size_t)(num_threads * m));
+    if (!best || !at) { free(best); free(at); return 2; }
+    for (int64_t i = 0; i < num_threads * m; i++) { best[i] = 0.0f; at[i] = -1; }
+    _Pragma("omp parallel num_threads(num_threads)")
+    {
+        const int t = omp_get_thread_num();
+        float *my_best = best + t * m;
+        int64_t *my_at = at + t * m;
+        float tile[MR][NR];
+        _Pragma("omp for schedule(static)")
+        for (int64_t p = 0; p < panels; p++) {
+            const int cols = (int)(n - p * NR < NR ? n - p * NR : NR);
+            for (int64_t r = 0; r < m; r += MR) {
+                const int rows = (int)(m - r < MR ? m - r : MR);
+                for (int64_t k0 = 0; k0 < k; k0 += KC) {
+                    const int64_t kd = k - k0 < KC ? k - k0 : KC;
+                    micro(x + r * ldx + k0, ldx, packed + (p * k + k0) * NR, kd, &tile[0][0],
+                          NR, rows, cols, k0 > 0);
+                }
+                for (int i = 0; i < rows; i++) {
+                    float *v = tile[i];
+                    if (bias)
+                        for (int j = 0; j < cols; j++) v[j] += bias[p * NR + j];
+                    float top = v[0];
+                    for (int j = 1; j < cols; j++) top = v[j] > top ? v[j] : top;
+                    if (my_at[r + i] < 0 || top > my_best[r + i]) {
+                        int j = 0;
+                        while (v[j] != top) j++;
+                        my_best[r + i] = top;
+                        my_at[r + i] = p * NR + j;
+                    }
+                }
+            }
+        }
+    }
+    for (int64_t r = 0; r < m; r++) {
+        idx[r] = -1;
+        float top = 0.0f;
+        for (int t = 0; t < num_threads; t++)
+            if (at[t * m + r] >= 0 && (idx[r] < 0 || best[t * m + r] > top)) {
+                top = best[t * m + r];
+                idx[r] = at[t * m + r];
+            }
+    }
+    free(best);
+    free(at);
+    return 0;
 }
