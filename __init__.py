@@ -8,8 +8,10 @@ The repository's folders install as subpackages: `fusegen.engine` (the generatio
 engine, usable alone), `fusegen.kernels`, `fusegen.jobs` (jobs, the CLI, the
 benchmark) and `fusegen.workflows`.
 """
-from fusegen.engine import (LLM, EngineConfig, EngineConfigError, EngineOptions, LLMEngine,
-                            ModelConfig, ModelLoadError, RequestOutput, SamplingParams)
+from fusegen.engine import (LLM, CompletionOutput, EngineConfig, EngineConfigError,
+                            EngineOptions, LLMEngine, ModelConfig, ModelLoadError,
+                            RequestOutput, SamplingParams)
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "EngineConfig", "EngineOptions",
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput",
+           "EngineConfig", "EngineOptions",
            "ModelConfig", "ModelLoadError", "EngineConfigError"]

@@ -10,8 +10,9 @@ from fusegen.engine.models.config import ModelConfig
 from fusegen.engine.errors import EngineConfigError, ModelLoadError
 from fusegen.engine.llm import LLM
 from fusegen.engine.llm_engine import LLMEngine
-from fusegen.engine.outputs import RequestOutput
+from fusegen.engine.outputs import CompletionOutput, RequestOutput
 from fusegen.engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "EngineConfig", "EngineOptions",
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput",
+           "EngineConfig", "EngineOptions",
            "ModelConfig", "ModelLoadError", "EngineConfigError"]

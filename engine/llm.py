@@ -6,8 +6,10 @@ from __future__ import annotations
 import functools
 import threading
 from collections import deque
-from collections.abc import Sequence
-from concurrent.futures import Future, InvalidStateError
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, InvalidStateError, as_completed
+
+from tqdm import tqdm
 
 from fusegen.engine.config import EngineConfig
 from fusegen.engine.llm_engine import LLMEngine, Prompt
@@ -22,7 +24,9 @@ class LLM:
         """`model`: a Hugging Face checkpoint directory, a .gguf file, or a hub id
         (`org/name`, resolved through the Hugging Face cache, downloaded when missing and
         the machine can; `revision=` pins it). `options`: the fields of `EngineOptions`
-        (listed below); an unknown name is an error."""
+        (listed below), or vLLM's `gpu_memory_utilization` (read as `device_memory`) and
+        `tensor_parallel_size=1`; a name fusegen does not support (`trust_remote_code=True`,
+        `quantization`, `enable_lora`, any other) is an error that names it."""
         self.config = EngineConfig.build(model, EngineOptions.from_kwargs(options))
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
@@ -56,57 +60,62 @@ class LLM:
         return self.config.placement
 
     def generate(self, prompts: Sequence[Prompt] | Prompt,
-                 params: SamplingParams | Sequence[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
-        """Outputs in input order. A bad request gives an output with
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool | Callable = True) -> list[RequestOutput]:
+        """One output per prompt, in input order, as vLLM's `LLM.generate`: a prompt is a
+        string, a list of token ids, or a dict with "prompt" or "prompt_token_ids";
+        `sampling_params` one for all or one per prompt (each with its `n` completions
+        in `output.outputs`); `use_tqdm`: a progress bar of finished prompts on stderr
+        (or a tqdm-like class to draw it). A bad prompt gives an output with
         finish_reason "error"; it never fails the others. Interrupted (Ctrl-C), it drops
         its requests from the engine before it raises; other callers' go on."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        prompts = [_prompt_of(p) for p in prompts]
+        params = _params_per_prompt(sampling_params, len(prompts), "prompts")
         futures = self.submit_many(list(zip(prompts, params)))
         try:
+            _progress(futures, use_tqdm)
             return [f.result() for f in futures]
         except BaseException:  # KeyboardInterrupt above all: nobody waits for the rest
             self._cancel(futures)
             raise
 
-    def chat(self, conversations: Sequence[dict] | Sequence[Sequence[dict]],
-             params: SamplingParams | Sequence[SamplingParams] | None = None,
-             add_generation_prompt: bool = True, chat_template: str | None = None
-             ) -> list[RequestOutput]:
+    def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool | Callable = True, *, chat_template: str | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or
         a list of them, each written out by the model's chat template (or
         `chat_template`, a Jinja source) and tokenized as transformers'
         `apply_chat_template(..., tokenize=True)` does. Outputs in input order; a
         conversation that is malformed or that the template refuses gives an output with
-        finish_reason "error", as a bad prompt does in `generate()`."""
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]
+        finish_reason "error", as a bad prompt does in `generate()`, whose
+        `sampling_params` and `use_tqdm` these are."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) \
+            else messages
         if chat_template is None and not self.tokenizer.chat_template:
             raise ValueError(
                 f"{self.config.model_name} has no chat template (no "
                 f"{self.tokenizer.template_key} in its {self.tokenizer.template_home}): pass "
                 "one, llm.chat(conversations, chat_template=\"{% for "
                 "m in messages %}...{% endfor %}\"), or use generate() with plain prompts")
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(conversations)
-        if len(params) != len(conversations):
-            raise ValueError(f"{len(conversations)} conversations but {len(params)} "
-                             "SamplingParams")
+        params = _params_per_prompt(sampling_params, len(conversations), "conversations")
         prompts = [self._chat_prompt(c, add_generation_prompt, chat_template)
                    for c in conversations]
         valid = [i for i, p in enumerate(prompts) if not isinstance(p, RequestOutput)]
-        outputs = iter(self.generate([prompts[i] for i in valid], [params[i] for i in valid])
-                       if valid else [])
-        return [p if isinstance(p, RequestOutput) else next(outputs) for p in prompts]
+        # The text carries the special tokens the template writes: none are added again.
+        ids = [self.tokenizer.encode(prompts[i], add_special_tokens=False) for i in valid]
+        outputs = self.generate(ids, [params[i] for i in valid], use_tqdm) if valid else []
+        for i, output in zip(valid, outputs):
+            output.prompt = prompts[i]  # vLLM's: the conversation as the template wrote it
+            prompts[i] = output
+        return prompts
 
     def _chat_prompt(self, messages, add_generation_prompt: bool,
-                     chat_template: str | None) -> list[int] | RequestOutput:
-        """The conversation's prompt ids, or an error output saying why there are none."""
+                     chat_template: str | None) -> str | RequestOutput:
+        """The conversation written out by the template (its ids are `encode_chat`'s),
+        or an error output saying why there is none."""
         problem = messages_problem(messages)
         if problem:
             return self.engine.error_output(f"invalid_prompt: a conversation {problem}")
@@ -114,14 +123,15 @@ class LLM:
         if too_long:  # before the template renders it and the tokenizer encodes it
             return self.engine.error_output(too_long)
         try:
-            return self.tokenizer.encode_chat(messages, add_generation_prompt, chat_template)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt,
+                                                      chat_template)
         except Exception as exc:  # noqa: BLE001 - the template's refusal is this request's
             return self.engine.error_output(
                 f"invalid_prompt: the chat template failed: {type(exc).__name__}: {exc}")
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None) -> Future:
-        """Thread-safe. The future resolves to the request's RequestOutput; cancelling it
-        drops the request from the engine."""
+        """Thread-safe. The future resolves to the prompt's RequestOutput (all of its n
+        completions); cancelling it drops its requests from the engine."""
         return self.submit_many([(prompt, params)])[0]
 
     def submit_many(self, requests: Sequence[tuple[Prompt, SamplingParams | None]]
@@ -130,19 +140,20 @@ class LLM:
         futures, items = [], []
         for prompt, params in requests:
             future: Future = Future()
-            item = self.engine.make_request(prompt, params or SamplingParams())
-            if isinstance(item, RequestOutput):
-                future.set_result(item)
-            else:
-                items.append((item, future))
+            made = self.engine.make_request(prompt, params or SamplingParams())
+            if isinstance(made, RequestOutput):
+                future.set_result(made)
+            else:  # the prompt's n requests, all resolving this one future
+                items.append((made, future))
             futures.append(future)
         with self._cond:
             if self._closed:
                 raise RuntimeError("this LLM is closed")
-            for item, future in items:
-                self._futures[item.request_id] = future
-                self._inbox.append(item)
-                future.add_done_callback(functools.partial(self._on_done, item.request_id))
+            for made, future in items:
+                output_id = made[0].output_id
+                self._futures[output_id] = future
+                self._inbox.extend(made)
+                future.add_done_callback(functools.partial(self._on_done, output_id))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="fusegen-engine",
                                                 daemon=True)
@@ -183,8 +194,9 @@ class LLM:
 
     def _fail(self, requests, exc: BaseException) -> None:
         with self._cond:
-            futures = [self._futures.pop(r.request_id, None) for r in requests]
-            futures += [self._futures.pop(r.request_id, None) for r in self._inbox]
+            # A prompt's n requests share one future: popped by the first, None after.
+            futures = [self._futures.pop(r.output_id, None) for r in requests]
+            futures += [self._futures.pop(r.output_id, None) for r in self._inbox]
             self._inbox.clear()
         for future in futures:
             _resolve(future, exc)
@@ -202,7 +214,7 @@ class LLM:
         if not self._aborts:
             return
         ids, self._aborts = self._aborts, set()
-        self._inbox = deque(r for r in self._inbox if r.request_id not in ids)
+        self._inbox = deque(r for r in self._inbox if r.output_id not in ids)
         self.engine.abort(ids)
         for request_id in ids:
             self._futures.pop(request_id, None)
@@ -241,6 +253,42 @@ def _resolve(future: Future | None, result) -> None:
             future.set_result(result)
     except InvalidStateError:  # cancelled (or already failed): nobody waits for it
         pass
+
+
+def _prompt_of(prompt):
+    """vLLM's dict prompts ({"prompt": text} or {"prompt_token_ids": ids}) as fusegen's."""
+    if isinstance(prompt, dict):
+        for key in ("prompt_token_ids", "prompt"):
+            if key in prompt:
+                return prompt[key]
+    return prompt
+
+
+def _params_per_prompt(params, count: int, what: str) -> list[SamplingParams]:
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * count
+    if len(params) != count:
+        raise ValueError(f"{count} {what} but {len(params)} SamplingParams; pass one "
+                         f"SamplingParams for all, or one per {what[:-1]}")
+    return list(params)
+
+
+def _progress(futures: list[Future], use_tqdm: bool | Callable) -> None:
+    """A bar of finished prompts and generated tokens, drawn by this (the caller's)
+    thread until every future is done; nothing when `use_tqdm` is false."""
+    if not use_tqdm or not futures:
+        return
+    bar_cls = use_tqdm if callable(use_tqdm) else tqdm  # vLLM's form: a tqdm subclass
+    tokens = 0
+    with bar_cls(total=len(futures), desc="Processed prompts", unit="prompt",
+                 dynamic_ncols=True) as bar:
+        for future in as_completed(futures):
+            if not future.cancelled() and future.exception() is None:
+                tokens += future.result().num_generated_tokens
+            elapsed = bar.format_dict.get("elapsed") or 0.0  # a tqdm (sub)class's
+            if elapsed:
+                bar.set_postfix_str(f"output: {tokens / elapsed:.1f} tok/s", refresh=False)
+            bar.update(1)
 
 
 LLM.__init__.__doc__ += "\n\n" + describe()

@@ -2,6 +2,7 @@
 plus what turns prompts into requests (validation) and finished requests into outputs."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import json
@@ -14,13 +15,16 @@ from fusegen.engine.config import EngineConfig
 from fusegen.engine.errors import ModelLoadError
 from fusegen.engine.detokenizer import IncrementalDetokenizer
 from fusegen.engine.models.rope import recompute_length
-from fusegen.engine.outputs import RequestOutput
+from fusegen.engine.outputs import RequestGroup, RequestOutput
 from fusegen.engine.request import Request
 from fusegen.engine.runner import ModelRunner
 from fusegen.engine.sampling_params import SamplingParams
 from fusegen.engine.scheduler import ScheduledBatch, Scheduler
+from fusegen.engine.logits_processors import bad_words_token_ids, vocabulary_problem
+from fusegen.engine.structured import StructuredCompiler
 from fusegen.engine.tokenizer import PromptLimit, Tokenizer, prompt_problem
 from fusegen.engine.weights.gguf_names import is_gguf
+from fusegen.engine.weights.hub import resolve_model
 
 Prompt = str | list[int]
 
@@ -38,6 +42,8 @@ class EngineStats:
     num_decode_steps: int = 0  # steps with one token per request (no prefill)
     decode_seconds: float = 0.0
     decode_batch_sum: int = 0  # sum over decode steps of their batch size
+    prompt_tokens_cached: int = 0  # prompt tokens whose KV came from the prefix cache
+    prompt_tokens_computed: int = 0  # prompt tokens run through the model (recompute too)
 
     def as_dict(self, max_num_seqs: int) -> dict:
         steps = max(self.num_steps, 1)
@@ -54,6 +60,8 @@ class EngineStats:
             "num_decode_steps": self.num_decode_steps,
             "decode_seconds": self.decode_seconds,
             "mean_decode_batch": self.decode_batch_sum / max(self.num_decode_steps, 1),
+            "prompt_tokens_cached": self.prompt_tokens_cached,
+            "prompt_tokens_computed": self.prompt_tokens_computed,
         }
 
     def record(self, batch: ScheduledBatch, sampled: list[int | None],
@@ -67,6 +75,8 @@ class EngineStats:
         self.num_swapped_blocks += len(batch.swap_out)
         self.num_finished += len(finished)
         self.step_seconds += seconds
+        self.prompt_tokens_cached += batch.num_cached_tokens
+        self.prompt_tokens_computed += batch.num_prompt_tokens
         if batch.num_tokens == len(batch):
             self.num_decode_steps += 1
             self.decode_seconds += seconds
@@ -76,16 +86,23 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.tokenizer = _load_tokenizer(config.model)
+        self.tokenizer = _load_tokenizer(config)
         self.eos_token_ids = frozenset(_eos_token_ids(config, self.tokenizer))
         self.runner = ModelRunner(config)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
-                                          self.runner.num_host_blocks)
+        recompute_at = recompute_length(config.model_config, config.max_model_len)
+        # LongRoPE's keys depend on the whole request's length, not on the prefix alone
+        caching = config.options.enable_prefix_caching and not recompute_at \
+            and not self.runner.model_uses_request_lengths
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, self.runner.num_host_blocks, caching,
+            cache_salt=f"{config.model}|{config.options.revision}|{config.torch_dtype}|"
+                       f"{config.block_size}")
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.max_model_len,
-                                   recompute_length(config.model_config, config.max_model_len))
+                                   recompute_at)
         self.stats = EngineStats()
         self._ids = itertools.count()
+        self.structured = StructuredCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
     @property
     def vocab_size(self) -> int:
@@ -96,10 +113,13 @@ class LLMEngine:
         """The most bytes of text that could fit the context, checked before tokenizing."""
         return PromptLimit(self.config.max_model_len, self.tokenizer.max_token_bytes)
 
-    def make_request(self, prompt: Prompt, params: SamplingParams) -> Request | RequestOutput:
-        """A validated request, or a finished error output for a bad one. Tokenizes,
-        so call it from the producer's thread, not the step loop."""
+    def make_request(self, prompt: Prompt, params: SamplingParams
+                     ) -> list[Request] | RequestOutput:
+        """A prompt's validated requests (n of them, one per completion), or a finished
+        error output for a bad prompt (one, whatever its n). Tokenizes, so call it from
+        the producer's thread, not the step loop."""
         request_id = next(self._ids)
+        text = prompt if isinstance(prompt, str) else None
         prompt_ids, error = self._prompt_ids(prompt)
         if error is None:
             problem = params.validate() if isinstance(params, SamplingParams) else \
@@ -109,21 +129,42 @@ class LLMEngine:
             error = (f"prompt_too_long: the prompt has {len(prompt_ids)} tokens; the context "
                      f"limit is {self.config.max_model_len} (max_model_len) and at least one "
                      "token must be generated")
+        if error is None:
+            problem = self.scheduler.check_fits(
+                Request(request_id, prompt_ids, params, self.eos_token_ids))
+            error = problem and f"kv_cache_too_small: {problem}"
+        if error is None:
+            problem = vocabulary_problem(params, self.vocab_size)
+            error = problem and f"invalid_params: {problem}"
+        if error is None:  # compiled once per distinct constraint, copied per request
+            structured, error = self.structured.state_for(params)
         if error is not None:
-            return RequestOutput(request_id, "", [], "error", len(prompt_ids or []), error)
-        request = Request(request_id, prompt_ids, params, self.eos_token_ids)
-        problem = self.scheduler.check_fits(request)
-        if problem:
-            return RequestOutput(request_id, "", [], "error", len(prompt_ids),
-                                 f"kv_cache_too_small: {problem}")
+            return RequestOutput.failed(request_id, error, text, prompt_ids)
+        n = params.n
+        if n == 1:
+            return [self._request(request_id, text, prompt_ids, params, structured)]
+        group = RequestGroup(request_id, n)
+        return [self._request(next(self._ids), text, prompt_ids, _child_params(params, i),
+                              structured if i == 0 else self.structured.state_for(params)[0],
+                              group, i) for i in range(n)]
+
+    def _request(self, request_id: int, text: str | None, prompt_ids: list[int],
+                 params: SamplingParams, structured, group: RequestGroup | None = None,
+                 index: int = 0) -> Request:
+        request = Request(request_id, prompt_ids, params, self.eos_token_ids, prompt=text,
+                          group=group, index=index)
         if params.stop:  # it decodes the prompt's tail: here, off the step loop
             request.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
+        if params.bad_words:  # tokenized here, once, off the step loop
+            request.bad_words_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
+        if structured is not None:
+            request.structured, request.structured_valid = structured, False
         return request
 
     def error_output(self, error: str) -> RequestOutput:
         """A finished error output, under a fresh id, for a request that could not even
         be made (`LLM.chat`: a conversation its chat template refuses)."""
-        return RequestOutput(next(self._ids), "", [], "error", 0, error)
+        return RequestOutput.failed(next(self._ids), error)
 
     def _prompt_ids(self, prompt) -> tuple[list[int] | None, str | None]:
         if isinstance(prompt, str):
@@ -140,8 +181,8 @@ class LLMEngine:
                 return None, (f"token_out_of_vocab: token id {bad!r} is outside the "
                               f"vocabulary [0, {self.vocab_size})")
             return list(prompt), None
-        return None, (f"invalid_prompt: a prompt must be a string or a list of token ids, "
-                      f"got {type(prompt).__name__}")
+        return None, ("invalid_prompt: a prompt must be a string, a list of token ids, or a "
+                      f"dict with \"prompt\" or \"prompt_token_ids\", got {_kind(prompt)}")
 
     def add(self, request: Request) -> None:
         self.scheduler.add(request)
@@ -157,12 +198,24 @@ class LLMEngine:
         sampled = self.runner.run(batch)
         finished = self.scheduler.update(batch, sampled)
         self.stats.record(batch, sampled, finished, time.perf_counter() - start)
-        return [RequestOutput.from_request(req, self.tokenizer) for req in finished]
+        return self._outputs(finished)
+
+    def _outputs(self, finished: list[Request]) -> list[RequestOutput]:
+        """One output per finished prompt: a prompt of n > 1 completions once all n are."""
+        outputs = []
+        for req in finished:
+            if req.group is None:
+                outputs.append(RequestOutput.from_request(req, self.tokenizer))
+            elif req.group.add(req):
+                outputs.append(RequestOutput.from_requests(
+                    req.group.request_id, req.group.finished, self.tokenizer))
+        return outputs
 
     def abort(self, request_ids: set[int]) -> list[Request]:
-        """Drop these unfinished requests (their callers gave up) between steps; returns
-        those found, with finish_reason "abort" and their KV blocks freed."""
-        dropped = [r for r in self._unfinished() if r.request_id in request_ids]
+        """Drop the unfinished requests of these outputs (their callers gave up; all n of
+        a prompt's) between steps; returns those found, with finish_reason "abort" and
+        their KV blocks freed."""
+        dropped = [r for r in self._unfinished() if r.output_id in request_ids]
         self.scheduler.finish(dropped, "abort")
         return dropped
 
@@ -170,6 +223,7 @@ class LLMEngine:
         """Drop every unfinished request (after a failed step); returns them."""
         dropped = self._unfinished()
         self.scheduler.finish(dropped, reason)
+        self.block_manager.reset_cache()  # the failed step may have half-written its blocks
         self.runner.reset_streams()
         return dropped
 
@@ -184,13 +238,23 @@ class LLMEngine:
         self.runner.close()
 
 
-def _load_tokenizer(model: str) -> Tokenizer:
+def _load_tokenizer(config: EngineConfig) -> Tokenizer:
+    """The model's tokenizer, or the `tokenizer` option's (a path, or a hub id resolved
+    like a model's), whose ids must all be rows of the model's embedding."""
+    name = config.options.tokenizer
     try:
-        return Tokenizer.from_gguf(model) if is_gguf(model) else Tokenizer.from_dir(model)
+        path = config.model if name is None else resolve_model(name)
+        tokenizer = Tokenizer.from_gguf(path) if is_gguf(path) else Tokenizer.from_dir(path)
     except ModelLoadError:
         raise
     except Exception as exc:  # noqa: BLE001 - any tokenizer failure is the checkpoint's
         raise ModelLoadError(str(exc)) from exc
+    vocab = config.model_config.vocab_size
+    if name is not None and tokenizer.vocab_size > vocab:
+        raise ModelLoadError(f"tokenizer {name} has ids up to {tokenizer.vocab_size - 1}, "
+                             f"past the model's vocabulary of {vocab}; pass the tokenizer "
+                             "the model was trained with")
+    return tokenizer
 
 
 def _eos_token_ids(config: EngineConfig, tokenizer: Tokenizer) -> list[int]:
@@ -202,3 +266,16 @@ def _eos_token_ids(config: EngineConfig, tokenizer: Tokenizer) -> list[int]:
         if value is not None:
             return value if isinstance(value, list) else [value]
     return config.model_config.eos_token_ids or list(tokenizer.eos_token_ids)
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Completion `index` of a prompt: seeded with seed + index, so each completion is
+    reproducible alone (vLLM's rule); unseeded ones draw from the engine's generator."""
+    if index == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + index) % 2**64)
+
+
+def _kind(prompt) -> str:
+    return f"a dict with keys {sorted(map(str, prompt))}" if isinstance(prompt, dict) \
+        else type(prompt).__name__

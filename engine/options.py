@@ -76,10 +76,21 @@ class EngineOptions:
     num_host_kv_blocks: int | None = option(
         None, "Exact number of host KV blocks that preempted requests swap to.", kind=int,
         unset="as many as the device pool")
+    # A cached block holds what the request would compute as a prompt chunk of its own
+    # (bit for bit in deterministic mode): not part of a job's identity.
+    enable_prefix_caching: bool = option(
+        True, "Prefix caching: a prompt reuses the KV blocks of the full blocks of tokens "
+        "another request already computed (a shared instruction is computed once); freed "
+        "blocks stay cached until their memory is needed.", kind=bool)
     # Another revision is other weights: part of a job's identity.
     revision: str | None = option(
         None, "Hub revision (branch, tag or commit) of a model named by its hub id "
         "(org/name); an error for a local path.", unset="main", affects_output=True)
+    # Another tokenizer makes other tokens of the same text: part of a job's identity.
+    tokenizer: str | None = option(
+        None, "Tokenizer to use instead of the model's: a checkpoint directory holding "
+        "tokenizer.json, a .gguf file, or a hub id (org/name).", unset="the model's",
+        affects_output=True)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -102,7 +113,7 @@ class EngineOptions:
         if self.block_size not in BLOCK_SIZES:
             raise EngineConfigError(f"block_size must be a power of two up to 128; "
                                     f"got {self.block_size!r}")
-        for name in ("allow_pickle", "deterministic"):
+        for name in ("allow_pickle", "deterministic", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise EngineConfigError(f"{name} must be true or false; got "
                                         f"{getattr(self, name)!r}")
@@ -110,6 +121,10 @@ class EngineOptions:
                                           or not self.revision):
             raise EngineConfigError(f"revision must be a branch, tag or commit name; got "
                                     f"{self.revision!r}")
+        if self.tokenizer is not None and (not isinstance(self.tokenizer, str)
+                                           or not self.tokenizer):
+            raise EngineConfigError(f"tokenizer must be a path or a hub id (org/name); got "
+                                    f"{self.tokenizer!r}")
         for name in ("device_memory", "host_memory"):
             if getattr(self, name) is not None:  # a typo fails before any model loads
                 _parse(getattr(self, name), 1, name)
@@ -119,17 +134,80 @@ class EngineOptions:
 
     @classmethod
     def from_kwargs(cls, options: dict) -> "EngineOptions":
-        """`LLM(model, **options)`: an unknown name is an error that lists the known ones."""
-        unknown = sorted(set(options) - set(NAMES))
-        if unknown:
-            raise EngineConfigError(f"unknown engine option(s) {', '.join(unknown)}; the "
-                                    f"options are {', '.join(NAMES)}")
-        return cls(**options)
+        """`LLM(model, **options)`: fusegen's options, and the keywords of vLLM's
+        `LLM(...)` that scripts pass: read as fusegen's where it has them (`ALIASES`),
+        refused with the reason where it has not (`UNSUPPORTED`). Any other name is an
+        error that lists the known ones."""
+        return cls(**_from_vllm(options))
 
 
 FIELDS = tuple(dataclasses.fields(EngineOptions))
 NAMES = tuple(f.name for f in FIELDS)
 OUTPUT_NAMES = tuple(f.name for f in FIELDS if f.metadata["affects_output"])
+
+
+def _gpu_memory_utilization(value) -> dict:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1:
+        raise EngineConfigError(f"gpu_memory_utilization must be a fraction in (0, 1] of "
+                                f"the free device memory; got {value!r}")
+    return {"device_memory": float(value)}
+
+
+def _tensor_parallel_size(value) -> dict:
+    if value != 1 or isinstance(value, bool):
+        raise EngineConfigError(
+            f"tensor_parallel_size={value!r}: fusegen runs one device per engine today; "
+            "leave it out (or pass 1), and to use several GPUs run a job with one worker "
+            "per GPU (fusegen run --workers N)")
+    return {}
+
+
+# vLLM's names for what fusegen has under its own: each maps a value to fusegen's options.
+ALIASES = {
+    # vLLM's share of the GPU for weights, activations and KV cache: fusegen's device
+    # budget, as a fraction of the free memory.
+    "gpu_memory_utilization": _gpu_memory_utilization,
+    "tensor_parallel_size": _tensor_parallel_size,
+}
+
+# vLLM's options for what fusegen does not have: the value that asks for nothing (vLLM's
+# default, accepted as a no-op), and what to do instead of any other.
+UNSUPPORTED = {
+    "trust_remote_code": (False, "fusegen runs its own code for each architecture it "
+                                 "supports, never code from a checkpoint; leave it out"),
+    "quantization": (None, "load an unquantized checkpoint, or a GGUF file (dequantized "
+                           "as it loads); leave it out"),
+    "enable_lora": (False, "merge the adapter into the weights (peft's "
+                           "merge_and_unload) and load the merged checkpoint"),
+}
+
+
+def _from_vllm(options: dict) -> dict:
+    """`options` with vLLM's names read as fusegen's; a name fusegen does not support,
+    or a value of `UNSUPPORTED` other than its no-op, is an error naming it."""
+    out = {k: v for k, v in options.items() if k in NAMES}
+    for name, value in options.items():
+        if name in NAMES:
+            continue
+        if name in UNSUPPORTED:
+            noop, instead = UNSUPPORTED[name]
+            if value is not noop and value != noop:
+                raise EngineConfigError(f"{name}={value!r}: fusegen does not support "
+                                        f"{name}; {instead}")
+        elif name in ALIASES:
+            _merge(out, ALIASES[name](value), name)
+        else:
+            raise EngineConfigError(
+                f"{name}: fusegen does not support this engine option; the options are "
+                f"{', '.join(NAMES)} (and vLLM's {', '.join(ALIASES)})")
+    return out
+
+
+def _merge(out: dict, mapped: dict, alias: str) -> None:
+    for name, value in mapped.items():
+        if out.get(name) is not None:
+            raise EngineConfigError(f"{alias} and {name} both set the {name}; pass one")
+        out[name] = value
 
 
 def describe() -> str:

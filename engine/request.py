@@ -17,6 +17,10 @@ if TYPE_CHECKING:  # the scheduler and block manager import this module: no torc
     import torch
 
     from fusegen.engine.detokenizer import IncrementalDetokenizer
+    from fusegen.engine.logits_processors import LogitsState
+    from fusegen.engine.logprobs import Logprob
+    from fusegen.engine.outputs import RequestGroup
+    from fusegen.engine.structured import StructuredState
 
 
 class RequestStatus(enum.Enum):
@@ -42,14 +46,50 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    # Prompt tokens whose KV blocks came from the prefix cache when first admitted.
+    num_cached_tokens: int = 0
     # Matches stop strings token by token; None without stop strings, so those
     # requests never decode during a step.
     detokenizer: IncrementalDetokenizer | None = None
     generator: torch.Generator | None = None  # seeded, non-greedy requests; set by the sampler
+    prompt: str | None = None  # the prompt's text as given; None for token ids
+    # n > 1: the prompt's n requests share one group (its output's id, the finished ones);
+    # `index` is this one's completion index. None and 0 for a single completion.
+    group: RequestGroup | None = None
+    index: int = 0
+    # Structured output: the request's grammar matcher, advanced on each generated token
+    # only (so it survives preemption and recompute), and whether the output completed the
+    # grammar (False until it does); both None for an unconstrained request.
+    structured: StructuredState | None = None
+    structured_valid: bool | None = None
+    # Its sampling row needs the logits processors or logprobs (set from params): rows
+    # without it cost the sampler nothing.
+    processed: bool = False
+    bad_words_ids: list[list[int]] = field(default_factory=list)  # set when the request is made
+    # What the processors keep across steps (token counts for the penalties, logit_bias
+    # as tensors), made on the row's first processing by engine/logits_processors.py.
+    logits_state: LogitsState | None = None
+    # With params.logprobs: one dict per generated token (the sampled token and the top-k),
+    # and the sum of the sampled tokens' logprobs. With params.prompt_logprobs: one per
+    # prompt token, the first None (nothing predicts it), filled chunk by chunk.
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     def __post_init__(self):
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        params = self.params
+        self.processed = params.needs_logits_processing
+        if params.logprobs is not None:
+            self.logprobs, self.cumulative_logprob = [], 0.0
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def output_id(self) -> int:
+        """The id of the output this request's completion goes into (its group's, n > 1)."""
+        return self.request_id if self.group is None else self.group.request_id
 
     @property
     def num_tokens(self) -> int:
@@ -79,8 +119,12 @@ class Request:
         """Append a sampled token; why the request must stop now ("stop" or "length"),
         or None to go on. The one place a request decides that it is done."""
         self.token_ids.append(token_id)
+        grammar_done = self.structured is not None and self.structured.accept(token_id)
         # A stop string completed by the last token allowed still ends with "stop".
         if self.detokenizer is not None and self.detokenizer.add_token(token_id):
+            return "stop"  # the text is cut at the stop string: structured_valid stays False
+        if grammar_done:  # nothing more may follow
+            self.structured_valid = self.structured.complete
             return "stop"
         if not self.params.ignore_eos and token_id in self.eos_token_ids:
             return "stop"

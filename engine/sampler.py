@@ -5,15 +5,21 @@ over one [N, vocab] tensor, and the draw is an exponential race (argmax of p / q
 q ~ Exp(1)), which samples from p without normalising. A request with a `seed` draws
 its q from its own generator, so its tokens do not depend on what it was batched
 with; the others share the engine's generator in one call.
+
+Before the draw, only for the rows that use them: logprobs of the raw logits, vLLM's
+logits processors (engine/logits_processors.py), then structured output's token masks.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from fusegen.engine.logits_processors import apply_logits_processors
+from fusegen.engine.logprobs import record_sampled
 from fusegen.engine.request import Request
 from fusegen.engine.sampling_params import SamplingParams
+from fusegen.engine.structured import apply_token_masks
 from fusegen.kernels.argmax import argmax
 
 
@@ -21,6 +27,7 @@ from fusegen.kernels.argmax import argmax
 class SamplingBatch:
     params: list[SamplingParams]  # one per logits row
     generators: list[torch.Generator | None]  # per-row generator for seeded requests
+    requests: list[Request] = field(default_factory=list)  # one per logits row
 
 
 class Sampler:
@@ -42,6 +49,43 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         # logits [N, vocab] fp32 -> token ids [N]
+        # One pass decides whether any row needs more than temperature and top-k/p:
+        # an option-free batch goes straight to the draw, building nothing else.
+        rows = [i for i, r in enumerate(batch.requests)
+                if r.processed or r.structured is not None]
+        if not rows:
+            return self._sample(logits, batch)
+        requests = batch.requests
+        logprob_rows = [i for i in rows if requests[i].logprobs is not None]
+        # logprobs are of the raw logits: kept before anything below changes them
+        raw = logits[self._index(logprob_rows, logits)] if logprob_rows else None
+        processed = [i for i in rows if requests[i].processed]
+        if processed:
+            apply_logits_processors(logits, processed, requests)
+        # Structured output: the constrained rows' token masks (greedy rows too), after
+        # the processors, before temperature and the draw.
+        constrained = [i for i in rows if requests[i].structured is not None]
+        if constrained:
+            apply_token_masks(logits, constrained, [requests[i].structured for i in constrained])
+        sampled = self._sample(logits, batch)
+        if raw is not None:
+            record_sampled([requests[i] for i in logprob_rows], raw,
+                           sampled[self._index(logprob_rows, logits)])
+        return sampled
+
+    @staticmethod
+    def plain_greedy(requests: list[Request]) -> bool:
+        """Whether every row's token is just the argmax of its logits: greedy, no
+        processor, no logprobs, no structured output. Then the runner may take the
+        argmax without the logits (a head that computes it directly)."""
+        return all(r.params.temperature == 0.0 and not r.processed and r.structured is None
+                   for r in requests)
+
+    @staticmethod
+    def _index(rows: list[int], logits: torch.Tensor) -> torch.Tensor:
+        return torch.tensor(rows, device=logits.device)
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         params = batch.params
         if all(p.temperature == 0.0 for p in params):
             return argmax(logits)

@@ -4,6 +4,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+# The most top tokens logprobs / prompt_logprobs may ask for (vLLM's default, OpenAI's limit).
+MAX_LOGPROBS = 20
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -16,12 +19,50 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # cut from the text when produced
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False  # keep generating past end-of-sequence tokens
+    n: int = 1  # completions of the prompt; completion i is seeded with seed + i
+    # Structured output (engine/structured.py), at most one of the four: the output is
+    # constrained token by token to a JSON schema (a dict, or its JSON text), a regular
+    # expression, one of a list of strings, or a Lark / GBNF grammar.
+    json_schema: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    # Logits processors (engine/logits_processors.py), vLLM's and OpenAI's definitions:
+    # penalties over generated tokens (logit -= presence * (count > 0) + frequency * count),
+    presence_penalty: float = 0.0  # in [-2, 2]
+    frequency_penalty: float = 0.0  # in [-2, 2]
+    # transformers' rule over prompt and generated tokens: a seen token's logit is divided
+    # by it (multiplied when negative); > 0, 1 disables it
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0  # eos and stop_token_ids are masked until this many were generated
+    logit_bias: dict[int, float] | None = None  # added to those tokens' logits, in [-100, 100]
+    # Never generated: a word's last token is masked when the tokens before it were just
+    # generated (each word with and without a leading space)
+    bad_words: list[str] = field(default_factory=list)
+    # Log-probabilities of the model's logits (before penalties and temperature): the
+    # sampled token plus the top `logprobs` per generated token (0: the sampled token
+    # alone), and per prompt token with `prompt_logprobs`.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         # Only None, one string or a collection become a list: anything else (a number, a
         # mapping whose keys would pass as strings) stays as given for validate() to name.
         self.stop = _as_list([self.stop] if isinstance(self.stop, str) else self.stop)
         self.stop_token_ids = _as_list(self.stop_token_ids)
+        self.bad_words = _as_list([self.bad_words] if isinstance(self.bad_words, str)
+                                  else self.bad_words)
+        if isinstance(self.logit_bias, dict):  # JSON objects have string keys: "50256"
+            self.logit_bias = {int(k) if isinstance(k, str) and k.isdigit() else k: v
+                               for k, v in self.logit_bias.items()}
+
+    @property
+    def needs_logits_processing(self) -> bool:
+        """Whether a row sampled with these params needs more than temperature and top-k /
+        top-p / min-p: a penalty, min_tokens, logit_bias, bad_words or logprobs."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0 or self.min_tokens > 0
+                or bool(self.logit_bias) or bool(self.bad_words) or self.logprobs is not None)
 
     @property
     def greedy(self) -> bool:
@@ -35,6 +76,8 @@ class SamplingParams:
         """
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             return f"max_tokens must be an integer >= 1, got {_show(self.max_tokens)}"
+        if not _is_int(self.n) or self.n < 1:
+            return f"n must be an integer >= 1, got {_show(self.n)}"
         if not _is_number(self.temperature) or self.temperature != self.temperature \
                 or self.temperature < 0:
             return f"temperature must be a number >= 0, got {_show(self.temperature)}"
@@ -56,7 +99,70 @@ class SamplingParams:
                 not _is_int(t) or t < 0 for t in self.stop_token_ids):
             return ("stop_token_ids must be non-negative integers, got "
                     f"{_show(self.stop_token_ids)}")
+        return _processor_problem(self) or _structured_problem(self)
+
+
+def _processor_problem(params: SamplingParams) -> str | None:
+    """The logits processors' limits (vLLM's and OpenAI's); whether logit_bias's token ids
+    are in the model's vocabulary is checked when the request is made."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(params, name)
+        if not _is_number(value) or not -2.0 <= value <= 2.0:
+            return f"{name} must be in [-2, 2], got {_show(value)}"
+    rep = params.repetition_penalty
+    if not _is_number(rep) or not _is_finite(rep) or not rep > 0:
+        return f"repetition_penalty must be a finite number > 0 (1 disables it), got {_show(rep)}"
+    if not _is_int(params.min_tokens) or params.min_tokens < 0:
+        return f"min_tokens must be an integer >= 0, got {_show(params.min_tokens)}"
+    if params.min_tokens > params.max_tokens:
+        return (f"min_tokens must be <= max_tokens ({params.max_tokens}), got "
+                f"{params.min_tokens}")
+    problem = _logit_bias_problem(params.logit_bias)
+    if problem:
+        return problem
+    if not isinstance(params.bad_words, list) or any(
+            not isinstance(w, str) or not w.strip() for w in params.bad_words):
+        return f"bad_words must be a list of non-empty strings, got {_show(params.bad_words)}"
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+            return f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {_show(value)}"
+    return None
+
+
+def _logit_bias_problem(bias) -> str | None:
+    if bias is None:
         return None
+    if not isinstance(bias, dict):
+        return f"logit_bias must map token ids to numbers, got {_show(bias)}"
+    for token, value in bias.items():
+        if not _is_int(token) or token < 0:
+            return f"logit_bias keys must be token ids (integers >= 0), got {_show(token)}"
+        if not _is_number(value) or not -100.0 <= value <= 100.0:
+            return f"logit_bias values must be in [-100, 100], got {_show(value)} for token {token}"
+    return None
+
+
+def _structured_problem(params: SamplingParams) -> str | None:
+    """The shape of the structured-output fields; whether a schema, regex or grammar
+    compiles is checked when the request is made (engine/structured.py)."""
+    given = [n for n in ("json_schema", "regex", "choice", "grammar")
+             if getattr(params, n) is not None]
+    if len(given) > 1:
+        return ("set at most one of json_schema, regex, choice and grammar, got "
+                f"{' and '.join(given)}")
+    if params.json_schema is not None and not isinstance(params.json_schema, (dict, str)):
+        return ("json_schema must be a JSON object or its JSON text, got "
+                f"{_show(params.json_schema)}")
+    for name in ("regex", "grammar"):
+        value = getattr(params, name)
+        if value is not None and (not isinstance(value, str) or not value):
+            return f"{name} must be a non-empty string, got {_show(value)}"
+    choice = params.choice
+    if choice is not None and (not isinstance(choice, list) or not choice
+                               or any(not isinstance(c, str) or not c for c in choice)):
+        return f"choice must be a non-empty list of non-empty strings, got {_show(choice)}"
+    return None
 
 
 def _is_int(value) -> bool:

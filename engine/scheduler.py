@@ -13,6 +13,10 @@ Swapped requests come back, oldest first, before any new request is admitted. Th
 oldest running request is therefore never preempted while another runs, and a
 request alone always fits (`check_fits` refuses requests that could never fit the
 whole pool), so every request makes progress.
+
+With prefix caching, a request admitted from the waiting queue (new, or preempted to
+be recomputed) first takes the cached blocks holding its leading full blocks, and its
+computed tokens start past them; only the rest is scheduled.
 """
 from __future__ import annotations
 
@@ -30,6 +34,8 @@ class ScheduledBatch:
     num_preempted: int = 0
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) blocks
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device) blocks
+    num_cached_tokens: int = 0  # prompt tokens admitted requests took from the prefix cache
+    num_prompt_tokens: int = 0  # prompt tokens computed this step (prefill, recompute)
 
     @property
     def num_tokens(self) -> int:
@@ -41,6 +47,9 @@ class ScheduledBatch:
     def add(self, request: Request, num_tokens: int) -> None:
         self.requests.append(request)
         self.num_scheduled_tokens.append(num_tokens)
+        start = request.num_computed_tokens
+        if start < request.num_prompt_tokens:
+            self.num_prompt_tokens += min(request.num_prompt_tokens, start + num_tokens) - start
 
     def samples(self, index: int) -> bool:
         """Whether request `index` produces a token this step (its last chunk runs)."""
@@ -111,14 +120,24 @@ class Scheduler:
             return batch  # swapped requests are older: they come back first
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            n = min(req.num_uncomputed_tokens, budget)
-            if not self.block_manager.can_allocate(req, n):
+            hits = self.block_manager.computed_blocks(req)
+            n = min(req.num_tokens - len(hits) * self.block_manager.block_size, budget)
+            if not self.block_manager.can_allocate(req, n, hits):
                 break
             self.waiting.popleft()
-            self.block_manager.allocate(req, n)
+            self.block_manager.allocate(req, n, hits)
+            self._count_cached(req, batch)
             self._run(req, n, batch)
             budget -= n
         return batch
+
+    @staticmethod
+    def _count_cached(req: Request, batch: ScheduledBatch) -> None:
+        """Just admitted: its computed tokens are those it found in the prefix cache."""
+        cached = req.num_computed_tokens
+        if req.num_preemptions == 0:  # the output reports the first admission's
+            req.num_cached_tokens = cached
+        batch.num_cached_tokens += min(cached, req.num_prompt_tokens)
 
     def _run(self, req: Request, num_tokens: int, batch: ScheduledBatch) -> None:
         req.status = RequestStatus.RUNNING

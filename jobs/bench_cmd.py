@@ -56,6 +56,16 @@ _ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "determ
 @click.option("--deterministic-too", is_flag=True,
               help="Run fusegen a second time in deterministic (batch-invariant) mode, "
                    "to measure what it costs in the same run.")
+@click.option("--structured", type=click.Choice(["none", "half"]), default="none",
+              show_default=True,
+              help="half: run fusegen a second time with every other request constrained "
+                   "by a JSON schema (structured output), to measure what the token masks "
+                   "cost in the same run.")
+@click.option("--prefix-caching", type=click.Choice(["on", "off", "both"]), default="on",
+              show_default=True,
+              help="fusegen's prefix caching; both: run fusegen with it on, then again with "
+                   "it off, reporting the prefill tokens each computed (the labelling "
+                   "preset shares a 1,024-token instruction).")
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Where benchmark checkpoints are kept (default: $FUSEGEN_CACHE_DIR or "
                    "~/.cache/fusegen).")
@@ -63,7 +73,7 @@ _ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "determ
               help="Also write every figure, the machine and the versions to this JSON file.")
 def bench(preset_name, model_name, revision, num_requests, layers, hf_batch_size, dtype, device, seed, skip_hf,
           skip_hf_static, skip_hf_continuous, vllm_python, vllm_timeout, deterministic_too,
-          cache_dir, json_path, **engine):
+          structured, prefix_caching, cache_dir, json_path, **engine):
     """Benchmark fusegen against transformers and vLLM on a seeded workload.
 
     Builds (once, cached) a random model of the preset's shape, or loads a real one
@@ -88,6 +98,7 @@ def bench(preset_name, model_name, revision, num_requests, layers, hf_batch_size
                              hf_static=not (skip_hf or skip_hf_static),
                              hf_continuous=not (skip_hf or skip_hf_continuous),
                              engine_options=options, deterministic_too=deterministic_too,
+                             structured=structured, prefix_caching=prefix_caching,
                              vllm_python=vllm_python, vllm_timeout=vllm_timeout)
     except (ValueError, EngineConfigError) as exc:
         raise click.UsageError(str(exc)) from None

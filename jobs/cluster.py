@@ -2,6 +2,7 @@
 which device each worker's engine uses."""
 from __future__ import annotations
 
+import importlib.util
 import logging
 from contextlib import contextmanager
 
@@ -29,15 +30,38 @@ def open_client(spec: JobSpec):
             raise JobError(f"cannot reach the Dask scheduler at {redact_url(spec.scheduler)} "
                            f"({exc}); start one with `dask scheduler` or drop --scheduler") from None
         with client:
+            _show_dashboard(client, local=False)
             yield client
         return
     cluster = _local_cluster(spec)
     try:
         with Client(cluster) as client:
+            _show_dashboard(client, local=True)
             yield client
     finally:
         close_engines()  # in-process engines: unblocks any task thread still waiting
         cluster.close()
+
+
+def dashboard_link(client, local: bool) -> str | None:
+    """The Dask dashboard's address when the scheduler serves one, else None. The embedded
+    (`local`) cluster's listens on 127.0.0.1 at a free port, and shows pages only where
+    bokeh is installed; an external scheduler's is at its own host."""
+    try:
+        port = client.scheduler_info().get("services", {}).get("dashboard")
+    except Exception:  # noqa: BLE001 - no dashboard to show is no reason to fail the job
+        return None
+    if port is None:
+        return None
+    if not local:
+        return client.dashboard_link
+    return f"http://{_LOOPBACK}:{port}/status" if importlib.util.find_spec("bokeh") else None
+
+
+def _show_dashboard(client, local: bool) -> None:
+    link = dashboard_link(client, local)
+    if link:
+        log.info("Dask dashboard: %s", redact_url(link))
 
 
 def _local_cluster(spec: JobSpec):

@@ -7,12 +7,16 @@ import click
 from fusegen.engine.options import FIELDS
 
 
-def option(flag: str, help: str, default_text, **kwargs):
+def option(flag: str, help: str, default_text, *aliases: str, **kwargs):
     """A flag whose default is None, so that a job file's value survives unless the flag
-    is given; --help still shows the real default."""
+    is given; --help still shows the real default. `aliases`: more names for it."""
     name = flag.split("/")[0].lstrip("-").replace("-", "_")
-    return click.option(flag, name, default=None, help=f"{help}  [default: {default_text}]",
-                        **kwargs)
+    return click.option(flag, *aliases, name, default=None,
+                        help=f"{help}  [default: {default_text}]", **kwargs)
+
+
+# Shorter names beside an engine option's own flags, as other engines spell them.
+_ALIASES = {"enable_prefix_caching": ("--prefix-caching/--no-prefix-caching",)}
 
 
 def engine_flags(names: tuple[str, ...] | None = None, exclude: tuple[str, ...] = (),
@@ -28,7 +32,8 @@ def engine_flags(names: tuple[str, ...] | None = None, exclude: tuple[str, ...] 
         default = (defaults or {}).get(f.name, f.default)
         default = f.metadata["unset"] if default is None else default
         if kind is bool:
-            flags.append(option(f"{flag}/--no-{flag[2:]}", f.metadata["help"], default))
+            flags.append(option(f"{flag}/--no-{flag[2:]}", f.metadata["help"], default,
+                                *_ALIASES.get(f.name, ())))
         else:
             flags.append(option(flag, f.metadata["help"], default,
                                 type=int if kind is int else str))
@@ -42,3 +47,46 @@ def with_flags(flags):
             fn = flag(fn)
         return fn
     return decorate
+
+
+# The sampling flags beside --max-tokens ... --stop: (flag, help, click kwargs).
+_SAMPLING = (
+    ("--n", "Completions per row, each an output row with its completion_index.", {"type": int}),
+    ("--min-p", "Drop tokens below min_p x the top token's probability.", {"type": float}),
+    ("--stop-token-ids", "Token id that ends a row's generation; repeat for several.",
+     {"type": int, "multiple": True}),
+    ("--ignore-eos/--no-ignore-eos", "Keep generating past end-of-sequence tokens.", {}),
+    ("--presence-penalty", "Subtracted from the logit of every token generated so far, "
+     "in [-2, 2].", {"type": float}),
+    ("--frequency-penalty", "Subtracted per occurrence of a generated token, in [-2, 2].",
+     {"type": float}),
+    ("--repetition-penalty", "Divides positive (multiplies negative) logits of tokens in "
+     "the prompt or output; > 0, 1 for none.", {"type": float}),
+    ("--min-tokens", "End-of-sequence and stop token ids are masked until this many "
+     "tokens were generated.", {"type": int}),
+    ("--logit-bias", "JSON object of token id -> bias added to its logit, e.g. "
+     "'{\"50256\": -100}'.", {}),
+    ("--bad-words", "A word that must not be generated; repeat for several.",
+     {"multiple": True}),
+    ("--logprobs", "Top-k logprobs per generated token (0: the sampled token's only), as "
+     "a `logprobs` list column.", {"type": int}),
+    ("--prompt-logprobs", "Top-k logprobs per prompt token, as a `prompt_logprobs` list "
+     "column.", {"type": int}),
+    ("--json-schema", "Constrain output to a JSON Schema: its JSON text or a file holding "
+     "it.", {}),
+    ("--response-format", "OpenAI's response_format as JSON, e.g. "
+     "'{\"type\": \"json_object\"}' (type json_schema: its schema).", {}),
+    ("--regex", "Constrain output to this regular expression.", {}),
+    ("--choice", "Constrain output to one of these strings; repeat for each.",
+     {"multiple": True}),
+    ("--grammar", "Constrain output to this Lark or GBNF grammar.", {}),
+)
+
+
+def sampling_flags(job_option) -> list:
+    """The sampling flags, each read into the job field of its name (a row column of the
+    same name overrides it for that row); `job_option` adds the field's default to its
+    help."""
+    return [job_option(flag, f"{help} (row column overrides)", **kwargs)
+            for flag, help, kwargs in _SAMPLING]
+

@@ -17,6 +17,12 @@ while a run is going, a `_tmp/` folder. Its life:
 A part is kept on resume only when its footer names this output's fingerprint (a hash of
 the output's config and its planned inputs: paths, row counts and content identity) and
 its row counts match the plan.
+
+JSONL parts (`part-NNNNN.jsonl`) have no footer: their `PartStats` and the sizes of their
+files go in `_parts/part-NNNNN.jsonl.json`, written after the files, so that record is the
+commit (a file without one is redone). An OpenAI batch job's part files live under
+`_parts/` too; `finish` concatenates them in plan order into `output.jsonl` and
+`errors.jsonl` (`jobs/openai_batch.py`).
 """
 from __future__ import annotations
 
@@ -35,6 +41,8 @@ from fusegen.jobs.redact import redact_url
 from fusegen.jobs.storage import check_writable, filesystem, list_names, move, remove_tree
 
 TMP_DIR = "_tmp"
+PARTS_DIR = "_parts"  # JSONL parts' records, and an OpenAI batch job's part files
+MERGED = ("output.jsonl", "errors.jsonl")  # an OpenAI batch job's results, merged
 MANIFEST = "_manifest.json"
 FRESH, RESUME, OVERWRITE = "fresh", "resume", "overwrite"
 _META_KEY = b"fusegen"  # a part's footer key for its PartStats (JSON)
@@ -120,7 +128,8 @@ class Output:
     def _prepare(self, fingerprint, config, plan, overwrite, inputs):
         old = self.read_manifest()
         names = list_names(self.fs, self.path)
-        mode = resume_mode(old, fingerprint, config, any(is_part_name(n) for n in names),
+        has_parts = PARTS_DIR in names or any(is_part_name(n) for n in names)
+        mode = resume_mode(old, fingerprint, config, has_parts,
                            overwrite, redact_url(self.url), inputs)
         if mode == OVERWRITE:
             self._clear()
@@ -136,6 +145,9 @@ class Output:
     def commit(self, table: pa.Table, stats: PartStats) -> None:
         """Write under _tmp/ with a unique name, then rename onto the final name. A retried
         partition (killed worker) writes its own temporary file and commits the same content."""
+        if stats.name.endswith(".jsonl"):
+            self.commit_files(stats, {stats.name: jsonl_bytes(table.to_pylist())})
+            return
         meta = dict(table.schema.metadata or {})
         meta[_META_KEY] = json.dumps(stats.as_dict()).encode()
         table = table.replace_schema_metadata(meta)
@@ -145,8 +157,28 @@ class Output:
         self._check_lease()
         move(self.fs, tmp, f"{self.path}/{stats.name}")
 
+    def commit_files(self, stats: PartStats, files: dict[str, bytes]) -> None:
+        """Commit a JSONL part: its files (paths relative to the output), then its record
+        `_parts/<name>.json` with their sizes; only that record makes the part count."""
+        sizes, tmps = {}, {}
+        for rel, data in files.items():
+            tmps[rel] = self._tmp_name(rel.replace("/", "_"))
+            with self.fs.open(tmps[rel], "wb") as f:
+                f.write(data)
+            sizes[rel] = len(data)
+        self._check_lease()
+        self.fs.makedirs(f"{self.path}/{PARTS_DIR}", exist_ok=True)
+        for rel, tmp in tmps.items():
+            move(self.fs, tmp, f"{self.path}/{rel}")
+        record = json.dumps({"stats": stats.as_dict(), "files": sizes}).encode()
+        tmp = self._tmp_name(stats.name + ".json")
+        with self.fs.open(tmp, "wb") as f:
+            f.write(record)
+        move(self.fs, tmp, f"{self.path}/{PARTS_DIR}/{stats.name}.json")
+
     def finish(self, manifest: dict) -> None:
         self._check_lease()
+        self._merge([p["name"] for p in manifest.get("parts", [])])
         manifest["status"] = "complete"
         self._write_manifest(manifest)
         remove_tree(self.fs, f"{self.path}/{TMP_DIR}")
@@ -178,12 +210,28 @@ class Output:
         self.fs.makedirs(f"{self.path}/{TMP_DIR}", exist_ok=True)
         return f"{self.path}/{TMP_DIR}/{name}.{uuid.uuid4().hex}"
 
+    def _merge(self, names: list[str]) -> None:
+        """Concatenate the part files under _parts/ (an OpenAI batch job's), in plan
+        order, into output.jsonl and errors.jsonl, each written whole then renamed."""
+        records = [self._record(n) for n in names if n.endswith(".jsonl")]
+        inner = [rel for r in records if r for rel in r["files"] if rel.startswith(PARTS_DIR)]
+        if not inner:
+            return
+        for target in MERGED:
+            tmp = self._tmp_name(target)
+            with self.fs.open(tmp, "wb") as out:
+                for rel in inner:
+                    if merged_name(rel) == target:
+                        with self.fs.open(f"{self.path}/{rel}", "rb") as f:
+                            out.write(f.read())
+            move(self.fs, tmp, f"{self.path}/{target}")
+
     def _clear(self) -> None:
         """Remove what a run writes (parts, manifest, temporaries) and nothing else."""
         for name in list_names(self.fs, self.path):
-            if name == TMP_DIR:
+            if name in (TMP_DIR, PARTS_DIR):
                 remove_tree(self.fs, f"{self.path}/{name}")
-            elif name == MANIFEST or is_part_name(name):
+            elif name == MANIFEST or is_part_name(name) or name in MERGED:
                 self.fs.rm_file(f"{self.path}/{name}")
 
     def committed(self, plan: list[Partition], fingerprint: str) -> dict[int, PartStats]:
@@ -191,13 +239,39 @@ class Output:
         counts; anything else (another output's part, a short or damaged one) is redone."""
         existing = list_names(self.fs, self.path)
         done = {}
+        records = PARTS_DIR in existing and list_names(self.fs, f"{self.path}/{PARTS_DIR}")
         for part in plan:
-            if part.name in existing:
+            if part.name.endswith(".jsonl"):
+                stats = self._jsonl_stats(part.name) if records and \
+                    f"{part.name}.json" in records else None
+                if stats is not None and stats.fingerprint == fingerprint \
+                        and stats.rows_read == part.num_rows:
+                    done[part.index] = stats
+            elif part.name in existing:
                 stats = self._footer_stats(part.name)
                 if stats is not None and stats.fingerprint == fingerprint \
                         and stats.rows_read == part.num_rows:
                     done[part.index] = stats
         return done
+
+    def _record(self, name: str) -> dict | None:
+        """A JSONL part's record, when every file it names has the size it records."""
+        try:
+            with self.fs.open(f"{self.path}/{PARTS_DIR}/{name}.json", "rb") as f:
+                record = json.loads(f.read())
+            for rel, size in record["files"].items():
+                if self.fs.size(f"{self.path}/{rel}") != size:
+                    return None
+        except (OSError, ValueError, KeyError, TypeError):  # missing, damaged or foreign
+            return None
+        return record
+
+    def _jsonl_stats(self, name: str) -> PartStats | None:
+        record = self._record(name)
+        try:
+            return PartStats(**record["stats"]) if record else None
+        except TypeError:
+            return None
 
     def _footer_stats(self, name: str) -> PartStats | None:
         """The part's PartStats when its footer holds one that matches its row count."""
@@ -212,7 +286,18 @@ class Output:
 
 
 def is_part_name(name: str) -> bool:
-    return name.startswith("part-") and name.endswith(".parquet")
+    return name.startswith("part-") and name.endswith((".parquet", ".jsonl"))
+
+
+def merged_name(rel: str) -> str:
+    """Which merged file an OpenAI batch part file goes into."""
+    return MERGED[1] if rel.endswith(".errors.jsonl") else MERGED[0]
+
+
+def jsonl_bytes(rows: list[dict]) -> bytes:
+    """One JSON object per line; values JSON lacks (bytes, dates) as their text."""
+    return "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n"
+                   for r in rows).encode("utf-8")
 
 
 def resume_mode(old: dict | None, fingerprint: str, config: dict, has_parts: bool,

@@ -16,11 +16,16 @@ from fusegen.engine.sampling_params import SamplingParams
 from fusegen.engine.tokenizer import PromptLimit, messages_problem, prompt_problem
 from fusegen.jobs import errors
 from fusegen.jobs.errors import JobError
-from fusegen.jobs.spec import MESSAGES_COLUMN, OUTPUT_COLUMNS, ROW_PARAM_COLUMNS, JobSpec
+from fusegen.jobs.params import (CONSTRAINT_COLUMNS, ParamError, column_warnings,
+                                 parameter_columns, row_changes)
+from fusegen.jobs.spec import MESSAGES_COLUMN, OUTPUT_COLUMNS, ROW_ID_COLUMN, JobSpec
 from fusegen.jobs.template import PromptTemplate
 
 ChatFn = Callable[[list], "str | list[int]"]  # messages -> prompt for the engine
-_INT_PARAMS = ("max_tokens", "top_k", "seed")
+# Output columns a per-row parameter column of the same name may hold in the input: the
+# output's list column replaces it.
+_REPLACED = frozenset({"logprobs", "prompt_logprobs"})
+_CONSTRAINTS = frozenset(CONSTRAINT_COLUMNS)
 
 
 @dataclass(slots=True)
@@ -28,6 +33,7 @@ class RowRequest:
     prompt: str | list[int] | None = None
     params: SamplingParams | None = None
     error: str | None = None  # "code: message"; the row is not submitted
+    where: str = ""  # "row 12 (id='a')": how errors name the row, the engine's included
 
 
 class RowPreparer:
@@ -48,11 +54,32 @@ class RowPreparer:
             {spec.prompt_column, MESSAGES_COLUMN, spec.messages_column} - {None}
         self.chat = chat
         self.base = spec.sampling_params()
+        self.param_columns: list[str] = []  # of the table being prepared
+
+    def id_column(self, columns) -> str | None:
+        """The column naming rows: --id-column, else an input `row_id` (a job's output
+        fed to another keeps its ids); None: the output gets a `row_id` column."""
+        if self.spec.id_column:
+            return self.spec.id_column
+        return ROW_ID_COLUMN if ROW_ID_COLUMN in columns else None
+
+    def data_columns(self, columns) -> set:
+        """The columns the prompt is made of, and the id: never parameters by default."""
+        return self.prompt_columns | ({self.id_column(columns)} - {None})
+
+    def parameters(self, columns) -> list[str]:
+        """The input's per-row parameter columns (`jobs/params.py` says which)."""
+        return parameter_columns(columns, self.spec.param_columns, self.data_columns(columns))
+
+    def column_warnings(self, columns) -> list[str]:
+        """Columns that look meant as parameters but are not: shown before the job runs."""
+        return column_warnings(columns, self.spec.param_columns, self.data_columns(columns))
 
     def input_columns(self, columns) -> list[str]:
         """The columns the rows need; raises JobError naming a missing one."""
         names = set(columns)
-        clash = sorted(names & set(OUTPUT_COLUMNS))
+        params = self.parameters(columns)
+        clash = sorted(names & set(OUTPUT_COLUMNS) - (_REPLACED & set(params)))
         if clash:
             raise JobError(f"input already has output column(s) {', '.join(clash)}; rename "
                            "or drop them (e.g. when feeding a job's output to another job)")
@@ -70,12 +97,21 @@ class RowPreparer:
         if missing:
             raise JobError(f"column {', '.join(missing)} not in the input; its columns are "
                            f"{', '.join(columns)}")
-        return sorted(set(needed) | (names & set(ROW_PARAM_COLUMNS)))
+        return sorted(set(needed) | set(params) | ({self.id_column(columns)} - {None}))
 
     def prepare(self, table: pa.Table, first_row: int) -> list[RowRequest]:
         columns = self.input_columns(table.column_names)
+        self.param_columns = self.parameters(table.column_names)
         rows = read_rows(table.select(columns))
         return [self.prepare_row(row, first_row + i) for i, row in enumerate(rows)]
+
+    def constrained(self, columns) -> bool:
+        """Whether any row of a table with these columns can be constrained."""
+        return bool(self.base_constraint or _CONSTRAINTS & set(self.parameters(columns)))
+
+    @property
+    def base_constraint(self) -> bool:
+        return any(getattr(self.base, n, None) is not None for n in CONSTRAINT_COLUMNS[:4])
 
     def prepare_row(self, row: dict, index: int) -> RowRequest:
         """`index`: the row's global position (over all input files): names it, seeds it."""
@@ -83,15 +119,17 @@ class RowPreparer:
         prompt, error = (None, error) if error else self._prompt(row)
         if error is None:
             params, error = self._params(row, index)
+        where = self._where(row, index)
         if error is not None:
-            return RowRequest(error=f"{error[0]}: {self._where(row, index)}: {error[1]}")
-        return RowRequest(prompt=prompt, params=params)
+            return RowRequest(error=f"{error[0]}: {where}: {error[1]}", where=where)
+        return RowRequest(prompt=prompt, params=params, where=where)
 
     def _where(self, row: dict, index: int) -> str:
-        if self.spec.id_column:
-            shown = repr(row.get(self.spec.id_column))
+        id_column = self.id_column(row)
+        if id_column:
+            shown = repr(row.get(id_column))
             shown = shown if len(shown) <= 80 else shown[:80] + "..."
-            return f"row {index} ({self.spec.id_column}={shown})"
+            return f"row {index} ({id_column}={shown})"
         return f"row {index}"
 
     def _unreadable(self, row: dict):
@@ -99,9 +137,9 @@ class RowPreparer:
         does not fail its row: it only names it (shown with the bad bytes escaped)."""
         for column, value in row.items():
             if not isinstance(value, Unreadable) or (
-                    column == self.spec.id_column and column not in self.prompt_columns):
+                    column == self.id_column(row) and column not in self.prompt_columns):
                 continue
-            code = errors.INVALID_PARAMS if column in ROW_PARAM_COLUMNS else \
+            code = errors.INVALID_PARAMS if column in self.param_columns else \
                 errors.INVALID_PROMPT
             return code, f"column {column!r} {value.reason}; fix or drop this value in the input"
         return None
@@ -150,6 +188,9 @@ class RowPreparer:
         problem = messages_problem(messages)
         if problem:
             return None, (errors.INVALID_PROMPT, f"column {column!r} {problem}")
+        if self.spec.system_prompt is not None and not (
+                messages and isinstance(messages[0], dict) and messages[0].get("role") == "system"):
+            messages = [{"role": "system", "content": self.spec.system_prompt}, *messages]
         too_long = self.limit and self.limit.conversation_too_long(messages)
         if too_long:  # checked before the chat template renders and tokenizes it
             return None, tuple(too_long.split(": ", 1))
@@ -161,11 +202,12 @@ class RowPreparer:
     def _params(self, row: dict, index: int):
         """(SamplingParams, None) or (None, (code, message)), the row's overrides applied."""
         seed = None if self.base.seed is None else row_seed(self.base.seed, index)
-        changes = {"seed": seed}
-        for name in ROW_PARAM_COLUMNS:
-            value = row.get(name)
-            if value is not None:
-                changes[name] = _coerce(name, value)
+        try:
+            changes = {"seed": seed, **row_changes(row, self.param_columns)}
+        except ParamError as exc:
+            return None, (errors.INVALID_PARAMS, f"{exc} (per-row column)")
+        if _CONSTRAINTS & changes.keys():  # the row's constraint replaces the job's
+            changes = {**dict.fromkeys(CONSTRAINT_COLUMNS[:4]), **changes}
         params = dataclasses.replace(self.base, **changes)
         problem = params.validate()
         if problem:
@@ -215,17 +257,6 @@ def _read_cell(cell: pa.Scalar):
     except Exception:  # noqa: BLE001 - not a string: name it by its type
         shown = f"<unreadable {cell.type}>"
     return Unreadable(reason, shown)
-
-
-def _coerce(name: str, value):
-    """Undo storage widening (a nullable int column read as float) without hiding bad values."""
-    if name in _INT_PARAMS and isinstance(value, float) and value.is_integer():
-        return int(value)
-    if name == "temperature" and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if name == "stop" and isinstance(value, str):
-        return [value]
-    return value
 
 
 def row_seed(base: int, index: int) -> int:

@@ -10,7 +10,7 @@ import click
 from click.core import ParameterSource
 
 from fusegen.jobs.errors import JobError
-from fusegen.jobs.flags import engine_flags, option, with_flags
+from fusegen.jobs.flags import engine_flags, option, sampling_flags, with_flags
 from fusegen.jobs.interrupt import JobInterrupted, signal_of, stop_on_signals
 from fusegen.jobs.redact import redact_url
 from fusegen.jobs.spec import JobSpec, build_spec, load_job_file
@@ -55,7 +55,20 @@ _OPTIONS = [
             "`seed` overrides).", type=int),
     _job_option("--stop", "Stop string; repeat for several (row column `stop` overrides).",
             multiple=True),
+    *sampling_flags(_job_option),
+    _job_option("--chat-template", "Chat template (Jinja text, or a file holding it) used "
+            "instead of the model's, for --chat and --messages-column."),
+    _job_option("--system-prompt", "A system turn put before each conversation (unless it "
+            "starts with its own); implies --chat."),
+    _job_option("--param-columns", "The per-row parameter columns, exactly (comma-separated "
+            "or repeated). Without it every column named like a parameter is one, unless the "
+            "prompt is made of it; columns that look meant as parameters are warned about.",
+            multiple=True),
     _job_option("--output-token-ids/--no-output-token-ids", "Add a generated_token_ids column."),
+    _job_option("--output-format", "Format of the output parts.",
+            type=click.Choice(["parquet", "jsonl"])),
+    _job_option("--report/--no-report", "Also write _report.html beside the manifest: a "
+            "self-contained HTML job summary (counts, errors, throughput over time)."),
     _job_option("--scheduler", "Address of an existing Dask scheduler (tcp://host:8786) "
             "instead of the embedded local cluster."),
     _job_option("--workers", "Embedded cluster: worker processes (1 = in-process, no sockets; "
@@ -78,7 +91,7 @@ _OPTIONS = [
 @click.command()
 @click.argument("job_file", required=False, type=click.Path(dir_okay=False))
 @with_flags(_OPTIONS)
-def run(job_file, storage_option, stop, **flags):
+def run(job_file, storage_option, **flags):
     """Generate text for every row of a Parquet prompt dataset; write Parquet parts.
 
     JOB_FILE is an optional YAML file with the same keys as the flags (max_tokens: 32,
@@ -90,8 +103,9 @@ def run(job_file, storage_option, stop, **flags):
     try:
         with stop_on_signals():
             file_values = load_job_file(job_file) if job_file else {}
-            if stop:
-                flags["stop"] = list(stop)
+            for name, value in flags.items():  # a repeatable flag not given: the file's value
+                if isinstance(value, tuple):
+                    flags[name] = list(value) or None
             if storage_option:
                 options = dict(file_values.get("storage_options") or {})
                 for item in storage_option:

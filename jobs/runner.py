@@ -15,11 +15,13 @@ from itertools import islice
 
 from fusegen.jobs.cluster import engine_devices, open_client
 from fusegen.jobs.errors import JobError
+from fusegen.jobs.formats import is_batch_input, part_suffix
 from fusegen.jobs.interrupt import JobInterrupted, signal_of
 from fusegen.jobs.output import Output, PartStats, input_records
 from fusegen.jobs.plan import Partition, plan_partitions
 from fusegen.jobs.progress import JobResult, Progress
 from fusegen.jobs.redact import redact_url, redacted_logging
+from fusegen.jobs.report import write_report
 from fusegen.jobs.rows import RowPreparer
 from fusegen.jobs.spec import JobSpec
 from fusegen.jobs.storage import filesystem, is_process_local, list_input_files
@@ -54,12 +56,18 @@ def _run(spec: JobSpec, progress_stream, client=None) -> JobResult:
     _check_shared_storage(spec)
     files = list_input_files(spec.input, spec.storage_options)
     preparer = RowPreparer(spec)
-    for f in files:  # a missing column fails here, before any model loads
+    # A missing column fails here, before any model loads (a batch file has no columns:
+    # its lines are requests, `jobs/openai_batch.py`).
+    columned = [] if is_batch_input(files) else files
+    for f in columned:
         try:
             preparer.input_columns(f.columns)
         except JobError as exc:
             raise JobError(f"input file {redact_url(f.path)}: {exc}") from None
-    plan = plan_partitions(files, spec.partition_rows)
+    for warning in dict.fromkeys(w for f in columned
+                                 for w in preparer.column_warnings(f.columns)):
+        log.warning("%s", warning)
+    plan = plan_partitions(files, spec.partition_rows, part_suffix(files, spec.output_format))
     inputs = input_records(files)
     fingerprint = spec.fingerprint(inputs)
     output = Output(spec.output, spec.storage_options)
@@ -81,7 +89,10 @@ def _run(spec: JobSpec, progress_stream, client=None) -> JobResult:
                                client) if todo else []
         finally:
             progress.close()
-        return run.complete(engines)
+        result = run.complete(engines, progress.timeline)
+        if spec.report:
+            write_report(spec, result, run.manifest)
+        return result
     except KeyboardInterrupt as exc:
         raise run.interrupted(signal_of(exc)) from None
     finally:
@@ -100,10 +111,12 @@ class _Run:
     manifest: dict
     new: dict[int, PartStats] = field(default_factory=dict)  # filled as parts commit
 
-    def complete(self, engines: list[dict]) -> JobResult:
+    def complete(self, engines: list[dict], timeline: list) -> JobResult:
         stats = {**self.done, **self.new}
         result = _result(self.spec, self.plan, stats, self.new, len(self.done),
                           time.perf_counter() - self.t0)
+        result.timeline = timeline
+        result.prompt_tokens_cached = sum(e.get("prompt_tokens_cached", 0) for e in engines)
         self.manifest.update(parts=[_part_entry(p, stats[p.index]) for p in self.plan],
                              totals=_totals(result))
         self._record(len(self.new), engines, "complete")
@@ -163,8 +176,7 @@ def _execute(spec: JobSpec, todo: list[Partition], fingerprint: str, owner: str,
         if fresh:  # where the weights and the KV cache live; not again for a reused engine
             progress.message("memory plan (per worker):\n" + fresh[0]["placement"])
         topic = f"fusegen-progress-{run_token}"
-        client.subscribe_topic(topic, lambda event: progress.partial(
-            event[1]["index"], event[1]["rows"], event[1]["tokens"]))
+        client.subscribe_topic(topic, lambda event: progress.partial(**event[1]))
         try:
             _stream(client, spec, todo, fingerprint, owner, topic, run_token, progress,
                     results)
@@ -199,7 +211,8 @@ def _stream(client, spec, todo, fingerprint, owner, topic, run_token, progress, 
                 raise _task_error(exc) from None
             index = index_of.pop(future.key)
             results[index] = stats
-            progress.advance(index, stats.num_rows, stats.num_generated_tokens)
+            progress.advance(index, stats.rows_read, stats.num_generated_tokens,
+                             stats.num_errors)
             future.release()
     except BaseException:  # a failed part or an interrupt: stop the rest
         unfinished = list(running.futures)
@@ -252,7 +265,8 @@ def _part_entry(part: Partition, stats: PartStats) -> dict:
 
 def _totals(r: JobResult) -> dict:
     return {k: getattr(r, k) for k in ("num_rows", "num_errors", "errors_by_code",
-                                       "num_prompt_tokens", "num_generated_tokens")}
+                                       "num_prompt_tokens", "num_generated_tokens",
+                                       "prompt_tokens_cached")}
 
 
 def _now() -> str:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 
@@ -10,13 +11,19 @@ from fusegen.engine.options import NAMES as ENGINE_OPTIONS
 from fusegen.engine.options import OUTPUT_NAMES, EngineOptions
 from fusegen.engine.sampling_params import SamplingParams
 from fusegen.jobs.errors import JobError
+from fusegen.jobs.params import (ENGINE_SAMPLING_FIELDS, RESPONSE_FORMAT, SAMPLING_FIELDS,
+                                 ParamError, check_declared, coerce)
 from fusegen.jobs.redact import Redactor, public_options, redact_url
 
 PROGRESS_MODES = ("auto", "bar", "log", "none")
-# Row columns that override the job's sampling value for that row.
-ROW_PARAM_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+OUTPUT_FORMATS = ("parquet", "jsonl")
+# Columns a generation part adds to the input's (`jobs/parts.py`); `logprobs`,
+# `prompt_logprobs` and `structured_valid` only when the job can produce them. A per-row
+# `logprobs` / `prompt_logprobs` parameter column is replaced by the list column.
 OUTPUT_COLUMNS = ("generated_text", "finish_reason", "num_prompt_tokens",
-                  "num_generated_tokens", "error", "generated_token_ids")
+                  "num_generated_tokens", "error", "generated_token_ids", "completion_index",
+                  "error_code", "logprobs", "prompt_logprobs", "structured_valid")
+ROW_ID_COLUMN = "row_id"  # added when --id-column is not given (`jobs/rows.py`)
 MESSAGES_COLUMN = "messages"
 
 
@@ -45,7 +52,34 @@ class JobSpec(EngineOptions):
     # seed field (every row has its own seed, so the engine's generator goes unused).
     seed: int | None = 0
     stop: list[str] = field(default_factory=list)
+    min_p: float = 0.0
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    n: int = 1  # completions per row: each is an output row (completion_index 0..n-1)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: dict | None = None  # token id -> bias (or its JSON text)
+    bad_words: list[str] = field(default_factory=list)
+    logprobs: int | None = None  # top-k per generated token -> a `logprobs` list column
+    prompt_logprobs: int | None = None  # top-k per prompt token -> `prompt_logprobs`
+    # structured output, at most one: a JSON Schema (an object, its JSON text or a file
+    # holding it), OpenAI's response_format (turned into json_schema), a regex, a list of
+    # choices, a Lark / GBNF grammar
+    json_schema: dict | str | None = None
+    response_format: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    chat_template: str | None = None  # Jinja text or a file holding it; the model's otherwise
+    system_prompt: str | None = None  # a system turn before each conversation; implies chat
+    # The per-row parameter columns, exactly; None: every column named like a parameter
+    # that the prompt is not made of (`jobs/params.py`).
+    param_columns: list[str] | None = None
     output_token_ids: bool = False  # add a generated_token_ids list column
+    output_format: str = "parquet"  # parquet or jsonl parts
+    report: bool = False  # write _report.html, an HTML job summary, beside the manifest
     # Jobs default to the batch-invariant engine, so a resumed job equals an uninterrupted
     # one byte for byte (it costs ~13% of throughput: docs/performance.md).
     deterministic: bool = True
@@ -84,6 +118,12 @@ class JobSpec(EngineOptions):
             raise JobError(f"prompt_column {self.prompt_column!r} is an output column name; "
                            "rename the input column")
         self._check_messages_column()
+        self._read_options()
+        if self.output_format not in OUTPUT_FORMATS:
+            raise JobError(f"output_format must be one of {', '.join(OUTPUT_FORMATS)}, "
+                           f"got {self.output_format!r}")
+        if self.system_prompt is not None and not self.messages_column:
+            self.chat = True
         problem = self.sampling_params().validate()
         if problem:
             raise JobError(f"job sampling default: {problem}")
@@ -104,10 +144,46 @@ class JobSpec(EngineOptions):
     def _check_seed(self) -> None:
         pass  # the rows' base seed: checked with the sampling defaults below
 
+    def _read_options(self) -> None:
+        """JSON text (flags) and files (json_schema, chat_template) as their values."""
+        if isinstance(self.json_schema, str) and not self.json_schema.lstrip().startswith("{"):
+            self.json_schema = _read_file("json_schema", self.json_schema)
+        for name in ("stop_token_ids", "logit_bias", "bad_words", "choice", "json_schema"):
+            value = getattr(self, name)
+            if value is not None and value != []:
+                value = list(value) if isinstance(value, tuple) else value
+                setattr(self, name, _coerced(name, value))
+        if isinstance(self.response_format, str):
+            try:
+                self.response_format = json.loads(self.response_format)
+            except ValueError as exc:
+                raise JobError(f"response_format is not JSON ({exc})") from None
+        if self.param_columns is not None:
+            self.param_columns = [c for c in ([self.param_columns] if isinstance(
+                self.param_columns, str) else self.param_columns) for c in c.split(",") if c]
+            try:
+                check_declared(self.param_columns)
+            except ParamError as exc:
+                raise JobError(str(exc)) from None
+        template = self.chat_template
+        if isinstance(template, str) and "{" not in template:
+            self.chat_template = _read_file("chat_template", template, as_json=False)
+
     def sampling_params(self) -> SamplingParams:
-        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature,
-                              top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-                              stop=list(self.stop))
+        """The job's sampling defaults; a field this engine lacks must keep its default."""
+        values = {name: getattr(self, name) for name in SAMPLING_FIELDS}
+        values["stop"] = list(self.stop)
+        if self.response_format is not None:
+            if self.json_schema is not None:
+                raise JobError("json_schema and response_format are both set; the schema "
+                               "comes from one of them: drop one")
+            values["json_schema"] = _coerced(RESPONSE_FORMAT, self.response_format)
+        for name in SAMPLING_FIELDS:
+            if name not in ENGINE_SAMPLING_FIELDS:
+                if values.pop(name) != _default(name):
+                    raise JobError(f"{name} is not a sampling parameter of this fusegen's "
+                                   "engine; drop it")
+        return SamplingParams(**values)
 
     def engine_kwargs(self) -> dict:
         """The engine's options, for `LLM(model, **...)` (the seed is the rows' own)."""
@@ -118,7 +194,7 @@ class JobSpec(EngineOptions):
         Fields added since outputs were first written appear only when set, so those
         outputs keep their fingerprint and still resume."""
         return {name: getattr(self, name) for name in _OUTPUT_FIELDS
-                if name not in _LATER_FIELDS or getattr(self, name) is not None}
+                if name not in _LATER_FIELDS or getattr(self, name) != _default(name)}
 
     def fingerprint(self, inputs: list) -> str:
         """Hash of the output config and the planned inputs (paths and row counts)."""
@@ -142,16 +218,53 @@ class JobSpec(EngineOptions):
         return f"JobSpec({self.public_dict()!r})"
 
 
+_NEW_SAMPLING_FIELDS = tuple(n for n in SAMPLING_FIELDS if n not in (
+    "max_tokens", "temperature", "top_p", "top_k", "seed", "stop"))
 _OUTPUT_FIELDS = ("model", "prompt_column", "id_column", "prompt_template", "chat",
                   "messages_column",
                   "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                  "output_token_ids", *OUTPUT_NAMES, "partition_rows")
-_LATER_FIELDS = ("messages_column", "revision")
+                  "output_token_ids", *OUTPUT_NAMES, "partition_rows", *_NEW_SAMPLING_FIELDS,
+                  RESPONSE_FORMAT, "chat_template", "system_prompt", "param_columns",
+                  "output_format")
+# Fields added since outputs were first written: in the fingerprint only when not at
+# their default, so those outputs keep theirs.
+_LATER_FIELDS = ("messages_column", "revision", *_NEW_SAMPLING_FIELDS, RESPONSE_FORMAT,
+                 "chat_template", "system_prompt", "param_columns", "output_format",
+                 "tokenizer")
 # The job's own keys first, then the engine's: the order `fusegen run --help` and the
 # job file's "valid keys" list show.
 FIELD_NAMES = tuple(dict.fromkeys(
     [f.name for f in dataclasses.fields(JobSpec) if f.name not in ENGINE_OPTIONS]
     + list(ENGINE_OPTIONS)))
+
+
+def _default(name: str):
+    f = JobSpec.__dataclass_fields__[name]
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def _coerced(name: str, value):
+    try:
+        return coerce(name, value)
+    except ParamError as exc:
+        raise JobError(f"{name} {exc}") from None
+
+
+def _read_file(name: str, path: str, as_json: bool = True):
+    """An option given as the path of a file: its JSON value (or text)."""
+    try:
+        with open(os.path.expanduser(path), encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise JobError(f"{name}: cannot read {path!r} ({exc.strerror}); pass "
+                       + ("the JSON text or the path of a JSON file" if as_json else
+                          "a Jinja template or the path of a file holding one")) from None
+    if not as_json:
+        return text
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise JobError(f"{name}: {path} is not JSON ({exc})") from None
 
 
 def _check_int(spec: JobSpec, name: str, minimum: int):

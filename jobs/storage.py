@@ -1,4 +1,5 @@
-"""Parquet over fsspec: listing inputs, reading one partition lazily, checking the output.
+"""Inputs over fsspec (Parquet, and JSONL / CSV through `jobs/formats.py`): listing them,
+reading one partition lazily, checking the output.
 
 Every function takes the job's storage options; none keeps data beyond one partition.
 """
@@ -11,6 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fusegen.jobs.errors import JobError
+from fusegen.jobs.formats import OPENAI_BATCH, SUFFIXES, LineErrors, inspect_text, read_text, \
+    text_format
 from fusegen.jobs.identity import content_version
 from fusegen.jobs.plan import InputFile, Partition
 
@@ -32,7 +35,7 @@ def filesystem(url: str, storage_options: dict):
 
 
 def list_input_files(url: str, storage_options: dict) -> list[InputFile]:
-    """The Parquet files of a file, directory or glob URL, sorted, with row-group sizes.
+    """The input files of a file, directory or glob URL, sorted, with row-group sizes.
     A path that exists is that path, whatever characters it holds (`weird[1].parquet`);
     only a path that does not exist is a glob."""
     fs, path = filesystem(url, storage_options)
@@ -42,23 +45,33 @@ def list_input_files(url: str, storage_options: dict) -> list[InputFile]:
         raise
     except Exception as exc:  # noqa: BLE001 - any backend error: the input is unreadable
         raise JobError(f"cannot read input {url}: {type(exc).__name__}: {exc}") from None
-    return [_inspect(fs, p, "" if p == path else f" (in {url})") for p in sorted(paths)]
+    files = [_inspect(fs, p, "" if p == path else f" (in {url})") for p in sorted(paths)]
+    batch = [f.path for f in files if f.text is not None and f.text.format == OPENAI_BATCH]
+    if batch and len(batch) != len(files):
+        other = next(f.path for f in files if f.path not in batch)
+        raise JobError(f"input {url} mixes OpenAI batch request files ({batch[0]}) with "
+                       f"other files ({other}); run them as separate jobs")
+    return files
 
 
 def _input_paths(fs, path: str, url: str) -> list[str]:
     if fs.isfile(path):
         return [path]
     if fs.isdir(path):
-        paths = [p for p in fs.find(path) if p.endswith((".parquet", ".parq"))
+        paths = [p for p in fs.find(path) if p.endswith(_DATA_SUFFIXES)
                  and all(_visible(s) for s in p[len(path):].split("/"))]
     elif _glob.has_magic(path):
         paths = [p for p in fs.glob(path) if fs.isfile(p) and _visible(p.rsplit("/", 1)[-1])]
     else:
-        raise JobError(f"input {url} does not exist; pass a Parquet file, a directory "
-                       "of Parquet files, or a glob")
+        raise JobError(f"input {url} does not exist; pass a Parquet, JSONL or CSV file, a "
+                       "directory of them, or a glob")
     if not paths:
-        raise JobError(f"input {url} holds no Parquet files (*.parquet)")
+        raise JobError(f"input {url} holds no Parquet, JSONL or CSV files "
+                       f"({', '.join('*' + s for s in _DATA_SUFFIXES)})")
     return paths
+
+
+_DATA_SUFFIXES = (".parquet", ".parq", *SUFFIXES)
 
 
 def _visible(name: str) -> bool:
@@ -69,8 +82,11 @@ def _visible(name: str) -> bool:
 def _inspect(fs, path: str, where: str) -> InputFile:
     """Row-group sizes, column names and content identity (`jobs/identity.py`). A file
     that is not Parquet, or whose columns repeat a name, fails here, named, before any
-    model loads."""
+    model loads. JSONL and CSV files are scanned whole (`jobs/formats.py`)."""
+    fmt = text_format(path)
     try:
+        if fmt is not None:
+            return inspect_text(fs, path, fmt)
         with fs.open(path, "rb") as f:
             pf = pq.ParquetFile(f)
             md = pf.metadata
@@ -78,6 +94,8 @@ def _inspect(fs, path: str, where: str) -> InputFile:
             names = tuple(pf.schema_arrow.names)
         info = fs.info(path)
         version = content_version(fs, path, info, md.serialized_size)
+    except JobError as exc:
+        raise JobError(f"input file {path}{where}: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - any reader or backend error names the file
         raise JobError(f"cannot read input file {path}{where}: {type(exc).__name__}: {exc}; "
                        "remove it or fix it, or point --input at the good files") from None
@@ -88,8 +106,17 @@ def _inspect(fs, path: str, where: str) -> InputFile:
     return InputFile(path, groups, names, size=info.get("size"), version=version)
 
 
-def read_partition(fs, part: Partition) -> pa.Table:
-    """Rows [start, stop) of the partition's file, streaming only the row groups they span."""
+def read_partition(fs, part: Partition, line_errors: LineErrors | None = None) -> pa.Table:
+    """Rows [start, stop) of the partition's file, streaming only the row groups they span.
+    A JSONL / CSV line that cannot be read is a row of nulls, its message put in
+    `line_errors` by row index; without `line_errors` it fails the read, named."""
+    if part.text is not None:
+        table, errors = read_text(fs, part.path, part.text, part.num_rows)
+        if errors and line_errors is None:
+            raise JobError(f"input file {next(iter(errors.values()))}")
+        if errors:
+            line_errors.update(errors)
+        return table
     with fs.open(part.path, "rb") as f:
         pf = pq.ParquetFile(f, **_READ_OPTIONS)
         md = pf.metadata

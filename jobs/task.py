@@ -7,8 +7,10 @@ from concurrent.futures import wait
 
 from fusegen.jobs.engines import get_engine, loaded_engine, set_worker_device
 from fusegen.jobs.errors import JobError
+from fusegen.jobs.formats import OPENAI_BATCH, mark_line_errors
+from fusegen.jobs.openai_batch import run_batch_partition
 from fusegen.jobs.output import Output, PartStats
-from fusegen.jobs.parts import output_table, part_stats
+from fusegen.jobs.parts import OutputShape, output_table, part_stats
 from fusegen.jobs.plan import Partition
 from fusegen.jobs.rows import RowPreparer
 from fusegen.jobs.spec import JobSpec
@@ -24,14 +26,15 @@ def load_engine(spec: JobSpec, device: str | None = None) -> dict:
     loads = loaded_engine(spec.model, spec.engine_kwargs()) is None
     llm = _guard(spec, "loading the model", lambda: get_engine(spec.model, spec.engine_kwargs()))
     if spec.chat or spec.messages_column:
-        if not getattr(llm.tokenizer, "chat_template", None):
+        if not spec.chat_template and not getattr(llm.tokenizer, "chat_template", None):
             flag = "--messages-column" if spec.messages_column else "--chat"
             raise JobError(f"{flag} needs a chat template, but {spec.model} has none in its "
                            f"{llm.tokenizer.template_home}; drop {flag} and use --prompt-column or "
-                           "--prompt-template")
+                           "--prompt-template, or pass --chat-template")
         # A template that cannot render a plain user turn would fail every row: fail once.
-        _guard(spec, "the model's chat template",
-               lambda: _chat_ids(llm, [{"role": "user", "content": "hello"}]))
+        _guard(spec, "the chat template",
+               lambda: _chat_ids(llm, [{"role": "user", "content": "hello"}],
+                                 spec.chat_template))
     # loaded: False when an earlier job's engine serves this one (its plan was shown then)
     return {"max_model_len": llm.max_model_len, "placement": llm.placement.table(),
             "loaded": loads}
@@ -60,30 +63,50 @@ def _run_partition(spec: JobSpec, part: Partition, fingerprint: str,
     start = time.perf_counter()
     llm = get_engine(spec.model, spec.engine_kwargs())
     in_fs, _ = filesystem(spec.input, spec.storage_options)
-    table = read_partition(in_fs, part)
-    preparer = RowPreparer(spec, chat=lambda messages: _chat_ids(llm, messages),
+    line_errors = {}  # JSONL / CSV lines that could not be read: error rows
+    table = read_partition(in_fs, part, line_errors)
+    if part.text is not None and part.text.format == OPENAI_BATCH:
+        return run_batch_partition(
+            spec, part, llm, table, fingerprint, owner, lambda futures, rejected: _wait(
+                futures, _reporter(progress_topic, part.index, llm, rejected)), start)
+    preparer = RowPreparer(spec, chat=lambda messages: _chat_ids(llm, messages,
+                                                                 spec.chat_template),
                            prompt_limit=getattr(llm, "prompt_limit", None))  # None: tests' fake
-    requests = preparer.prepare(table, part.first_row)
+    requests = mark_line_errors(preparer.prepare(table, part.first_row), line_errors)
     valid = [r for r in requests if r.error is None]
     futures = llm.submit_many([(r.prompt, r.params) for r in valid])
-    results = iter(_wait(futures, _reporter(progress_topic, part.index)))
+    report = _reporter(progress_topic, part.index, llm, len(requests) - len(valid))
+    results = iter(_wait(futures, report))
     outputs = [None if r.error else next(results) for r in requests]
-    table = output_table(table, requests, outputs, spec.output_token_ids)
+    table = output_table(table, requests, outputs, spec.output_token_ids,
+                         output_shape(spec, preparer, table.column_names, part.first_row))
     stats = part_stats(table, part.name, fingerprint, time.perf_counter() - start)
     Output(spec.output, spec.storage_options, owner=owner).commit(table, stats)
     return stats
 
 
+def output_shape(spec: JobSpec, preparer: RowPreparer, columns, first_row: int) -> OutputShape:
+    """The optional output columns of a part read from a file with these columns."""
+    params = set(preparer.parameters(columns))
+    return OutputShape(
+        token_ids=spec.output_token_ids, row_ids=preparer.id_column(columns) is None,
+        logprobs=spec.logprobs is not None or "logprobs" in params,
+        prompt_logprobs=spec.prompt_logprobs is not None or "prompt_logprobs" in params,
+        structured=preparer.constrained(columns), first_row=first_row)
+
+
 def _wait(futures: list, report, every: float = 1.0) -> list:
-    """The futures' results in order; meanwhile report(rows, tokens) of the finished ones."""
+    """The futures' results in order; meanwhile report(done) with the finished ones."""
     while True:
         done, pending = wait(futures, timeout=every)
         if not pending:
             return [f.result() for f in futures]
-        report(len(done), sum(f.result().num_generated_tokens for f in done))
+        report([f.result() for f in done])
 
 
-def _reporter(topic: str | None, index: int):
+def _reporter(topic: str | None, index: int, llm, num_rejected: int):
+    """Sends the part's rows, tokens and errors so far, and the engine's load, to the
+    driver's progress line. `num_rejected`: rows that failed before the engine."""
     from distributed import get_worker
 
     try:
@@ -91,13 +114,29 @@ def _reporter(topic: str | None, index: int):
     except ValueError:  # not on a Dask worker
         worker = None
     if topic is None or worker is None:
-        return lambda rows, tokens: None
-    return lambda rows, tokens: worker.log_event(
-        topic, {"index": index, "rows": rows, "tokens": tokens})
+        return lambda done: None
+    return lambda done: worker.log_event(topic, {
+        "index": index, "rows": len(done) + num_rejected,
+        "tokens": sum(o.num_generated_tokens for o in done),
+        "errors": num_rejected + sum(o.error is not None for o in done),
+        "worker": worker.address, "engine": engine_load(llm)})
 
 
-def _chat_ids(llm, messages) -> list[int]:
-    return llm.tokenizer.encode_chat(messages, add_generation_prompt=True)
+def engine_load(llm) -> dict | None:
+    """Running and waiting requests and the KV cache's used fraction, read without a
+    lock (a snapshot for the progress line); None for an engine without a scheduler."""
+    scheduler = getattr(getattr(llm, "engine", None), "scheduler", None)
+    if scheduler is None:
+        return None
+    blocks = scheduler.block_manager
+    return {"running": len(scheduler.running),
+            "waiting": len(scheduler.waiting) + len(getattr(scheduler, "swapped", ())),
+            "kv_used": (blocks.num_blocks - blocks.num_free_blocks) / max(blocks.num_blocks, 1)}
+
+
+def _chat_ids(llm, messages, chat_template: str | None = None) -> list[int]:
+    return llm.tokenizer.encode_chat(messages, add_generation_prompt=True,
+                                     chat_template=chat_template)
 
 
 def _guard(spec: JobSpec, what: str, fn):

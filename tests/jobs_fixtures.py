@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from fusegen.engine.outputs import RequestOutput
+from fusegen.engine.outputs import CompletionOutput, RequestOutput
 
 
 class FakeTokenizer:
@@ -27,12 +27,13 @@ class FakeTokenizer:
     def decode(self, ids):
         return "".join(chr(i) for i in ids)
 
-    def apply_chat_template(self, messages, add_generation_prompt=True):
+    def apply_chat_template(self, messages, add_generation_prompt=True, chat_template=None):
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
-        return text + ("<assistant>" if add_generation_prompt else "")
+        return (chat_template or "") + text + ("<assistant>" if add_generation_prompt else "")
 
-    def encode_chat(self, messages, add_generation_prompt=True):
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), False)
+    def encode_chat(self, messages, add_generation_prompt=True, chat_template=None):
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt,
+                                                    chat_template), False)
 
 
 class FakeLLM:
@@ -63,14 +64,17 @@ class FakeLLM:
         with self._cv:
             self._next_id += 1
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            out = RequestOutput(self._next_id, "", [], "length", len(ids))
             if len(ids) > self.max_model_len:
-                out.finish_reason = "error"
-                out.error = f"prompt_too_long: {len(ids)} tokens > max_model_len {self.max_model_len}"
+                out = RequestOutput.failed(self._next_id, f"prompt_too_long: {len(ids)} tokens "
+                                           f"> max_model_len {self.max_model_len}", None, ids)
                 fut.set_result(out)
                 return fut
+            n = getattr(params, "n", 1)  # n completions, each a request of its own
+            out = RequestOutput(self._next_id, None, ids,
+                                [CompletionOutput(i, "", [], "length") for i in range(n)])
             seed = zlib.crc32(repr((ids, params.seed)).encode())
-            self._waiting.append([out, params.max_tokens, seed, fut])
+            self._waiting += [[c, params.max_tokens, seed + c.index, fut, out]
+                              for c in out.outputs]
             self._cv.notify()
         return fut
 
@@ -104,15 +108,16 @@ class FakeLLM:
                 self._running_sum += len(running)
             time.sleep(self.step_seconds)
             for req in running:
-                out, max_tokens, seed, fut = req
-                token = 97 + (seed + len(out.token_ids)) % 26
-                out.token_ids.append(token)
-                out.text += chr(token)
+                completion, max_tokens, seed, fut, out = req
+                token = 97 + (seed + len(completion.token_ids)) % 26
+                completion.token_ids.append(token)
+                completion.text += chr(token)
                 self._generated += 1
-                if len(out.token_ids) >= max_tokens:
+                if len(completion.token_ids) >= max_tokens:
                     with self._cv:
                         self._running.remove(req)
-                    fut.set_result(out)
+                    if all(len(c.token_ids) >= max_tokens for c in out.outputs):
+                        fut.set_result(out)
 
     def stats(self):
         with self._cv:
@@ -126,8 +131,8 @@ class FakeLLM:
             pending = self._waiting + self._running
             self._waiting, self._running = [], []
             self._cv.notify()
-        for req in pending:
-            req[3].cancel() or req[3].set_exception(RuntimeError("engine closed"))
+        for fut in {id(req[3]): req[3] for req in pending}.values():  # n > 1: one future
+            fut.cancel() or fut.set_exception(RuntimeError("engine closed"))
 
 
 @pytest.fixture

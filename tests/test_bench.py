@@ -133,7 +133,7 @@ def test_lognormal_lengths_have_the_asked_mean_and_tail():
 
 def test_presets_hold_their_longest_request():
     for preset in PRESETS.values():
-        longest = preset.prompt_len.high + preset.output_len.high
+        longest = preset.shared_prefix_len + preset.prompt_len.high + preset.output_len.high
         assert longest <= preset.model.max_position_embeddings, preset.name
 
 

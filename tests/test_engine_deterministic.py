@@ -7,6 +7,7 @@ import torch
 
 from checkpoints import make_hf_checkpoint
 from fusegen.engine import LLM, SamplingParams
+from fusegen.engine.runner import ModelRunner
 from fusegen.engine.sampler import Sampler
 
 NUM_REQUESTS = 200
@@ -40,6 +41,8 @@ def recorded(monkeypatch):
         return real(self, logits, batch)
 
     monkeypatch.setattr(Sampler, "__call__", recording)
+    # every row's logits through the sampler, greedy ones too (not the argmax head)
+    monkeypatch.setattr(ModelRunner, "_greedy_tokens", lambda *args: None)
     return logits_by_seed
 
 

@@ -52,15 +52,25 @@ def test_preemption_equals_transformers(mistral_sp_dir):
     assert stats["num_preemptions"] > 0
 
 
-def test_logits_in_chunks_equal_transformers(llama_dir, monkeypatch):
-    # Sampled rows through the LM head 3 at a time: 7 requests, 3 chunks per step.
+@pytest.mark.parametrize("head", ["logits", "greedy"])
+def test_logits_in_chunks_equal_transformers(llama_dir, monkeypatch, head):
+    # Sampled rows through the LM head 3 at a time: 7 requests, 3 chunks per step; through
+    # the logits and the sampler, or (greedy rows, fusegen's CPU GEMM) the head's argmax.
     from fusegen.engine import runner
-    from fusegen.engine.models import decoder
+    from fusegen.engine.weights.packed import NativeLinear, _native_gemm
     monkeypatch.setattr(runner, "LOGITS_CHUNK", 3)
     calls = []
-    original = decoder.CausalLM.logits
-    monkeypatch.setattr(decoder.CausalLM, "logits",
-                        lambda self, x, r: calls.append(len(x)) or original(self, x, r))
+    if head == "logits":
+        original = runner.CausalLM.logits
+        monkeypatch.setattr(runner.ModelRunner, "_greedy_tokens", lambda *args: None)
+        monkeypatch.setattr(runner.CausalLM, "logits",
+                            lambda self, x, r: calls.append(len(x)) or original(self, x, r))
+    else:
+        if not _native_gemm():
+            pytest.skip("fp32 weights go to oneDNN on this CPU, which has no argmax head")
+        original = NativeLinear.argmax
+        monkeypatch.setattr(NativeLinear, "argmax",
+                            lambda self, h: calls.append(len(h)) or original(self, h))
     check_equal(llama_dir)
     assert calls[:3] == [3, 3, 1] and max(calls) == 3
 

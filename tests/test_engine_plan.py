@@ -94,8 +94,9 @@ def test_options_refuse_bad_values(kw, fragment):
 
 
 def test_unknown_option_lists_the_known_ones():
-    with pytest.raises(EngineConfigError, match="unknown engine option.s. gpu_layers; the "
-                                                "options are dtype, device, max_num_seqs"):
+    with pytest.raises(EngineConfigError, match="gpu_layers: fusegen does not support this "
+                                                "engine option; the options are dtype, "
+                                                "device, max_num_seqs"):
         EngineOptions.from_kwargs({"gpu_layers": 3})
 
 

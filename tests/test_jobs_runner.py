@@ -58,7 +58,9 @@ def test_input_column_sets_are_kept_per_file(fake_engine, tmp_path):
     table = read_output(tmp_path / "out")
     assert table.column_names[:3] == ["id", "prompt", "lang"]
     assert table.column_names[3:] == ["generated_text", "finish_reason", "num_prompt_tokens",
-                                      "num_generated_tokens", "error"]
+                                      "num_generated_tokens", "error", "completion_index",
+                                      "error_code", "row_id"]
+    assert table.column("row_id").to_pylist() == [0, 1, 2]
     assert out.num_generated_tokens == 9
 
 
@@ -66,7 +68,7 @@ def test_prompt_too_long_from_engine_is_an_error_row(fake_engine, tmp_path):
     pq.write_table(pa.table({"prompt": ["ok", "z" * 100]}), tmp_path / "in.parquet")
     run_job(_spec(fake_engine, tmp_path / "in.parquet", tmp_path / "out"))
     err = read_output(tmp_path / "out").column("error").to_pylist()
-    assert err[0] is None and err[1].startswith("prompt_too_long: 101 tokens")
+    assert err[0] is None and err[1] == "prompt_too_long: row 1: 101 tokens > max_model_len 64"
 
 
 def test_manifest_records_config_parts_counts_and_no_secrets(fake_engine, tmp_path):
@@ -164,15 +166,17 @@ def test_running_partitions_report_progress_before_they_commit(fake_engine, tmp_
     from fusegen.jobs.progress import Progress
 
     seen = []
-    monkeypatch.setattr(Progress, "partial", lambda self, *a: seen.append(a))
+    monkeypatch.setattr(Progress, "partial", lambda self, index, rows, tokens, errors, worker,
+                        engine: seen.append((index, rows, tokens, errors, engine)))
     monkeypatch.setattr(engines, "_load",
                         lambda m, kw: FakeLLM(m, step_seconds=0.05, **kw))
     write_prompts(tmp_path / "in.parquet", 8)
     spec = _spec(fake_engine, tmp_path / "in.parquet", tmp_path / "out", max_tokens=12,
                  partition_rows=8, max_num_seqs=4)  # two waves of 12 steps: ~1.2 s
     runner.run_job(spec)
-    assert seen and all(index == 0 and 0 <= rows < 8 for index, rows, _ in seen), seen
-    assert (0, 4, 48) in seen  # the first wave of four rows, 12 tokens each
+    assert seen and all(index == 0 and 0 <= rows < 8 for index, rows, *_ in seen), seen
+    # the first wave of four rows, 12 tokens each; no errors; the fake has no scheduler
+    assert (0, 4, 48, 0, None) in seen
 
 
 def test_resume_decision_policy():

@@ -27,8 +27,8 @@ def test_listing_a_directory_skips_metadata_and_hidden_files(tmp_path):
     assert [f.path for f in list_input_files(str(tmp_path / "*.parquet"), {})] == [
         str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")]
     assert len(list_input_files(str(tmp_path / "a.parquet"), {})) == 1
-    with pytest.raises(JobError, match="holds no Parquet files"):
-        list_input_files(str(tmp_path / "sub" / "*.csv"), {})
+    with pytest.raises(JobError, match="holds no Parquet, JSONL or CSV files"):
+        list_input_files(str(tmp_path / "sub" / "*.txt"), {})
 
 
 def test_partitions_read_back_every_row_once(tmp_path):

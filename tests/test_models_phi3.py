@@ -107,3 +107,20 @@ def test_config_errors_name_the_key(phi3_dir, tmp_path, changes, key):
     edit_config(model_dir, **changes)
     with pytest.raises(ModelLoadError, match=key):
         ModelConfig.from_dir(model_dir)
+
+
+def test_longrope_turns_prefix_caching_off(tmp_path):
+    # A LongRoPE request's keys depend on its whole length (the factors switch at the
+    # original length and the request is recomputed), so blocks shared between requests
+    # could hold keys rotated with the other factors: the engine does not cache them.
+    from fusegen.engine import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for rope, cached in ((longrope(), False), (None, True)):
+        extra = dict(rope_parameters=rope, original_max_position_embeddings=ORIGINAL) \
+            if rope else {}
+        model_dir = make_hf_checkpoint(tmp_path / str(cached), "phi3", "bpe", seed=3, **extra)
+        with LLM(str(model_dir), dtype="float32") as llm:
+            assert (llm.engine.scheduler.block_manager.cache is not None) == cached
+            llm.generate([PROMPTS[3], PROMPTS[3]], params, use_tqdm=False)
+            assert (llm.stats()["prompt_tokens_cached"] > 0) == cached

@@ -277,3 +277,85 @@ def test_stop_string_finishes_in_update_once_and_frees_blocks_once(tmp_path, max
     assert sched.running == [b] and a.block_table == []
     # a's blocks went back once: the free list and b's table hold each id exactly once.
     assert sorted(list(bm._free) + b.block_table) == list(range(16))
+
+
+def cached_manager(num_blocks, block_size=4, num_host_blocks=0):
+    return BlockManager(num_blocks, block_size, num_host_blocks, enable_caching=True,
+                        cache_salt="test")
+
+
+def prompt_request(request_id, prompt, max_tokens=8):
+    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+
+
+def cached_scheduler(prompts, max_num_seqs=8, budget=64):
+    """16 blocks of 4 tokens with prefix caching; a waiting request per prompt."""
+    bm = cached_manager(16)
+    sched = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                      max_model_len=64)
+    reqs = [prompt_request(i, p) for i, p in enumerate(prompts)]
+    for r in reqs:
+        sched.add(r)
+    return bm, sched, reqs
+
+
+def test_prefix_cached_admission_schedules_only_the_rest():
+    shared = list(range(1, 13))  # three full blocks of 4
+    bm, sched, (a,) = cached_scheduler([shared + [50]])
+    run_step(sched)
+    b = prompt_request(1, shared + [60, 61])
+    sched.add(b)
+    batch, _ = run_step(sched)
+    # a decodes one token; b takes blocks 0, 1, 2 and computes its last two tokens
+    assert batch.requests == [a, b] and batch.num_scheduled_tokens == [1, 2]
+    assert b.block_table == [0, 1, 2, 4] and b.num_cached_tokens == 12
+    assert batch.num_cached_tokens == 12 and batch.num_prompt_tokens == 2
+    assert [bm.ref_count(i) for i in range(5)] == [2, 2, 2, 1, 1]
+
+
+def test_requests_admitted_in_one_step_share_the_blocks_scheduled_before_them():
+    # The blocks a's prefill fills are recorded when allocated: b, admitted right after
+    # in the same step, reads them in the same forward pass (each layer writes every
+    # token's keys before any attention reads them).
+    bm, sched, (a, b) = cached_scheduler([list(range(1, 14))] * 2)
+    batch = sched.schedule()
+    assert batch.num_scheduled_tokens == [13, 1]
+    assert a.block_table == [0, 1, 2, 3] and b.block_table == [0, 1, 2, 4]
+    assert batch.num_cached_tokens == 12 and batch.num_prompt_tokens == 14
+
+
+def test_chunked_prefill_caches_a_block_once_its_chunk_fills_it():
+    bm, sched, (a, b) = cached_scheduler([list(range(1, 14)), list(range(1, 11))],
+                                         max_num_seqs=1, budget=6)
+    run_step(sched)  # a: tokens 0..5, block 0 full, block 1 half
+    assert bm.computed_blocks(b) == [0]
+    run_step(sched)  # a: tokens 6..11, blocks 1 and 2 full
+    assert bm.computed_blocks(b) == [0, 1]  # b's 10 tokens: at most 2 blocks, last runs
+
+
+@pytest.mark.parametrize("num_host_blocks", [0, 8])
+def test_shared_prefix_progress_under_preemption_with_exact_reference_counts(num_host_blocks):
+    # 10 blocks of 2 tokens for 6 requests sharing a 5-token prefix, each growing to
+    # 11 tokens: preempted again and again (recompute, or swap with a host pool).
+    bm = cached_manager(10, block_size=2, num_host_blocks=num_host_blocks)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=8, max_model_len=64)
+    reqs = [prompt_request(i, [9, 8, 7, 6, 5, i], max_tokens=5) for i in range(6)]
+    for r in reqs:
+        assert sched.check_fits(r) is None
+        sched.add(r)
+    preempted = cached = swapped = steps = 0
+    while sched.num_unfinished:
+        batch, _ = run_step(sched)
+        preempted += batch.num_preempted
+        cached += batch.num_cached_tokens
+        swapped += len(batch.swap_out)
+        steps += 1
+        assert steps < 500
+        held = [b for r in sched.running for b in r.block_table]
+        assert bm.num_used_blocks == len(set(held))
+        assert all(bm.ref_count(b) == held.count(b) for b in set(held))
+    assert preempted > 0 and cached > 0 and (swapped > 0) == (num_host_blocks > 0)
+    assert all(r.num_output_tokens == 5 for r in reqs)
+    assert bm.num_free_blocks == 10 and bm.num_free_host_blocks == num_host_blocks
+    # every request after the first found the prefix's two full blocks when first admitted
+    assert [r.num_cached_tokens for r in reqs] == [0, 4, 4, 4, 4, 4]

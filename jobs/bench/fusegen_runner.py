@@ -9,11 +9,25 @@ from pathlib import Path
 from fusegen.jobs.bench.results import EngineResult
 from fusegen.jobs.bench.workload import BenchRequest
 
+# `fusegen bench --structured half`: a labelling answer, what constrained jobs ask for.
+LABEL_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "label": {"enum": ["positive", "negative", "neutral", "mixed"]},
+        "confidence": {"type": "number", "minimum": 0, "maximum": 1},
+        "reasons": {"type": "array", "maxItems": 3, "items": {"type": "string", "maxLength": 60}},
+    },
+    "required": ["label", "confidence", "reasons"],
+    "additionalProperties": False,
+}
+
 
 def run_fusegen(model_dir: Path, requests: list[BenchRequest], warmup: list[BenchRequest], *,
                 dtype: str, device: str, engine_options: dict,
                 progress: Callable[[str], None], name: str = "fusegen",
-                label: str = "fusegen") -> EngineResult:
+                label: str = "fusegen", schema: dict | None = None) -> EngineResult:
+    """`schema`: every other request (odd positions) constrained by it; those end when
+    their JSON completes, so only the others must meet their budgets."""
     from fusegen.engine import LLM
 
     result = EngineResult(name, label)
@@ -22,14 +36,15 @@ def run_fusegen(model_dir: Path, requests: list[BenchRequest], warmup: list[Benc
     llm = LLM(str(model_dir), dtype=dtype, device=device, **engine_options)
     result.load_s = time.perf_counter() - start
     try:
-        llm.generate(*_prompts_and_params(warmup))  # untimed
+        # untimed; with a schema, its compilation and the grammar tokenizer's too
+        llm.generate(*_prompts_and_params(warmup, schema), use_tqdm=False)
         before = llm.stats()
         streamer = llm.engine.runner.model.streamer
         stall_before = streamer.stall_seconds if streamer is not None else 0.0
         progress(f"fusegen: generating {len(requests)} requests "
                  f"(max_num_seqs {llm.config.max_num_seqs}, "
                  f"max_num_batched_tokens {llm.config.max_num_batched_tokens})")
-        prompts, params = _prompts_and_params(requests)
+        prompts, params = _prompts_and_params(requests, schema)
         start = time.perf_counter()
         # What generate() does (every request joins the same first step), but finishing
         # requests can be counted on the way.
@@ -48,8 +63,9 @@ def run_fusegen(model_dir: Path, requests: list[BenchRequest], warmup: list[Benc
 
     result.counts = [(r.num_prompt_tokens, min(len(o.token_ids), r.max_tokens))
                      for r, o in zip(requests, outputs)]
+    free = slice(None, None, 1 if schema is None else 2)  # the unconstrained requests
     result.budgets_met = all(len(o.token_ids) == r.max_tokens and o.finish_reason == "length"
-                             for r, o in zip(requests, outputs))
+                             for r, o in zip(requests[free], outputs[free]))
     errors = [o.error for o in outputs if o.error]
     result.extra = {
         **_stats_delta(before, after),
@@ -61,6 +77,10 @@ def run_fusegen(model_dir: Path, requests: list[BenchRequest], warmup: list[Benc
         "kv_cache_bytes": memory["device"]["kv_cache"] + memory["host"]["kv_cache"],
         **offload,
     }
+    if schema is not None:
+        constrained = [o.outputs[0] for o in outputs[1::2]]
+        result.extra["num_constrained"] = len(constrained)
+        result.extra["num_structured_valid"] = sum(c.structured_valid is True for c in constrained)
     return result
 
 
@@ -129,11 +149,12 @@ def _stats_delta(before: dict, after: dict) -> dict:
     return delta
 
 
-def _prompts_and_params(requests: list[BenchRequest]):
+def _prompts_and_params(requests: list[BenchRequest], schema: dict | None = None):
     from fusegen.engine import SamplingParams
 
     prompts = [r.prompt_ids for r in requests]
     # Greedy and ignore_eos: a random model must produce exactly the budget, every engine.
-    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)
-              for r in requests]
+    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True,
+                             json_schema=schema if i % 2 else None)
+              for i, r in enumerate(requests)]
     return prompts, params

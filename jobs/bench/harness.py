@@ -40,10 +40,17 @@ class BenchConfig:
     hf_continuous: bool = True
     engine_options: dict = field(default_factory=dict)  # extra LLM(...) knobs for fusegen
     deterministic_too: bool = False  # fusegen a second time, deterministic=True
+    structured: str = "none"  # "half": fusegen again, every other request JSON-constrained
+    prefix_caching: str = "on"  # fusegen's; "both": on, then again off
     vllm_python: str | None = None  # vLLM's interpreter (its own environment); None: no vLLM row
     vllm_timeout: float = 3600.0  # seconds for vLLM's whole run, its start included
 
     def __post_init__(self):
+        if self.prefix_caching not in ("on", "off", "both"):
+            raise ValueError(f"--prefix-caching must be on, off or both; got "
+                             f"{self.prefix_caching!r}")
+        self.engine_options = {**self.engine_options,
+                               "enable_prefix_caching": self.prefix_caching != "off"}
         if self.model is None and self.preset.default_model is not None:
             self.model = resolve_bench_model(self.preset.default_model)
         if self.model is None and self.preset.prompts == "chat":
@@ -75,7 +82,8 @@ class BenchConfig:
             raise ValueError(f"--hf-batch-size must be at least 1; got {self.preset.hf_batch_size}")
         if self.vllm_timeout <= 0:
             raise ValueError(f"--vllm-timeout must be positive; got {self.vllm_timeout}")
-        longest = self.preset.prompt_len.high + self.preset.output_len.high
+        longest = self.preset.shared_prefix_len + self.preset.prompt_len.high \
+            + self.preset.output_len.high
         if self.model is not None and longest > self.shape.max_position_embeddings:
             raise ValueError(
                 f"preset {self.preset.name}'s requests reach {longest} positions but "
@@ -98,7 +106,7 @@ def workload_for(config: BenchConfig) -> tuple[list[BenchRequest], list[BenchReq
                                       preset.prompt_len, preset.output_len, seed=config.seed)
     else:
         requests = make_workload(preset.num_requests, preset.prompt_len, preset.output_len,
-                                 vocab, seed=config.seed)
+                                 vocab, seed=config.seed, shared_prefix_len=preset.shared_prefix_len)
     warmup = make_workload(2, LengthDist("uniform", 4, 16), LengthDist("uniform", 2, 4), vocab,
                            seed=config.seed + 1_000_003)
     limit = config.shape.max_position_embeddings
@@ -145,6 +153,22 @@ def run_benchmark(config: BenchConfig, progress: Progress = lambda _: None) -> d
             engine_options={**config.engine_options, **engine_options, "deterministic": True},
             progress=progress, name="fusegen_deterministic", label="fusegen deterministic"))
         _done(results[-1], progress)
+    if config.structured == "half":
+        from fusegen.jobs.bench.fusegen_runner import LABEL_SCHEMA
+
+        _free_memory(config.device)
+        progress("fusegen: again with every other request constrained by a JSON schema")
+        results.append(run_fusegen(
+            model_dir, requests, warmup, dtype=config.dtype, device=config.device,
+            engine_options={**config.engine_options, **engine_options}, progress=progress,
+            name="fusegen_structured_half", label="fusegen, half JSON schema",
+            schema=LABEL_SCHEMA))
+        _done(results[-1], progress)
+    if config.prefix_caching == "both":
+        results.append(_fusegen_again(
+            config, (model_dir, requests, warmup), progress, "with prefix caching off",
+            {**engine_options, "enable_prefix_caching": False},
+            name="fusegen_no_prefix_cache", label="fusegen, no prefix cache"))
     _free_memory(config.device)  # fusegen's weights and KV pool, before vLLM and transformers
     hf_on = config.hf_static or config.hf_continuous
     needs_dir = hf_on or (config.vllm_python is not None and not preset.offload)
@@ -164,6 +188,19 @@ def run_benchmark(config: BenchConfig, progress: Progress = lambda _: None) -> d
             result.model_flops = flops.workload_flops(shape, result.counts)
     return build_report(config, model, hf_dir, requests, ceiling, results,
                         load if model.gguf else None)
+
+
+def _fusegen_again(config: BenchConfig, run: tuple, progress: Progress, what: str,
+                   engine_options: dict, **kwargs) -> EngineResult:
+    """fusegen once more on the same (model_dir, requests, warmup), `what` told apart."""
+    from fusegen.jobs.bench.fusegen_runner import run_fusegen
+
+    _free_memory(config.device)
+    progress(f"fusegen: again {what}")
+    result = run_fusegen(*run, dtype=config.dtype, device=config.device, progress=progress,
+                         engine_options={**config.engine_options, **engine_options}, **kwargs)
+    _done(result, progress)
+    return result
 
 
 def _time_hf_gguf_load(config: BenchConfig, model: BenchModel, progress: Progress) -> dict:

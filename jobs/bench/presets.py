@@ -83,6 +83,9 @@ class Preset:
     # The real model it runs when --model is not given (jobs/bench/model.py names);
     # None: a random checkpoint of `model`'s shape.
     default_model: str | None = None
+    # Leading prompt tokens every request shares (an instruction), before the prompt_len
+    # tokens of its own: what prefix caching serves.
+    shared_prefix_len: int = 0
 
     def __post_init__(self):
         if self.prompts not in ("random", "chat"):
@@ -178,6 +181,14 @@ PRESETS["cpu-prefill"] = replace(
     model=replace(PRESETS["cpu-small"].model, max_position_embeddings=2048),
     num_requests=64, prompt_len=LengthDist("uniform", 1024, 1024),
     output_len=LengthDist("uniform", 128, 128), hf_batch_size=16)
+# A labelling job: cpu-small's model on 512 rows sharing a 1,024-token instruction, each
+# with 32..128 tokens of its own and a 32-token answer (positions up to 2048 hold
+# 1024 + 128 + 32). Run it with --prefix-caching both to see what the cache saves.
+PRESETS["labelling"] = replace(
+    PRESETS["cpu-small"], name="labelling",
+    model=replace(PRESETS["cpu-small"].model, max_position_embeddings=2048),
+    num_requests=512, shared_prefix_len=1024, prompt_len=LengthDist("uniform", 32, 128),
+    output_len=LengthDist("uniform", 32, 32), hf_batch_size=16)
 
 
 def get_preset(name: str) -> Preset:

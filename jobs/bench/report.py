@@ -116,6 +116,13 @@ def format_report(report: dict) -> str:
             f"{_flops(r['flops_per_s']):>16}{r['mfu']:>8.1%}"
             f"{(f'{ratio:.2f}x' if ratio else '-'):>11}{mark}")
     lines += ["", _ceiling_line(ceil)]
+    structured = report["results"].get("fusegen_structured_half", {})
+    if "num_constrained" in structured:
+        lines.append(f"structured: {structured['num_structured_valid']} of "
+                     f"{structured['num_constrained']} JSON-constrained outputs complete their "
+                     "schema (the others reached their budgets)")
+    if "fusegen_no_prefix_cache" in report["results"]:
+        lines.append(_prefix_line(report["results"]))
     if "load" in report:
         lines.append(_load_line(report["load"], report["results"]["fusegen"], cfg["dtype"]))
     offload = report["results"].get("fusegen", {}).get("offload")
@@ -139,6 +146,16 @@ def format_report(report: dict) -> str:
             f"({util['num_steps']} steps x {util['weight_bytes'] / 1e6:,.1f} MB of weights + KV "
             f"reads over the measured bandwidth)")
     return "\n".join(lines)
+
+
+def _prefix_line(results: dict) -> str:
+    """fusegen with and without prefix caching: prompt tokens computed, output rate."""
+    rows = [results[name] for name in ("fusegen", "fusegen_no_prefix_cache")
+            if "prompt_tokens_computed" in results[name]]
+    return "prefix caching: " + "; ".join(
+        f"{r['label']} computed {r['prompt_tokens_computed']:,} prefill tokens "
+        f"({r['prompt_tokens_cached']:,} from the cache), "
+        f"{_num(r['output_tokens_per_s'])} out tok/s" for r in rows)
 
 
 def _ceiling_line(ceil: dict) -> str:

@@ -27,14 +27,17 @@ def draw_length(dist: LengthDist, rng: random.Random) -> int:
 
 
 def make_workload(num_requests: int, prompt_len: LengthDist, output_len: LengthDist,
-                  vocab_size: int, seed: int = 0) -> list[BenchRequest]:
-    """The same seed gives the same requests, whatever else the run does."""
+                  vocab_size: int, seed: int = 0, shared_prefix_len: int = 0
+                  ) -> list[BenchRequest]:
+    """The same seed gives the same requests, whatever else the run does. Every prompt
+    starts with the same `shared_prefix_len` tokens (drawn first), then its own."""
     rng = random.Random(seed)
+    prefix = [rng.randrange(vocab_size) for _ in range(shared_prefix_len)]
     requests = []
     for _ in range(num_requests):
         num_prompt = draw_length(prompt_len, rng)
         budget = draw_length(output_len, rng)
-        prompt = [rng.randrange(vocab_size) for _ in range(num_prompt)]
+        prompt = prefix + [rng.randrange(vocab_size) for _ in range(num_prompt)]
         requests.append(BenchRequest(prompt, budget))
     return requests
 

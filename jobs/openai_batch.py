@@ -1,0 +1,334 @@
+"""OpenAI Batch API request files as job inputs, OpenAI batch output files as results.
+
+A request line is `{"custom_id", "method": "POST", "url", "body"}` with url
+`/v1/chat/completions` (body.messages, through the chat template) or `/v1/completions`
+(body.prompt: text or token ids). Body fields map onto SamplingParams (BODY_FIELDS); a
+field missing from the body takes the job's value (its flags), the seed being the row's
+own as in any job. `body.model` is ignored: every request runs on the job's --model (the
+scan warns once, naming the models the file asks for). Any other field fails its line.
+
+Each request gives one line: a response (status 200, a chat.completion or
+text_completion body with one choice per completion and `usage`) in the part's output
+file, or `{"error": {"code", "message"}}` naming the custom_id (or the line) in its
+errors file. Parts commit like any JSONL part (`Output.commit_files`); the job's end
+merges them into `output.jsonl` and `errors.jsonl`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+
+from fusegen.engine.sampling_params import SamplingParams
+from fusegen.engine.tokenizer import messages_problem
+from fusegen.jobs.output import PARTS_DIR, Output, PartStats, jsonl_bytes
+from fusegen.jobs.params import ENGINE_SAMPLING_FIELDS, ParamError, coerce
+from fusegen.jobs.redact import redact_url
+from fusegen.jobs.rows import row_seed
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+# body field -> SamplingParams field (vLLM's OpenAI server takes the last six too)
+BODY_FIELDS = {
+    "max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
+    "temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop",
+    "n": "n", "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty", "logit_bias": "logit_bias",
+    "response_format": "json_schema", "top_k": "top_k", "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens",
+    "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos"}
+# Fields that do not change what is generated; ignored.
+IGNORED = frozenset({"model", "user", "metadata", "store", "service_tier", "stream_options"})
+# Fields that are fine at these values only.
+NEUTRAL = {"stream": (False, None), "echo": (False, None), "suffix": (None,),
+           "best_of": (None, 1), "tools": (None, []), "tool_choice": (None, "none"),
+           "parallel_tool_calls": (None, True, False)}
+INVALID_REQUEST, UNSUPPORTED = "invalid_request", "unsupported_field"
+
+
+@dataclass(slots=True)
+class BatchRequest:
+    line: int
+    custom_id: str | None = None
+    url: str = CHAT
+    prompt: str | list[int] | None = None
+    params: SamplingParams | None = None
+    top_logprobs: int | None = None  # asked for logprobs: the top-k to show
+    error: dict | None = None  # {"code", "message"}: the line is not submitted
+
+
+def parse_request(text: str, line: int, base: SamplingParams, index: int,
+                  chat=None) -> BatchRequest:
+    """A request line as a prompt and its SamplingParams, or an error naming the custom_id
+    (or the line) and the field. `index`: the row's global position (its seed);
+    `chat`: messages -> prompt (the chat template)."""
+    req = BatchRequest(line)
+    try:
+        obj = json.loads(text)
+    except ValueError as exc:
+        return _fail(req, INVALID_REQUEST, f"is not JSON ({exc})")
+    if not isinstance(obj, dict):
+        return _fail(req, INVALID_REQUEST, "is not a JSON object")
+    if isinstance(obj.get("custom_id"), str):
+        req.custom_id = obj["custom_id"]
+    problem = _envelope_problem(obj)
+    if problem:
+        return _fail(req, INVALID_REQUEST, problem)
+    req.url, body = obj["url"], obj["body"]
+    try:
+        req.prompt = _prompt(req.url, body, chat)
+        req.params, req.top_logprobs = _params(req.url, body, base, index)
+    except _LineError as exc:
+        return _fail(req, exc.code, str(exc))
+    return req
+
+
+class _LineError(ValueError):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def _fail(req: BatchRequest, code: str, message: str) -> BatchRequest:
+    req.error = {"code": code, "message": f"{_where(req)}: {message}"}
+    return req
+
+
+def _where(req: BatchRequest) -> str:
+    return f"line {req.line}" + (f" (custom_id {req.custom_id!r})" if req.custom_id else "")
+
+
+def _envelope_problem(obj: dict) -> str | None:
+    if not isinstance(obj.get("custom_id"), str):
+        return "has no string custom_id; give every request a unique custom_id"
+    if obj.get("method", "POST") != "POST":
+        return f"method must be POST, got {obj.get('method')!r}"
+    if obj.get("url") not in (CHAT, COMPLETIONS):
+        return f"url must be {CHAT} or {COMPLETIONS}, got {obj.get('url')!r}"
+    if not isinstance(obj.get("body"), dict):
+        return "has no body object"
+    return None
+
+
+def _prompt(url: str, body: dict, chat):
+    if url == CHAT:
+        problem = messages_problem(body.get("messages"))
+        if problem:
+            raise _LineError(INVALID_REQUEST, f"body.messages {problem}")
+        try:
+            return chat(body["messages"])
+        except Exception as exc:  # noqa: BLE001 - the template's refusal is this line's
+            raise _LineError(INVALID_REQUEST, f"body.messages: the chat template failed: "
+                             f"{type(exc).__name__}: {exc}") from None
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    ids = isinstance(prompt, list) and prompt and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    if not (isinstance(prompt, str) and prompt) and not ids:
+        raise _LineError(INVALID_REQUEST, "body.prompt must be a non-empty string or a list "
+                         "of token ids (one prompt per request line)")
+    return prompt
+
+
+def _params(url: str, body: dict, base: SamplingParams, index: int):
+    """(SamplingParams, top logprobs to show or None)."""
+    seed = None if base.seed is None else row_seed(base.seed, index)
+    changes = {"seed": seed}
+    if body.get("response_format") is not None:  # the line's constraint replaces the job's
+        changes.update(dict.fromkeys(("json_schema", "regex", "choice", "grammar")))
+    logprobs = _logprobs(url, body)
+    if logprobs is not None:
+        changes["logprobs"] = logprobs
+    both = [k for k in ("max_tokens", "max_completion_tokens") if body.get(k) is not None]
+    if len(both) == 2 and body[both[0]] != body[both[1]]:
+        raise _LineError(INVALID_REQUEST, "body.max_tokens and body.max_completion_tokens "
+                         "differ; give one")
+    for key, value in body.items():
+        if key in ("messages", "prompt", "logprobs", "top_logprobs") or key in IGNORED \
+                or value is None:
+            continue
+        if key in NEUTRAL:
+            if value not in NEUTRAL[key]:
+                raise _LineError(UNSUPPORTED, f"body.{key}={_show(value)} is not supported "
+                                 "by fusegen's batch runner; drop it")
+            continue
+        field = BODY_FIELDS.get(key)
+        if field is None:
+            raise _LineError(UNSUPPORTED, f"body.{key} is not a field fusegen supports; "
+                             f"drop it (supported: {', '.join(BODY_FIELDS)})")
+        changes[field] = _value(key, field, value)
+    unsupported = [k for k in changes if k not in ENGINE_SAMPLING_FIELDS]
+    if unsupported:
+        key = next(k for k, f in {**BODY_FIELDS, "logprobs": "logprobs"}.items()
+                   if f == unsupported[0])
+        raise _LineError(UNSUPPORTED, f"body.{key} is not supported by this fusegen's "
+                         "engine; drop it")
+    params = dataclasses.replace(base, **changes)
+    problem = params.validate()
+    if problem:
+        raise _LineError(INVALID_REQUEST, f"body: {problem}")
+    return params, logprobs
+
+
+def _logprobs(url: str, body: dict) -> int | None:
+    """Chat: logprobs true (+ top_logprobs k) -> k (0: only the chosen token);
+    completions: logprobs k -> k."""
+    value, top = body.get("logprobs"), body.get("top_logprobs")
+    if url == COMPLETIONS:
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise _LineError(INVALID_REQUEST, f"body.logprobs must be an integer for "
+                             f"{COMPLETIONS}, got {_show(value)}")
+        return value
+    if value not in (None, True, False):
+        raise _LineError(INVALID_REQUEST, f"body.logprobs must be true or false, got "
+                         f"{_show(value)}")
+    if top is not None and not value:
+        raise _LineError(INVALID_REQUEST, "body.top_logprobs needs body.logprobs true")
+    return (top or 0) if value else None
+
+
+def _value(key: str, field: str, value):
+    name = "response_format" if key == "response_format" else field
+    try:
+        return coerce(name, value)
+    except ParamError as exc:
+        raise _LineError(INVALID_REQUEST, f"body.{key} {exc}") from None
+
+
+def _show(value) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 80 else text[:80] + "..."
+
+
+def run_batch_partition(spec, part, llm, table, fingerprint: str, owner, wait,
+                        started: float) -> PartStats:
+    """Generate every request of a partition read from a batch file (`line`, `request`
+    columns) and commit its output and errors files. `wait(futures, num_rejected)`: the
+    futures' results, reporting progress meanwhile."""
+    base = spec.sampling_params()
+    chat = _chat_fn(llm, spec)
+    lines = table.column("line").to_pylist()
+    requests = [parse_request(text, line, base, part.first_row + i, chat)
+                for i, (line, text) in enumerate(zip(lines, table.column("request").to_pylist()))]
+    valid = [r for r in requests if r.error is None]
+    outputs = iter(wait(llm.submit_many([(r.prompt, r.params) for r in valid]),
+                        len(requests) - len(valid)))
+    model, created = _model_name(spec.model), int(time.time())
+    done, failed, stats = [], [], PartStats(part.name, fingerprint, num_rows=len(requests))
+    for req in requests:
+        out = None if req.error else next(outputs)
+        if out is not None and out.error is None and out.finish_reason != "error":
+            done.append(response_line(req, out, model, created, _token_text(llm), fingerprint,
+                                      spec.output_token_ids))
+            stats.num_prompt_tokens += out.num_prompt_tokens
+            stats.num_generated_tokens += out.num_generated_tokens
+            continue
+        error = req.error or _engine_error(req, out)
+        failed.append({"id": _id("batch_req_", fingerprint, req.line), "custom_id": req.custom_id,
+                       "response": None, "error": error})
+        stats.num_errors += 1
+        stats.errors_by_code[error["code"]] = stats.errors_by_code.get(error["code"], 0) + 1
+    stats.seconds = round(time.perf_counter() - started, 3)
+    stem = part.name.removesuffix(".jsonl")
+    Output(spec.output, spec.storage_options, owner=owner).commit_files(stats, {
+        f"{PARTS_DIR}/{stem}.jsonl": jsonl_bytes(done),
+        f"{PARTS_DIR}/{stem}.errors.jsonl": jsonl_bytes(failed)})
+    return stats
+
+
+def _model_name(model: str) -> str:
+    """The response's `model`: a local checkpoint by its file or folder name."""
+    model = redact_url(model)
+    return os.path.basename(model.rstrip("/")) if os.path.isabs(model) else model
+
+
+def _chat_fn(llm, spec):
+    def chat(messages):
+        if spec.system_prompt is not None and messages[0].get("role") != "system":
+            messages = [{"role": "system", "content": spec.system_prompt}, *messages]
+        return llm.tokenizer.encode_chat(messages, add_generation_prompt=True,
+                                         chat_template=spec.chat_template)
+    return chat
+
+
+def _engine_error(req: BatchRequest, out) -> dict:
+    code, _, message = (out.error or "engine_error: no message").partition(": ")
+    return {"code": code, "message": f"{_where(req)}: {message}"}
+
+
+def _id(prefix: str, fingerprint: str, line: int) -> str:
+    """Stable across reruns: a resumed job writes the same ids. `prefix` ends with its
+    separator, as OpenAI's ids do (batch_req_..., chatcmpl-...)."""
+    return prefix + hashlib.sha256(f"{fingerprint}:{line}".encode()).hexdigest()[:24]
+
+
+def response_line(req: BatchRequest, out, model: str, created: int, text_of,
+                  fingerprint: str, token_ids: bool = False) -> dict:
+    """One request's line of OpenAI's batch output format; `token_ids`
+    (--output-token-ids): each choice also carries its generated ids (as vLLM's
+    `return_token_ids` does)."""
+    chat = req.url == CHAT
+    choices = []
+    for c in out.outputs:
+        choice = {"index": c.index}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": c.text}
+        else:
+            choice["text"] = c.text
+        choice["logprobs"] = None if req.top_logprobs is None else \
+            (chat_logprobs if chat else completion_logprobs)(
+                c.token_ids, c.logprobs or [], req.top_logprobs, text_of)
+        choice["finish_reason"] = c.finish_reason
+        if token_ids:
+            choice["token_ids"] = list(c.token_ids)
+        choices.append(choice)
+    generated = out.num_generated_tokens
+    body = {"id": _id("chatcmpl-" if chat else "cmpl-", fingerprint, req.line),
+            "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": model, "choices": choices,
+            "usage": {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": generated,
+                      "total_tokens": out.num_prompt_tokens + generated}}
+    return {"id": _id("batch_req_", fingerprint, req.line), "custom_id": req.custom_id,
+            "response": {"status_code": 200, "request_id": _id("req_", fingerprint, req.line),
+                         "body": body}, "error": None}
+
+
+def _token_text(llm):
+    return lambda token_id, lp: lp.decoded_token if getattr(lp, "decoded_token", None) \
+        is not None else llm.tokenizer.decode([token_id])
+
+
+def _top(position: dict, k: int) -> list:
+    """The position's top-k entries (token id, Logprob), best first."""
+    ranked = sorted((e for e in position.items() if e[1].rank is not None), key=lambda e: e[1].rank)
+    return [e for e in ranked if e[1].rank <= k][:k]
+
+
+def chat_logprobs(token_ids, positions, k: int, text_of) -> dict:
+    """OpenAI's chat shape: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    def entry(token_id, lp):
+        token = text_of(token_id, lp)
+        return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode("utf-8"))}
+    content = []
+    for token_id, position in zip(token_ids, positions):
+        content.append({**entry(token_id, position[token_id]),
+                        "top_logprobs": [entry(t, lp) for t, lp in _top(position, k)]})
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(token_ids, positions, k: int, text_of) -> dict:
+    """OpenAI's completions shape: parallel lists of tokens, their logprobs, the top-k as
+    {token: logprob} and each token's character offset in the text."""
+    tokens, offset, offsets = [], 0, []
+    for token_id, position in zip(token_ids, positions):
+        tokens.append(text_of(token_id, position[token_id]))
+        offsets.append(offset)
+        offset += len(tokens[-1])
+    return {"tokens": tokens,
+            "token_logprobs": [p[t].logprob for t, p in zip(token_ids, positions)],
+            "top_logprobs": [{text_of(t, lp): lp.logprob for t, lp in _top(p, k)}
+                             for p in positions],
+            "text_offset": offsets}

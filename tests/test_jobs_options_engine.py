@@ -1,0 +1,41 @@
+"""Sampling options of a job over the real engine and the tiny random checkpoint: the
+per-row columns' requests equal the engine's own, token for token; n rows per input row;
+a constrained row's structured_valid; the engine's load for the progress line."""
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from fusegen.engine import LLM, SamplingParams
+from fusegen.jobs.rows import row_seed
+from fusegen.jobs.runner import run_job
+from fusegen.jobs.spec import JobSpec
+from fusegen.jobs.task import engine_load
+from jobs_fixtures import read_output, tiny_model_dir
+
+
+def test_option_columns_match_the_engine_alone(tmp_path):
+    prompts = ["the quick brown fox", "jumps over", "the lazy dog", "again and again"]
+    table = pa.table({"prompt": prompts, "n": [2, None, 1, 3],
+                      "choice": [None, '["yes", "no"]', None, None],
+                      "min_p": [None, None, 0.05, None],
+                      "stop_token_ids": [None, None, None, [7]]})
+    pq.write_table(table, tmp_path / "in.parquet")
+    run_job(JobSpec(model=tiny_model_dir(), input=str(tmp_path / "in.parquet"),
+                    output=str(tmp_path / "out"), max_tokens=5, temperature=0.9, seed=4,
+                    progress="none", output_token_ids=True))
+    out = read_output(tmp_path / "out")
+    common = {"max_tokens": 5, "temperature": 0.9}
+    params = [SamplingParams(n=2, seed=row_seed(4, 0), **common),
+              SamplingParams(choice=["yes", "no"], seed=row_seed(4, 1), **common),
+              SamplingParams(min_p=0.05, seed=row_seed(4, 2), **common),
+              SamplingParams(n=3, stop_token_ids=[7], seed=row_seed(4, 3), **common)]
+    with LLM(tiny_model_dir()) as llm:
+        expected = llm.generate(prompts, params)
+        assert engine_load(llm) == {"running": 0, "waiting": 0, "kv_used": 0.0}
+    completions = [(i, c) for i, e in enumerate(expected) for c in e.outputs]
+    assert out.column("row_id").to_pylist() == [i for i, _ in completions] == [0, 0, 1, 2, 3, 3, 3]
+    assert out.column("completion_index").to_pylist() == [c.index for _, c in completions]
+    assert out.column("generated_token_ids").to_pylist() == [c.token_ids for _, c in completions]
+    assert out.column("generated_text").to_pylist() == [c.text for _, c in completions]
+    valid = out.column("structured_valid").to_pylist()
+    assert valid == [c.structured_valid for _, c in completions]
+    assert [v is None for v in valid] == [True, True, False, True, True, True, True]
