@@ -110,25 +110,42 @@ static inline void micro(const float *x, int64_t ldx, const float *panel, int64_
     }
 }
 
+/* Rows per cache block for depth k: the block's rows of x (k floats each) fill about
+ * 256 KB, half a core's L2, so they stay there while the thread's panels pass over
+ * them. A multiple of MR. */
+static inline int64_t row_block(int64_t k) {
+    int64_t mc = (int64_t)65536 / (k > 0 ? k : 1) / MR * MR;
+    return mc < MR ? MR : mc;
+}
+
 /* out [m, n] (row stride ldo) = x [m, k] (row stride ldx) . packed^T + bias (NULL: none).
- * Threads take contiguous runs of panels; a panel's KC slice stays in L1/L2 while every
- * row passes over it. */
+ * Each thread owns a contiguous run of panels; it walks the rows in blocks that stay in
+ * L2 and, for each block, its panels, each panel's KC slice staying in L1 while the
+ * block's rows pass over it. */
 void gemm_f32(const float *x, int64_t m, int64_t ldx, const float *packed, int64_t n,
               int64_t k, const float *bias, float *out, int64_t ldo, int num_threads) {
-    const int64_t panels = (n + NR - 1) / NR;
-    _Pragma("omp parallel for num_threads(num_threads) schedule(static)")
-    for (int64_t p = 0; p < panels; p++) {
-        const int cols = (int)(n - p * NR < NR ? n - p * NR : NR);
-        for (int64_t k0 = 0; k0 < k; k0 += KC) {
-            const int64_t kd = k - k0 < KC ? k - k0 : KC;
-            const float *panel = packed + (p * k + k0) * NR;
-            for (int64_t r = 0; r < m; r += MR)
-                micro(x + r * ldx + k0, ldx, panel, kd, out + r * ldo + p * NR, ldo,
-                      (int)(m - r < MR ? m - r : MR), cols, k0 > 0);
+    const int64_t panels = (n + NR - 1) / NR, mc = row_block(k);
+    _Pragma("omp parallel num_threads(num_threads)")
+    {
+        const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t p_begin = panels * t / threads, p_end = panels * (t + 1) / threads;
+        for (int64_t r0 = 0; r0 < m; r0 += mc) {
+            const int64_t r_end = r0 + mc < m ? r0 + mc : m;
+            for (int64_t p = p_begin; p < p_end; p++) {
+                const int cols = (int)(n - p * NR < NR ? n - p * NR : NR);
+                for (int64_t k0 = 0; k0 < k; k0 += KC) {
+                    const int64_t kd = k - k0 < KC ? k - k0 : KC;
+                    const float *panel = packed + (p * k + k0) * NR;
+                    for (int64_t r = r0; r < r_end; r += MR)
+                        micro(x + r * ldx + k0, ldx, panel, kd, out + r * ldo + p * NR, ldo,
+                              (int)(r_end - r < MR ? r_end - r : MR), cols, k0 > 0);
+                }
+                if (bias)
+                    for (int64_t r = r0; r < r_end; r++)
+                        for (int j = 0; j < cols; j++)
+                            out[r * ldo + p * NR + j] += bias[p * NR + j];
+            }
         }
-        if (bias)
-            for (int64_t r = 0; r < m; r++)
-                for (int j = 0; j < cols; j++) out[r * ldo + p * NR + j] += bias[p * NR + j];
     }
 }
 
