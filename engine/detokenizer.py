@@ -33,6 +33,7 @@ class IncrementalDetokenizer:
         self._committed = ""  # text of whole characters, searched for stop strings
         self._pending = ""  # an incomplete character at the end (U+FFFD), replaced once completed
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that matched, once stopped
 
     @property
     def text(self) -> str:
@@ -82,9 +83,10 @@ class IncrementalDetokenizer:
         # before it; of the matches, the earliest in the text wins.
         start = max(len(self._committed) - self._lookback, 0)
         self._committed += new_text
-        found = [i for s in self._stop if (i := self._committed.find(s, start)) != -1]
+        found = [(i, s) for s in self._stop if (i := self._committed.find(s, start)) != -1]
         if found:
-            self._committed = self._committed[:min(found)]
+            at, self.stop_string = min(found, key=lambda hit: hit[0])  # first listed on ties
+            self._committed = self._committed[:at]
             self._pending = ""
             self.stopped = True
 

@@ -39,7 +39,7 @@ class CompletionOutput:
     finish_reason: str | None  # "stop", "length", "error" or "abort"
     cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs
     logprobs: list[PositionLogprobs] | None = None  # one per generated token, when asked
-    stop_reason: int | str | None = None  # the stop token id that ended it; None for eos
+    stop_reason: int | str | None = None  # the stop string or token id that ended it; None for eos
     structured_valid: bool | None = None  # output completes its grammar; None: unconstrained
 
     def finished(self) -> bool:
@@ -124,10 +124,13 @@ def completion(request: Request, tokenizer: Tokenizer,
                             structured_valid=request.structured_valid)
 
 
-def _stop_reason(request: Request, output_ids: list[int]) -> int | None:
-    """vLLM's stop_reason for a stop token id; None for eos, stop strings and length."""
+def _stop_reason(request: Request, output_ids: list[int]) -> int | str | None:
+    """vLLM's stop_reason: the stop string or stop token id that ended the completion;
+    None for eos and length."""
     if request.finish_reason != "stop" or not output_ids:
         return None
+    if request.detokenizer is not None and request.detokenizer.stopped:
+        return request.detokenizer.stop_string
     last = output_ids[-1]
     eos = not request.params.ignore_eos and last in request.eos_token_ids
     return last if last in request.params.stop_token_ids and not eos else None

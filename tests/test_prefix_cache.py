@@ -250,6 +250,30 @@ def test_chunked_and_preempted_equal_transformers_with_and_without_caching(
     assert (stats["prompt_tokens_cached"] > sum(cached)) == (caching and not host_blocks)
 
 
+@pytest.mark.parametrize("host_memory", ["1GiB", 0])
+def test_streamed_layers_read_cached_blocks(tmp_path, host_memory):
+    # Layers streamed through the memory pool (from host RAM, or from the memory-mapped
+    # checkpoint) write and read the same KV blocks as resident ones: a cached prefix
+    # serves them alike.
+    from checkpoints import make_hf_checkpoint
+    from test_offload import budget_for
+
+    model_dir = make_hf_checkpoint(tmp_path, "llama", "bpe", seed=11, num_hidden_layers=6,
+                                   max_position_embeddings=128)
+    options = dict(dtype="float32", block_size=SIZE, max_num_seqs=8,
+                   max_num_batched_tokens=64, max_model_len=128)
+    with LLM(str(model_dir), **options) as llm:
+        budget = budget_for(llm.placement.sizes, resident=2)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    with LLM(str(model_dir), device_memory=budget, host_memory=host_memory, **options) as llm:
+        tiers = llm.placement.layer_tiers
+        outs = llm.generate(_prompts(), params, use_tqdm=False)
+        stats = llm.stats()
+    assert tiers.count("device") == 2 and tiers.count("host" if host_memory else "disk") == 4
+    assert [o.token_ids for o in outs] == [hf_greedy(model_dir, p, 8) for p in _prompts()]
+    assert stats["prompt_tokens_cached"] == 4 * 36
+
+
 # -- jobs: the option, the flag, the summary and the manifest -------------------------
 
 def test_job_reports_cached_prompt_tokens_and_matches_uncached(tmp_path):

@@ -65,6 +65,12 @@ def test_request_output_fields_and_properties(llm):
     assert c.token_ids == full.token_ids[:first_stop + 1] and c.finished()
     assert (c.cumulative_logprob, c.logprobs, c.structured_valid) == (None, None, None)
     assert full.outputs[0].stop_reason is None  # length
+    # a stop string: stop_reason is the string (the earliest match in the text wins)
+    stop = full.text[len(full.text) // 2:len(full.text) // 2 + 3]
+    cut = llm.generate(prompt, greedy(stop=["never in the text \u2603", stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert (cut.finish_reason, cut.stop_reason) == ("stop", stop)
+    assert cut.text == full.text[:full.text.index(stop)]
     by_ids, by_dict = llm.generate([ids, {"prompt_token_ids": ids}], greedy(), use_tqdm=False)
     assert by_ids.prompt is None and by_ids.prompt_token_ids == ids
     assert by_ids.token_ids == by_dict.token_ids == full.token_ids
