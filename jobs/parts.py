@@ -16,6 +16,12 @@ from fusegen.jobs.spec import ROW_ID_COLUMN
 LOGPROB = pa.struct([("token_id", pa.int64()), ("logprob", pa.float64()),
                      ("rank", pa.int64()), ("token", pa.string())])
 POSITIONS = pa.list_(pa.list_(LOGPROB))  # [positions][entries]
+# JSONL parts: OpenAI's chat-completion logprobs, {"content": [{token, logprob, bytes,
+# top_logprobs}], "refusal"}, the shape OpenAI clients parse
+_TOKEN = [("token", pa.string()), ("logprob", pa.float64()), ("bytes", pa.list_(pa.int64()))]
+OPENAI_LOGPROBS = pa.struct([
+    ("content", pa.list_(pa.struct(_TOKEN + [("top_logprobs", pa.list_(pa.struct(_TOKEN)))]))),
+    ("refusal", pa.string())])
 
 
 @dataclass(slots=True, frozen=True)
@@ -27,6 +33,7 @@ class OutputShape:
     logprobs: bool = False
     prompt_logprobs: bool = False
     structured: bool = False  # structured_valid
+    openai_logprobs: bool = False  # logprobs in OpenAI's chat shape (JSONL parts)
     first_row: int = 0  # global index of the table's first row (row_id)
 
 
@@ -53,7 +60,9 @@ def output_table(table: pa.Table, requests, outputs, with_token_ids: bool,
     columns["completion_index"] = pa.array(cols["index"], pa.int32())
     columns["error_code"] = pa.array([e and e.split(":", 1)[0] for e in cols["error"]],
                                      pa.string())
-    if shape.logprobs:
+    if shape.logprobs and shape.openai_logprobs:
+        columns["logprobs"] = pa.array(_openai_logprobs(requests, outputs), OPENAI_LOGPROBS)
+    elif shape.logprobs:
         columns["logprobs"] = pa.array(cols["logprobs"], POSITIONS)
     if shape.prompt_logprobs:
         columns["prompt_logprobs"] = pa.array(cols["prompt_logprobs"], POSITIONS)
@@ -85,6 +94,23 @@ def _completion_rows(req, out) -> list[tuple]:
              list(c.token_ids), getattr(c, "index", 0), _positions(getattr(c, "logprobs", None)),
              prompt, getattr(c, "structured_valid", None))
             for c in getattr(out, "outputs", None) or [out]]
+
+
+def _openai_logprobs(requests, outputs) -> list[dict | None]:
+    """Per completion row (in output_table's order): OpenAI's chat logprobs of its tokens,
+    each with the row's top `logprobs` alternatives; None where it has none."""
+    from fusegen.jobs.openai_batch import chat_logprobs
+
+    column = []
+    for req, out in zip(requests, outputs):
+        completions = [] if out is None or out.error is not None or \
+            out.finish_reason == "error" else getattr(out, "outputs", None) or [out]
+        for c in completions or [None]:
+            positions = getattr(c, "logprobs", None)
+            column.append(None if positions is None else chat_logprobs(
+                c.token_ids, positions, req.params.logprobs or 0,
+                lambda token_id, lp: lp.decoded_token or ""))
+    return column
 
 
 def _positions(positions) -> list | None:

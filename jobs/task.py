@@ -92,7 +92,8 @@ def output_shape(spec: JobSpec, preparer: RowPreparer, columns, first_row: int) 
         token_ids=spec.output_token_ids, row_ids=preparer.id_column(columns) is None,
         logprobs=spec.logprobs is not None or "logprobs" in params,
         prompt_logprobs=spec.prompt_logprobs is not None or "prompt_logprobs" in params,
-        structured=preparer.constrained(columns), first_row=first_row)
+        structured=preparer.constrained(columns), first_row=first_row,
+        openai_logprobs=spec.output_format == "jsonl")
 
 
 def _wait(futures: list, report, every: float = 1.0) -> list:

@@ -39,3 +39,36 @@ def test_option_columns_match_the_engine_alone(tmp_path):
     valid = out.column("structured_valid").to_pylist()
     assert valid == [c.structured_valid for _, c in completions]
     assert [v is None for v in valid] == [True, True, False, True, True, True, True]
+
+
+def test_jsonl_parts_carry_openai_logprobs(tmp_path):
+    # --output-format jsonl: each completion's logprobs in OpenAI's chat shape, with the
+    # row's own number of alternatives (a per-row `logprobs` column beside the job's 2).
+    import json
+
+    prompts = ["the quick brown fox", "jumps over", "the lazy dog"]
+    table = pa.table({"prompt": prompts, "logprobs": [None, 0, 3]})
+    pq.write_table(table, tmp_path / "in.parquet")
+    run_job(JobSpec(model=tiny_model_dir(), input=str(tmp_path / "in.parquet"),
+                    output=str(tmp_path / "out"), max_tokens=4, temperature=0.0, logprobs=2,
+                    progress="none", output_format="jsonl"))
+    rows = [json.loads(line) for part in sorted((tmp_path / "out").glob("part-*.jsonl"))
+            for line in part.read_text().splitlines()]
+    params = [SamplingParams(max_tokens=4, temperature=0.0, logprobs=k) for k in (2, 0, 3)]
+    with LLM(tiny_model_dir()) as llm:
+        expected = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert [r["generated_text"] for r in rows] == [c.text for c in expected]
+    for row, c, k in zip(rows, expected, (2, 0, 3)):
+        content = row["logprobs"]["content"]
+        assert row["logprobs"]["refusal"] is None and len(content) == len(c.token_ids) == 4
+        # the job batches rows its own way: logprobs agree to float rounding
+        for entry, token_id, position in zip(content, c.token_ids, c.logprobs):
+            chosen = position[token_id]
+            assert entry["token"] == chosen.decoded_token
+            assert abs(entry["logprob"] - chosen.logprob) < 1e-4
+            assert entry["bytes"] == list(chosen.decoded_token.encode("utf-8"))
+            top = sorted((lp for lp in position.values() if lp.rank <= k), key=lambda lp: lp.rank)
+            assert [t["token"] for t in entry["top_logprobs"]] == [lp.decoded_token for lp in top]
+            assert all(abs(t["logprob"] - lp.logprob) < 1e-4
+                       for t, lp in zip(entry["top_logprobs"], top))
+            assert len(entry["top_logprobs"]) == k
