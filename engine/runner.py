@@ -12,17 +12,15 @@ from fusegen.engine.host import keep_freed_memory, zeros_huge
 from fusegen.engine.weights.gguf_names import is_gguf
 from fusegen.engine.weights.loader import fuse, load_state_dict
 from fusegen.engine.models import get_architecture
-from fusegen.engine.models.decoder import AttentionMetadata, CausalLM
+from fusegen.engine.models.decoder import AttentionMetadata
 from fusegen.engine.models.rope import cos_sin_tables
 from fusegen.engine.memory.offload import WeightStreamer
 from fusegen.engine.memory.plan import LOGITS_CHUNK, activation_bytes
 from fusegen.engine.weights.linear import ROW_TILE
-from fusegen.engine.weights.packed import NativeLinear, can_pack, pack_linear, \
-    pack_linears
+from fusegen.engine.weights.packed import can_pack, pack_linear, pack_linears
 from fusegen.engine.logprobs import record_prompt_logprobs
 from fusegen.engine.sampler import Sampler, SamplingBatch
 from fusegen.engine.scheduler import ScheduledBatch
-from fusegen.kernels.rms_norm import rms_norm
 
 
 def _checkpoint_tensors(config: EngineConfig, dtype: torch.dtype) -> dict:
@@ -51,9 +49,6 @@ class ModelRunner:
         self.arch = get_architecture(cfg.architecture)
         self.model = self.arch.build_model(cfg)
         self.model_uses_request_lengths = getattr(self.model, "uses_request_lengths", False)
-        # the logits are norm then head, nothing after (no soft-capping, no scaling), so
-        # a greedy row's token is the head's argmax (`_greedy_tokens`)
-        self._plain_logits = type(self.model).logits is CausalLM.logits
         if config.options.deterministic:
             self.model.make_deterministic(ROW_TILE)
         self.model.load_fixed(self.arch.fixed_sources(state, cfg), self.device, self.dtype)
@@ -219,27 +214,19 @@ class ModelRunner:
         for start in range(0, len(sample_rows), LOGITS_CHUNK):
             chunk = slice(start, start + LOGITS_CHUNK)
             rows = self._tensor(sample_rows[chunk], torch.int64)
+            x_rows, residual_rows = x[rows], residual[rows]
             reqs = [batch.requests[i] for i in sample_reqs[chunk]]
-            tokens = self._greedy_tokens(x[rows], residual[rows], reqs)
+            # plain greedy rows: their tokens straight from the head, no logits written
+            tokens = self.model.greedy_tokens(x_rows, residual_rows) \
+                if Sampler.plain_greedy(reqs) else None
             if tokens is None:
-                logits = self.model.logits(x[rows], residual[rows])
+                logits = self.model.logits(x_rows, residual_rows)
                 sampling = SamplingBatch([r.params for r in reqs],
                                          [self.sampler.generator_for(r) for r in reqs], reqs)
                 tokens = self.sampler(logits, sampling)
             for i, token in zip(sample_reqs[chunk], tokens.tolist()):
                 out[i] = token
         return out
-
-    def _greedy_tokens(self, x, residual, reqs) -> torch.Tensor | None:
-        """Greedy tokens straight from the head, the [N, vocab] logits never written
-        (fusegen's CPU GEMM), when every row is plain greedy and the model's logits are
-        the head's product itself; else None (the logits and the sampler serve)."""
-        head = self.model.lm_head
-        if not (isinstance(head, NativeLinear) and self._plain_logits
-                and Sampler.plain_greedy(reqs)):
-            return None
-        h, _ = rms_norm(x, self.model.norm, self.model.cfg.rms_norm_eps, residual=residual)
-        return head.argmax(h)
 
     def _rows(self, x, residual, rows: list[int]):
         index = self._tensor(rows, torch.int64)

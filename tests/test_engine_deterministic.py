@@ -7,7 +7,7 @@ import torch
 
 from checkpoints import make_hf_checkpoint
 from fusegen.engine import LLM, SamplingParams
-from fusegen.engine.runner import ModelRunner
+from fusegen.engine.models.decoder import CausalLM
 from fusegen.engine.sampler import Sampler
 
 NUM_REQUESTS = 200
@@ -42,7 +42,7 @@ def recorded(monkeypatch):
 
     monkeypatch.setattr(Sampler, "__call__", recording)
     # every row's logits through the sampler, greedy ones too (not the argmax head)
-    monkeypatch.setattr(ModelRunner, "_greedy_tokens", lambda *args: None)
+    monkeypatch.setattr(CausalLM, "greedy_tokens", lambda *args: None)
     return logits_by_seed
 
 

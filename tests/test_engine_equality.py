@@ -57,13 +57,14 @@ def test_logits_in_chunks_equal_transformers(llama_dir, monkeypatch, head):
     # Sampled rows through the LM head 3 at a time: 7 requests, 3 chunks per step; through
     # the logits and the sampler, or (greedy rows, fusegen's CPU GEMM) the head's argmax.
     from fusegen.engine import runner
+    from fusegen.engine.models.decoder import CausalLM
     from fusegen.engine.weights.packed import NativeLinear, _native_gemm
     monkeypatch.setattr(runner, "LOGITS_CHUNK", 3)
     calls = []
     if head == "logits":
-        original = runner.CausalLM.logits
-        monkeypatch.setattr(runner.ModelRunner, "_greedy_tokens", lambda *args: None)
-        monkeypatch.setattr(runner.CausalLM, "logits",
+        original = CausalLM.logits
+        monkeypatch.setattr(CausalLM, "greedy_tokens", lambda *args: None)
+        monkeypatch.setattr(CausalLM, "logits",
                             lambda self, x, r: calls.append(len(x)) or original(self, x, r))
     else:
         if not _native_gemm():

@@ -161,6 +161,17 @@ class CausalLM(nn.Module):
         h, _ = rms_norm(x, self.norm, self.cfg.rms_norm_eps, residual=residual)
         return self.lm_head(h).float()
 
+    def greedy_tokens(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor | None:
+        """rows [N, h] -> [N] int64, argmax(self.logits(x, residual)) to the bit, without
+        the [N, V] logits, where the head computes its own argmax (fusegen's CPU GEMM) and
+        the logits are the head's product itself; else None. A model whose `logits` does
+        more (soft-capping) keeps the logits."""
+        argmax = getattr(self.lm_head, "argmax", None)
+        if argmax is None or type(self).logits is not CausalLM.logits:
+            return None
+        h, _ = rms_norm(x, self.norm, self.cfg.rms_norm_eps, residual=residual)
+        return argmax(h)
+
     def load_fixed(self, sources: dict[str, list[torch.Tensor]], device, dtype) -> None:
         """The tensors every step needs: embedding, final norm, LM head. A checkpoint
         tensor already on `device` in `dtype` is used as it is (memory-mapped)."""
