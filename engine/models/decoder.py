@@ -140,21 +140,33 @@ class CausalLM(nn.Module):
             elif isinstance(module, DecoderLayer):
                 module.deterministic = True
 
-    def forward(self, input_ids, positions, cos_sin, kv_caches, meta: AttentionMetadata):
+    def forward(self, input_ids, positions, cos_sin, kv_caches, meta: AttentionMetadata, *,
+                layers: range | None = None, hidden=None):
         # input_ids, positions [T]; cos_sin: per rotary table [max_len, D] (cos halves,
-        # sin halves), layer i reads table layers[i].rope_index
+        # sin halves), layer i reads table layers[i].rope_index. A pipeline stage runs
+        # only its `layers` (kv_caches[i] is layer i's; the others may be None) and,
+        # unless it starts the model, takes the previous stage's (x, residual) as
+        # `hidden` in place of the embedding.
         ropes = [table.chunk(2, dim=-1) for table in cos_sin]
-        x, residual = self.embed_tokens(input_ids), None  # [T, h]
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+        x, residual = (self.embed_tokens(input_ids), None) if hidden is None else hidden
+        for i in range(len(self.layers)) if layers is None else layers:
+            layer = self.layers[i]
             if self.streamer is not None:
                 self.streamer.acquire(i)
-            x, residual = layer(positions, x, residual, ropes[layer.rope_index], kv_cache, meta)
+            x, residual = layer(positions, x, residual, ropes[layer.rope_index], kv_caches[i],
+                                meta)
             if self.streamer is not None:
                 self.streamer.release(i)
         return x, residual  # [T, h] each: the stream is x + residual
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.embed)  # [T] -> [T, h]
+        return self.lookup(input_ids)  # [T] -> [T, h]
+
+    def lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding's rows [T, h]; a tensor-parallel rank, holding a slice of the
+        vocabulary, replaces it with a lookup that sums the ranks' rows
+        (engine/parallel)."""
+        return F.embedding(input_ids, self.embed)
 
     def logits(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         # rows [N, h] of the tokens that sample -> [N, V] fp32

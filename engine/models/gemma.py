@@ -108,7 +108,7 @@ class GemmaCausalLM(CausalLM):
         self.embed_scale = torch.tensor(self.cfg.hidden_size ** 0.5, dtype=dtype, device=device)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.embed) * self.embed_scale  # [T, h]
+        return self.lookup(input_ids) * self.embed_scale  # [T, h]
 
     def logits(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         h, _ = gemma_rms_norm(x, self.norm, self.cfg.rms_norm_eps, residual=residual)

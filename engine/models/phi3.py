@@ -110,12 +110,13 @@ class LongRopeCausalLM(CausalLM):
 
     uses_request_lengths = True  # the runner fills AttentionMetadata.num_tokens
 
-    def forward(self, input_ids, positions, cos_sin, kv_caches, meta: AttentionMetadata):
+    def forward(self, input_ids, positions, cos_sin, kv_caches, meta: AttentionMetadata,
+                **stage):
         # positions only index the rotary table in the decoder, so rows replace them.
         original = self.cfg.rope_scaling["original_max_position_embeddings"]
         if cos_sin[0].shape[0] > original:  # the long rows exist: max_model_len > original
             positions = rope_rows(positions, meta, original)
-        return super().forward(input_ids, positions, cos_sin, kv_caches, meta)
+        return super().forward(input_ids, positions, cos_sin, kv_caches, meta, **stage)
 
 
 def rope_rows(positions: torch.Tensor, meta: AttentionMetadata, original: int) -> torch.Tensor:
