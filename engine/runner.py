@@ -4,6 +4,7 @@ tokens."""
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 
@@ -33,10 +34,57 @@ def _checkpoint_tensors(config: EngineConfig, dtype: torch.dtype) -> dict:
     return load_state_dict(config.model, config.model_config, config.options.allow_pickle)
 
 
+@dataclass(slots=True)
+class StepInputs:
+    """A step's batch as plain lists: what the forward pass needs (the controller of a
+    device group sends exactly this to its ranks, engine/parallel)."""
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]  # each token's KV cache slot
+    block_tables: list[list[int]]  # padded to one width
+    seq_lens: list[int]
+    query_start: list[int]
+    sample_rows: list[int]  # rows of the requests whose last uncomputed token runs
+    sample_reqs: list[int]  # their indexes in the batch
+    max_query_len: int
+    request_lengths: list[int] | None  # each request's whole length, where the model uses it
+    swap_out: list[tuple[int, int]]
+    swap_in: list[tuple[int, int]]
+
+
+def step_inputs(batch: ScheduledBatch, block_size: int, with_lengths: bool) -> StepInputs:
+    bs = block_size
+    input_ids, positions, slots, seq_lens = [], [], [], []
+    query_start = [0]
+    sample_rows, sample_reqs = [], []
+    for i, (req, n) in enumerate(zip(batch.requests, batch.num_scheduled_tokens)):
+        start, end = req.num_computed_tokens, req.num_computed_tokens + n
+        input_ids += req.token_ids[start:end]
+        positions += range(start, end)
+        table = req.block_table
+        slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+        query_start.append(query_start[-1] + n)
+        seq_lens.append(end)
+        if end == req.num_tokens:
+            sample_rows.append(query_start[-1] - 1)
+            sample_reqs.append(i)
+    width = max(len(r.block_table) for r in batch.requests)
+    tables = [r.block_table + [0] * (width - len(r.block_table)) for r in batch.requests]
+    lengths = [r.num_tokens for r in batch.requests] if with_lengths else None
+    return StepInputs(input_ids, positions, slots, tables, seq_lens, query_start, sample_rows,
+                      sample_reqs, max(batch.num_scheduled_tokens), lengths,
+                      batch.swap_out, batch.swap_in)
+
+
 class ModelRunner:
+    """The whole model in this process. A rank of a device group runs a subclass
+    (engine/parallel/worker.py) that holds its slice: the hooks `_model_config`,
+    `_build_model`, `_fixed_sources`, `_layer_sources`, `_pack_head` and `layer_range`."""
+    max_in_flight = 1  # batches submitted before the first is collected
+
     def __init__(self, config: EngineConfig):
-        cfg = config.model_config
         self.config = config
+        cfg = self._model_config()
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
@@ -47,11 +95,11 @@ class ModelRunner:
         state = _checkpoint_tensors(config, self.dtype)  # nothing read yet
         self.plan = config.placement
         self.arch = get_architecture(cfg.architecture)
-        self.model = self.arch.build_model(cfg)
+        self.model = self._build_model(cfg)
         self.model_uses_request_lengths = getattr(self.model, "uses_request_lengths", False)
         if config.options.deterministic:
             self.model.make_deterministic(ROW_TILE)
-        self.model.load_fixed(self.arch.fixed_sources(state, cfg), self.device, self.dtype)
+        self.model.load_fixed(self._fixed_sources(state), self.device, self.dtype)
         self.memory["device"]["weights"] += self.model.fixed_nbytes
         self._place_layers(state)
         if self.device.type == "cpu" and can_pack(self.dtype):
@@ -63,18 +111,43 @@ class ModelRunner:
         # [layers, blocks, k|v, block_size, kv_heads, head_dim]: a block's keys and values
         # side by side, so attention reads each block as one run of memory (on a CPU one
         # run streams near the memory's bandwidth; two half-size runs a block do not)
-        shape = (cfg.num_layers, self.num_blocks, 2, self.block_size, cfg.num_kv_heads,
+        shape = (len(self.layer_range), self.num_blocks, 2, self.block_size, cfg.num_kv_heads,
                  cfg.head_dim)
         self.kv_cache = zeros_huge(shape, self.dtype) if self.device.type == "cpu" else \
             torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.host_kv_cache = torch.zeros((shape[0], self.num_host_blocks, *shape[2:]),
                                          dtype=self.dtype, pin_memory=self._pin)
-        # per layer (keys, values), each a [blocks, block_size, kv_heads, head_dim] view
-        self.kv_caches = [layer.unbind(1) for layer in self.kv_cache]
+        # per layer (keys, values), each a [blocks, block_size, kv_heads, head_dim] view;
+        # None for the layers another pipeline stage holds
+        self.kv_caches = [None] * cfg.num_layers
+        for layer, cache in zip(self.layer_range, self.kv_cache):
+            self.kv_caches[layer] = cache.unbind(1)
         self._account("device", "kv_cache", self.kv_cache)
         self._account("host", "kv_cache", self.host_kv_cache)
         self.sampler = Sampler(self.device, config.options.seed)
         self.peak_device_bytes = sum(self.memory["device"].values())
+        self._submitted: list[ScheduledBatch] = []
+
+    # -- what a rank of a device group holds instead (engine/parallel/worker.py) ----
+
+    @property
+    def layer_range(self) -> range:
+        return range(self.config.model_config.num_layers)
+
+    def _model_config(self):
+        return self.config.model_config
+
+    def _build_model(self, cfg):
+        return self.arch.build_model(cfg)
+
+    def _fixed_sources(self, state) -> dict:
+        return self.arch.fixed_sources(state, self.config.model_config)
+
+    def _layer_sources(self, state, index: int) -> dict:
+        return self.arch.layer_sources(state, index, self.config.model_config)
+
+    def _pack_head(self) -> None:
+        self.model.lm_head = pack_linear(self.model.lm_head, LOGITS_CHUNK)
 
     @property
     def _pin(self) -> bool:
@@ -83,10 +156,10 @@ class ModelRunner:
     # -- placement --------------------------------------------------------------
 
     def _place_layers(self, state) -> None:
-        cfg = self.config.model_config
         streamed: dict[int, dict[str, list[torch.Tensor]]] = {}
-        for i, (layer, tier) in enumerate(zip(self.model.layers, self.plan.layer_tiers)):
-            sources = self.arch.layer_sources(state, i, cfg)
+        for i, tier in zip(self.layer_range, self.plan.layer_tiers):
+            layer = self.model.layers[i]
+            sources = self._layer_sources(state, i)
             if tier == "device":
                 weights = fuse(sources, self.device, self.dtype)
                 layer.set_weights(weights)
@@ -112,10 +185,10 @@ class ModelRunner:
     def _pack_weights(self) -> None:
         """Resident weights packed once for oneDNN (engine/weights/packed.py); streamed
         layers stay dense, their staging slots refill every step."""
-        for layer, tier in zip(self.model.layers, self.plan.layer_tiers):
+        for i, tier in zip(self.layer_range, self.plan.layer_tiers):
             if tier == "device":
-                pack_linears(layer, self.config.max_num_batched_tokens)
-        self.model.lm_head = pack_linear(self.model.lm_head, LOGITS_CHUNK)
+                pack_linears(self.model.layers[i], self.config.max_num_batched_tokens)
+        self._pack_head()
         if self.config.model_config.tie_word_embeddings:  # the embedding stays dense too
             self._account("device", "weights", self.model.lm_head.weight)
 
@@ -164,69 +237,67 @@ class ModelRunner:
             self.kv_cache[:, dst.to(self.device)] = self.host_kv_cache[:, src].to(
                 self.device, non_blocking=True)
 
+    def submit(self, batch: ScheduledBatch) -> None:
+        self._submitted.append(batch)
+
+    def collect(self) -> list[int | None]:
+        return self.run(self._submitted.pop(0))
+
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int | None]:
         """One forward pass over the batch's ragged tokens; a sampled token for each
         request whose last uncomputed token ran, None for the others."""
-        self.swap(batch.swap_out, to_host=True)
-        self.swap(batch.swap_in, to_host=False)
-        bs = self.block_size
-        input_ids, positions, slots, seq_lens = [], [], [], []
-        query_start = [0]
-        sample_rows, sample_reqs = [], []
-        for i, (req, n) in enumerate(zip(batch.requests, batch.num_scheduled_tokens)):
-            start, end = req.num_computed_tokens, req.num_computed_tokens + n
-            input_ids += req.token_ids[start:end]
-            positions += range(start, end)
-            table = req.block_table
-            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            query_start.append(query_start[-1] + n)
-            seq_lens.append(end)
-            if end == req.num_tokens:
-                sample_rows.append(query_start[-1] - 1)
-                sample_reqs.append(i)
-        self.peak_device_bytes = max(self.peak_device_bytes,
-                                     self._step_bytes(len(input_ids), len(sample_rows)))
-        width = max(len(r.block_table) for r in batch.requests)
-        tables = [r.block_table + [0] * (width - len(r.block_table)) for r in batch.requests]
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots, torch.int64),
-            block_tables=self._tensor(tables, torch.int32),
-            seq_lens=self._tensor(seq_lens, torch.int32),
-            query_start_loc=self._tensor(query_start, torch.int32),
-            max_query_len=max(batch.num_scheduled_tokens),
-            max_seq_len=max(seq_lens),
-        )
-        if self.model_uses_request_lengths:
-            meta.num_tokens = self._tensor([r.num_tokens for r in batch.requests], torch.int32)
-        x, residual = self.model(self._tensor(input_ids, torch.int64),
-                                 self._tensor(positions, torch.int64), self.cos_sin,
-                                 self.kv_caches, meta)
+        inputs = step_inputs(batch, self.block_size, self.model_uses_request_lengths)
+        self.swap(inputs.swap_out, to_host=True)
+        self.swap(inputs.swap_in, to_host=False)
+        self.peak_device_bytes = max(self.peak_device_bytes, self._step_bytes(
+            len(inputs.input_ids), len(inputs.sample_rows)))
+        x, residual = self.forward(inputs)
         # one flag a step: a request still missing prompt logprobs (they need more rows)
         if any(r.prompt_logprobs is not None and len(r.prompt_logprobs) < r.num_prompt_tokens
                for r in batch.requests):
-            record_prompt_logprobs(batch.requests, batch.num_scheduled_tokens, query_start,
+            record_prompt_logprobs(batch.requests, batch.num_scheduled_tokens,
+                                   inputs.query_start,
                                    lambda rows: self.model.logits(*self._rows(x, residual, rows)),
                                    LOGITS_CHUNK)
         out: list[int | None] = [None] * len(batch)
-        if not sample_rows:
-            return out
-        for start in range(0, len(sample_rows), LOGITS_CHUNK):
+        for start in range(0, len(inputs.sample_rows), LOGITS_CHUNK):
             chunk = slice(start, start + LOGITS_CHUNK)
-            rows = self._tensor(sample_rows[chunk], torch.int64)
-            x_rows, residual_rows = x[rows], residual[rows]
-            reqs = [batch.requests[i] for i in sample_reqs[chunk]]
+            x_rows, residual_rows = self._rows(x, residual, inputs.sample_rows[chunk])
+            reqs = [batch.requests[i] for i in inputs.sample_reqs[chunk]]
             # plain greedy rows: their tokens straight from the head, no logits written
             tokens = self.model.greedy_tokens(x_rows, residual_rows) \
                 if Sampler.plain_greedy(reqs) else None
             if tokens is None:
-                logits = self.model.logits(x_rows, residual_rows)
-                sampling = SamplingBatch([r.params for r in reqs],
-                                         [self.sampler.generator_for(r) for r in reqs], reqs)
-                tokens = self.sampler(logits, sampling)
-            for i, token in zip(sample_reqs[chunk], tokens.tolist()):
+                tokens = self.sample(self.model.logits(x_rows, residual_rows), reqs)
+            for i, token in zip(inputs.sample_reqs[chunk], tokens.tolist()):
                 out[i] = token
         return out
+
+    def sample(self, logits: torch.Tensor, reqs: list) -> torch.Tensor:
+        """[N, V] fp32 logits of these requests' rows -> their tokens [N]."""
+        sampling = SamplingBatch([r.params for r in reqs],
+                                 [self.sampler.generator_for(r) for r in reqs], reqs)
+        return self.sampler(logits, sampling)
+
+    def forward(self, inputs: StepInputs, hidden=None):
+        """The model's layers this process holds over the step's tokens -> (x, residual)
+        [T, h] each; `hidden`: the previous pipeline stage's (x, residual)."""
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(inputs.slots, torch.int64),
+            block_tables=self._tensor(inputs.block_tables, torch.int32),
+            seq_lens=self._tensor(inputs.seq_lens, torch.int32),
+            query_start_loc=self._tensor(inputs.query_start, torch.int32),
+            max_query_len=inputs.max_query_len,
+            max_seq_len=max(inputs.seq_lens),
+        )
+        if inputs.request_lengths is not None:
+            meta.num_tokens = self._tensor(inputs.request_lengths, torch.int32)
+        whole = len(self.layer_range) == len(self.model.layers)
+        return self.model(self._tensor(inputs.input_ids, torch.int64),
+                          self._tensor(inputs.positions, torch.int64), self.cos_sin,
+                          self.kv_caches, meta, **({} if whole else
+                                                   {"layers": self.layer_range, "hidden": hidden}))
 
     def _rows(self, x, residual, rows: list[int]):
         index = self._tensor(rows, torch.int64)
