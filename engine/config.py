@@ -1,6 +1,7 @@
 """An engine's configuration: options in, a plan made, frozen."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from dataclasses import dataclass, field
@@ -105,6 +106,11 @@ class PlanInputs:
         # A head tied to the embedding is packed as a copy on CPUs (weights/packed.py).
         packed_head = (device == "cpu" and model_config.tie_word_embeddings
                        and can_pack(dtype))
+        tp, pp = options.tensor_parallel_size, options.pipeline_parallel_size
+        if tp * pp > 1:  # the plan is one rank's: every rank gets the same KV blocks
+            return cls(model_config, device, dtype,
+                       rank_shape(model_config, dtype, tp, pp, packed_head),
+                       group_free_memory(device, tp * pp))
         return cls(model_config, device, dtype,
                    model_shape(model_config, dtype, packed_head=packed_head),
                    free_memory(device))
@@ -162,6 +168,34 @@ def model_shape(cfg: ModelConfig, dtype: torch.dtype, packed_head: bool = False)
                       activation_width=width, vocab_size=cfg.vocab_size,
                       max_position_embeddings=cfg.max_position_embeddings,
                       dtype_bytes=torch.finfo(dtype).bits // 8)
+
+
+def rank_shape(cfg: ModelConfig, dtype: torch.dtype, tp: int, pp: int,
+               packed_head: bool) -> ModelShape:
+    """What one rank of a device group holds: its stage's layers (the largest stage), its
+    slice of each layer and of the embedding and head; the logits stay whole (the last
+    stage gathers them). Refuses a split the model cannot take."""
+    from fusegen.engine.parallel.plan import check_parallel, stage_layers
+    from fusegen.engine.parallel.shard import rank_model_config
+
+    check_parallel(cfg, tp, pp)
+    local = model_shape(rank_model_config(cfg, tp), dtype, packed_head=packed_head)
+    stages = stage_layers([local.layer_params] * cfg.num_layers, pp)
+    return dataclasses.replace(local, num_layers=max(len(s) for s in stages),
+                               fixed_params=-(-local.fixed_params // tp))
+
+
+def group_free_memory(device: str, world: int) -> FreeMemory:
+    """The memory each rank of a group may plan with: on CPUs the ranks share the
+    machine's; on GPUs the least any of the group's GPUs has free."""
+    host = psutil.virtual_memory().available
+    if not device.startswith("cuda"):
+        return FreeMemory(device=host // world, host=host // world, on_gpu=False)
+    from fusegen.engine.parallel.plan import rank_devices
+
+    devices = rank_devices(device, world, torch.cuda.device_count())
+    free = min(torch.cuda.mem_get_info(torch.device(d))[0] for d in devices)
+    return FreeMemory(device=free, host=host // world, on_gpu=True)
 
 
 def free_memory(device: str) -> FreeMemory:

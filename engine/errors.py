@@ -8,3 +8,10 @@ class ModelLoadError(ValueError):
 
 class EngineConfigError(ValueError):
     """An engine option is out of range; the message names the option and the limit."""
+
+
+class DeviceGroupError(RuntimeError):
+    """A rank of the engine's device group died, failed or stopped answering: the group
+    is gone, so every request in it fails with this message (code device_group_failed)
+    and the engine cannot step again; a job retries the partition on a fresh engine."""
+    code = "device_group_failed"

@@ -17,7 +17,7 @@ from fusegen.engine.detokenizer import IncrementalDetokenizer
 from fusegen.engine.models.rope import recompute_length
 from fusegen.engine.outputs import RequestGroup, RequestOutput
 from fusegen.engine.request import Request
-from fusegen.engine.runner import ModelRunner
+from fusegen.engine.parallel.runner import make_runner
 from fusegen.engine.sampling_params import SamplingParams
 from fusegen.engine.scheduler import ScheduledBatch, Scheduler
 from fusegen.engine.logits_processors import bad_words_token_ids, vocabulary_problem
@@ -88,7 +88,7 @@ class LLMEngine:
         self.config = config
         self.tokenizer = _load_tokenizer(config)
         self.eos_token_ids = frozenset(_eos_token_ids(config, self.tokenizer))
-        self.runner = ModelRunner(config)
+        self.runner = make_runner(config)
         recompute_at = recompute_length(config.model_config, config.max_model_len)
         # LongRoPE's keys depend on the whole request's length, not on the prefix alone
         caching = config.options.enable_prefix_caching and not recompute_at \

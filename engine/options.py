@@ -34,8 +34,8 @@ class EngineOptions:
         "auto", "Weights dtype: auto, float32, bfloat16, float16 (auto: bf16 on GPUs and on "
         "CPUs whose bf16 matrix units measure at least 1.5x fp32, fp32 elsewhere).",
         affects_output=True)
-    device: str = option("auto", "Engine device: auto, cpu, cuda, cuda:N (auto: cuda when "
-                         "present).")
+    device: str = option("auto", "Engine device: auto, cpu, cuda, cuda:N, or for a device "
+                         "group one GPU per rank, cuda:0,1,... (auto: cuda when present).")
     max_num_seqs: int | None = option(
         None, "Running requests per step at most.", kind=int,
         unset="from the machine; larger when layers stream")
@@ -92,14 +92,30 @@ class EngineOptions:
         "tokenizer.json, a .gguf file, or a hub id (org/name).", unset="the model's",
         affects_output=True)
 
+    # Another split sums the row-parallel matmuls in another order: part of a job's identity.
+    tensor_parallel_size: int = option(
+        1, "Device group: ranks that split every layer (1-D tensor parallelism: heads and "
+        "MLP rows), one process each; on GPUs one GPU each, on CPUs a share of the cores.",
+        kind=int, affects_output=True)
+    # Stages run whole layers: the same sums, bit for bit.
+    pipeline_parallel_size: int = option(
+        1, "Device group: stages that split the layers (pipeline parallelism, up to this "
+        "many batches in flight), each stage tensor_parallel_size ranks.", kind=int)
+    collective_timeout: int = option(
+        300, "Device group: seconds a rank may take to start or to answer a step before "
+        "the group is declared failed (its requests fail with device_group_failed).",
+        kind=int)
+
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise EngineConfigError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
         device = self.device
         if not isinstance(device, str) or not (
                 device in ("auto", "cpu", "cuda")
-                or (device.startswith("cuda:") and device[5:].isdigit())):
-            raise EngineConfigError(f"device must be auto, cpu, cuda or cuda:N; got {device!r}")
+                or (device.startswith("cuda:")
+                    and all(i.isdigit() for i in device[5:].split(",")))):
+            raise EngineConfigError(f"device must be auto, cpu, cuda, cuda:N or cuda:N,M,...; "
+                                    f"got {device!r}")
         if isinstance(self.kv_cache_memory, str):  # a size like "16GiB"
             self.kv_cache_memory = _parse(self.kv_cache_memory, None, "kv_cache_memory")
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory",
@@ -107,6 +123,8 @@ class EngineOptions:
             if getattr(self, name) is not None:
                 _check_int(self, name, 1)
         _check_int(self, "prefetch_depth", 1)
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "collective_timeout"):
+            _check_int(self, name, 1)
         self._check_seed()
         if self.num_host_kv_blocks is not None:
             _check_int(self, "num_host_kv_blocks", 0)
@@ -153,21 +171,11 @@ def _gpu_memory_utilization(value) -> dict:
     return {"device_memory": float(value)}
 
 
-def _tensor_parallel_size(value) -> dict:
-    if value != 1 or isinstance(value, bool):
-        raise EngineConfigError(
-            f"tensor_parallel_size={value!r}: fusegen runs one device per engine today; "
-            "leave it out (or pass 1), and to use several GPUs run a job with one worker "
-            "per GPU (fusegen run --workers N)")
-    return {}
-
-
 # vLLM's names for what fusegen has under its own: each maps a value to fusegen's options.
 ALIASES = {
     # vLLM's share of the GPU for weights, activations and KV cache: fusegen's device
     # budget, as a fraction of the free memory.
     "gpu_memory_utilization": _gpu_memory_utilization,
-    "tensor_parallel_size": _tensor_parallel_size,
 }
 
 # vLLM's options for what fusegen does not have: the value that asks for nothing (vLLM's

@@ -195,6 +195,7 @@ def test_engine_abort_drops_all_n_requests_of_an_output(llama_dir):
 
 def test_vllm_engine_options_read_as_fusegen_options(llama_dir, tmp_path):
     options = EngineOptions.from_kwargs(dict(gpu_memory_utilization=0.5, tensor_parallel_size=1,
+                                             pipeline_parallel_size=1,
                                              trust_remote_code=False, quantization=None,
                                              enable_lora=False))
     assert options.device_memory == 0.5 and options == EngineOptions(device_memory=0.5)
@@ -233,16 +234,13 @@ REFUSED = [
      "load an unquantized checkpoint, or a GGUF file (dequantized as it loads); leave it out"),
     (dict(enable_lora=True), "enable_lora=True: fusegen does not support enable_lora; merge "
      "the adapter into the weights (peft's merge_and_unload) and load the merged checkpoint"),
-    (dict(tensor_parallel_size=2), "tensor_parallel_size=2: fusegen runs one device per "
-     "engine today; leave it out (or pass 1), and to use several GPUs run a job with one "
-     "worker per GPU (fusegen run --workers N)"),
+    (dict(tensor_parallel_size=0), "tensor_parallel_size must be an integer >= 1, got 0"),
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization must be a fraction in (0, 1] "
      "of the free device memory; got 1.5"),
     (dict(gpu_memory_utilization=0.9, device_memory="1GiB"), "gpu_memory_utilization and "
      "device_memory both set the device_memory; pass one"),
     (dict(swap_space=4), "swap_space: fusegen does not support this engine option; the "
-     f"options are {', '.join(NAMES)} (and vLLM's gpu_memory_utilization, "
-     "tensor_parallel_size)"),
+     f"options are {', '.join(NAMES)} (and vLLM's gpu_memory_utilization)"),
     (dict(tokenizer=""), "tokenizer must be a path or a hub id (org/name); got ''"),
 ]
 

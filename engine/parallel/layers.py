@@ -1,0 +1,156 @@
+"""The modules of a tensor-parallel rank that talk to the other ranks of its stage.
+
+`parallelize` turns a decoder built from `shard.rank_model_config` into one rank's
+share of the model: o and down (or a mixture of experts' output) sum the ranks' partial
+products with one all-reduce each, the embedding looks up the rank's vocabulary rows and
+sums, the LM head gathers the ranks' logits. Everything else in the decoder runs on local
+shapes unchanged.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from fusegen.engine.weights.linear import Linear
+
+
+class TPGroup:
+    """A rank's tensor-parallel group, counting the bytes its collectives move (ring
+    algorithms: an all-reduce of n bytes sends and receives 2 (T - 1) / T * n per rank,
+    an all-gather (T - 1) / T of the gathered bytes)."""
+
+    def __init__(self, group, size: int, rank: int):
+        self.group, self.size, self.rank = group, size, rank
+        self.bytes_sent = 0
+        self.num_calls = 0
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(t, group=self.group)
+            self._count(2 * (self.size - 1) * t.numel() * t.element_size() // self.size)
+        return t
+
+    def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """The ranks' tensors (equal shapes) concatenated along `dim` in rank order."""
+        if self.size == 1:
+            return t
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        self._count((self.size - 1) * t.numel() * t.element_size())
+        return torch.cat(parts, dim=dim)
+
+    def _count(self, nbytes: int) -> None:
+        self.bytes_sent += nbytes
+        self.num_calls += 1
+
+
+class RowParallelLinear(nn.Module):
+    """A linear whose input columns are split over the ranks: each computes its partial
+    product through `inner` (any storage form, built without bias), the partials are
+    summed, the bias (whole) is added once after the sum."""
+
+    def __init__(self, inner: Linear, bias: bool, group: TPGroup):
+        super().__init__()
+        self.inner, self.group = inner, group
+        self.bias = torch.empty(0) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.group.all_reduce(self.inner(x))
+        return out if self.bias is None else out + self.bias
+
+    __call__ = forward
+
+    def set_weight(self, name: str, tensor: torch.Tensor) -> None:
+        if name == "bias":
+            self.bias = tensor
+        else:
+            self.inner.set_weight(name, tensor)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.inner.weight
+
+    @property
+    def nbytes(self) -> int:
+        return self.inner.nbytes + (0 if self.bias is None else
+                                    self.bias.numel() * self.bias.element_size())
+
+
+class VocabParallelHead(nn.Module):
+    """The LM head split by vocabulary rows: `forward` gives the whole [N, V] logits
+    (the ranks' slices gathered in rank order), so a model's `logits` (soft-capping
+    included) runs unchanged; `argmax` gives argmax(forward(h)) to the bit, exchanging
+    one (value, index) pair per row and rank instead of the logits."""
+
+    def __init__(self, inner: Linear, vocab_start: int, group: TPGroup):
+        super().__init__()
+        self.inner, self.vocab_start, self.group = inner, vocab_start, group
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.group.all_gather(self.inner(h), dim=-1)
+
+    __call__ = forward
+
+    def argmax(self, h: torch.Tensor) -> torch.Tensor:
+        # The rank's logits are the columns the whole head would compute for its rows
+        # (each output element is summed the same way), so the first maximum over the
+        # ranks' first maxima, in rank order, is the whole row's first maximum.
+        values, index = self.inner(h).float().max(dim=-1)  # [N] each, first maximum
+        pairs = self.group.all_gather(torch.stack([values, (index + self.vocab_start)
+                                                   .float()], dim=1), dim=1)  # [N, 2T]
+        values, indexes = pairs[:, 0::2], pairs[:, 1::2]
+        best = values.argmax(dim=1, keepdim=True)  # first rank holding the maximum
+        return indexes.gather(1, best).squeeze(1).long()
+
+    def set_weight(self, name: str, tensor: torch.Tensor) -> None:
+        self.inner.set_weight(name, tensor)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.inner.weight
+
+    @property
+    def nbytes(self) -> int:
+        return self.inner.nbytes
+
+
+def parallelize(model, group: TPGroup, vocab: tuple[int, int]) -> None:
+    """Make `model` (built from rank_model_config, weights not yet loaded) one rank's
+    share: row-parallel o and down (a mixture of experts: its output summed), a
+    vocabulary-parallel lookup and head. A tied head stays the embedding's slice
+    (CausalLM.load_fixed points it there)."""
+    from fusegen.engine.models.moe import MoeLayer
+
+    if group.size == 1:
+        return
+    for layer in model.layers:
+        layer.o = _row_parallel(layer.o, group)
+        if isinstance(layer, MoeLayer):  # the experts' down stays local; one sum after
+            layer._mlp = _summed(layer._mlp, group)
+        else:
+            layer.down = _row_parallel(layer.down, group)
+    start, end = vocab
+    model.lookup = _vocab_lookup(model, start, end, group)
+    model.lm_head = VocabParallelHead(model.lm_head, start, group)
+
+
+def _row_parallel(linear: Linear, group: TPGroup) -> RowParallelLinear:
+    return RowParallelLinear(Linear(bias=False), linear.bias is not None, group)
+
+
+def _summed(mlp, group: TPGroup):
+    def forward(x):
+        return group.all_reduce(mlp(x))
+    return forward
+
+
+def _vocab_lookup(model, start: int, end: int, group: TPGroup):
+    def lookup(input_ids: torch.Tensor) -> torch.Tensor:
+        # ids outside the slice look up row 0 and are zeroed: after the sum each token
+        # has exactly its one rank's row (x + 0 == x, bit for bit)
+        outside = (input_ids < start) | (input_ids >= end)
+        rows = F.embedding((input_ids - start).masked_fill(outside, 0), model.embed)
+        return group.all_reduce(rows.masked_fill_(outside.unsqueeze(1), 0.0))
+    return lookup

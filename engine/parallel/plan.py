@@ -1,0 +1,159 @@
+"""Where each rank of a device group sits and what it runs: pure policy over integers.
+
+A group of tensor_parallel_size T and pipeline_parallel_size P has W = T * P ranks;
+rank r is tensor rank r % T of stage r // T. Stages take contiguous runs of layers,
+balanced by bytes; the ranks of a stage split every layer of it (shard.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fusegen.engine.errors import EngineConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class RankInfo:
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    tp_size: int
+    pp_size: int
+    layers: range  # its stage's layers
+    device: str  # "cpu" or "cuda:i"
+    num_threads: int  # torch threads (on CPUs its share of the cores)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def tp_ranks(self) -> list[int]:
+        """The global ranks of its stage's tensor-parallel group."""
+        first = self.pp_rank * self.tp_size
+        return list(range(first, first + self.tp_size))
+
+    @property
+    def prev_rank(self) -> int | None:
+        return None if self.is_first_stage else self.rank - self.tp_size
+
+    @property
+    def next_rank(self) -> int | None:
+        return None if self.is_last_stage else self.rank + self.tp_size
+
+    @property
+    def replies(self) -> bool:
+        """The rank whose results go back to the controller: the last stage's first."""
+        return self.is_last_stage and self.tp_rank == 0
+
+
+def check_parallel(cfg, tp: int, pp: int) -> None:
+    """Refuse, before any process starts, a split the model cannot take."""
+    for name, value in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise EngineConfigError(f"{name} must be an integer >= 1, got {value!r}")
+    if cfg.num_heads % tp:
+        raise EngineConfigError(
+            f"tensor_parallel_size {tp} does not divide the model's {cfg.num_heads} attention "
+            f"heads; use one of {_divisors(cfg.num_heads)}")
+    kv = cfg.num_kv_heads
+    if kv % tp and tp % kv:
+        raise EngineConfigError(
+            f"tensor_parallel_size {tp} and the model's {kv} KV heads: one must divide the "
+            f"other (KV heads are split, or replicated when there are fewer than ranks); use "
+            f"one of {[d for d in _divisors(cfg.num_heads) if kv % d == 0 or d % kv == 0]}")
+    sizes = [("intermediate size", cfg.intermediate_size)]
+    if cfg.num_experts:
+        sizes = [("expert intermediate size", cfg.moe_intermediate_size)]
+    for what, size in sizes:
+        if size % tp:
+            raise EngineConfigError(f"tensor_parallel_size {tp} does not divide the model's "
+                                    f"{what} {size}; use one of {_divisors(size)[:8]}")
+    if pp > cfg.num_layers:
+        raise EngineConfigError(f"pipeline_parallel_size {pp} exceeds the model's "
+                                f"{cfg.num_layers} layers; every stage needs at least one")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def stage_layers(layer_bytes: list[int], pp: int) -> list[range]:
+    """Contiguous stages of at least one layer each, the largest stage's bytes as small
+    as possible (a pipeline runs at its slowest stage's pace); among equal splits, the
+    earlier stages take fewer layers (the first also embeds, the last runs the head)."""
+    n = len(layer_bytes)
+    if not 1 <= pp <= n:
+        raise EngineConfigError(f"pipeline_parallel_size {pp}: the model has {n} layers")
+    prefix = [0]
+    for b in layer_bytes:
+        prefix.append(prefix[-1] + b)
+    lo, hi = max(layer_bytes), prefix[-1]
+    while lo < hi:  # the least capacity a greedy fill splits into pp stages
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if _num_stages(layer_bytes, mid) <= pp else (mid + 1, hi)
+    # Fill from the back up to the capacity, keeping a layer for each stage still ahead.
+    bounds, end = [], n
+    for stage in range(pp - 1, 0, -1):
+        start = end - 1
+        while start - 1 >= stage and prefix[end] - prefix[start - 1] <= lo:
+            start -= 1
+        bounds.append(range(start, end))
+        end = start
+    bounds.append(range(0, end))
+    return bounds[::-1]
+
+
+def _num_stages(layer_bytes: list[int], capacity: int) -> int:
+    stages, load = 1, 0
+    for b in layer_bytes:
+        if load + b > capacity:
+            stages, load = stages + 1, 0
+        load += b
+    return stages
+
+
+def rank_devices(device: str, world: int, num_visible_gpus: int) -> list[str]:
+    """Each rank's device. On CPUs every rank shares the machine (its cores are divided,
+    `cpu_threads`); GPUs are one per rank: "cuda" takes the first W, "cuda:a,b,..."
+    names them."""
+    if device == "cpu":
+        return ["cpu"] * world
+    if device == "cuda":
+        if world > num_visible_gpus:
+            raise EngineConfigError(
+                f"a device group of {world} ranks needs {world} GPUs; this machine shows "
+                f"{num_visible_gpus}: lower tensor_parallel_size x pipeline_parallel_size")
+        return [f"cuda:{i}" for i in range(world)]
+    indexes = device.removeprefix("cuda:").split(",")
+    if len(indexes) != world:
+        raise EngineConfigError(
+            f"device {device!r} names {len(indexes)} GPU(s) for a device group of {world} "
+            f"ranks; name one per rank (\"cuda:0,1\") or pass \"cuda\"")
+    ids = [int(i) for i in indexes]
+    if len(set(ids)) != len(ids) or max(ids) >= num_visible_gpus:
+        raise EngineConfigError(f"device {device!r}: the GPUs must be distinct and below "
+                                f"{num_visible_gpus}, the GPUs this machine shows")
+    return [f"cuda:{i}" for i in ids]
+
+
+def cpu_threads(num_cores: int, world: int) -> int:
+    """Threads per CPU rank: the cores shared out, at least one each (more ranks than
+    cores run oversubscribed, correct but slow)."""
+    return max(num_cores // world, 1)
+
+
+def rank_infos(tp: int, pp: int, stages: list[range], devices: list[str],
+               num_cores: int) -> list[RankInfo]:
+    threads = cpu_threads(num_cores, tp * pp)
+    return [RankInfo(rank=r, tp_rank=r % tp, pp_rank=r // tp, tp_size=tp, pp_size=pp,
+                     layers=stages[r // tp], device=devices[r],
+                     num_threads=threads if devices[r] == "cpu" else 1)
+            for r in range(tp * pp)]

@@ -1,0 +1,132 @@
+"""The controller's side of a device group: the engine's runner when
+tensor_parallel_size x pipeline_parallel_size > 1.
+
+It holds no weights. Each step it sends the batch's inputs (plain lists) once to every
+rank and later collects the step's tokens from the last stage's first rank, or the
+sampled rows' logits from shared memory, which it samples with the engine's `Sampler`
+and the requests' own state (seeds, penalties, logprobs, grammars), exactly as the
+single-process runner does. With P stages up to P batches are in flight.
+"""
+from __future__ import annotations
+
+import os
+from collections import deque
+
+import torch
+
+from fusegen.engine.config import EngineConfig
+from fusegen.engine.memory.plan import LOGITS_CHUNK
+from fusegen.engine.models import get_architecture
+from fusegen.engine.parallel.group import DeviceGroup
+from fusegen.engine.parallel.plan import rank_devices, rank_infos, stage_layers
+from fusegen.engine.parallel.worker import shared_logits
+from fusegen.engine.runner import ModelRunner, step_inputs
+from fusegen.engine.sampler import Sampler, SamplingBatch
+from fusegen.engine.scheduler import ScheduledBatch
+
+
+def make_runner(config: EngineConfig):
+    """The engine's runner: the whole model in this process, or a device group."""
+    if config.options.tensor_parallel_size * config.options.pipeline_parallel_size == 1:
+        return ModelRunner(config)
+    return ParallelRunner(config)
+
+
+class ParallelRunner:
+    def __init__(self, config: EngineConfig):
+        options, cfg = config.options, config.model_config
+        self.config = config
+        self.tp, self.pp = options.tensor_parallel_size, options.pipeline_parallel_size
+        self.max_in_flight = self.pp
+        self.block_size = config.block_size
+        self.num_blocks = config.placement.num_device_kv_blocks
+        self.num_host_blocks = config.placement.num_host_kv_blocks
+        arch = get_architecture(cfg.architecture)
+        self.model_uses_request_lengths = getattr(arch.build_model(cfg), "uses_request_lengths",
+                                                  False)
+        world = self.tp * self.pp
+        stages = stage_layers([arch.layer_numel(cfg)] * cfg.num_layers, self.pp)
+        gpus = torch.cuda.device_count() if config.device.startswith("cuda") else 0
+        self.infos = rank_infos(self.tp, self.pp, stages,
+                                rank_devices(config.device, world, gpus), _num_cores())
+        self.sampler = Sampler("cpu", options.seed)
+        rows = config.max_num_seqs
+        self.group = DeviceGroup(config, self.infos, self.pp * rows * cfg.vocab_size * 4,
+                                 self.pp)
+        self._in_flight: deque = deque()
+        self._num_steps = 0
+
+    @property
+    def _replying_rank(self) -> int:
+        return self.infos[-1].rank - self.tp + 1  # the last stage's first rank
+
+    def submit(self, batch: ScheduledBatch) -> None:
+        inputs = step_inputs(batch, self.block_size, self.model_uses_request_lengths)
+        reqs = [batch.requests[i] for i in inputs.sample_reqs]
+        greedy = Sampler.plain_greedy(reqs)
+        index, self._num_steps = self._num_steps, self._num_steps + 1
+        self.group.send_all(("step", index, inputs, greedy))
+        self._in_flight.append((index, batch, inputs, reqs))
+
+    def collect(self) -> list[int | None]:
+        index, batch, inputs, reqs = self._in_flight.popleft()
+        kind, _, payload = self.group.receive(self._replying_rank, ("tokens", "logits"),
+                                              f"step {index}")
+        tokens = payload if kind == "tokens" else self._sample(index, payload, reqs)
+        out: list[int | None] = [None] * len(batch)
+        for i, token in zip(inputs.sample_reqs, tokens):
+            out[i] = token
+        return out
+
+    def _sample(self, index: int, num_rows: int, reqs: list) -> list[int]:
+        """The step's tokens from its logits slot (the rank wrote them; this step's slot is
+        not written again before the step `max_in_flight` later is submitted)."""
+        vocab = self.config.model_config.vocab_size
+        logits = shared_logits(self.group.logits, self.pp, vocab)[index % self.pp][:num_rows]
+        tokens = []
+        for start in range(0, num_rows, LOGITS_CHUNK):
+            chunk = reqs[start:start + LOGITS_CHUNK]
+            sampling = SamplingBatch([r.params for r in chunk],
+                                     [self.sampler.generator_for(r) for r in chunk], chunk)
+            tokens += self.sampler(logits[start:start + len(chunk)], sampling).tolist()
+        return tokens
+
+    def run(self, batch: ScheduledBatch) -> list[int | None]:
+        self.submit(batch)
+        return self.collect()
+
+    def stage_trace(self) -> dict[int, list[tuple[int, float, float, float]]]:
+        """Per rank, per step it ran: (step, started waiting for its input, compute
+        start, compute end), in seconds of the machine's monotonic clock (the ranks
+        share one machine's clock only on one machine)."""
+        return {rank: trace for rank, trace, _, _ in self._stats()}
+
+    def collective_bytes(self) -> dict[int, dict[str, int]]:
+        """Per rank, the bytes its tensor-parallel collectives sent (ring counts) and
+        the bytes it sent to the next stage."""
+        return {rank: {"tensor_parallel": tp, "pipeline": pp}
+                for rank, _, tp, pp in self._stats()}
+
+    def _stats(self):
+        self.group.send_all(("stats", -1))
+        return [self.group.receive(info.rank, "stats", "stats")[1:] for info in self.infos]
+
+    def memory_report(self) -> dict:
+        """Rank 0's report (every rank of a stage holds the same), with every rank's."""
+        report = dict(self.group.reports[0])
+        report["ranks"] = self.group.reports
+        report["group"] = {"tensor_parallel_size": self.tp, "pipeline_parallel_size": self.pp,
+                           "stages": [[i.layers.start, i.layers.stop] for i in self.infos
+                                      if i.tp_rank == 0],
+                           "devices": [i.device for i in self.infos]}
+        return report
+
+    def reset_streams(self) -> None:
+        """A failed step leaves the group gone (DeviceGroupError); nothing to reset."""
+
+    def close(self) -> None:
+        self.group.close()
+
+
+def _num_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

@@ -1,0 +1,229 @@
+"""A rank of a device group: `python -m fusegen.engine.parallel RANK`, started by
+group.py with the controller's socket address and key in its environment.
+
+It builds its slice of the model (`ShardRunner`), then serves steps in order: the
+controller sends each step's inputs once; the first stage embeds, each stage runs its
+layers and sends (x, residual) to the next stage's rank of the same tensor rank, the last
+stage runs the head. Plain greedy steps return token ids; the others return the sampled
+rows' fp32 logits through shared memory, and the controller samples (request state —
+seeds, penalties, grammars — lives there). A stage starts the next step as soon as it has
+sent this one on, so with P batches in flight every stage is busy (EnergonAI's
+non-blocking pipeline).
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import datetime
+import os
+import signal
+import sys
+import time
+import traceback
+from multiprocessing import resource_tracker
+from multiprocessing.connection import Client
+from multiprocessing.shared_memory import SharedMemory
+
+import torch
+import torch.distributed as dist
+
+from fusegen.engine.memory.plan import LOGITS_CHUNK
+from fusegen.engine.parallel.layers import TPGroup, VocabParallelHead, parallelize
+from fusegen.engine.parallel.plan import RankInfo
+from fusegen.engine.parallel.shard import (rank_model_config, shard_fixed_sources,
+                                           shard_layer_sources, vocab_range)
+from fusegen.engine.runner import ModelRunner, StepInputs
+from fusegen.engine.weights.packed import pack_linear
+from fusegen.kernels.argmax import argmax
+
+ADDRESS_ENV, AUTHKEY_ENV = "FUSEGEN_GROUP_ADDRESS", "FUSEGEN_GROUP_AUTHKEY"
+
+
+class ShardRunner(ModelRunner):
+    """One rank's share: its stage's layers, its tensor slice of each, KV blocks of its
+    KV heads for its layers, the embedding and head slices of its vocabulary."""
+
+    def __init__(self, config, info: RankInfo, group: TPGroup):
+        self.info, self.group = info, group
+        super().__init__(config)
+
+    @property
+    def layer_range(self) -> range:
+        return self.info.layers
+
+    def _model_config(self):
+        return rank_model_config(self.config.model_config, self.info.tp_size)
+
+    def _build_model(self, cfg):
+        model = self.arch.build_model(cfg)
+        full = self.config.model_config
+        parallelize(model, self.group, vocab_range(full.vocab_size, self.info.tp_size,
+                                                   self.info.tp_rank))
+        return model
+
+    def _fixed_sources(self, state) -> dict:
+        full = self.config.model_config
+        return shard_fixed_sources(full, self.arch.fixed_sources(state, full),
+                                   self.info.tp_rank, self.info.tp_size)
+
+    def _layer_sources(self, state, index: int) -> dict:
+        full = self.config.model_config
+        return shard_layer_sources(full, self.arch.layer_sources(state, index, full),
+                                   self.info.tp_rank, self.info.tp_size)
+
+    def _pack_head(self) -> None:
+        head = self.model.lm_head
+        if isinstance(head, VocabParallelHead):
+            head.inner = pack_linear(head.inner, LOGITS_CHUNK)
+        else:
+            super()._pack_head()
+
+    @torch.inference_mode()
+    def head(self, x, residual, rows: list[int], greedy: bool) -> torch.Tensor | None:
+        """The last stage's products for the sampled rows: greedy token ids [N], or the
+        fp32 logits [N, V] (on the replying rank; None on the others)."""
+        parts = []
+        for start in range(0, len(rows), LOGITS_CHUNK):
+            x_rows, residual_rows = self._rows(x, residual, rows[start:start + LOGITS_CHUNK])
+            tokens = self.model.greedy_tokens(x_rows, residual_rows) if greedy else None
+            if tokens is None:  # every rank joins the logits' gather
+                logits = self.model.logits(x_rows, residual_rows)
+                tokens = argmax(logits) if greedy else logits
+            parts.append(tokens)
+        return torch.cat(parts) if parts else None
+
+
+class Worker:
+    def __init__(self, conn, info: RankInfo, runner: ShardRunner, logits: SharedMemory | None,
+                 num_slots: int):
+        self.conn, self.info, self.runner = conn, info, runner
+        self.logits, self.num_slots = logits, num_slots
+        self.trace: list[tuple[int, float, float, float]] = []
+        self.pipeline_bytes = 0
+        self._sending = None  # the last isend to the next stage, waited before the next
+
+    def serve(self) -> None:
+        while True:
+            try:
+                message = self.conn.recv()
+            except EOFError:  # the controller is gone
+                return
+            kind = message[0]
+            if kind == "stop":
+                return
+            if kind == "step":
+                self.step(*message[1:])
+            elif kind == "stats":
+                self.conn.send(("stats", self.info.rank, self.trace, self.runner.group.bytes_sent,
+                                self.pipeline_bytes))
+
+    @torch.inference_mode()
+    def step(self, index: int, inputs: StepInputs, greedy: bool) -> None:
+        runner, info = self.runner, self.info
+        waiting = time.monotonic()
+        runner.swap(inputs.swap_out, to_host=True)
+        runner.swap(inputs.swap_in, to_host=False)
+        hidden = None
+        if not info.is_first_stage:
+            shape = (2, len(inputs.input_ids), runner.config.model_config.hidden_size)
+            received = torch.empty(shape, dtype=runner.dtype, device=runner.device)
+            dist.recv(received, src=info.prev_rank)
+            hidden = (received[0], received[1])
+        start = time.monotonic()
+        x, residual = runner.forward(inputs, hidden)
+        if not info.is_last_stage:
+            if self._sending is not None:
+                self._sending.wait()
+            payload = torch.stack([x, residual])
+            self._sending = dist.isend(payload, dst=info.next_rank)
+            self.pipeline_bytes += payload.numel() * payload.element_size()
+        else:
+            out = runner.head(x, residual, inputs.sample_rows, greedy)
+            if info.replies:
+                self._reply(index, out, greedy)
+        self.trace.append((index, waiting, start, time.monotonic()))
+
+    def _reply(self, index: int, out: torch.Tensor | None, greedy: bool) -> None:
+        if out is None:
+            self.conn.send(("tokens", index, []))
+        elif greedy:
+            self.conn.send(("tokens", index, out.tolist()))
+        else:  # the slot of this step: the controller reads it before reusing it
+            rows, vocab = out.shape
+            slot = shared_logits(self.logits, self.num_slots, vocab)[index % self.num_slots]
+            slot[:rows].copy_(out)
+            self.conn.send(("logits", index, rows))
+
+
+def shared_logits(shm: SharedMemory, num_slots: int, vocab: int) -> torch.Tensor:
+    """[slots, rows, V] fp32 over the shared buffer (controller and replying rank)."""
+    flat = torch.frombuffer(shm.buf, dtype=torch.float32)
+    rows = flat.numel() // (num_slots * vocab)
+    return flat[:num_slots * rows * vocab].view(num_slots, rows, vocab)
+
+
+def _attach(name: str) -> SharedMemory:
+    shm = SharedMemory(name)
+    # The controller made it and removes it; this process only borrows it (otherwise
+    # Python's resource tracker would remove it when this rank exits).
+    resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
+    return shm
+
+
+def _die_with_parent() -> None:
+    """The kernel kills this rank when the controller's process ends (Linux)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def _place(info: RankInfo) -> None:
+    if info.device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(info.device))
+        return
+    torch.set_num_threads(info.num_threads)
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cores) >= info.num_threads * info.world_size:  # disjoint cores per rank
+        os.sched_setaffinity(0, cores[info.rank * info.num_threads:
+                                      (info.rank + 1) * info.num_threads])
+
+
+def _join_group(info: RankInfo, port: int, timeout: int) -> TPGroup:
+    backend = "nccl" if info.device.startswith("cuda") else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}",
+                            world_size=info.world_size, rank=info.rank,
+                            timeout=datetime.timedelta(seconds=timeout))
+    mine = None
+    for stage in range(info.pp_size):  # every rank creates every group, in one order
+        ranks = list(range(stage * info.tp_size, (stage + 1) * info.tp_size))
+        group = dist.new_group(ranks) if info.tp_size > 1 else None
+        if stage == info.pp_rank:
+            mine = group
+    return TPGroup(mine, info.tp_size, info.tp_rank)
+
+
+def main(rank: int) -> None:
+    _die_with_parent()
+    conn = Client(os.environ[ADDRESS_ENV], authkey=bytes.fromhex(os.environ[AUTHKEY_ENV]))
+    conn.send(("hello", rank, os.getpid()))
+    try:
+        _, config, info, port, shm_name, num_slots, timeout = conn.recv()
+        _place(info)
+        group = _join_group(info, port, timeout)
+        config = dataclasses.replace(config, device=info.device)
+        runner = ShardRunner(config, info, group)
+        shm = _attach(shm_name) if info.replies and shm_name else None
+        conn.send(("ready", rank, runner.memory_report()))
+        Worker(conn, info, runner, shm, num_slots).serve()
+    except Exception:  # noqa: BLE001 - the controller reports it; this process ends
+        try:
+            conn.send(("error", rank, traceback.format_exc()))
+        except OSError:
+            pass
+        sys.exit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
