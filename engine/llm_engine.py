@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+from collections import deque
 import json
 import time
 from dataclasses import dataclass
@@ -101,6 +102,11 @@ class LLMEngine:
                                    config.max_num_batched_tokens, config.max_model_len,
                                    recompute_at)
         self.stats = EngineStats()
+        # batches submitted and not collected, oldest first, with their submit times
+        self._in_flight: deque[tuple[ScheduledBatch, float]] = deque()
+        # at most this many in flight: the runner's (a pipeline's stage count); 1 makes
+        # a pipeline blocking, as a baseline to measure the stages' idle time against
+        self.max_in_flight = self.runner.max_in_flight
         self._ids = itertools.count()
         self.structured = StructuredCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
@@ -188,14 +194,29 @@ class LLMEngine:
         self.scheduler.add(request)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or bool(self._in_flight)
 
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
-        if not batch:
+        """Schedule and submit batches while fewer than the runner takes are in flight
+        (one, or a pipeline's stage count: EnergonAI's non-blocking pipeline, where no
+        stage waits for the controller), then collect the oldest and advance its
+        requests."""
+        # in flight, each batch takes its share of the requests (and of max_num_seqs)
+        share = None if self.max_in_flight == 1 else -(-min(
+            self.scheduler.num_unfinished, self.scheduler.max_num_seqs) // self.max_in_flight)
+        while len(self._in_flight) < self.max_in_flight:
+            batch = self.scheduler.schedule(share)
+            if not batch:
+                break
+            for req in batch.requests:
+                req.in_flight = True
+            self._in_flight.append((batch, time.perf_counter()))
+            self.runner.submit(batch)
+        if not self._in_flight:
             return []
-        start = time.perf_counter()
-        sampled = self.runner.run(batch)
+        batch, start = self._in_flight[0]
+        sampled = self.runner.collect()
+        self._in_flight.popleft()
         finished = self.scheduler.update(batch, sampled)
         self.stats.record(batch, sampled, finished, time.perf_counter() - start)
         return self._outputs(finished)
@@ -222,6 +243,10 @@ class LLMEngine:
     def abort_all(self, reason: str = "error") -> list[Request]:
         """Drop every unfinished request (after a failed step); returns them."""
         dropped = self._unfinished()
+        for batch, _ in self._in_flight:  # their tokens will never come back
+            for req in batch.requests:
+                req.in_flight = False
+        self._in_flight.clear()
         self.scheduler.finish(dropped, reason)
         self.block_manager.reset_cache()  # the failed step may have half-written its blocks
         self.runner.reset_streams()

@@ -75,6 +75,9 @@ class Request:
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # In a batch submitted to a pipeline and not yet collected: the scheduler neither
+    # schedules it again nor preempts it until its tokens are back.
+    in_flight: bool = False
 
     def __post_init__(self):
         if not self.token_ids:

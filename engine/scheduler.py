@@ -14,6 +14,11 @@ oldest running request is therefore never preempted while another runs, and a
 request alone always fits (`check_fits` refuses requests that could never fit the
 whole pool), so every request makes progress.
 
+With a pipeline (engine/parallel) several batches are in flight at once: a request in
+a batch not yet collected is skipped when scheduling and is never chosen for
+preemption (its blocks are being written); the oldest request not in flight plays the
+oldest request's part above.
+
 With prefix caching, a request admitted from the waiting queue (new, or preempted to
 be recomputed) first takes the cached blocks holding its leading full blocks, and its
 computed tokens start past them; only the rest is scheduled.
@@ -92,12 +97,18 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, max_batch_seqs: int | None = None) -> ScheduledBatch:
+        """The next batch; `max_batch_seqs` caps its requests (a pipeline splits the
+        running requests over the batches it keeps in flight)."""
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        cap = max_batch_seqs or self.max_num_seqs
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(batch) < cap:
             req = self.running[i]
+            if req.in_flight:
+                i += 1
+                continue
             n = min(req.num_uncomputed_tokens, budget)
             if not self._make_room(req, n, batch):
                 break
@@ -107,7 +118,8 @@ class Scheduler:
             i += 1
         if batch.num_preempted:
             return batch  # no admissions while short of blocks
-        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs \
+                and len(batch) < cap:
             req = self.swapped[0]
             n = min(req.num_uncomputed_tokens, budget)
             if not self.block_manager.can_swap_in(req, n):
@@ -118,7 +130,8 @@ class Scheduler:
             budget -= n
         if self.swapped:
             return batch  # swapped requests are older: they come back first
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs \
+                and len(batch) < cap:
             req = self.waiting[0]
             hits = self.block_manager.computed_blocks(req)
             n = min(req.num_tokens - len(hits) * self.block_manager.block_size, budget)
@@ -145,9 +158,12 @@ class Scheduler:
         batch.add(req, num_tokens)
 
     def _make_room(self, req: Request, num_tokens: int, batch: ScheduledBatch) -> bool:
-        """Preempt from the newest end until `req` fits; False if `req` itself went."""
+        """Preempt from the newest end (skipping requests in flight) until `req` fits;
+        False if `req` itself went."""
         while not self.block_manager.can_allocate(req, num_tokens):
-            victim = self.running.pop()
+            at = next(i for i in range(len(self.running) - 1, -1, -1)
+                      if not self.running[i].in_flight)  # `req` itself at the latest
+            victim = self.running.pop(at)
             self._preempt(victim, batch)
             batch.num_preempted += 1
             if victim is req:
@@ -172,6 +188,9 @@ class Scheduler:
         already free)."""
         finished = []
         for req, n, token in zip(batch.requests, batch.num_scheduled_tokens, sampled):
+            req.in_flight = False
+            if req.is_finished:  # aborted while its batch was in flight
+                continue
             req.num_computed_tokens += n
             if token is None:
                 continue
