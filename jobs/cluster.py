@@ -86,7 +86,7 @@ def _local_cluster(spec: JobSpec):
 
 
 def worker_devices(workers: list[str], num_gpus: int, device: str,
-                   external: bool) -> dict[str, str]:
+                   external: bool, group_size: int = 1) -> dict[str, str]:
     """Worker address -> the device its engine uses (`workers` sorted, `num_gpus` visible
     on this machine, `device` the job's option).
 
@@ -94,10 +94,23 @@ def worker_devices(workers: list[str], num_gpus: int, device: str,
     GPU while there are at least as many GPUs as workers; beyond that workers share GPUs
     round-robin, each with its own engine. An explicit `cuda:K` or `cpu` is kept, and so
     is any option on an external cluster (`--scheduler`), whose workers usually see one
-    GPU each through CUDA_VISIBLE_DEVICES. No GPU: the option as given."""
+    GPU each through CUDA_VISIBLE_DEVICES. No GPU: the option as given.
+
+    A device group of `group_size` ranks (tensor x pipeline parallel) per engine: worker
+    i gets GPUs [i * group_size, (i + 1) * group_size) as "cuda:a,b,...", never shared;
+    too few GPUs is an error before anything loads. On an external cluster each worker
+    forms its group from the GPUs its own machine shows it ("cuda")."""
     if external or num_gpus < 1 or device not in _ANY_GPU:
         return {w: device for w in workers}
-    return {w: f"cuda:{i % num_gpus}" for i, w in enumerate(workers)}
+    if group_size == 1:
+        return {w: f"cuda:{i % num_gpus}" for i, w in enumerate(workers)}
+    needed = len(workers) * group_size
+    if needed > num_gpus:
+        raise JobError(f"{len(workers)} worker(s) x a device group of {group_size} ranks "
+                       f"(tensor_parallel_size x pipeline_parallel_size) need {needed} GPUs; "
+                       f"this machine has {num_gpus}: lower --workers or the group's size")
+    return {w: "cuda:" + ",".join(str(i * group_size + r) for r in range(group_size))
+            for i, w in enumerate(workers)}
 
 
 def engine_devices(spec: JobSpec, workers: list[str]) -> dict[str, str]:
@@ -107,6 +120,10 @@ def engine_devices(spec: JobSpec, workers: list[str]) -> dict[str, str]:
         return worker_devices(workers, 0, spec.device, external=True)
     on_gpus = spec.device in _ANY_GPU
     num_gpus = _num_visible_gpus() if on_gpus else 0  # `cpu` never touches CUDA
+    group = spec.tensor_parallel_size * spec.pipeline_parallel_size
+    if group > 1:
+        return worker_devices(workers, num_gpus, spec.device, external=False,
+                              group_size=group)
     if on_gpus and 0 < num_gpus < len(workers):
         log.warning("%d workers share %d GPUs (round-robin, one engine each); use --workers "
                     "%d for one GPU per worker", len(workers), num_gpus, num_gpus)

@@ -54,6 +54,19 @@ def _key(model: str, engine_kwargs: dict) -> tuple:
     return model, tuple(sorted(engine_kwargs.items()))
 
 
+def drop_engine(model: str, engine_kwargs: dict) -> None:
+    """Close and forget this process's engine for that config if its device group died:
+    the next task on this worker loads a fresh one (a fresh one another task already
+    loaded is kept)."""
+    key = _key(model, _on_worker_device(engine_kwargs))
+    with _lock:
+        llm = _engines.get(key)
+        if llm is None or not getattr(llm.engine.runner, "failed", None):
+            return
+        del _engines[key]
+    llm.close()
+
+
 def close_engines() -> None:
     """Close this process's engine and forget its device: its cluster is gone."""
     with _lock:

@@ -193,6 +193,7 @@ def _stream(client, spec, todo, fingerprint, owner, topic, run_token, progress, 
     from distributed import as_completed
 
     pending, index_of = iter(todo), {}
+    parts, retries = {p.index: p for p in todo}, {}
     running = as_completed(loop=client.loop)
     try:
         while True:
@@ -208,7 +209,18 @@ def _stream(client, spec, todo, fingerprint, owner, topic, run_token, progress, 
             try:
                 stats = future.result()
             except Exception as exc:
-                raise _task_error(exc) from None
+                error = _task_error(exc)
+                part = parts.get(index_of.get(future.key))
+                if part is None or not _retry(error, part, retries):
+                    raise error from None
+                index_of.pop(future.key)
+                progress.message(f"{part.name}: {error}; retrying it on a fresh engine "
+                                 f"(retry {retries[part.index]} of {GROUP_RETRIES})")
+                key = f"fusegen-{fingerprint}-{part.name}-{run_token}-r{retries[part.index]}"
+                index_of[key] = part.index
+                running.add(client.submit(run_partition, spec, part, fingerprint, topic,
+                                          owner, pure=False, key=key))
+                continue
             index = index_of.pop(future.key)
             results[index] = stats
             progress.advance(index, stats.rows_read, stats.num_generated_tokens,
@@ -219,6 +231,19 @@ def _stream(client, spec, todo, fingerprint, owner, topic, run_token, progress, 
         running.clear()
         client.cancel(unfinished)
         raise
+
+
+# A partition whose engine's device group died (a rank crashed or stopped answering) runs
+# again on a fresh engine this many times before the job fails; its part is written only
+# when it completes, so a retry never doubles a row.
+GROUP_RETRIES = 2
+
+
+def _retry(error: JobError, part: Partition, retries: dict[int, int]) -> bool:
+    if "device_group_failed" not in str(error) or retries.get(part.index, 0) >= GROUP_RETRIES:
+        return False
+    retries[part.index] = retries.get(part.index, 0) + 1
+    return True
 
 
 def _workers(client) -> list[str]:

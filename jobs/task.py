@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 from concurrent.futures import wait
 
-from fusegen.jobs.engines import get_engine, loaded_engine, set_worker_device
+from fusegen.engine.errors import DeviceGroupError
+from fusegen.jobs.engines import drop_engine, get_engine, loaded_engine, set_worker_device
 from fusegen.jobs.errors import JobError
 from fusegen.jobs.formats import OPENAI_BATCH, mark_line_errors
 from fusegen.jobs.openai_batch import run_batch_partition
@@ -145,6 +146,9 @@ def _guard(spec: JobSpec, what: str, fn):
     driver nor Dask's worker logs ever see a secret."""
     try:
         return fn()
+    except DeviceGroupError as exc:  # the engine is gone: a retry here starts a fresh one
+        drop_engine(spec.model, spec.engine_kwargs())
+        raise JobError(spec.redactor()(f"{what}: {exc}")) from None
     except JobError as exc:
         raise JobError(spec.redactor()(f"{what}: {exc}")) from None
     except Exception as exc:  # noqa: BLE001

@@ -121,6 +121,11 @@ class ParallelRunner:
                            "devices": [i.device for i in self.infos]}
         return report
 
+    @property
+    def failed(self) -> str | None:
+        """The device_group_failed message once a rank failed (the group is gone)."""
+        return self.group.failed
+
     def reset_streams(self) -> None:
         """A failed step leaves the group gone (DeviceGroupError); nothing to reset."""
 
