@@ -17,7 +17,7 @@ whole pool), so every request makes progress.
 With a pipeline (engine/parallel) several batches are in flight at once: a request in
 a batch not yet collected is skipped when scheduling and is never chosen for
 preemption (its blocks are being written); the oldest request not in flight plays the
-oldest request's part above.
+oldest request's part above, and victims are recomputed rather than swapped.
 
 With prefix caching, a request admitted from the waiting queue (new, or preempted to
 be recomputed) first takes the cached blocks holding its leading full blocks, and its
@@ -160,19 +160,22 @@ class Scheduler:
     def _make_room(self, req: Request, num_tokens: int, batch: ScheduledBatch) -> bool:
         """Preempt from the newest end (skipping requests in flight) until `req` fits;
         False if `req` itself went."""
+        # With batches in flight the victims are recomputed, never swapped: this batch may
+        # end up without requests, and a batch without requests does not run its copies.
+        swap = not any(r.in_flight for r in self.running)
         while not self.block_manager.can_allocate(req, num_tokens):
             at = next(i for i in range(len(self.running) - 1, -1, -1)
                       if not self.running[i].in_flight)  # `req` itself at the latest
             victim = self.running.pop(at)
-            self._preempt(victim, batch)
+            self._preempt(victim, batch, swap)
             batch.num_preempted += 1
             if victim is req:
                 return False
         return True
 
-    def _preempt(self, request: Request, batch: ScheduledBatch) -> None:
+    def _preempt(self, request: Request, batch: ScheduledBatch, swap: bool = True) -> None:
         request.num_preemptions += 1
-        if self.block_manager.can_swap_out(request):
+        if swap and self.block_manager.can_swap_out(request):
             batch.swap_out += self.block_manager.swap_out(request)
             request.status = RequestStatus.SWAPPED
             self.swapped.appendleft(request)

@@ -359,3 +359,67 @@ def test_shared_prefix_progress_under_preemption_with_exact_reference_counts(num
     assert bm.num_free_blocks == 10 and bm.num_free_host_blocks == num_host_blocks
     # every request after the first found the prefix's two full blocks when first admitted
     assert [r.num_cached_tokens for r in reqs] == [0, 4, 4, 4, 4, 4]
+
+
+def _submit(batch):
+    for req in batch.requests:
+        req.in_flight = True
+    return batch
+
+
+def _collect(scheduler, batch, token=7):
+    sampled = [token if batch.samples(i) else None for i in range(len(batch))]
+    return scheduler.update(batch, sampled)
+
+
+def test_requests_in_flight_are_neither_rescheduled_nor_preempted():
+    """A pipeline keeps two batches in flight: the second never holds a request of the
+    first, and making room never takes a request whose batch is out."""
+    bm = BlockManager(num_blocks=5, block_size=2)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    reqs = [make(i, 3, max_tokens=4) for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    first = _submit(sched.schedule(max_batch_seqs=1))
+    second = _submit(sched.schedule(max_batch_seqs=1))
+    assert [r.request_id for r in first.requests] == [0]
+    assert [r.request_id for r in second.requests] == [1]
+    assert [r.block_table for r in reqs] == [[0, 1], [2, 3], []]
+    assert not sched.schedule(max_batch_seqs=1)  # 0 and 1 out; 2 needs 2 blocks, 1 free
+    _collect(sched, first)
+    # 0 decodes at position 3 (no new block); 1 is still out, so it cannot be a victim.
+    third = _submit(sched.schedule(max_batch_seqs=1))
+    assert third.requests == [reqs[0]] and third.num_preempted == 0
+    _collect(sched, second)
+    _collect(sched, third)
+    # Position 4: 0 needs a third block and takes the free one; 1 decodes at position 3.
+    fourth = _submit(sched.schedule(max_batch_seqs=1))
+    assert fourth.requests == [reqs[0]] and reqs[0].block_table == [0, 1, 4]
+    fifth = _submit(sched.schedule(max_batch_seqs=1))
+    assert fifth.requests == [reqs[1]] and bm.num_free_blocks == 0
+    _collect(sched, fourth)
+    _collect(sched, fifth)
+    sixth = _submit(sched.schedule(max_batch_seqs=1))  # 0 at position 5, in its blocks
+    assert sixth.requests == [reqs[0]]
+    # 1 needs a block at position 4 and none is free: the newest request not in flight
+    # is 1 itself (0, older, is out), so 1 is preempted and 0 keeps its blocks.
+    seventh = sched.schedule(max_batch_seqs=1)
+    assert seventh.requests == [] and seventh.num_preempted == 1
+    assert reqs[0].block_table == [0, 1, 4] and reqs[1].block_table == []
+    assert [r.request_id for r in sched.waiting] == [1, 2]
+    _collect(sched, sixth)
+    assert reqs[0].num_computed_tokens == 6 and not reqs[0].in_flight
+
+
+def test_request_aborted_in_flight_is_dropped_when_its_batch_returns():
+    bm = BlockManager(num_blocks=8, block_size=2)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    reqs = [make(i, 3) for i in range(2)]
+    for r in reqs:
+        sched.add(r)
+    batch = _submit(sched.schedule())
+    sched.finish([reqs[1]], "abort")
+    assert bm.num_free_blocks == 6 and reqs[1].finish_reason == "abort"
+    assert _collect(sched, batch) == []  # its token discarded, its blocks freed once
+    assert reqs[1].num_computed_tokens == 0 and reqs[1].output_token_ids == []
+    assert reqs[0].num_computed_tokens == 3 and bm.num_free_blocks == 6
