@@ -270,3 +270,27 @@ def test_killed_rank_fails_the_step_and_nothing_hangs(checkpoints):
     finally:
         llm.close()
     assert _children() == []
+
+
+@pytest.mark.parametrize("host_memory", ["1GiB", 0])
+def test_each_rank_streams_its_share_of_layers(tmp_path, host_memory):
+    """The memory pool plans per rank: a device budget that holds one of a stage's four
+    layers streams the other three from host memory (or the memory-mapped checkpoint) on
+    every rank, and the tokens stay those of one process holding everything."""
+    from test_offload import budget_for
+
+    path = str(make_hf_checkpoint(tmp_path, "llama", seed=11, num_hidden_layers=8))
+    options = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=64)
+    with LLM(path, **options) as llm:
+        expected = tokens(llm)
+    with LLM(path, tensor_parallel_size=2, pipeline_parallel_size=2, **options) as llm:
+        budget = budget_for(llm.placement.sizes, resident=1)
+    with LLM(path, device_memory=budget, host_memory=host_memory, tensor_parallel_size=2,
+             pipeline_parallel_size=2, **options) as llm:
+        assert llm.placement.layer_tiers == ["device"] + ["host" if host_memory else "disk"] * 3
+        assert tokens(llm) == expected
+        ranks = llm.memory_report()["ranks"]
+    assert sorted(ranks) == [0, 1, 2, 3]
+    assert all(r["layers"] == {"device": 1, "host": 3 if host_memory else 0,
+                               "disk": 0 if host_memory else 3} for r in ranks.values())
+    assert all(r["streamed"]["loads"] > 0 for r in ranks.values())
