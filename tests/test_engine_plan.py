@@ -80,7 +80,7 @@ def test_errors_name_the_limit():
 
 @pytest.mark.parametrize("kw, fragment", [
     ({"dtype": "fp8"}, "dtype must be one of auto, float32, bfloat16, float16; got 'fp8'"),
-    ({"device": "gpu"}, "device must be auto, cpu, cuda or cuda:N; got 'gpu'"),
+    ({"device": "gpu"}, "device must be auto, cpu, cuda, cuda:N or cuda:N,M,...; got 'gpu'"),
     ({"block_size": 3}, "block_size must be a power of two up to 128; got 3"),
     ({"max_num_seqs": 0}, "max_num_seqs must be an integer >= 1, got 0"),
     ({"num_host_kv_blocks": -1}, "num_host_kv_blocks must be an integer >= 0, got -1"),

@@ -163,10 +163,23 @@ def test_rank_shards_rebuild_every_parameter(checkpoints, arch, tp):
 
 # -- the engine with a device group ---------------------------------------------------
 
+# Chunked prefill (16-token steps) and preemption with swapping: eight requests of 9 to
+# 44 prompt tokens and 20 new ones over 12 KV blocks of 16.
+TIGHT = dict(max_num_batched_tokens=16, num_kv_blocks=12)
+TIGHT_PROMPTS = [list(range(5, 14 + i)) for i in range(0, 40, 5)]
+
+
 @pytest.mark.parametrize("arch", list(ARCHS))
-def test_tensor_parallel_tokens_equal_single_process(checkpoints, reference, arch):
-    with LLM(str(checkpoints[arch]), dtype="float32", tensor_parallel_size=2) as llm:
+def test_device_groups_give_single_process_tokens(checkpoints, reference, arch):
+    path = str(checkpoints[arch])
+    with LLM(path, dtype="float32") as llm:
+        expected = tokens(llm, TIGHT_PROMPTS, greedy(20))
+    with LLM(path, dtype="float32", tensor_parallel_size=2) as llm:
         assert tokens(llm) == reference[arch]
+    for split in (dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)):
+        with LLM(path, dtype="float32", **split, **TIGHT) as llm:
+            assert tokens(llm, TIGHT_PROMPTS, greedy(20)) == expected, split
+            assert llm.engine.stats.num_preemptions > 0
     assert _children() == []
 
 

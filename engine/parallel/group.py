@@ -121,7 +121,10 @@ class DeviceGroup:
                     self._check_processes(what)
                     raise self._fail(f"rank {rank} closed its connection during {what}") \
                         from None
-                if message[0] == "error":
+                if message[0] == "error":  # a rank that died is the cause, if any did
+                    time.sleep(POLL_SECONDS)
+                    self._check_processes(what, echo=f"rank {message[1]}: {message[2]}",
+                                          reporter=message[1])
                     raise self._fail(f"rank {message[1]} failed during {what}:\n{message[2]}")
                 if message[0] not in kinds:
                     raise self._fail(f"rank {rank} answered {message[0]!r} where "
@@ -132,11 +135,14 @@ class DeviceGroup:
                 raise self._fail(f"rank {rank} did not answer {what} within "
                                  f"{self.timeout} s (collective_timeout)")
 
-    def _check_processes(self, what: str) -> None:
+    def _check_processes(self, what: str, echo: str | None = None,
+                         reporter: int | None = None) -> None:
+        """DeviceGroupError naming the first rank whose process ended (other than the
+        `reporter` of `echo`, an error already received, which follows its cause)."""
         for info, process in zip(self.infos, self.processes):
             code = process.poll()
-            if code is not None:
-                error = self._reported_error()
+            if code is not None and info.rank != reporter:
+                error = echo or self._reported_error()
                 detail = f":\n{error}" if error else ""
                 raise self._fail(f"rank {info.rank} (pid {process.pid}) exited with code "
                                  f"{code} during {what}{detail}")

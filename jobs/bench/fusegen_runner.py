@@ -30,6 +30,10 @@ def run_fusegen(model_dir: Path, requests: list[BenchRequest], warmup: list[Benc
     their JSON completes, so only the others must meet their budgets."""
     from fusegen.engine import LLM
 
+    tp, pp = (engine_options.get(k, 1) for k in ("tensor_parallel_size",
+                                                   "pipeline_parallel_size"))
+    if tp * pp > 1:  # a device group: its shape beside the name
+        label = f"{label} (tp {tp} x pp {pp})"
     result = EngineResult(name, label)
     _forget_parsed_gguf(model_dir)
     start = time.perf_counter()
@@ -39,7 +43,8 @@ def run_fusegen(model_dir: Path, requests: list[BenchRequest], warmup: list[Benc
         # untimed; with a schema, its compilation and the grammar tokenizer's too
         llm.generate(*_prompts_and_params(warmup, schema), use_tqdm=False)
         before = llm.stats()
-        streamer = llm.engine.runner.model.streamer
+        # a device group's ranks stream for themselves (their memory reports say)
+        streamer = getattr(getattr(llm.engine.runner, "model", None), "streamer", None)
         stall_before = streamer.stall_seconds if streamer is not None else 0.0
         progress(f"fusegen: generating {len(requests)} requests "
                  f"(max_num_seqs {llm.config.max_num_seqs}, "
@@ -99,7 +104,7 @@ def _forget_parsed_gguf(model: Path) -> None:
 def _offload_figures(llm, stats: dict) -> dict:
     """With streamed layers: the measured transfer rate, the transfer bound of a decode
     step (the streamed bytes over that rate) and how close the decode steps came to it."""
-    streamer = llm.engine.runner.model.streamer
+    streamer = getattr(getattr(llm.engine.runner, "model", None), "streamer", None)
     if streamer is None:
         return {}
     report = llm.memory_report()
