@@ -175,12 +175,13 @@ def rank_shape(cfg: ModelConfig, dtype: torch.dtype, tp: int, pp: int,
     """What one rank of a device group holds: its stage's layers (the largest stage), its
     slice of each layer and of the embedding and head; the logits stay whole (the last
     stage gathers them). Refuses a split the model cannot take."""
-    from fusegen.engine.parallel.plan import check_parallel, stage_layers
+    from fusegen.engine.parallel.plan import check_parallel, model_stages
     from fusegen.engine.parallel.shard import rank_model_config
 
     check_parallel(cfg, tp, pp)
     local = model_shape(rank_model_config(cfg, tp), dtype, packed_head=packed_head)
-    stages = stage_layers([local.layer_params] * cfg.num_layers, pp)
+    whole = get_architecture(cfg.architecture).layer_numel(cfg)  # as the runner splits
+    stages = model_stages(whole, cfg.num_layers, cfg.vocab_size * cfg.hidden_size, pp)
     return dataclasses.replace(local, num_layers=max(len(s) for s in stages),
                                fixed_params=-(-local.fixed_params // tp))
 

@@ -16,8 +16,8 @@ from fusegen import LLM, SamplingParams
 from fusegen.engine.errors import DeviceGroupError, EngineConfigError
 from fusegen.engine.models import get_architecture
 from fusegen.engine.models.config import ModelConfig
-from fusegen.engine.parallel.plan import (check_parallel, rank_devices, rank_infos,
-                                          stage_layers)
+from fusegen.engine.parallel.plan import (check_parallel, model_stages, rank_devices,
+                                          rank_infos, stage_layers)
 from fusegen.engine.parallel.shard import (rank_model_config, shard_fixed_sources,
                                            shard_layer_sources, vocab_range)
 
@@ -95,6 +95,9 @@ def test_stages_balance_bytes_and_ranks_get_devices():
     assert stage_layers([5, 1, 1, 1, 1, 5], 2) == [range(0, 3), range(3, 6)]
     assert stage_layers([9, 1, 1, 1], 2) == [range(0, 1), range(1, 4)]
     assert stage_layers([1, 1, 1], 3) == [range(0, 1), range(1, 2), range(2, 3)]
+    # the last stage also runs the head: counted there (at half its weights)
+    assert stage_layers([2] * 8, 2, tail=5) == [range(0, 5), range(5, 8)]
+    assert model_stages(3_146_752, 8, 32_000 * 512, 2) == [range(0, 5), range(5, 8)]
     assert rank_devices("cpu", 4, 0) == ["cpu"] * 4
     assert rank_devices("cuda", 2, 4) == ["cuda:0", "cuda:1"]
     assert rank_devices("cuda:3,1", 2, 4) == ["cuda:3", "cuda:1"]

@@ -18,7 +18,7 @@ from fusegen.engine.config import EngineConfig
 from fusegen.engine.memory.plan import LOGITS_CHUNK
 from fusegen.engine.models import get_architecture
 from fusegen.engine.parallel.group import DeviceGroup
-from fusegen.engine.parallel.plan import rank_devices, rank_infos, stage_layers
+from fusegen.engine.parallel.plan import model_stages, rank_devices, rank_infos
 from fusegen.engine.parallel.worker import shared_logits
 from fusegen.engine.runner import ModelRunner, step_inputs
 from fusegen.engine.sampler import Sampler, SamplingBatch
@@ -45,7 +45,8 @@ class ParallelRunner:
         self.model_uses_request_lengths = getattr(arch.build_model(cfg), "uses_request_lengths",
                                                   False)
         world = self.tp * self.pp
-        stages = stage_layers([arch.layer_numel(cfg)] * cfg.num_layers, self.pp)
+        stages = model_stages(arch.layer_numel(cfg), cfg.num_layers,
+                              cfg.vocab_size * cfg.hidden_size, self.pp)
         gpus = torch.cuda.device_count() if config.device.startswith("cuda") else 0
         self.infos = rank_infos(self.tp, self.pp, stages,
                                 rank_devices(config.device, world, gpus), _num_cores())
