@@ -19,6 +19,7 @@ from fusegen.engine.models.rope import recompute_length
 from fusegen.engine.outputs import RequestGroup, RequestOutput
 from fusegen.engine.request import Request
 from fusegen.engine.parallel.runner import make_runner
+from fusegen.engine.runner import ModelRunner
 from fusegen.engine.sampling_params import SamplingParams
 from fusegen.engine.scheduler import ScheduledBatch, Scheduler
 from fusegen.engine.logits_processors import bad_words_token_ids, vocabulary_problem
@@ -142,6 +143,12 @@ class LLMEngine:
         if error is None:
             problem = vocabulary_problem(params, self.vocab_size)
             error = problem and f"invalid_params: {problem}"
+        if error is None and params.prompt_logprobs is not None \
+                and not isinstance(self.runner, ModelRunner):
+            # a device group returns the sampled rows' logits only
+            error = ("invalid_params: prompt_logprobs needs every prompt row's logits, which "
+                     "a device group (tensor_parallel_size x pipeline_parallel_size > 1) "
+                     "does not return; run without it, or on one device")
         if error is None:  # compiled once per distinct constraint, copied per request
             structured, error = self.structured.state_for(params)
         if error is not None:

@@ -179,7 +179,8 @@ def test_device_groups_give_single_process_tokens(checkpoints, reference, arch):
         expected = tokens(llm, TIGHT_PROMPTS, greedy(20))
     with LLM(path, dtype="float32", tensor_parallel_size=2) as llm:
         assert tokens(llm) == reference[arch]
-    for split in (dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)):
+    for split in (dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2),
+                  dict(tensor_parallel_size=2, pipeline_parallel_size=2)):
         with LLM(path, dtype="float32", **split, **TIGHT) as llm:
             assert tokens(llm, TIGHT_PROMPTS, greedy(20)) == expected, split
             assert llm.engine.stats.num_preemptions > 0
@@ -193,6 +194,10 @@ def test_pipeline_and_both_splits_equal_single_process(checkpoints, reference):
                  pipeline_parallel_size=pp) as llm:
             assert tokens(llm) == reference[arch], (arch, tp, pp)
             report = llm.engine.memory_report()
+            refused = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2, prompt_logprobs=1),
+                                   use_tqdm=False)[0]
+            assert refused.error_code == "invalid_params" and refused.outputs[0].token_ids == []
+            assert "prompt_logprobs needs every prompt row's logits" in refused.error
             assert report["group"]["tensor_parallel_size"] == tp
             assert report["group"]["stages"] == [[s.start, s.stop] for s in
                                                  stage_layers([1, 1], pp)]

@@ -56,10 +56,19 @@ def test_each_worker_gets_its_own_gpus_for_its_group():
 
 
 def test_tensor_parallel_job_equals_single_device_job(tmp_path):
+    """`fusegen run --tensor-parallel-size 2` over Parquet: the single-device job's rows."""
+    from click.testing import CliRunner
+
+    from fusegen.jobs.cli import main
+
     write_prompts(tmp_path / "in.parquet", 24)
     run_job(_spec(tmp_path / "in.parquet", tmp_path / "one"))
-    result = run_job(_spec(tmp_path / "in.parquet", tmp_path / "two", tensor_parallel_size=2))
-    assert result.num_rows == 24 and result.num_errors == 0
+    args = ["run", "--input", str(tmp_path / "in.parquet"), "--output", str(tmp_path / "two"),
+            "--model", tiny_model_dir(), "--max-tokens", "24", "--partition-rows", "8",
+            "--max-num-seqs", "8", "--temperature", "0", "--dtype", "float32",
+            "--output-token-ids", "--progress", "none", "--tensor-parallel-size", "2"]
+    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
     assert _rows(tmp_path / "two") == _rows(tmp_path / "one")
     assert [r[0] for r in _rows(tmp_path / "two")] == list(range(24))
     assert _ranks() == []
