@@ -117,6 +117,19 @@ def test_stages_balance_bytes_and_ranks_get_devices():
     assert infos[3].tp_ranks == [2, 3] and infos[3].layers == range(1, 2)
 
 
+def test_shared_memory_too_small_for_the_logits_is_refused_before_start():
+    from fusegen.engine.parallel.group import check_shared_memory
+
+    check_shared_memory(64 * 2**20, "x", free=64 * 2**20)
+    with pytest.raises(EngineConfigError) as info:
+        check_shared_memory(300 * 2**20, "2 stage(s) x max_num_seqs 256 x vocabulary 152064 x "
+                            "4 bytes", free=64 * 2**20)
+    assert str(info.value) == (
+        "a device group passes sampled logits through 300 MiB of shared memory (2 stage(s) x "
+        "max_num_seqs 256 x vocabulary 152064 x 4 bytes); /dev/shm has 64 MiB free: give it "
+        "more (a container's --shm-size) or lower max_num_seqs")
+
+
 @pytest.mark.parametrize("arch, tp", [("llama", 2), ("llama", 4), ("phi3", 2),
                                       ("mixtral", 2), ("qwen3", 2)])
 def test_rank_shards_rebuild_every_parameter(checkpoints, arch, tp):

@@ -24,7 +24,7 @@ import time
 from multiprocessing.connection import Listener
 from multiprocessing.shared_memory import SharedMemory
 
-from fusegen.engine.errors import DeviceGroupError
+from fusegen.engine.errors import DeviceGroupError, EngineConfigError
 from fusegen.engine.parallel.plan import RankInfo
 from fusegen.engine.parallel.worker import ADDRESS_ENV, AUTHKEY_ENV
 
@@ -190,6 +190,21 @@ class DeviceGroup:
             self.logits.unlink()
             self.logits = None
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def check_shared_memory(nbytes: int, what: str, free: int | None = None) -> None:
+    """Refuse a buffer /dev/shm cannot hold before any rank starts: past its size a
+    write kills the writer with SIGBUS (containers often give /dev/shm 64 MiB)."""
+    if free is None:
+        if not os.path.isdir("/dev/shm"):
+            return
+        stat = os.statvfs("/dev/shm")
+        free = stat.f_bavail * stat.f_frsize
+    if nbytes > free:
+        raise EngineConfigError(
+            f"a device group passes sampled logits through {nbytes / 2**20:.0f} MiB of shared "
+            f"memory ({what}); /dev/shm has {free / 2**20:.0f} MiB free: give it more (a "
+            "container's --shm-size) or lower max_num_seqs")
 
 
 def _free_port() -> int:

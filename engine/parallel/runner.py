@@ -17,7 +17,7 @@ import torch
 from fusegen.engine.config import EngineConfig
 from fusegen.engine.memory.plan import LOGITS_CHUNK
 from fusegen.engine.models import get_architecture
-from fusegen.engine.parallel.group import DeviceGroup
+from fusegen.engine.parallel.group import DeviceGroup, check_shared_memory
 from fusegen.engine.parallel.plan import model_stages, rank_devices, rank_infos
 from fusegen.engine.parallel.worker import shared_logits
 from fusegen.engine.runner import ModelRunner, step_inputs
@@ -52,8 +52,10 @@ class ParallelRunner:
                                 rank_devices(config.device, world, gpus), _num_cores())
         self.sampler = Sampler("cpu", options.seed)
         rows = config.max_num_seqs
-        self.group = DeviceGroup(config, self.infos, self.pp * rows * cfg.vocab_size * 4,
-                                 self.pp)
+        logits_bytes = self.pp * rows * cfg.vocab_size * 4
+        check_shared_memory(logits_bytes, f"{self.pp} stage(s) x max_num_seqs {rows} x "
+                                          f"vocabulary {cfg.vocab_size} x 4 bytes")
+        self.group = DeviceGroup(config, self.infos, logits_bytes, self.pp)
         self._in_flight: deque = deque()
         self._num_steps = 0
 
