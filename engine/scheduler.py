@@ -160,10 +160,11 @@ class Scheduler:
     def _make_room(self, req: Request, num_tokens: int, batch: ScheduledBatch) -> bool:
         """Preempt from the newest end (skipping requests in flight) until `req` fits;
         False if `req` itself went."""
-        # With batches in flight the victims are recomputed, never swapped: this batch may
-        # end up without requests, and a batch without requests does not run its copies.
-        swap = not any(r.in_flight for r in self.running)
         while not self.block_manager.can_allocate(req, num_tokens):
+            # With batches in flight the victims are recomputed, never swapped: this batch
+            # may end up without requests, and a batch without requests does not run its
+            # copies. (Asked only when short of blocks: a scan of every running request.)
+            swap = not any(r.in_flight for r in self.running)
             at = next(i for i in range(len(self.running) - 1, -1, -1)
                       if not self.running[i].in_flight)  # `req` itself at the latest
             victim = self.running.pop(at)

@@ -47,7 +47,7 @@ _SIGNATURES = {
     # csrc/paged_decode.c
     **{name: [_P] * 8 + [_I] * 6 + [_F, ctypes.POINTER(Strides), _I]
        for name in ("paged_decode_f32", "paged_decode_bf16", "paged_decode_f16",
-                    "paged_prefill_f32")},  # and csrc/paged_prefill.c
+                    "paged_prefill_f32", "paged_prefill_bf16")},  # and csrc/paged_prefill.c
     # csrc/elementwise.c
     **{f"rms_norm_{t}": [_P] * 5 + [_L, _I, _F] + [_L] * 4 + [_I, _I] for t in ("f32", "bf16")},
     **{f"silu_mul_{t}": [_P, _P, _L, _I, _L, _L, _I] for t in ("f32", "bf16")},
@@ -59,7 +59,7 @@ _SIGNATURES = {
     "gemm_f32": [_P, _L, _L, _P, _L, _L, _P, _P, _L, _I],
     "gemm_argmax_f32": [_P, _L, _L, _P, _L, _L, _P, _P, _I],
     # csrc/argmax.c
-    "argmax_f32": [_P, _P, _L, _I, _L, _I],
+    **{f"argmax_{t}": [_P, _P, _L, _I, _L, _I] for t in ("f32", "bf16")},
 }
 
 

@@ -1,8 +1,9 @@
 """Paged attention on CPUs (the shapes are those of `paged_attention.py`).
 
 Decode rows go to the C kernel (`kernels/csrc/paged_decode.c`), which reads each
-sequence's KV blocks in place; prefill rows go to torch's fused attention, one sequence
-at a time. `paged_attention_rowwise` is the batch-invariant path: every row a decode of
+sequence's KV blocks in place; prefill rows to the C prefill kernel
+(`kernels/csrc/paged_prefill.c`, fp32 and bf16), or for what it does not take to torch's
+fused attention, one sequence at a time. `paged_attention_rowwise` is the batch-invariant path: every row a decode of
 its own position. `paged_attention_reference` is plain torch, for machines without a C
 compiler and for tests.
 """
@@ -19,14 +20,15 @@ from fusegen.kernels import native, use_native
 
 _NATIVE_DECODE = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16",
                   torch.float16: "paged_decode_f16"}
+_NATIVE_PREFILL = {torch.float32: "paged_prefill_f32", torch.bfloat16: "paged_prefill_bf16"}
 
 
 def paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *,
                         max_query_len: int, max_seq_len: int, scale: float,
                         sliding_window: int = 0) -> torch.Tensor:
     """CPU path: decode rows through the C kernel (kernels/csrc/paged_decode.c), which
-    reads each sequence's blocks in place; prefill rows through torch's fused attention,
-    one sequence at a time."""
+    reads each sequence's blocks in place; prefill rows through the C prefill kernel
+    where it takes them, else torch's fused attention, one sequence at a time."""
     out = torch.empty_like(q)
     if max_query_len == 1:  # a pure decode step: every sequence, no index lists
         paged_decode_native(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
@@ -106,12 +108,15 @@ def paged_prefill_native(q, k_cache, v_cache, block_tables, seq_lens, query_star
                          num_threads: int | None = None) -> bool:
     """Prefill attention (kernels/csrc/paged_prefill.c) for the sequences `seq_ids`, each
     with its query rows query_start_loc[i]..[i+1] the last of its seq_lens[i] tokens,
-    into `out` in place. fp32 only; False (nothing written) for a shape the kernel does
-    not take (head_dim not a multiple of 32, more than 16 query heads per KV head), which
-    the caller then runs another way."""
-    if q.dtype != torch.float32 or seq_ids is None or len(seq_ids) == 0:
+    into `out` in place. fp32 or bf16 (computed in fp32, rounded once at the end); False
+    (nothing written) for another dtype or a shape the kernel does not take (head_dim not
+    a multiple of 32, more than 16 query heads per KV head), which the caller then runs
+    another way."""
+    name = _NATIVE_PREFILL.get(q.dtype)
+    if name is None or seq_ids is None or len(seq_ids) == 0 or not (
+            q.dtype == k_cache.dtype == v_cache.dtype == out.dtype):
         return False
-    return _call("paged_prefill_f32", q, k_cache, v_cache, block_tables, seq_lens,
+    return _call(name, q, k_cache, v_cache, block_tables, seq_lens,
                  query_start_loc, out, scale, sliding_window, seq_ids, num_threads) == 0
 
 

@@ -144,11 +144,19 @@ def test_model_runs_instead_of_the_random_checkpoint(kind, llama_dir, tiny_gguf,
         assert "load" not in report
 
 
+def _auto_dtype() -> str:
+    """The dtype a GGUF model's bench runs in ("auto"): bf16 on CPUs where it pays, so
+    the baselines' export is made in it."""
+    from fusegen.engine.config import resolve_dtype
+
+    return str(resolve_dtype("auto", "cpu")).removeprefix("torch.")
+
+
 def test_gguf_model_baselines_run_the_export(tiny_gguf, tmp_path):
     cache = tmp_path / "cache"
     result, report = _bench(cache, tmp_path / "r.json", "--model", str(tiny_gguf),
                             "--skip-hf-continuous")
-    export = export_dir(tiny_gguf, "float32", cache)
+    export = export_dir(tiny_gguf, _auto_dtype(), cache)
     assert report["model"]["baseline_checkpoint"] == str(export)
     assert (export / "config.json").is_file()
     static = report["results"]["hf_static"]
@@ -200,7 +208,7 @@ def test_chat_prompts_reach_every_engine_templated_and_identical(tiny_gguf, fake
     requests, _ = workload_for(config)
     report = run_benchmark(config)
 
-    export = export_dir(tiny_gguf, "float32", tmp_path / "cache")
+    export = export_dir(tiny_gguf, _auto_dtype(), tmp_path / "cache")
     [(path, got, _)] = calls["run_fusegen"]
     assert path == tiny_gguf and got == requests  # fusegen runs the file itself
     # transformers: its GGUF loader timed once, then the baselines on the export

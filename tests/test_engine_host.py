@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fusegen.engine.host import HUGE_PAGE, advise_huge_pages, keep_freed_memory, zeros_huge
+from fusegen.engine.host import (HUGE_PAGE, advise_huge_pages, huge_pages_pay,
+                                 keep_freed_memory, zeros_huge)
 
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -29,11 +30,26 @@ def _huge_bytes(tensor: torch.Tensor) -> int:
                     or "[never]" in _THP.read_text(),
                     reason="transparent huge pages are off or absent on this machine")
 def test_kv_cache_memory_gets_huge_pages():
-    cache = zeros_huge((8, 256, 2, 16, 4, 64), torch.float32)  # 64 MiB
+    cache = zeros_huge((8, 256, 2, 16, 4, 64), torch.float32, huge=True)  # 64 MiB
     assert cache.count_nonzero() == 0
     cache.fill_(0.5)  # the engine writing keys and values
     # The kernel may lack free 2 MiB frames on a busy machine; most of the span should not.
     assert _huge_bytes(cache) >= 16 * HUGE_PAGE
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the lazy pool is Linux's")
+def test_small_pages_when_huge_ones_do_not_pay(monkeypatch):
+    """Where a huge page's first touch costs more than it gains (huge_pages_pay measures
+    it), the pool is left on small pages, still zeroed and lazily faulted."""
+    import fusegen.engine.host as host
+
+    monkeypatch.setattr(host, "huge_pages_pay", lambda: False)
+    cache = zeros_huge((8, 256, 2, 16, 4, 64), torch.float32)
+    assert cache.shape == (8, 256, 2, 16, 4, 64) and cache.count_nonzero() == 0
+    cache.fill_(0.5)
+    if _THP.is_file() and "[madvise]" in _THP.read_text():  # ("always" gives them anyway)
+        assert _huge_bytes(cache) == 0
+    assert isinstance(huge_pages_pay(), bool) and huge_pages_pay() is huge_pages_pay()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the lazy pool is Linux's")

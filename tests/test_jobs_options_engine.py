@@ -44,6 +44,8 @@ def test_option_columns_match_the_engine_alone(tmp_path):
 def test_jsonl_parts_carry_openai_logprobs(tmp_path):
     # --output-format jsonl: each completion's logprobs in OpenAI's chat shape, with the
     # row's own number of alternatives (a per-row `logprobs` column beside the job's 2).
+    # fp32 on every CPU: the two runs batch rows their own ways, and in bf16 (the "auto"
+    # of CPUs with bf16 units) that moves logprobs by more than float rounding.
     import json
 
     prompts = ["the quick brown fox", "jumps over", "the lazy dog"]
@@ -51,11 +53,11 @@ def test_jsonl_parts_carry_openai_logprobs(tmp_path):
     pq.write_table(table, tmp_path / "in.parquet")
     run_job(JobSpec(model=tiny_model_dir(), input=str(tmp_path / "in.parquet"),
                     output=str(tmp_path / "out"), max_tokens=4, temperature=0.0, logprobs=2,
-                    progress="none", output_format="jsonl"))
+                    progress="none", output_format="jsonl", dtype="float32"))
     rows = [json.loads(line) for part in sorted((tmp_path / "out").glob("part-*.jsonl"))
             for line in part.read_text().splitlines()]
     params = [SamplingParams(max_tokens=4, temperature=0.0, logprobs=k) for k in (2, 0, 3)]
-    with LLM(tiny_model_dir()) as llm:
+    with LLM(tiny_model_dir(), dtype="float32") as llm:
         expected = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     assert [r["generated_text"] for r in rows] == [c.text for c in expected]
     for row, c, k in zip(rows, expected, (2, 0, 3)):

@@ -75,9 +75,39 @@ def test_shapes_it_does_not_take_are_declined():
     assert not paged_prefill_native(q, k_cache, v_cache, tables, lens, starts, out, [0],
                                     scale=0.25)
     assert torch.isnan(out).all()
-    bf16 = q.bfloat16()
-    assert not paged_prefill_native(bf16, k_cache.bfloat16(), v_cache.bfloat16(), tables, lens,
-                                    starts, bf16.clone(), [0], scale=0.25)
+    half = q.half()  # fp16: not a dtype it takes
+    assert not paged_prefill_native(half, k_cache.half(), v_cache.half(), tables, lens,
+                                    starts, half.clone(), [0], scale=0.25)
+    bf16 = q.bfloat16()  # one dtype for all: a bf16 query against fp32 caches is declined
+    assert not paged_prefill_native(bf16, k_cache, v_cache, tables, lens, starts,
+                                    bf16.clone(), [0], scale=0.25)
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size, specs, window", [
+    (8, 4, 64, 16, [(5, 5), (17, 40), (33, 33), (2, 100)], 0),
+    (8, 4, 64, 16, [(40, 40), (17, 90)], 20),
+    (4, 4, 128, 32, [(70, 70), (9, 200)], 0),
+    (6, 2, 96, 5, [(13, 13), (7, 30)], 0),
+])
+def test_bf16_is_computed_in_fp32_and_rounded_once(heads, kv_heads, head_dim, block_size,
+                                                   specs, window):
+    """bf16 queries and caches: the result is the fp32 attention of the same (bf16) values,
+    rounded to bf16 once; against that rounding the kernel may differ by one bf16 step
+    where fp32 sums in another order land on the other side of a rounding boundary."""
+    q, k_cache, v_cache, tables, lens, starts = (
+        t.bfloat16() if t.is_floating_point() else t
+        for t in _case(heads, kv_heads, head_dim, block_size, specs, seed=5))
+    out = torch.full_like(q, float("nan"))
+    assert paged_prefill_native(q, k_cache, v_cache, tables, lens, starts, out,
+                                list(range(len(specs))), scale=head_dim ** -0.5,
+                                sliding_window=window)
+    exact = _reference(q.float(), k_cache.float(), v_cache.float(), tables, lens, starts,
+                       window)
+    assert out.dtype == torch.bfloat16
+    rounded = exact.bfloat16()
+    step = (rounded.float().abs() * 2 ** -7).clamp_min(2 ** -126)  # one bf16 ulp, bounded
+    assert ((out.float() - rounded.float()).abs() <= step).all()
+    assert (out == rounded).float().mean() > 0.99
 
 
 def test_mixed_step_uses_both_kernels():

@@ -199,3 +199,30 @@ def test_a_tied_head_is_counted_twice(qwen2_dir, monkeypatch):
     with LLM(str(qwen2_dir), dtype="float32") as llm:
         dense = llm.memory_report()["device"]["weights"]
     assert packed == dense + head
+
+
+@pytest.mark.skipif(not can_pack(torch.bfloat16), reason="bf16 weights are not packed here")
+@pytest.mark.parametrize("rows", [1, 7, 40])
+def test_bf16_head_argmax_is_the_argmax_of_its_fp32_logits(rows):
+    # what greedy decoding asks of a bf16 head: the logits' argmax, without the fp32 copy
+    dense = _linear(32000, 64)
+    dense.weight = dense.weight.bfloat16()
+    packed = PackedLinear.pack(dense, batch_hint=rows)
+    x = torch.randn(rows, 64).bfloat16()
+    assert torch.equal(packed.argmax(x), packed(x).float().argmax(-1))
+
+
+def test_bf16_argmax_kernel_keeps_the_first_column_on_ties():
+    from fusegen.kernels import native
+    from fusegen.kernels.argmax import argmax_native
+
+    if native.library() is None:
+        pytest.skip("no C compiler here")
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(9, 5000, generator=gen).bfloat16()
+    logits[2, [17, 400, 4999]] = 9.0  # three columns tie on the row's maximum
+    logits[5, -1] = 9.5  # the last column
+    logits[6] = -3.0  # every column ties
+    got = argmax_native(logits)
+    assert torch.equal(got, logits.float().argmax(-1))
+    assert got[[2, 5, 6]].tolist() == [17, 4999, 0]

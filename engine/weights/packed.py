@@ -53,6 +53,14 @@ class PackedLinear(Linear):
             return row_tiled(x, self._matmul, self.out_features, self.bias, self.row_tile)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, in] -> [T] int64: each row's first column of the maximum of `forward(x)`,
+        as argmax(forward(x).float()) gives it, without the fp32 copy of the product
+        (greedy decoding's head: 15 MB a decode step of 115 rows over 32,000 in bf16)."""
+        from fusegen.kernels.argmax import argmax
+
+        return argmax(self.forward(x))
+
     def _matmul(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         result = torch.ops.mkldnn._linear_pointwise(rows, self.weight, None, "none", [], "")
         return result if out is None else out.copy_(result)

@@ -210,7 +210,8 @@ rotate(void *x, const float *c, const float *s, int half, int bf16) {
 
 /* rms_norm: x, residual, out, residual_out [rows, hidden] with the given row strides
  *   (elements); residual NULL for none. sum_lanes: the float vector width of torch's
- *   CPU kernels (8, or 16 with AVX-512), which fixes its order of summation.
+ *   sum kernel, which fixes its order of summation: 8, AVX-512 CPUs included, as ATen
+ *   dispatches its sum there to the AVX2 build (kernels/rms_norm.py); 16 is also built.
  * silu_mul: x [rows, 2 * inter] (gate | up) -> out [rows, inter].
  * rotary: in place on q [T, Hq, D] and k [T, Hkv, D] (token and head strides given, D
  *   contiguous); cos/sin [positions, half] with row stride cs_stride, in T as well. */

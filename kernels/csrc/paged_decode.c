@@ -163,8 +163,8 @@ int NAME(const T *q, T *out, const T *kc, const T *vc, const int32_t *block_tabl
     return out_of_memory ? 2 : 0;                                                           \
 }
 
-/* fp32 with a head dimension that is a multiple of 8: the same algorithm in 8-lane
- * vectors (GCC vector extensions: AVX on x86, pairs of NEON registers on Arm). */
+/* fp32 and bf16 with a head dimension that is a multiple of 8: the same algorithm in
+ * 8-lane vectors (GCC vector extensions: AVX on x86, pairs of NEON registers on Arm). */
 typedef float v8f __attribute__((vector_size(32), aligned(4)));
 #define MAX_LANES (MAX_HEAD_DIM / 8)
 
@@ -172,27 +172,46 @@ static inline float hsum8(v8f v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
-/* acc [lanes] += sum over the block's n slots of p[j] * v row j (rows v_s floats
+/* Eight elements of a row stored as fp32 or bf16, as fp32 lanes; `bf16` is a constant at
+ * every call. bf16 widens exactly: its bits are the high half of the fp32 value's. */
+typedef uint16_t v8h __attribute__((vector_size(16), aligned(2)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+static inline __attribute__((always_inline)) v8f load8(const void *p, int64_t i, int bf16) {
+    v8f f;
+    if (bf16) {
+        v8h h;
+        memcpy(&h, (const uint16_t *)p + i, sizeof h);
+        const v8u u = __builtin_convertvector(h, v8u) << 16;
+        memcpy(&f, &u, sizeof f);
+    } else {
+        memcpy(&f, (const float *)p + i, sizeof f);
+    }
+    return f;
+}
+
+/* acc [lanes] += sum over the block's n slots of p[j] * v row j (rows v_s elements
  * apart). One query at a time, slot after slot: with `lanes` a constant the compiler
  * keeps acc in registers instead of loading and storing it for every slot. */
 static inline __attribute__((always_inline)) void accumulate_values(
-        v8f *acc, const float *p, const float *v, int64_t v_s, int n, const int lanes) {
+        v8f *acc, const float *p, const void *v, int64_t v_s, int n, const int lanes,
+        const int bf16) {
     v8f a[MAX_LANES];
     for (int c = 0; c < lanes; c++) a[c] = acc[c];
-    for (int j = 0; j < n; j++) {
-        const v8f *vp = (const v8f *)(v + (int64_t)j * v_s);
-        for (int c = 0; c < lanes; c++) a[c] += p[j] * vp[c];
-    }
+    for (int j = 0; j < n; j++)
+        for (int c = 0; c < lanes; c++) a[c] += p[j] * load8(v, (int64_t)j * v_s + 8 * c, bf16);
     for (int c = 0; c < lanes; c++) acc[c] = a[c];
 }
 
-static void paged_decode_f32x8_item(const float *q, float *out, const float *kc,
-                                    const float *vc, const int32_t *block_tables,
-                                    const int32_t *seq_lens, const int32_t *query_start_loc,
-                                    int seq, int h0, int h1, int group, int head_dim,
-                                    int block_size, int window, float scale,
-                                    const strides_t *st, float *work) {
+/* The item in 8-lane vectors, for head dimensions that are multiples of 8; the cache and
+ * the queries and output in fp32 or bf16 (`bf16` a constant in each wrapper below). */
+static inline __attribute__((always_inline)) void decode_x8_item(
+        const void *q, void *out, const void *kc, const void *vc,
+        const int32_t *block_tables, const int32_t *seq_lens, const int32_t *query_start_loc,
+        int seq, int h0, int h1, int group, int head_dim, int block_size, int window,
+        float scale, const strides_t *st, float *work, const int bf16) {
     const int nq = (h1 - h0) * group, lanes = head_dim / 8;
+    const int64_t es = bf16 ? 2 : 4;            /* bytes per element */
     v8f *qv = (v8f *)work;                  /* [nq, lanes] scaled queries */
     v8f *acc = qv + (int64_t)nq * lanes;    /* [nq, lanes] */
     float *m = (float *)(acc + (int64_t)nq * lanes);
@@ -200,9 +219,9 @@ static void paged_decode_f32x8_item(const float *q, float *out, const float *kc,
     float *s = l + nq;                      /* [nq, block_size] */
     const int64_t row = query_start_loc[seq];
     for (int i = 0; i < nq; i++) {
-        const v8f *qp = (const v8f *)(q + row * st->q_t + (int64_t)(h0 * group + i) * st->q_h);
+        const int64_t at = row * st->q_t + (int64_t)(h0 * group + i) * st->q_h;
         for (int c = 0; c < lanes; c++) {
-            qv[i * lanes + c] = qp[c] * scale;
+            qv[i * lanes + c] = load8(q, at + 8 * c, bf16) * scale;
             acc[i * lanes + c] = (v8f){0};
         }
         m[i] = -FLT_MAX;
@@ -215,32 +234,35 @@ static void paged_decode_f32x8_item(const float *q, float *out, const float *kc,
         const int64_t block = table[pos / block_size];
         const int slot0 = pos % block_size;
         const int n = (block_size - slot0 < len - pos) ? block_size - slot0 : len - pos;
-        const float *kb = kc + block * st->k_b + (int64_t)slot0 * st->k_s;
-        const float *vb = vc + block * st->v_b + (int64_t)slot0 * st->v_s;
+        const int64_t kb = block * st->k_b + (int64_t)slot0 * st->k_s;  /* element offsets */
+        const int64_t vb = block * st->v_b + (int64_t)slot0 * st->v_s;
         /* The next block is elsewhere in the cache (its id comes from the table), where
          * the hardware prefetcher cannot follow: ask for its rows while this one runs. */
         const int has_next = pos + n < len;
-        const float *kn = has_next ? kc + (int64_t)table[(pos + n) / block_size] * st->k_b : kb;
-        const float *vn = has_next ? vc + (int64_t)table[(pos + n) / block_size] * st->v_b : vb;
+        const int64_t next = has_next ? table[(pos + n) / block_size] : 0;
+        const char *kn = (const char *)kc + next * st->k_b * es;
+        const char *vn = (const char *)vc + next * st->v_b * es;
         for (int j = 0; j < n; j++) {
             for (int h = h0; h < h1; h++) {
                 if (has_next) {
-                    for (int c = 0; c < head_dim; c += 16) {
-                        __builtin_prefetch(kn + (int64_t)j * st->k_s + (int64_t)h * st->k_h + c);
-                        __builtin_prefetch(vn + (int64_t)j * st->v_s + (int64_t)h * st->v_h + c);
+                    for (int64_t c = 0; c < head_dim * es; c += 64) {
+                        __builtin_prefetch(kn + ((int64_t)j * st->k_s + (int64_t)h * st->k_h) * es + c);
+                        __builtin_prefetch(vn + ((int64_t)j * st->v_s + (int64_t)h * st->v_h) * es + c);
                     }
                 }
-                const v8f *kp = (const v8f *)(kb + (int64_t)j * st->k_s + (int64_t)h * st->k_h);
+                const int64_t kp = kb + (int64_t)j * st->k_s + (int64_t)h * st->k_h;
+#define K(c) load8(kc, kp + 8 * (c), bf16)
                 for (int g = 0; g < group; g++) {
                     const int i = (h - h0) * group + g;
                     const v8f *qi = qv + i * lanes;
-                    v8f a = qi[0] * kp[0], b = (v8f){0};
+                    v8f a = qi[0] * K(0), b = (v8f){0};
                     int c = 1;
                     for (; c + 1 < lanes; c += 2) {
-                        b += qi[c] * kp[c];
-                        a += qi[c + 1] * kp[c + 1];
+                        b += qi[c] * K(c);
+                        a += qi[c + 1] * K(c + 1);
                     }
-                    if (c < lanes) b += qi[c] * kp[c];
+                    if (c < lanes) b += qi[c] * K(c);
+#undef K
                     s[i * block_size + j] = hsum8(a + b);
                 }
             }
@@ -261,22 +283,40 @@ static void paged_decode_f32x8_item(const float *q, float *out, const float *kc,
         for (int h = h0; h < h1; h++)
             for (int g = 0; g < group; g++) {
                 const int i = (h - h0) * group + g;
-                const float *vh = vb + (int64_t)h * st->v_h;
+                const char *vh = (const char *)vc + (vb + (int64_t)h * st->v_h) * es;
                 if (lanes == 8)  /* head_dim 64: the accumulator stays in registers */
-                    accumulate_values(acc + i * 8, s + i * block_size, vh, st->v_s, n, 8);
+                    accumulate_values(acc + i * 8, s + i * block_size, vh, st->v_s, n, 8, bf16);
                 else if (lanes == 16)  /* head_dim 128 */
-                    accumulate_values(acc + i * 16, s + i * block_size, vh, st->v_s, n, 16);
+                    accumulate_values(acc + i * 16, s + i * block_size, vh, st->v_s, n, 16, bf16);
                 else
-                    accumulate_values(acc + i * lanes, s + i * block_size, vh, st->v_s, n, lanes);
+                    accumulate_values(acc + i * lanes, s + i * block_size, vh, st->v_s, n, lanes,
+                                      bf16);
             }
         pos += n;
     }
     for (int i = 0; i < nq; i++) {
-        v8f *op = (v8f *)(out + row * st->o_t + (int64_t)(h0 * group + i) * st->o_h);
+        const int64_t at = row * st->o_t + (int64_t)(h0 * group + i) * st->o_h;
         const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
-        for (int c = 0; c < lanes; c++) op[c] = acc[i * lanes + c] * inv;
+        for (int c = 0; c < lanes; c++) {
+            const v8f o = acc[i * lanes + c] * inv;
+            if (bf16)
+                for (int e = 0; e < 8; e++) ((uint16_t *)out)[at + 8 * c + e] = f32_to_bf16(o[e]);
+            else
+                memcpy((float *)out + at + 8 * c, &o, sizeof o);
+        }
     }
 }
+
+#define DEFINE_X8_ITEM(NAME, T, BF16)                                                       \
+static void NAME(const T *q, T *out, const T *kc, const T *vc, const int32_t *block_tables, \
+                 const int32_t *seq_lens, const int32_t *query_start_loc, int seq, int h0,  \
+                 int h1, int group, int head_dim, int block_size, int window, float scale,  \
+                 const strides_t *st, float *work) {                                       \
+    decode_x8_item(q, out, kc, vc, block_tables, seq_lens, query_start_loc, seq, h0, h1,    \
+                   group, head_dim, block_size, window, scale, st, work, BF16);            \
+}
+DEFINE_X8_ITEM(paged_decode_f32x8_item, float, 0)
+DEFINE_X8_ITEM(paged_decode_bf16x8_item, uint16_t, 1)
 
 #define LOAD_F32(x) (x)
 #define STORE_F32(x) (x)
@@ -286,5 +326,5 @@ static void paged_decode_f32x8_item(const float *q, float *out, const float *kc,
 #define STORE_F16(x) ((_Float16)(x))
 
 DEFINE_DECODE(paged_decode_f32, float, LOAD_F32, STORE_F32, paged_decode_f32x8_item)
-DEFINE_DECODE(paged_decode_bf16, uint16_t, LOAD_BF16, STORE_BF16, 0)
+DEFINE_DECODE(paged_decode_bf16, uint16_t, LOAD_BF16, STORE_BF16, paged_decode_bf16x8_item)
 DEFINE_DECODE(paged_decode_f16, _Float16, LOAD_F16, STORE_F16, 0)

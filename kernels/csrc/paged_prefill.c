@@ -1,4 +1,5 @@
-/* Prefill attention over a paged KV cache, for CPUs (fp32, head_dim a multiple of 32).
+/* Prefill attention over a paged KV cache, for CPUs (fp32 or bf16, head_dim a multiple
+ * of 32).
  *
  * A prefill sequence's n query rows are the last n of its seq_len tokens; their keys and
  * values (the new ones included) are already in the cache. Work items are
@@ -12,6 +13,11 @@
  * gathering the blocks for torch's flash attention: 1.1-1.3x for prompts up to 512
  * tokens, even at 1024 (docs/performance.md).
  *
+ * bf16 tensors are computed in fp32 as well: an item's queries are widened as they are
+ * transposed, each block's keys and values are widened into the item's scratch once (every
+ * one of them then serves all R rows), and the output is rounded to bf16 once at the end,
+ * where torch's fused attention rounds it.
+ *
  * Layouts as in paged_decode.c: q, out [T, Hq, D]; caches [N, block_size, Hkv, D];
  * block_tables [B, W] int32, seq_lens [B] int32, query_start_loc [B+1] int32;
  * seq_ids [n] int32 lists the sequences to compute. Returns 0, 1 for a shape it does not
@@ -22,14 +28,23 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 typedef struct {
     int64_t q_t, q_h, o_t, o_h, k_b, k_s, k_h, v_b, v_s, v_h, bt;
 } strides_t; /* the same struct as paged_decode.c's (kernels/native.py Strides) */
 
-typedef float v8f __attribute__((vector_size(32), aligned(4)));
+/* VL fp32 lanes a vector: 16 where the build targets AVX-512 (twice the work an
+ * instruction), else 8 (AVX2; NEON pairs on Arm). A tile holds 2 * VL query positions,
+ * so that R = TILE_Q * group rows fill whole pairs of vectors. */
+#if defined(__AVX512F__)
+#define VL 16
+#else
+#define VL 8
+#endif
+typedef float vf __attribute__((vector_size(VL * 4), aligned(4)));
 
-#define TILE_Q 16
+#define TILE_Q (2 * VL)
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 256
@@ -41,9 +56,50 @@ typedef struct {
 
 static const float zero_row[MAX_HEAD_DIM];  /* stands in for keys past a block's end */
 
+static inline float bf16_to_f32(uint16_t x) {
+    const uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+/* expf(x), with arguments below -80 taken at -80 (a result under 2e-35, beside terms of
+ * at least 1: the running max's own). Masked scores (-FLT_MAX) and a first block's
+ * rescale would otherwise underflow, and glibc's vector expf computes underflowing lanes
+ * through scalar expf and its errno path: a tenth of the kernel's time. */
+static inline float exp_floor(float x) { return expf(x > -80.0f ? x : -80.0f); }
+
+/* Element i of a row stored as fp32 or bf16; `bf16` is a constant at every call. */
+static inline float load_el(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* A bf16 block's rows [n][head_dim] (row stride `stride` elements) widened into fp32
+ * rows head_dim apart. */
+static inline void widen_rows(const uint16_t *src, int64_t stride, int n, int head_dim,
+                              float *dst) {
+    for (int j = 0; j < n; j++) {
+        const uint16_t *s = src + (int64_t)j * stride;
+        float *d = dst + (int64_t)j * head_dim;
+        _Pragma("omp simd")
+        for (int c = 0; c < head_dim; c++) {
+            const uint32_t u = (uint32_t)s[c] << 16;
+            memcpy(d + c, &u, 4);
+        }
+    }
+}
+
 /* Transposed scores st[j][r] = k[j] . q[r] for a block's keys j < nk (rounded up to 4;
- * keys past nk read zeros) and all R rows (a multiple of 16): per head channel d, two
- * vectors of 8 rows of the transposed queries, four key values broadcast, eight FMAs. */
+ * keys past nk read zeros) and all R rows (a multiple of 2 * VL): per head channel d, two
+ * vectors of VL rows of the transposed queries, four key values broadcast, eight FMAs. */
 static inline void block_scores(const float *qt, const float *kb, int64_t k_s, int nk,
                                 float *st, int R, int head_dim) {
     for (int j = 0; j < nk; j += 4) {
@@ -51,18 +107,18 @@ static inline void block_scores(const float *qt, const float *kb, int64_t k_s, i
         const float *k1 = j + 1 < nk ? k0 + k_s : zero_row;
         const float *k2 = j + 2 < nk ? k0 + 2 * k_s : zero_row;
         const float *k3 = j + 3 < nk ? k0 + 3 * k_s : zero_row;
-        for (int r = 0; r < R; r += 16) {
-            v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+        for (int r = 0; r < R; r += 2 * VL) {
+            vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
             for (int d = 0; d < head_dim; d++) {
-                const v8f q0 = *(const v8f *)(qt + (int64_t)d * R + r);
-                const v8f q1 = *(const v8f *)(qt + (int64_t)d * R + r + 8);
+                const vf q0 = *(const vf *)(qt + (int64_t)d * R + r);
+                const vf q1 = *(const vf *)(qt + (int64_t)d * R + r + VL);
                 a0 += k0[d] * q0; b0 += k0[d] * q1;
                 a1 += k1[d] * q0; b1 += k1[d] * q1;
                 a2 += k2[d] * q0; b2 += k2[d] * q1;
                 a3 += k3[d] * q0; b3 += k3[d] * q1;
             }
-            v8f *out = (v8f *)(st + (int64_t)j * R + r);
-            const int64_t row = R / 8;
+            vf *out = (vf *)(st + (int64_t)j * R + r);
+            const int64_t row = R / VL;
             out[0] = a0; out[1] = b0;
             out[row] = a1; out[row + 1] = b1;
             out[2 * row] = a2; out[2 * row + 1] = b2;
@@ -72,22 +128,23 @@ static inline void block_scores(const float *qt, const float *kb, int64_t k_s, i
 }
 
 /* Two rows at once: acc_a = acc_a * alpha_a + sum_j pa[j * R] v[j], and the same for b,
- * sharing each loaded value vector (four vectors, 32 channels, at a time in registers).
- * With b == NULL only row a is computed. */
-static inline void block_values(v8f *acc_a, v8f *acc_b, float alpha_a, float alpha_b,
+ * sharing each loaded value vector (four vectors at a time in registers, then one at a
+ * time for the rest). With b == NULL only row a is computed. */
+static inline void block_values(vf *acc_a, vf *acc_b, float alpha_a, float alpha_b,
                                 const float *pa, const float *pb, int R, const float *vb,
                                 int64_t v_s, int nk, int lanes) {
-    for (int c = 0; c < lanes; c += 4) {
-        v8f a0 = acc_a[c] * alpha_a, a1 = acc_a[c + 1] * alpha_a;
-        v8f a2 = acc_a[c + 2] * alpha_a, a3 = acc_a[c + 3] * alpha_a;
-        v8f b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+    int c = 0;
+    for (; c + 4 <= lanes; c += 4) {
+        vf a0 = acc_a[c] * alpha_a, a1 = acc_a[c + 1] * alpha_a;
+        vf a2 = acc_a[c + 2] * alpha_a, a3 = acc_a[c + 3] * alpha_a;
+        vf b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
         if (acc_b) {
             b0 = acc_b[c] * alpha_b; b1 = acc_b[c + 1] * alpha_b;
             b2 = acc_b[c + 2] * alpha_b; b3 = acc_b[c + 3] * alpha_b;
         }
         for (int j = 0; j < nk; j++) {
-            const v8f *vp = (const v8f *)(vb + (int64_t)j * v_s) + c;
-            const v8f v0 = vp[0], v1 = vp[1], v2 = vp[2], v3 = vp[3];
+            const vf *vp = (const vf *)(vb + (int64_t)j * v_s) + c;
+            const vf v0 = vp[0], v1 = vp[1], v2 = vp[2], v3 = vp[3];
             const float x = pa[(int64_t)j * R];
             a0 += x * v0; a1 += x * v1; a2 += x * v2; a3 += x * v3;
             if (acc_b) {
@@ -100,33 +157,47 @@ static inline void block_values(v8f *acc_a, v8f *acc_b, float alpha_a, float alp
             acc_b[c] = b0; acc_b[c + 1] = b1; acc_b[c + 2] = b2; acc_b[c + 3] = b3;
         }
     }
+    for (; c < lanes; c++) {
+        vf a = acc_a[c] * alpha_a, b = acc_b ? acc_b[c] * alpha_b : (vf){0};
+        for (int j = 0; j < nk; j++) {
+            const vf v = ((const vf *)(vb + (int64_t)j * v_s))[c];
+            a += pa[(int64_t)j * R] * v;
+            if (acc_b) b += pb[(int64_t)j * R] * v;
+        }
+        acc_a[c] = a;
+        if (acc_b) acc_b[c] = b;
+    }
 }
 
-/* One item. `lanes` = head_dim / 8; the wrappers below call it with a constant so the
+/* One item. `lanes` = head_dim / VL; the wrappers below call it with a constant so the
  * inner loops unroll. Rows are laid out in vector lanes for the softmax: row r is query
  * position t0 + r / group of head head * group + r % group; R = TILE_Q * group rows, the
  * ones past the sequence's end zero and never written out. */
-static inline void prefill_item(const float *q, float *out, const float *kc, const float *vc,
-                                const int32_t *block_tables, const int32_t *seq_lens,
-                                const int32_t *query_start_loc, item_t it, int group,
-                                int lanes, int block_size, int window, float scale,
-                                const strides_t *st, float *work) {
-    const int head_dim = lanes * 8, R = TILE_Q * group;
+static inline __attribute__((always_inline)) void
+prefill_item(const void *q, void *out, const void *kc, const void *vc,
+             const int32_t *block_tables, const int32_t *seq_lens,
+             const int32_t *query_start_loc, item_t it, int group, int lanes, int block_size,
+             int window, float scale, const strides_t *st, float *work, int bf16) {
+    const int head_dim = lanes * VL, R = TILE_Q * group;
     const int64_t first = query_start_loc[it.seq];
     const int n = query_start_loc[it.seq + 1] - (int)first, len = seq_lens[it.seq];
     const int t0 = it.tile * TILE_Q, tq = n - t0 < TILE_Q ? n - t0 : TILE_Q;
     const int rows = tq * group;
     const int pos_lo = len - n + t0, pos_hi = pos_lo + tq - 1;
     float *qt = work;                                  /* [head_dim, R] scaled queries^T */
-    v8f *acc = (v8f *)(qt + (int64_t)head_dim * R);    /* [R, lanes] */
+    vf *acc = (vf *)(qt + (int64_t)head_dim * R);      /* [R, lanes] */
     float *sc = (float *)(acc + (int64_t)R * lanes);   /* [block_size + 3, R] scores^T */
     float *m = sc + (int64_t)(block_size + 3) * R, *l = m + R, *alpha = l + R;
     int *last = (int *)(alpha + R), *first_key = last + R;  /* visible key range per row */
+    /* bf16: the block's keys and values widened, [block_size, head_dim] each */
+    float *kw = (float *)(first_key + R), *vw = kw + (int64_t)block_size * head_dim;
+    const int64_t es = bf16 ? 2 : 4;  /* bytes per element */
     for (int r = 0; r < R; r++) {
         const int t = t0 + r / group, h = it.head * group + r % group;
-        const float *qp = q + (first + t) * st->q_t + (int64_t)h * st->q_h;
-        for (int d = 0; d < head_dim; d++) qt[(int64_t)d * R + r] = r < rows ? qp[d] * scale : 0.0f;
-        for (int c = 0; c < lanes; c++) acc[r * lanes + c] = (v8f){0};
+        const char *qp = (const char *)q + ((first + t) * st->q_t + (int64_t)h * st->q_h) * es;
+        for (int d = 0; d < head_dim; d++)
+            qt[(int64_t)d * R + r] = r < rows ? load_el(qp, d, bf16) * scale : 0.0f;
+        for (int c = 0; c < lanes; c++) acc[r * lanes + c] = (vf){0};
         m[r] = MASKED;
         l[r] = 0.0f;
         last[r] = r < rows ? pos_lo + r / group : -1;  /* padded rows see nothing */
@@ -138,9 +209,16 @@ static inline void prefill_item(const float *q, float *out, const float *kc, con
     for (; pos <= pos_hi; pos += block_size) {
         const int64_t block = table[pos / block_size];
         const int nk = len - pos < block_size ? len - pos : block_size;
-        const float *kb = kc + block * st->k_b + (int64_t)it.head * st->k_h;
-        const float *vb = vc + block * st->v_b + (int64_t)it.head * st->v_h;
-        block_scores(qt, kb, st->k_s, nk, sc, R, head_dim);
+        const int64_t k_at = block * st->k_b + (int64_t)it.head * st->k_h;
+        const int64_t v_at = block * st->v_b + (int64_t)it.head * st->v_h;
+        const float *kb = (const float *)kc + k_at, *vb = (const float *)vc + v_at;
+        int64_t k_s = st->k_s, v_s = st->v_s;
+        if (bf16) {
+            widen_rows((const uint16_t *)kc + k_at, k_s, nk, head_dim, kw);
+            widen_rows((const uint16_t *)vc + v_at, v_s, nk, head_dim, vw);
+            kb = kw, vb = vw, k_s = v_s = head_dim;
+        }
+        block_scores(qt, kb, k_s, nk, sc, R, head_dim);
         for (int j = 0; j < nk; j++) {  /* causal and window masks */
             float *sj = sc + (int64_t)j * R;
             _Pragma("omp simd")
@@ -151,7 +229,7 @@ static inline void prefill_item(const float *q, float *out, const float *kc, con
         for (int r = 0; r < R; r++) {  /* new running max; alpha rescales the old terms */
             float top = m[r];
             for (int j = 0; j < nk; j++) top = sc[(int64_t)j * R + r] > top ? sc[(int64_t)j * R + r] : top;
-            alpha[r] = expf(m[r] - top);
+            alpha[r] = exp_floor(m[r] - top);
             m[r] = top;
             l[r] *= alpha[r];
         }
@@ -159,7 +237,7 @@ static inline void prefill_item(const float *q, float *out, const float *kc, con
             float *sj = sc + (int64_t)j * R;
             _Pragma("omp simd")
             for (int r = 0; r < R; r++) {
-                const float e = expf(sj[r] - m[r]);
+                const float e = exp_floor(sj[r] - m[r]);
                 sj[r] = sj[r] > MASKED ? e : 0.0f;
                 l[r] += sj[r];
             }
@@ -167,37 +245,63 @@ static inline void prefill_item(const float *q, float *out, const float *kc, con
         for (int r = 0; r < rows; r += 2) {
             const int pair = r + 1 < rows;
             block_values(acc + r * lanes, pair ? acc + (r + 1) * lanes : NULL, alpha[r],
-                         pair ? alpha[r + 1] : 0.0f, sc + r, sc + r + 1, R, vb, st->v_s, nk,
+                         pair ? alpha[r + 1] : 0.0f, sc + r, sc + r + 1, R, vb, v_s, nk,
                          lanes);
         }
     }
     for (int r = 0; r < rows; r++) {
         const int t = t0 + r / group, h = it.head * group + r % group;
-        v8f *op = (v8f *)(out + (first + t) * st->o_t + (int64_t)h * st->o_h);
+        const int64_t at = (first + t) * st->o_t + (int64_t)h * st->o_h;
         const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-        for (int c = 0; c < lanes; c++) op[c] = acc[r * lanes + c] * inv;
+        if (bf16) {
+            const float *a = (const float *)(acc + r * lanes);
+            uint16_t *op = (uint16_t *)out + at;
+            for (int d = 0; d < head_dim; d++) op[d] = f32_to_bf16(a[d] * inv);
+        } else {
+            vf *op = (vf *)((float *)out + at);
+            for (int c = 0; c < lanes; c++) op[c] = acc[r * lanes + c] * inv;
+        }
     }
 }
 
-#define ITEM_FOR(LANES)                                                                     \
-static void prefill_item_##LANES(const float *q, float *out, const float *kc,              \
-                                 const float *vc, const int32_t *bt, const int32_t *sl,    \
-                                 const int32_t *qsl, item_t it, int group, int bs, int w,  \
-                                 float scale, const strides_t *st, float *work) {          \
-    prefill_item(q, out, kc, vc, bt, sl, qsl, it, group, LANES, bs, w, scale, st, work);    \
+/* Specialised items: a constant `lanes` unrolls the inner loops, a constant `bf16`
+ * drops the other storage type's code. */
+#define LANES_A (64 / VL)
+#define LANES_B (128 / VL)
+#define LANES_0 0
+#define ITEM_FOR(WHICH, SUFFIX, BF16)                                                       \
+static void prefill_item_##WHICH##_##SUFFIX(const void *q, void *out, const void *kc,       \
+                                            const void *vc, const int32_t *bt,              \
+                                            const int32_t *sl, const int32_t *qsl, item_t it,\
+                                            int group, int lanes, int bs, int w, float scale,\
+                                            const strides_t *st, float *work) {             \
+    prefill_item(q, out, kc, vc, bt, sl, qsl, it, group, LANES_##WHICH ? LANES_##WHICH : lanes,\
+                 bs, w, scale,                                                             \
+                 st, work, BF16);                                                          \
 }
-ITEM_FOR(8)
-ITEM_FOR(16)
+/* head_dim 64 and 128 */
+ITEM_FOR(A, f32, 0)
+ITEM_FOR(B, f32, 0)
+ITEM_FOR(0, f32, 0)
+ITEM_FOR(A, bf16, 1)
+ITEM_FOR(B, bf16, 1)
+ITEM_FOR(0, bf16, 1)
 
-int paged_prefill_f32(const float *q, float *out, const float *kc, const float *vc,
-                      const int32_t *block_tables, const int32_t *seq_lens,
-                      const int32_t *query_start_loc, const int32_t *seq_ids, int num_seqs,
-                      int num_heads, int num_kv_heads, int head_dim, int block_size,
-                      int window, float scale, const strides_t *st, int num_threads) {
+typedef void (*item_fn)(const void *, void *, const void *, const void *, const int32_t *,
+                        const int32_t *, const int32_t *, item_t, int, int, int, int, float,
+                        const strides_t *, float *);
+
+static int prefill(const void *q, void *out, const void *kc, const void *vc,
+                   const int32_t *block_tables, const int32_t *seq_lens,
+                   const int32_t *query_start_loc, const int32_t *seq_ids, int num_seqs,
+                   int num_heads, int num_kv_heads, int head_dim, int block_size, int window,
+                   float scale, const strides_t *st, int num_threads, int bf16) {
     const int group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
+    /* fp32 rows are read as vectors: their head strides keep 32-byte multiples */
+    const int64_t align = bf16 ? 1 : 8;
     if (head_dim % 32 || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK || group < 1
-        || group > MAX_GROUP || num_heads % num_kv_heads || st->q_h % 8 || st->o_h % 8
-        || st->v_s % 8 || st->v_h % 8 || st->k_s % 8 || st->k_h % 8)
+        || group > MAX_GROUP || num_heads % num_kv_heads || st->q_h % align || st->o_h % align
+        || st->v_s % align || st->v_h % align || st->k_s % align || st->k_h % align)
         return 1;
     int num_items = 0;
     for (int i = 0; i < num_seqs; i++) {
@@ -214,9 +318,14 @@ int paged_prefill_f32(const float *q, float *out, const float *kc, const float *
         for (int t = (n + TILE_Q - 1) / TILE_Q - 1; t >= 0; t--)
             for (int h = 0; h < num_kv_heads; h++) items[k++] = (item_t){s, h, t};
     }
-    const int lanes = head_dim / 8;
+    const int lanes = head_dim / VL;
     const int64_t R = (int64_t)TILE_Q * group;
-    const int64_t work_floats = R * head_dim * 2 + (block_size + 3) * R + 5 * R;
+    const int64_t work_floats = R * head_dim * 2 + (block_size + 3) * R + 5 * R +
+                                2 * (int64_t)block_size * head_dim;
+    const item_fn item = bf16 ? (lanes == LANES_A ? prefill_item_A_bf16 : lanes == LANES_B ?
+                                 prefill_item_B_bf16 : prefill_item_0_bf16)
+                              : (lanes == LANES_A ? prefill_item_A_f32 : lanes == LANES_B ?
+                                 prefill_item_B_f32 : prefill_item_0_f32);
     int out_of_memory = 0;
     _Pragma("omp parallel num_threads(num_threads)")
     {
@@ -224,18 +333,25 @@ int paged_prefill_f32(const float *q, float *out, const float *kc, const float *
         _Pragma("omp for schedule(dynamic, 1)")
         for (int i = 0; i < num_items; i++) {
             if (!work) { out_of_memory = 1; continue; }
-            if (lanes == 8)
-                prefill_item_8(q, out, kc, vc, block_tables, seq_lens, query_start_loc,
-                               items[i], group, block_size, window, scale, st, work);
-            else if (lanes == 16)
-                prefill_item_16(q, out, kc, vc, block_tables, seq_lens, query_start_loc,
-                                items[i], group, block_size, window, scale, st, work);
-            else
-                prefill_item(q, out, kc, vc, block_tables, seq_lens, query_start_loc,
-                             items[i], group, lanes, block_size, window, scale, st, work);
+            item(q, out, kc, vc, block_tables, seq_lens, query_start_loc, items[i], group,
+                 lanes, block_size, window, scale, st, work);
         }
         free(work);
     }
     free(items);
     return out_of_memory ? 2 : 0;
 }
+
+#define DEFINE_PREFILL(SUFFIX, T, BF16)                                                     \
+int paged_prefill_##SUFFIX(const T *q, T *out, const T *kc, const T *vc,                   \
+                           const int32_t *block_tables, const int32_t *seq_lens,           \
+                           const int32_t *query_start_loc, const int32_t *seq_ids,         \
+                           int num_seqs, int num_heads, int num_kv_heads, int head_dim,    \
+                           int block_size, int window, float scale, const strides_t *st,   \
+                           int num_threads) {                                              \
+    return prefill(q, out, kc, vc, block_tables, seq_lens, query_start_loc, seq_ids,       \
+                   num_seqs, num_heads, num_kv_heads, head_dim, block_size, window, scale,  \
+                   st, num_threads, BF16);                                                 \
+}
+DEFINE_PREFILL(f32, float, 0)
+DEFINE_PREFILL(bf16, uint16_t, 1)
