@@ -55,7 +55,10 @@ def _norm_fp32(x, weight, eps: float):
 def gelu_tanh_and_mul(x) -> torch.Tensor:
     # x [..., 2I] = gate, up -> [..., I]
     gate, up = x.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
+    # gelu over a contiguous gate, as transformers' gate_proj output is: torch's vector
+    # loop (32 floats a step with AVX-512) and its scalar tail differ in the last bit, and
+    # on strided rows the tail would fall in each row, not where the reference's falls.
+    return F.gelu(gate.contiguous(), approximate="tanh") * up
 
 
 def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
