@@ -20,6 +20,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 typedef struct {
     int64_t q_t, q_h;     /* q strides: token, head */
@@ -180,10 +183,16 @@ typedef uint32_t v8u __attribute__((vector_size(32)));
 static inline __attribute__((always_inline)) v8f load8(const void *p, int64_t i, int bf16) {
     v8f f;
     if (bf16) {
+#if defined(__AVX2__)
+        /* one widening load and a shift (GCC splits the generic form below in halves) */
+        const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+        f = (v8f)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#else
         v8h h;
         memcpy(&h, (const uint16_t *)p + i, sizeof h);
         const v8u u = __builtin_convertvector(h, v8u) << 16;
         memcpy(&f, &u, sizeof f);
+#endif
     } else {
         memcpy(&f, (const float *)p + i, sizeof f);
     }
@@ -203,14 +212,34 @@ static inline __attribute__((always_inline)) void accumulate_values(
     for (int c = 0; c < lanes; c++) acc[c] = a[c];
 }
 
+/* Two queries of a group over the same values (bf16, head_dim 64): each value row is
+ * widened once for both, the sixteen accumulators in registers (AVX-512 has 32). */
+static inline __attribute__((always_inline)) void accumulate_values_pair(
+        v8f *acc0, v8f *acc1, const float *p0, const float *p1, const void *v, int64_t v_s,
+        int n) {
+    v8f a[8], b[8];
+    for (int c = 0; c < 8; c++) a[c] = acc0[c], b[c] = acc1[c];
+    for (int j = 0; j < n; j++)
+        for (int c = 0; c < 8; c++) {
+            const v8f x = load8(v, (int64_t)j * v_s + 8 * c, 1);
+            a[c] += p0[j] * x;
+            b[c] += p1[j] * x;
+        }
+    for (int c = 0; c < 8; c++) acc0[c] = a[c], acc1[c] = b[c];
+}
+
 /* The item in 8-lane vectors, for head dimensions that are multiples of 8; the cache and
  * the queries and output in fp32 or bf16 (`bf16` a constant in each wrapper below). */
 static inline __attribute__((always_inline)) void decode_x8_item(
         const void *q, void *out, const void *kc, const void *vc,
         const int32_t *block_tables, const int32_t *seq_lens, const int32_t *query_start_loc,
         int seq, int h0, int h1, int group, int head_dim, int block_size, int window,
-        float scale, const strides_t *st, float *work, const int bf16) {
-    const int nq = (h1 - h0) * group, lanes = head_dim / 8;
+        float scale, const strides_t *st, float *work, const int bf16, const int lanes) {
+    const int nq = (h1 - h0) * group;
+    /* the strides as locals: read through `st`, every store to the scores would make
+     * the compiler load them again */
+    const int64_t k_b = st->k_b, k_s = st->k_s, k_h = st->k_h;
+    const int64_t v_b = st->v_b, v_s = st->v_s, v_h = st->v_h;
     const int64_t es = bf16 ? 2 : 4;            /* bytes per element */
     v8f *qv = (v8f *)work;                  /* [nq, lanes] scaled queries */
     v8f *acc = qv + (int64_t)nq * lanes;    /* [nq, lanes] */
@@ -234,24 +263,29 @@ static inline __attribute__((always_inline)) void decode_x8_item(
         const int64_t block = table[pos / block_size];
         const int slot0 = pos % block_size;
         const int n = (block_size - slot0 < len - pos) ? block_size - slot0 : len - pos;
-        const int64_t kb = block * st->k_b + (int64_t)slot0 * st->k_s;  /* element offsets */
-        const int64_t vb = block * st->v_b + (int64_t)slot0 * st->v_s;
+        const int64_t kb = block * k_b + (int64_t)slot0 * k_s;  /* element offsets */
+        const int64_t vb = block * v_b + (int64_t)slot0 * v_s;
         /* The next block is elsewhere in the cache (its id comes from the table), where
          * the hardware prefetcher cannot follow: ask for its rows while this one runs. */
         const int has_next = pos + n < len;
         const int64_t next = has_next ? table[(pos + n) / block_size] : 0;
-        const char *kn = (const char *)kc + next * st->k_b * es;
-        const char *vn = (const char *)vc + next * st->v_b * es;
+        const char *kn = (const char *)kc + next * k_b * es;
+        const char *vn = (const char *)vc + next * v_b * es;
         for (int j = 0; j < n; j++) {
             for (int h = h0; h < h1; h++) {
                 if (has_next) {
                     for (int64_t c = 0; c < head_dim * es; c += 64) {
-                        __builtin_prefetch(kn + ((int64_t)j * st->k_s + (int64_t)h * st->k_h) * es + c);
-                        __builtin_prefetch(vn + ((int64_t)j * st->v_s + (int64_t)h * st->v_h) * es + c);
+                        __builtin_prefetch(kn + ((int64_t)j * k_s + (int64_t)h * k_h) * es + c);
+                        __builtin_prefetch(vn + ((int64_t)j * v_s + (int64_t)h * v_h) * es + c);
                     }
                 }
-                const int64_t kp = kb + (int64_t)j * st->k_s + (int64_t)h * st->k_h;
-#define K(c) load8(kc, kp + 8 * (c), bf16)
+                const int64_t kp = kb + (int64_t)j * k_s + (int64_t)h * k_h;
+                /* bf16: the key widened once for the whole group (fp32 keys are read
+                 * straight from memory, where AVX2's 16 registers would spill them) */
+                v8f kw[MAX_LANES];
+                if (bf16)
+                    for (int c = 0; c < lanes; c++) kw[c] = load8(kc, kp + 8 * c, 1);
+#define K(c) (bf16 ? kw[c] : load8(kc, kp + 8 * (c), 0))
                 for (int g = 0; g < group; g++) {
                     const int i = (h - h0) * group + g;
                     const v8f *qi = qv + i * lanes;
@@ -280,18 +314,29 @@ static inline __attribute__((always_inline)) void decode_x8_item(
             if (alpha != 1.0f)
                 for (int c = 0; c < lanes; c++) acc[i * lanes + c] *= alpha;
         }
-        for (int h = h0; h < h1; h++)
+        for (int h = h0; h < h1; h++) {
+#if defined(__AVX512F__)
+            if (bf16 && lanes == 8 && group == 2) {
+                const int i = (h - h0) * 2;
+                accumulate_values_pair(acc + i * 8, acc + (i + 1) * 8, s + i * block_size,
+                                       s + (i + 1) * block_size,
+                                       (const uint16_t *)vc + vb + (int64_t)h * v_h,
+                                       v_s, n);
+                continue;
+            }
+#endif
             for (int g = 0; g < group; g++) {
                 const int i = (h - h0) * group + g;
-                const char *vh = (const char *)vc + (vb + (int64_t)h * st->v_h) * es;
+                const char *vh = (const char *)vc + (vb + (int64_t)h * v_h) * es;
                 if (lanes == 8)  /* head_dim 64: the accumulator stays in registers */
-                    accumulate_values(acc + i * 8, s + i * block_size, vh, st->v_s, n, 8, bf16);
+                    accumulate_values(acc + i * 8, s + i * block_size, vh, v_s, n, 8, bf16);
                 else if (lanes == 16)  /* head_dim 128 */
-                    accumulate_values(acc + i * 16, s + i * block_size, vh, st->v_s, n, 16, bf16);
+                    accumulate_values(acc + i * 16, s + i * block_size, vh, v_s, n, 16, bf16);
                 else
-                    accumulate_values(acc + i * lanes, s + i * block_size, vh, st->v_s, n, lanes,
+                    accumulate_values(acc + i * lanes, s + i * block_size, vh, v_s, n, lanes,
                                       bf16);
             }
+        }
         pos += n;
     }
     for (int i = 0; i < nq; i++) {
@@ -312,8 +357,17 @@ static void NAME(const T *q, T *out, const T *kc, const T *vc, const int32_t *bl
                  const int32_t *seq_lens, const int32_t *query_start_loc, int seq, int h0,  \
                  int h1, int group, int head_dim, int block_size, int window, float scale,  \
                  const strides_t *st, float *work) {                                       \
-    decode_x8_item(q, out, kc, vc, block_tables, seq_lens, query_start_loc, seq, h0, h1,    \
-                   group, head_dim, block_size, window, scale, st, work, BF16);            \
+    /* head_dim 64 and 128 with `lanes` a constant: the loops over it unroll */           \
+    if (head_dim == 64)                                                                     \
+        decode_x8_item(q, out, kc, vc, block_tables, seq_lens, query_start_loc, seq, h0, h1,\
+                       group, head_dim, block_size, window, scale, st, work, BF16, 8);     \
+    else if (head_dim == 128)                                                               \
+        decode_x8_item(q, out, kc, vc, block_tables, seq_lens, query_start_loc, seq, h0, h1,\
+                       group, head_dim, block_size, window, scale, st, work, BF16, 16);    \
+    else                                                                                    \
+        decode_x8_item(q, out, kc, vc, block_tables, seq_lens, query_start_loc, seq, h0, h1,\
+                       group, head_dim, block_size, window, scale, st, work, BF16,          \
+                       head_dim / 8);                                                       \
 }
 DEFINE_X8_ITEM(paged_decode_f32x8_item, float, 0)
 DEFINE_X8_ITEM(paged_decode_bf16x8_item, uint16_t, 1)
