@@ -92,8 +92,8 @@ def test_shapes_it_does_not_take_are_declined():
 def test_bf16_is_computed_in_fp32_and_rounded_once(heads, kv_heads, head_dim, block_size,
                                                    specs, window):
     """bf16 queries and caches: the result is the fp32 attention of the same (bf16) values,
-    rounded to bf16 once; against that rounding the kernel may differ by one bf16 step
-    where fp32 sums in another order land on the other side of a rounding boundary."""
+    rounded to bf16 once; fp32 sums in another order may land on the other side of a
+    rounding boundary, so a few elements in a thousand differ by a bf16 step."""
     q, k_cache, v_cache, tables, lens, starts = (
         t.bfloat16() if t.is_floating_point() else t
         for t in _case(heads, kv_heads, head_dim, block_size, specs, seed=5))
@@ -104,10 +104,10 @@ def test_bf16_is_computed_in_fp32_and_rounded_once(heads, kv_heads, head_dim, bl
     exact = _reference(q.float(), k_cache.float(), v_cache.float(), tables, lens, starts,
                        window)
     assert out.dtype == torch.bfloat16
-    rounded = exact.bfloat16()
-    step = (rounded.float().abs() * 2 ** -7).clamp_min(2 ** -126)  # one bf16 ulp, bounded
-    assert ((out.float() - rounded.float()).abs() <= step).all()
-    assert (out == rounded).float().mean() > 0.99
+    # within a bf16 rounding of the exact result, or a few fp32 roundings of the terms
+    # where they cancel to near zero
+    torch.testing.assert_close(out.float(), exact, rtol=2 ** -8, atol=1e-5)
+    assert (out == exact.bfloat16()).float().mean() > 0.99
 
 
 def test_mixed_step_uses_both_kernels():

@@ -225,10 +225,17 @@ prefill_item(const void *q, void *out, const void *kc, const void *vc,
             for (int r = 0; r < R; r++)
                 sj[r] = (pos + j <= last[r] && pos + j >= first_key[r]) ? sj[r] : MASKED;
         }
+        /* new running max (gathered in alpha, key by key across the rows' vector lanes);
+         * alpha then rescales the old terms */
+        memcpy(alpha, m, sizeof(float) * R);
+        for (int j = 0; j < nk; j++) {
+            const float *sj = sc + (int64_t)j * R;
+            _Pragma("omp simd")
+            for (int r = 0; r < R; r++) alpha[r] = sj[r] > alpha[r] ? sj[r] : alpha[r];
+        }
         _Pragma("omp simd")
-        for (int r = 0; r < R; r++) {  /* new running max; alpha rescales the old terms */
-            float top = m[r];
-            for (int j = 0; j < nk; j++) top = sc[(int64_t)j * R + r] > top ? sc[(int64_t)j * R + r] : top;
+        for (int r = 0; r < R; r++) {
+            const float top = alpha[r];
             alpha[r] = exp_floor(m[r] - top);
             m[r] = top;
             l[r] *= alpha[r];
