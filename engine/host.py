@@ -9,16 +9,15 @@ maximum (32 MiB) and its trim threshold keeps freed buffers in the heap, to be r
 the next step (the same reason vLLM's CPU engine preloads tcmalloc). The cost is that
 the heap keeps the step's peak activation memory, which the memory plan reserves anyway.
 
-The KV cache is read in blocks scattered over gigabytes: on 4 KiB pages every block
-costs TLB misses, and decode attention reads about a tenth slower than on 2 MiB pages.
-Linux gives a mapping transparent huge pages when asked (`madvise`), which
-`zeros_huge` does for the cache, but only where huge pages are cheap to fault in: the
-pool is touched for the first time while the engine runs (each prefill writes fresh
-blocks), and where the kernel compacts memory to find a free 2 MiB frame (Linux's
-default `defrag=madvise` does that for advised mappings), a huge page's first touch can
-cost ten times what 512 small pages do. Measured on a 2-core cloud VM: 4.4 ms against
-0.4 ms a 2 MiB, 35 ms of a 2,048-token prefill step's 220. `huge_pages_pay` measures it
-once per process and the cache follows the measurement.
+The KV cache stays on 4 KiB pages. It is read in blocks scattered over gigabytes, and
+on huge pages (`madvise`, `zeros_huge(huge=True)`) decode attention reads a few percent
+faster (1-8% measured), but the pool is touched for the first time while the engine
+runs (each prefill writes fresh blocks), and where the kernel has to compact memory to
+find free 2 MiB frames (Linux's default `defrag=madvise` does that for advised
+mappings) a huge page's first touch costs up to ten times what 512 small pages do:
+measured on a 2-core cloud VM, 0.6-2.2 ms against 0.4 ms a 2 MiB, 35 ms of a
+2,048-token prefill step's 220. A probe of a few pages cannot tell: the first few
+frames are often free, the next thousand are not.
 """
 from __future__ import annotations
 
@@ -29,7 +28,6 @@ import logging
 import math
 import mmap
 import sys
-import time
 
 import torch
 
@@ -61,17 +59,16 @@ _MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
 HUGE_PAGE = 2 * 2**20
 
 
-def zeros_huge(shape, dtype: torch.dtype, huge: bool | None = None) -> torch.Tensor:
-    """A zeroed CPU tensor, backed by transparent huge pages where Linux grants them and
-    `huge` asks (None: where `huge_pages_pay()`). On Linux it is an anonymous mapping of
-    its own: the kernel hands out zeroed pages as they are first touched, so a KV pool of
-    gigabytes costs neither a zero-fill at start nor memory for blocks never used; asked
-    for huge pages before any touch."""
+def zeros_huge(shape, dtype: torch.dtype, huge: bool = False) -> torch.Tensor:
+    """A zeroed CPU tensor. On Linux it is an anonymous mapping of its own: the kernel
+    hands out zeroed pages as they are first touched, so a KV pool of gigabytes costs
+    neither a zero-fill at start nor memory for blocks never used. `huge`: asked for
+    transparent huge pages before any touch (see the module's note on what they cost)."""
     nbytes = math.prod(shape) * dtype.itemsize
     if not sys.platform.startswith("linux") or nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     tensor = _anonymous(nbytes).view(dtype)[:math.prod(shape)].view(shape)
-    if huge if huge is not None else huge_pages_pay():
+    if huge:
         advise_huge_pages(tensor)
     return tensor
 
@@ -83,42 +80,6 @@ def _anonymous(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(region, dtype=torch.uint8)
 
 
-# A huge page is taken when its first touch costs at most this many times what the same
-# 2 MiB costs on small pages: its gain (fewer TLB misses in attention) is ~10%, and a
-# pool's every byte is touched once.
-HUGE_FAULT_RATIO = 3.0
-
-
-@functools.cache
-def huge_pages_pay() -> bool:
-    """Whether the KV pool goes on huge pages here: the first touch of 16 MiB timed on
-    huge pages and on small pages (a few ms to a few tens, once per process). Eight huge
-    pages, not one: some come from free 2 MiB frames at once, the rest only after the
-    kernel compacts memory, and the pool's gigabytes take both."""
-    if not sys.platform.startswith("linux"):
-        return False
-
-    def first_touch(huge: bool) -> float | None:
-        region = _anonymous(_PROBE_PAGES * HUGE_PAGE + HUGE_PAGE)  # room to align
-        offset = -region.data_ptr() % HUGE_PAGE
-        pages = region[offset:offset + _PROBE_PAGES * HUGE_PAGE]
-        if huge and not advise_huge_pages(pages):
-            return None
-        start = time.perf_counter()
-        pages.fill_(1)
-        return time.perf_counter() - start
-
-    small, huge = first_touch(False), first_touch(True)
-    if huge is None:
-        return False
-    pays = huge <= HUGE_FAULT_RATIO * small
-    log.info("fusegen: the KV cache %s huge pages (first touch of %d MiB: %.2f ms on huge "
-             "pages, %.2f ms on small pages)", "on" if pays else "off",
-             _PROBE_PAGES * HUGE_PAGE >> 20, huge * 1e3, small * 1e3)
-    return pays
-
-
-_PROBE_PAGES = 8
 
 
 def advise_huge_pages(tensor: torch.Tensor) -> bool:
