@@ -190,9 +190,10 @@ def _unfinished(llm) -> int:
 
 
 def _interrupt_when(condition) -> threading.Event:
-    """SIGINT this process (as Ctrl-C does) once condition() holds, unless the returned
-    event is set first."""
-    import os
+    """SIGINT the main thread (as Ctrl-C does) once condition() holds, unless the returned
+    event is set first. Sent to the main thread itself: a signal sent to the process may
+    land on any of its threads (the engine's, OpenMP's), and the main thread, waiting on
+    its futures, would then see it only once they are done."""
     import signal
 
     disarmed = threading.Event()
@@ -201,7 +202,7 @@ def _interrupt_when(condition) -> threading.Event:
         while not condition():
             if disarmed.wait(0.001):
                 return
-        os.kill(os.getpid(), signal.SIGINT)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
     threading.Thread(target=run, daemon=True).start()
     return disarmed
