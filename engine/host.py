@@ -105,3 +105,28 @@ def _libc():
     except (OSError, AttributeError):
         return None
     return libc
+
+
+def on_a_passing_thread(fn, *args, **kwargs):
+    """fn(*args, **kwargs), run on a thread of its own that ends with it; its result, or
+    its exception raised here. For torch work a process does besides its engines
+    (measuring, building checkpoints): the OpenMP team a thread gets with its first
+    parallel region lives as long as the thread, and one left on the main thread would
+    be a second team beside each engine's (see `fusegen.engine.llm`), which makes the
+    engine's OpenMP threads sleep between its parallel regions."""
+    import threading
+
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="fusegen-passing")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]

@@ -1,6 +1,6 @@
-"""`LLM`: the Python API. A background thread runs the engine step loop; any number
-of producer threads `submit()` requests into the one running batch, and each future
-resolves as soon as its request finishes."""
+"""`LLM`: the Python API. A background thread builds the engine and runs its step loop;
+any number of producer threads `submit()` requests into the one running batch, and each
+future resolves as soon as its request finishes."""
 from __future__ import annotations
 
 import functools
@@ -27,15 +27,29 @@ class LLM:
         (listed below), or vLLM's `gpu_memory_utilization` (read as `device_memory`) and
         `tensor_parallel_size=1`; a name fusegen does not support (`trust_remote_code=True`,
         `quantization`, `enable_lora`, any other) is an error that names it."""
-        self.config = EngineConfig.build(model, EngineOptions.from_kwargs(options))
-        self.engine = LLMEngine(self.config)
-        self.tokenizer = self.engine.tokenizer
         self._cond = threading.Condition()
         self._inbox: deque = deque()
         self._futures: dict[int, Future] = {}
         self._aborts: set[int] = set()  # ids of cancelled requests, dropped before the next step
-        self._thread: threading.Thread | None = None
         self._closed = False
+        # The engine is built on the thread that will step it, so that every OpenMP
+        # parallel region of the engine (weight packing, the `auto` dtype probe, the
+        # steps) runs on one thread: each thread that opens one gets a team of its own,
+        # and with two teams libgomp counts more threads than cores and lets waiting
+        # threads sleep after ~100 spins, so every region of a step pays their wake-up
+        # (2.7 ms of a 29.5 ms decode step, docs/performance.md).
+        built: Future = Future()
+        self._thread = threading.Thread(target=self._run, args=(model, options, built),
+                                        name="fusegen-engine", daemon=True)
+        self._thread.start()
+        try:
+            self.config, self.engine = built.result()
+        except BaseException:  # a bad option, a missing model, or Ctrl-C while loading
+            with self._cond:
+                self._closed = True
+                self._cond.notify_all()
+            raise
+        self.tokenizer = self.engine.tokenizer
 
     @property
     def max_model_len(self) -> int:
@@ -154,21 +168,32 @@ class LLM:
                 self._futures[output_id] = future
                 self._inbox.extend(made)
                 future.add_done_callback(functools.partial(self._on_done, output_id))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="fusegen-engine",
-                                                daemon=True)
-                self._thread.start()
             self._cond.notify()
         return futures
 
-    def _loop(self) -> None:
-        engine = self.engine
-        if self.config.device.startswith("cuda"):
-            # Kernels launch on the calling thread's current device: this engine's own,
-            # which is not cuda:0 for a job worker given another GPU.
-            import torch
+    def _run(self, model: str, options: dict, built: Future) -> None:
+        """The engine's thread: build the engine, hand it over, then step it."""
+        try:
+            config = EngineConfig.build(model, EngineOptions.from_kwargs(options))
+            if config.device.startswith("cuda"):
+                # Kernels launch on the calling thread's current device: this engine's
+                # own, which is not cuda:0 for a job worker given another GPU.
+                import torch
 
-            torch.cuda.set_device(self.config.device)
+                torch.cuda.set_device(config.device)
+            engine = LLMEngine(config)
+        except BaseException as exc:  # noqa: BLE001 - raised in the constructor's caller
+            built.set_exception(exc)
+            return
+        built.set_result((config, engine))
+        with self._cond:  # the caller gave up while the model loaded
+            abandoned = self._closed
+        if abandoned:
+            engine.close()
+            return
+        self._loop(engine)
+
+    def _loop(self, engine: LLMEngine) -> None:
         while True:
             with self._cond:
                 while not (self._inbox or self._aborts or engine.has_unfinished()

@@ -232,3 +232,44 @@ def test_cancelled_future_drops_its_request(llm):
     assert doomed.cancel()
     assert [f.result(timeout=60).token_ids for f in others] == want
     assert _unfinished(llm) == 0 and doomed.cancelled()
+
+
+def test_the_engine_is_built_on_the_thread_that_steps_it(llama_dir, monkeypatch):
+    """Every OpenMP region of an engine on one thread (engine/llm.py): the build (weight
+    packing, the dtype probe) happens on the step thread, not the caller's."""
+    import fusegen.engine.llm as llm_module
+
+    built_on, stepped_on = [], set()
+    real_init, real_step = llm_module.LLMEngine.__init__, llm_module.LLMEngine.step
+
+    def init(self, config):
+        built_on.append(threading.current_thread())
+        real_init(self, config)
+
+    def step(self):
+        stepped_on.add(threading.current_thread())
+        return real_step(self)
+
+    monkeypatch.setattr(llm_module.LLMEngine, "__init__", init)
+    monkeypatch.setattr(llm_module.LLMEngine, "step", step)
+    with LLM(str(llama_dir), dtype="float32") as engine:
+        engine.generate(PROMPTS, greedy(4))
+    assert len(built_on) == 1 and built_on[0] is not threading.main_thread()
+    assert stepped_on == {built_on[0]}
+
+
+def test_a_failed_build_raises_in_the_caller(tmp_path):
+    with pytest.raises(Exception) as failed:
+        LLM(str(tmp_path / "no-such-model"))
+    assert "no-such-model" in str(failed.value)
+
+
+def test_work_on_a_passing_thread_returns_or_raises_in_the_caller():
+    from fusegen.engine.host import on_a_passing_thread
+
+    ran_on = []
+    assert on_a_passing_thread(lambda a, b=0: ran_on.append(threading.current_thread())
+                               or a + b, 2, b=3) == 5
+    assert ran_on[0] is not threading.current_thread() and not ran_on[0].is_alive()
+    with pytest.raises(ZeroDivisionError):
+        on_a_passing_thread(lambda: 1 / 0)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fusegen.engine.host import on_a_passing_thread
 from fusegen.jobs.bench import flops
 from fusegen.jobs.bench.ceiling import measure_ceiling
 from fusegen.jobs.bench.chat_prompts import make_chat_workload
@@ -64,8 +65,10 @@ class BenchConfig:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.dtype == "auto":
             from fusegen.engine.config import resolve_dtype
+            from fusegen.engine.host import on_a_passing_thread
 
-            self.dtype = str(resolve_dtype("auto", self.device)).removeprefix("torch.")
+            self.dtype = str(on_a_passing_thread(resolve_dtype, "auto", self.device)
+                             ).removeprefix("torch.")
         if self.dtype not in flops.DTYPE_BYTES:
             raise ValueError(f"--dtype must be one of {', '.join(flops.DTYPE_BYTES)}; got {self.dtype!r}")
         if self.device == "auto":
@@ -124,8 +127,10 @@ def run_benchmark(config: BenchConfig, progress: Progress = lambda _: None) -> d
     kind = "chat prompts" if preset.prompts == "chat" else "prompts"
     progress(f"workload: {len(requests)} requests, {kind} {preset.prompt_len.describe()}, "
              f"outputs {preset.output_len.describe()} (seed {config.seed})")
-    model = config.model or random_model(
-        shape, ensure_checkpoint(preset.name, shape, config.cache_dir, progress))
+    # torch work of the bench's own runs on passing threads (engine/host.py): no OpenMP
+    # team is left on the main thread beside fusegen's engine
+    model = config.model or random_model(shape, on_a_passing_thread(
+        ensure_checkpoint, preset.name, shape, config.cache_dir, progress))
     if config.model is not None:
         where = "" if str(model.path) == model.source else f" ({model.path})"
         progress(f"model: {model.source}{where}: {shape.num_layers} layers, hidden "
@@ -134,7 +139,8 @@ def run_benchmark(config: BenchConfig, progress: Progress = lambda _: None) -> d
 
     progress(f"ceiling: measuring matmul FLOP/s and memory bandwidth on {config.device}")
     dtypes = tuple(dict.fromkeys(("bfloat16", "float32", config.dtype)))
-    ceiling = measure_ceiling(config.device, dtypes, quick=preset.quick_ceiling)
+    ceiling = on_a_passing_thread(measure_ceiling, config.device, dtypes,
+                                  quick=preset.quick_ceiling)
 
     from fusegen.jobs.bench.fusegen_runner import run_fusegen
 
