@@ -32,6 +32,7 @@ class LLM:
         self._futures: dict[int, Future] = {}
         self._aborts: set[int] = set()  # ids of cancelled requests, dropped before the next step
         self._closed = False
+        self._close_error: BaseException | None = None
         # The engine is built on the thread that will step it, so that every OpenMP
         # parallel region of the engine (weight packing, the `auto` dtype probe, the
         # steps) runs on one thread: each thread that opens one gets a team of its own,
@@ -188,10 +189,17 @@ class LLM:
         built.set_result((config, engine))
         with self._cond:  # the caller gave up while the model loaded
             abandoned = self._closed
-        if abandoned:
-            engine.close()
-            return
-        self._loop(engine)
+        try:
+            if not abandoned:
+                self._loop(engine)
+        finally:
+            # Closed from this thread: a device group's ranks die with the thread that
+            # started them (PR_SET_PDEATHSIG, engine/parallel/worker.py), so the group
+            # is stopped before this thread ends, not killed by its end.
+            try:
+                engine.close()
+            except BaseException as exc:  # noqa: BLE001 - raised by close()
+                self._close_error = exc
 
     def _loop(self, engine: LLMEngine) -> None:
         while True:
@@ -256,9 +264,10 @@ class LLM:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join()
-        self.engine.close()
+        self._thread.join()
+        error, self._close_error = self._close_error, None
+        if error is not None:
+            raise error
 
     def __enter__(self):
         return self

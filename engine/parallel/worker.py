@@ -137,11 +137,14 @@ class Worker:
             payload = torch.stack([x, residual])
             self._sending = dist.isend(payload, dst=info.next_rank)
             self.pipeline_bytes += payload.numel() * payload.element_size()
+            self.trace.append((index, waiting, start, time.monotonic()))
         else:
             out = runner.head(x, residual, inputs.sample_rows, greedy)
+            # the step ends before its reply: once replied, the next step may start on
+            # stage 0 before a later timestamp here
+            self.trace.append((index, waiting, start, time.monotonic()))
             if info.replies:
                 self._reply(index, out, greedy)
-        self.trace.append((index, waiting, start, time.monotonic()))
 
     def _reply(self, index: int, out: torch.Tensor | None, greedy: bool) -> None:
         if out is None:
@@ -171,7 +174,9 @@ def _attach(name: str) -> SharedMemory:
 
 
 def _die_with_parent() -> None:
-    """The kernel kills this rank when the controller's process ends (Linux)."""
+    """The kernel kills this rank when the thread that started it ends (Linux): the
+    controller's engine thread, which closes the group first; so a controller that dies
+    leaves no rank behind."""
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
