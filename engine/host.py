@@ -10,12 +10,12 @@ the next step (the same reason vLLM's CPU engine preloads tcmalloc). The cost is
 the heap keeps the step's peak activation memory, which the memory plan reserves anyway.
 
 The KV cache stays on 4 KiB pages. It is read in blocks scattered over gigabytes, and
-on huge pages (`madvise`, `zeros_huge(huge=True)`) decode attention reads a few percent
+on huge pages (`madvise`, `zeros_lazy(huge=True)`) decode attention reads a few percent
 faster (1-8% measured), but the pool is touched for the first time while the engine
 runs (each prefill writes fresh blocks), and where the kernel has to compact memory to
 find free 2 MiB frames (Linux's default `defrag=madvise` does that for advised
 mappings) a huge page's first touch costs up to ten times what 512 small pages do:
-measured on a 2-core cloud VM, 0.6-2.2 ms against 0.4 ms a 2 MiB, 35 ms of a
+measured on a 2-core cloud VM, 0.6-4.7 ms against 0.4 ms a 2 MiB, 35 ms of a
 2,048-token prefill step's 220. A probe of a few pages cannot tell: the first few
 frames are often free, the next thousand are not.
 """
@@ -59,7 +59,7 @@ _MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
 HUGE_PAGE = 2 * 2**20
 
 
-def zeros_huge(shape, dtype: torch.dtype, huge: bool = False) -> torch.Tensor:
+def zeros_lazy(shape, dtype: torch.dtype, huge: bool = False) -> torch.Tensor:
     """A zeroed CPU tensor. On Linux it is an anonymous mapping of its own: the kernel
     hands out zeroed pages as they are first touched, so a KV pool of gigabytes costs
     neither a zero-fill at start nor memory for blocks never used. `huge`: asked for
@@ -78,8 +78,6 @@ def _anonymous(nbytes: int) -> torch.Tensor:
     be shmem, outside THP); the tensor keeps the mapping alive."""
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(region, dtype=torch.uint8)
-
-
 
 
 def advise_huge_pages(tensor: torch.Tensor) -> bool:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from fusegen.engine.config import EngineConfig
-from fusegen.engine.host import keep_freed_memory, zeros_huge
+from fusegen.engine.host import keep_freed_memory, zeros_lazy
 from fusegen.engine.weights.gguf_names import is_gguf
 from fusegen.engine.weights.loader import fuse, load_state_dict
 from fusegen.engine.models import get_architecture
@@ -113,7 +113,7 @@ class ModelRunner:
         # run streams near the memory's bandwidth; two half-size runs a block do not)
         shape = (len(self.layer_range), self.num_blocks, 2, self.block_size, cfg.num_kv_heads,
                  cfg.head_dim)
-        self.kv_cache = zeros_huge(shape, self.dtype) if self.device.type == "cpu" else \
+        self.kv_cache = zeros_lazy(shape, self.dtype) if self.device.type == "cpu" else \
             torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.host_kv_cache = torch.zeros((shape[0], self.num_host_blocks, *shape[2:]),
                                          dtype=self.dtype, pin_memory=self._pin)

@@ -30,8 +30,9 @@ def argmax_native(logits: torch.Tensor) -> torch.Tensor:
 
     assert logits.stride(-1) == 1, "the vocabulary dimension must be contiguous"
     out = torch.empty(logits.shape[0], dtype=torch.int64)
-    getattr(native.library(), _NATIVE[logits.dtype])(logits.data_ptr(), out.data_ptr(), logits.shape[0],
-                                logits.shape[1], logits.stride(0), torch.get_num_threads())
+    kernel = getattr(native.library(), _NATIVE[logits.dtype])
+    kernel(logits.data_ptr(), out.data_ptr(), logits.shape[0], logits.shape[1],
+           logits.stride(0), torch.get_num_threads())
     return out
 
 

@@ -3,8 +3,8 @@
 Decode rows go to the C kernel (`kernels/csrc/paged_decode.c`), which reads each
 sequence's KV blocks in place; prefill rows to the C prefill kernel
 (`kernels/csrc/paged_prefill.c`, fp32 and bf16), or for what it does not take to torch's
-fused attention, one sequence at a time. `paged_attention_rowwise` is the batch-invariant path: every row a decode of
-its own position. `paged_attention_reference` is plain torch, for machines without a C
+fused attention, one sequence at a time. `paged_attention_rowwise` is the
+batch-invariant path: every row a decode of its own position. `paged_attention_reference` is plain torch, for machines without a C
 compiler and for tests.
 """
 from __future__ import annotations

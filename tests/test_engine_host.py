@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fusegen.engine.host import HUGE_PAGE, advise_huge_pages, keep_freed_memory, zeros_huge
+from fusegen.engine.host import HUGE_PAGE, advise_huge_pages, keep_freed_memory, zeros_lazy
 
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -29,7 +29,7 @@ def _huge_bytes(tensor: torch.Tensor) -> int:
                     or "[never]" in _THP.read_text(),
                     reason="transparent huge pages are off or absent on this machine")
 def test_kv_cache_memory_gets_huge_pages():
-    cache = zeros_huge((8, 256, 2, 16, 4, 64), torch.float32, huge=True)  # 64 MiB
+    cache = zeros_lazy((8, 256, 2, 16, 4, 64), torch.float32, huge=True)  # 64 MiB
     assert cache.count_nonzero() == 0
     cache.fill_(0.5)  # the engine writing keys and values
     # The kernel may lack free 2 MiB frames on a busy machine; most of the span should not.
@@ -40,7 +40,7 @@ def test_kv_cache_memory_gets_huge_pages():
 def test_the_kv_pool_stays_on_small_pages_unless_asked():
     """The engine's pool (huge pages cost more to fault in than they gain on many
     machines): zeroed, lazily faulted, no huge pages asked for."""
-    cache = zeros_huge((8, 256, 2, 16, 4, 64), torch.float32)
+    cache = zeros_lazy((8, 256, 2, 16, 4, 64), torch.float32)
     assert cache.shape == (8, 256, 2, 16, 4, 64) and cache.count_nonzero() == 0
     cache.fill_(0.5)
     if _THP.is_file() and "[madvise]" in _THP.read_text():  # ("always" gives them anyway)
@@ -50,7 +50,7 @@ def test_the_kv_pool_stays_on_small_pages_unless_asked():
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the lazy pool is Linux's")
 def test_a_kv_pool_costs_memory_only_where_written():
     before = _resident_bytes()
-    cache = zeros_huge((2**30 // 4,), torch.float32)  # 1 GiB
+    cache = zeros_lazy((2**30 // 4,), torch.float32)  # 1 GiB
     cache[:2**20] = 1.0  # 4 MiB written
     grown = _resident_bytes() - before
     assert grown < 64 * 2**20, f"a 1 GiB pool made the process grow by {grown} bytes"

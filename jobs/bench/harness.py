@@ -65,7 +65,6 @@ class BenchConfig:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.dtype == "auto":
             from fusegen.engine.config import resolve_dtype
-            from fusegen.engine.host import on_a_passing_thread
 
             self.dtype = str(on_a_passing_thread(resolve_dtype, "auto", self.device)
                              ).removeprefix("torch.")

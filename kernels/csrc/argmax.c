@@ -11,20 +11,6 @@
 #include <stdint.h>
 #include <string.h>
 
-void argmax_f32(const float *x, int64_t *out, int64_t rows, int cols, int64_t stride,
-                int num_threads) {
-    _Pragma("omp parallel for num_threads(num_threads) schedule(static)")
-    for (int64_t r = 0; r < rows; r++) {
-        const float *row = x + r * stride;
-        float best = row[0];
-        _Pragma("omp simd reduction(max:best)")
-        for (int i = 1; i < cols; i++) best = row[i] > best ? row[i] : best;
-        int64_t at = 0;
-        while (row[at] != best) at++;
-        out[r] = at;
-    }
-}
-
 static inline float widen(uint16_t h) {
     const uint32_t u = (uint32_t)h << 16;
     float f;
@@ -32,16 +18,22 @@ static inline float widen(uint16_t h) {
     return f;
 }
 
-void argmax_bf16(const uint16_t *x, int64_t *out, int64_t rows, int cols, int64_t stride,
-                 int num_threads) {
-    _Pragma("omp parallel for num_threads(num_threads) schedule(static)")
-    for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *row = x + r * stride;
-        float best = widen(row[0]);
-        _Pragma("omp simd reduction(max:best)")
-        for (int i = 1; i < cols; i++) best = widen(row[i]) > best ? widen(row[i]) : best;
-        int64_t at = 0;
-        while (widen(row[at]) != best) at++;
-        out[r] = at;
-    }
+/* One definition per storage type; LOAD gives an element as fp32. */
+#define DEFINE_ARGMAX(NAME, T, LOAD)                                                        \
+void NAME(const T *x, int64_t *out, int64_t rows, int cols, int64_t stride,                 \
+          int num_threads) {                                                                \
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static)")                   \
+    for (int64_t r = 0; r < rows; r++) {                                                    \
+        const T *row = x + r * stride;                                                      \
+        float best = LOAD(row[0]);                                                          \
+        _Pragma("omp simd reduction(max:best)")                                             \
+        for (int i = 1; i < cols; i++) best = LOAD(row[i]) > best ? LOAD(row[i]) : best;   \
+        int64_t at = 0;                                                                     \
+        while (LOAD(row[at]) != best) at++;                                                 \
+        out[r] = at;                                                                        \
+    }                                                                                       \
 }
+
+#define AS_F32(v) (v)
+DEFINE_ARGMAX(argmax_f32, float, AS_F32)
+DEFINE_ARGMAX(argmax_bf16, uint16_t, widen)
