@@ -40,6 +40,8 @@ class LLM:
         # threads sleep after ~100 spins, so every region of a step pays their wake-up
         # (2.7 ms of a 29.5 ms decode step, docs/performance.md).
         built: Future = Future()
+        # "cuda" names the caller's current GPU; the engine's thread starts on cuda:0.
+        self._caller_gpu = _current_gpu()
         self._thread = threading.Thread(target=self._run, args=(model, options, built),
                                         name="fusegen-engine", daemon=True)
         self._thread.start()
@@ -176,12 +178,13 @@ class LLM:
         """The engine's thread: build the engine, hand it over, then step it."""
         try:
             config = EngineConfig.build(model, EngineOptions.from_kwargs(options))
-            if config.device.startswith("cuda"):
+            gpu = engine_gpu(config.device, self._caller_gpu)
+            if gpu is not None:
                 # Kernels launch on the calling thread's current device: this engine's
                 # own, which is not cuda:0 for a job worker given another GPU.
                 import torch
 
-                torch.cuda.set_device(config.device)
+                torch.cuda.set_device(gpu)
             engine = LLMEngine(config)
         except BaseException as exc:  # noqa: BLE001 - raised in the constructor's caller
             built.set_exception(exc)
@@ -274,6 +277,26 @@ class LLM:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _current_gpu() -> int | None:
+    """The calling thread's current GPU, where it has touched CUDA (torch is not asked
+    to start CUDA for this: a CPU engine on a GPU machine never does)."""
+    import torch
+
+    return torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
+
+def engine_gpu(device: str, caller_gpu: int | None) -> int | None:
+    """The GPU an engine's own thread makes current: "cuda" is the constructor's caller's
+    current GPU (cuda:0 where it had none), "cuda:N" is N. None for CPUs and for device
+    groups ("cuda:a,b,..."), whose ranks each take theirs in their own process."""
+    if not device.startswith("cuda") or "," in device:
+        return None
+    _, _, index = device.partition(":")
+    if index:
+        return int(index)
+    return 0 if caller_gpu is None else caller_gpu
 
 
 def _resolve(future: Future | None, result) -> None:

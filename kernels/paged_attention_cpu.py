@@ -176,12 +176,13 @@ def paged_attention_rowwise(q, k_cache, v_cache, block_tables, seq_lens, query_s
     decode kernel when it is available (and `softcap` is off), else the same per row in
     torch."""
     n = query_start_loc[1:] - query_start_loc[:-1]  # [B] query rows per sequence
-    seq_of_row = torch.repeat_interleave(torch.arange(n.shape[0]), n.long())  # [T]
-    row_in_seq = torch.arange(q.shape[0]) - query_start_loc[seq_of_row]
+    seq_of_row = torch.repeat_interleave(torch.arange(n.shape[0], device=n.device),
+                                         n.long())  # [T]
+    row_in_seq = torch.arange(q.shape[0], device=q.device) - query_start_loc[seq_of_row]
     # Row j of a sequence with L tokens after the step and n new ones sits at L - n + j.
     row_lens = (seq_lens[seq_of_row] - n[seq_of_row] + row_in_seq + 1).to(torch.int32)
     row_tables = block_tables[seq_of_row]  # [T, W]
-    rows = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+    rows = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     out = torch.empty_like(q)
     if use_native(q) and not softcap:
         return paged_decode_native(q, k_cache, v_cache, row_tables, row_lens, rows, out,
@@ -240,8 +241,8 @@ def _prefill(q, k_cache, v_cache, block_table, seq_len, scale, window, softcap=0
         o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale,
                                            enable_gqa=True)
     else:
-        q_pos = torch.arange(seq_len - n, seq_len).unsqueeze(1)
-        k_pos = torch.arange(seq_len).unsqueeze(0)
+        q_pos = torch.arange(seq_len - n, seq_len, device=q.device).unsqueeze(1)
+        k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
         mask = k_pos <= q_pos
         if window:
             mask &= k_pos > q_pos - window
@@ -317,8 +318,8 @@ def _decode_group(q, k_cache, v_cache, block_tables, seq_lens, scale, window, so
     k = _gather_into(k_cache, block_tables, num_blocks, kv[:size].view(shape)).transpose(1, 2)
     v = _gather_into(v_cache, block_tables, num_blocks, kv[size:].view(shape)).transpose(1, 2)
     # k, v [b, Hkv, L, D] with L the group's longest length rounded up to a block
-    lens = torch.tensor(seq_lens).unsqueeze(1)
-    pos = torch.arange(k.shape[2]).unsqueeze(0)
+    lens = torch.tensor(seq_lens, device=q.device).unsqueeze(1)
+    pos = torch.arange(k.shape[2], device=q.device).unsqueeze(0)
     valid = pos < lens  # [b, L]
     if window:
         valid &= pos >= lens - window

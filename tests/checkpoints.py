@@ -97,6 +97,10 @@ def load_hf(path: Path):
 
     key = str(path)
     if key not in _HF_MODELS:
+        # Capped attention scores (Gemma 2) only in transformers' eager attention: some
+        # releases run SDPA by default and drop the cap there.
+        config = json.loads((Path(path) / "config.json").read_text())
+        eager = {"attn_implementation": "eager"} if config.get("attn_logit_softcapping") else {}
         _HF_MODELS[key] = transformers.AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32).eval()
+            path, dtype=torch.float32, **eager).eval()
     return _HF_MODELS[key]

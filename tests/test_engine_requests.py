@@ -4,6 +4,7 @@ import math
 import threading
 
 import pytest
+import torch
 
 from fusegen.engine import LLM, SamplingParams
 
@@ -256,6 +257,34 @@ def test_the_engine_is_built_on_the_thread_that_steps_it(llama_dir, monkeypatch)
         engine.generate(PROMPTS, greedy(4))
     assert len(built_on) == 1 and built_on[0] is not threading.main_thread()
     assert stepped_on == {built_on[0]}
+
+
+def test_the_engine_thread_takes_the_engines_gpu():
+    from fusegen.engine.llm import engine_gpu
+
+    assert engine_gpu("cpu", 3) is None
+    assert engine_gpu("cuda", None) == 0  # the caller never touched CUDA
+    assert engine_gpu("cuda", 2) == 2  # "cuda": the caller's current GPU
+    assert engine_gpu("cuda:1", 2) == 1
+    assert engine_gpu("cuda:0,1", 0) is None  # a group's ranks place themselves
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cuda_engine_steps_on_its_gpu(llama_dir, monkeypatch):
+    import fusegen.engine.llm as llm_module
+
+    devices = set()
+    real_step = llm_module.LLMEngine.step
+
+    def step(self):
+        devices.add(torch.cuda.current_device())
+        return real_step(self)
+
+    monkeypatch.setattr(llm_module.LLMEngine, "step", step)
+    last = torch.cuda.device_count() - 1
+    with LLM(str(llama_dir), dtype="float32", device=f"cuda:{last}") as engine:
+        engine.generate(PROMPTS, greedy(4))
+    assert devices == {last}
 
 
 def test_a_failed_build_raises_in_the_caller(tmp_path):

@@ -36,11 +36,12 @@ class _CompileInstead:
     def __init__(self, kernel):
         self.kernel = kernel
         self.stack_bytes = []  # one per compiled launch
+        self.ptx = []
 
     def __getitem__(self, grid):
         return self._compile
 
-    def _compile(self, *args, num_warps=4, **kwargs):
+    def _compile(self, *args, num_warps=4, enable_fp_fusion=True, **kwargs):
         values = {**dict(zip(self.kernel.arg_names, args)), **kwargs}
         signature, constexprs, attrs = {}, {}, {}
         for i, (name, param) in enumerate(zip(self.kernel.arg_names, self.kernel.params)):
@@ -60,7 +61,9 @@ class _CompileInstead:
                 signature[name] = "fp32"
         source = compiler.ASTSource(self.kernel, signature, constexprs, attrs)
         target = triton.backends.compiler.GPUTarget("cuda", 90, 32)
-        compiled = compiler.compile(source, target=target, options={"num_warps": num_warps})
+        compiled = compiler.compile(source, target=target, options={
+            "num_warps": num_warps, "enable_fp_fusion": enable_fp_fusion})
+        self.ptx.append(compiled.asm["ptx"])
         with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
             cubin.write(compiled.asm["cubin"])
             cubin.flush()
@@ -110,3 +113,6 @@ def test_other_kernels_compile_without_spills(monkeypatch):
                                    torch.zeros(3, 8, 128, **bf16), cos, cos.clone())
     silu_mul.silu_and_mul_triton(torch.zeros(3, 2 * 14336, **bf16))
     assert [r.stack_bytes for r in recorders] == [[0], [0, 0], [0], [0]]
+    # The rotation rounds each product as torch does: no fused multiply-add may merge a
+    # product into the sum (one rounding where torch has two).
+    assert "fma" not in recorders[2].ptx[0] and "mul.rn.bf16" in recorders[2].ptx[0]

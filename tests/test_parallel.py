@@ -1,8 +1,10 @@
 """Device groups (engine/parallel): tensor and pipeline parallel ranks in worker processes
 under the engine's controller, on CPU with gloo. Tokens must equal the single-process
-engine's (which the equality tests tie to transformers)."""
+engine's (which the equality tests tie to transformers). Every engine here is a CPU one,
+also on a machine with a GPU (one GPU cannot hold a group of two ranks)."""
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
@@ -12,7 +14,8 @@ import pytest
 import torch
 
 from checkpoints import ARCHS, make_hf_checkpoint
-from fusegen import LLM, SamplingParams
+from fusegen import LLM as _LLM
+from fusegen import SamplingParams
 from fusegen.engine.errors import DeviceGroupError, EngineConfigError
 from fusegen.engine.models import get_architecture
 from fusegen.engine.models.config import ModelConfig
@@ -20,6 +23,8 @@ from fusegen.engine.parallel.plan import (check_parallel, model_stages, rank_dev
                                           rank_infos, stage_layers)
 from fusegen.engine.parallel.shard import (rank_model_config, shard_fixed_sources,
                                            shard_layer_sources, vocab_range)
+
+LLM = functools.partial(_LLM, device="cpu")
 
 # Mixed lengths in one fused batch; the long one spans several 16-token blocks.
 PROMPTS = [list(range(5, 14)), [20, 21, 22], list(range(30, 70)), [7] * 17]
