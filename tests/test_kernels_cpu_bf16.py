@@ -192,7 +192,8 @@ def test_engine_bf16_tokens_unchanged_by_the_c_kernels(llama_dir, monkeypatch, e
         for module in (rms_norm_mod, silu_mul_mod, rotary_mod):
             monkeypatch.setattr(module, "use_native", lambda tensor: use_c)
         calls.clear()
-        with LLM(str(llama_dir), dtype="bfloat16", max_num_batched_tokens=16) as llm:
+        with LLM(str(llama_dir), device="cpu", dtype="bfloat16",
+                 max_num_batched_tokens=16) as llm:
             tokens = [out.token_ids for out in llm.generate(PROMPTS, params)]
         assert set(calls) == {"rms_norm_native" if use_c else "rms_norm_reference"}
         return tokens

@@ -152,7 +152,7 @@ def deep_dir(tmp_path_factory):
                               num_hidden_layers=10, max_position_embeddings=128)
 
 
-OPTIONS = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128)
+OPTIONS = dict(device="cpu", dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128)
 PROMPTS = ["The quick brown fox", "Hello", "1 2 3 4 5 6 7 8 9", "a b c d e f g h i j k"]
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -191,12 +191,12 @@ def test_streamed_layers_stay_dense(deep_dir):
 
 def test_a_tied_head_is_counted_twice(qwen2_dir, monkeypatch):
     """A head tied to the embedding keeps the dense embedding beside the packed copy."""
-    with LLM(str(qwen2_dir), dtype="float32") as llm:
+    with LLM(str(qwen2_dir), device="cpu", dtype="float32") as llm:
         packed = llm.memory_report()["device"]["weights"]
         head = llm.engine.runner.model.lm_head.nbytes
         assert llm.config.shape.fixed_params * 4 >= 2 * head
     monkeypatch.setenv("FUSEGEN_KERNELS", "reference")
-    with LLM(str(qwen2_dir), dtype="float32") as llm:
+    with LLM(str(qwen2_dir), device="cpu", dtype="float32") as llm:
         dense = llm.memory_report()["device"]["weights"]
     assert packed == dense + head
 

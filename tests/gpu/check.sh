@@ -1,0 +1,37 @@
+#!/bin/bash
+# A lent GPU's whole check in one call (../shared/GPU.md, items 1-3): install what the
+# device image lacks, run the CUDA-relevant tests, bench gpu-8b fusegen alone, profile
+# decode steps, then bench beside transformers with the time left.
+#
+# Here, first: echo /.whl/ >> .git/info/exclude, and download the py3.12 wheels of what
+# the image lacks into .whl (dask, distributed, partd, locket, tblib, zict, tornado,
+# croniter, gguf, llguidance, jsonschema, jsonschema-specifications, referencing,
+# rpds-py; see the device tool's README). Then run, carrying .whl:
+#   bash tests/gpu/check.sh TOTAL_S TESTS_S BENCH_A_S PROFILE_S
+# Every stage writes under $OUT as it goes (pytest -v streams each result), so a stage
+# cut off by its timeout still reports what it did.
+cd "$(dirname "$0")/../.."
+export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1 FUSEGEN_CACHE_DIR=/tmp/fgcache
+END=$(( $(date +%s) + $1 )); T_TESTS=$2; T_A=$3; T_PROF=$4
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl 2>&1 | tail -2
+python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -2
+python3 -c "import fusegen.jobs.cli" 2>/dev/null || {
+  mkdir -p /tmp/pp; ln -sfn "$PWD" /tmp/pp/fusegen; export PYTHONPATH=/tmp/pp; }
+python3 -c "import fusegen, torch, triton, transformers; print(fusegen.__file__, 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; date -u
+timeout "$T_TESTS" python3 -m pytest -v -p no:cacheprovider -n 8 --timeout 100 --tb=short \
+    tests/test_kernels_*.py tests/test_engine_*.py tests/test_offload.py tests/test_triton_engine.py \
+    tests/test_prefix_cache.py tests/test_scheduler.py tests/test_models_*.py tests/test_sampling_options.py \
+    tests/test_structured.py tests/test_weights_packed.py tests/test_placement.py tests/test_parallel.py \
+    tests/test_loader.py > $OUT/tests.log 2>&1
+echo "tests rc=$?"; grep -cE " PASSED " $OUT/tests.log; grep -E " (FAILED|ERROR) " $OUT/tests.log | sed 's/.* \(FAILED\|ERROR\) //' | cut -c1-150 | head -40
+timeout "$T_A" python3 -m fusegen.jobs.cli bench --preset gpu-8b --requests 512 --skip-hf --json $OUT/bench_a.json > $OUT/bench_a.log 2>&1
+echo "bench A rc=$?"; tail -12 $OUT/bench_a.log
+CKPT=$(ls -d /tmp/fgcache/bench/gpu-8b-* | head -1)
+timeout "$T_PROF" python3 tests/gpu/decode_profile.py "$CKPT" $OUT > $OUT/profile.log 2>&1
+echo "profile rc=$?"; grep -E "^batch" $OUT/profile.log; head -40 $OUT/profile.log | grep -v "^batch" | cut -c1-180
+LEFT=$(( END - $(date +%s) - 5 ))
+echo "bench B gets $LEFT s"
+timeout "$LEFT" python3 -m fusegen.jobs.cli bench --preset gpu-8b --requests 128 --skip-hf-continuous --json $OUT/bench_b.json > $OUT/bench_b.log 2>&1
+echo "bench B rc=$?"; tail -14 $OUT/bench_b.log
+date -u
