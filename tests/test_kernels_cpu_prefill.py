@@ -89,11 +89,13 @@ def test_shapes_it_does_not_take_are_declined():
     (4, 4, 128, 32, [(70, 70), (9, 200)], 0),
     (6, 2, 96, 5, [(13, 13), (7, 30)], 0),
 ])
-def test_bf16_is_computed_in_fp32_and_rounded_once(heads, kv_heads, head_dim, block_size,
-                                                   specs, window):
-    """bf16 queries and caches: the result is the fp32 attention of the same (bf16) values,
-    rounded to bf16 once; fp32 sums in another order may land on the other side of a
-    rounding boundary, so a few elements in a thousand differ by a bf16 step."""
+def test_bf16_is_as_close_to_exact_as_torchs_own(heads, kv_heads, head_dim, block_size,
+                                                 specs, window):
+    """bf16 queries and caches, sums in fp32. Where the CPU has AVX512_BF16 the kernel
+    rounds the probabilities to bf16 before the value product, as torch's fused CPU
+    attention (and flash attention on GPUs) does; elsewhere it keeps them in fp32. Either
+    way its error against the exact fp32 attention of the same bf16 values is no larger
+    than that of torch's own bf16 attention on the same inputs."""
     q, k_cache, v_cache, tables, lens, starts = (
         t.bfloat16() if t.is_floating_point() else t
         for t in _case(heads, kv_heads, head_dim, block_size, specs, seed=5))
@@ -103,11 +105,13 @@ def test_bf16_is_computed_in_fp32_and_rounded_once(heads, kv_heads, head_dim, bl
                                 sliding_window=window)
     exact = _reference(q.float(), k_cache.float(), v_cache.float(), tables, lens, starts,
                        window)
-    assert out.dtype == torch.bfloat16
-    # within a bf16 rounding of the exact result, or a few fp32 roundings of the terms
-    # where they cancel to near zero
-    torch.testing.assert_close(out.float(), exact, rtol=2 ** -8, atol=1e-5)
-    assert (out == exact.bfloat16()).float().mean() > 0.99
+    assert out.dtype == torch.bfloat16 and not out.isnan().any()
+    torchs = _reference(q, k_cache, v_cache, tables, lens, starts, window)  # bf16 SDPA
+    error, torchs_error = ((x.float() - exact) for x in (out, torchs))
+    assert error.norm() <= 1.05 * torchs_error.norm()
+    assert error.abs().max() <= 1.5 * torchs_error.abs().max()
+    # and never far: within a few bf16 steps of the exact result
+    torch.testing.assert_close(out.float(), exact, rtol=2 ** -6, atol=2 ** -6)
 
 
 def test_mixed_step_uses_both_kernels():
