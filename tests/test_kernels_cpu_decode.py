@@ -29,6 +29,7 @@ DECODE = {
     "gqa4_d36_block1": ([1, 2, 33], 8, 2, 36, 1, 0),
     "many_seqs": (list(range(1, 400, 10)), 4, 2, 64, 8, 0),
     "window_over_blocks": ([64, 200, 3], 8, 2, 64, 16, 33),
+    "gqa3_d128_window": ([7, 90, 250], 12, 4, 128, 16, 40),  # an odd group: a lone query
 }
 
 
@@ -45,8 +46,13 @@ def test_decode_matches_dense_attention(case, threads):
                                atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("case", ["gqa2_d64", "mha_d80_window"])
+@pytest.mark.parametrize("dtype, case", [
+    (dtype, case) for dtype in (torch.bfloat16, torch.float16)
+    for case in ("gqa2_d64", "mha_d80_window")] + [
+    # bf16 at head_dim 64 and 128: on CPUs with AVX512_BF16, groups of 3 query heads and
+    # more take the scores by vdpbf16ps (mqa_d128, window_over_blocks, gqa3_d128_window)
+    (torch.bfloat16, case) for case in ("mqa_d128", "many_seqs", "window_over_blocks",
+                                        "gqa3_d128_window")], ids=str)
 def test_half_precision_caches(case, dtype):
     # Same inputs rounded to the dtype; the kernel accumulates in fp32 and rounds once.
     seq_lens, hq, hkv, d, bs, window = DECODE[case]
