@@ -16,7 +16,7 @@ from jobs_fixtures import tiny_model_dir
 
 REPO = Path(__file__).resolve().parent.parent
 NUM_ROWS, PART_ROWS = 100_000, 2000
-PAD_BYTES = 800  # random, uncompressed: 80 MB of input that an unbounded job would hold
+PAD_BYTES = 1600  # random, uncompressed: 160 MB of input that an unbounded job would hold
 
 
 def _dataset(path: Path, n: int) -> None:
@@ -61,8 +61,10 @@ def test_100k_rows_memory_plateaus(tmp_path):
     early = max(rss for parts, rss in samples if parts <= num_parts // 5)
     peak = max(rss for _, rss in samples)
     print(f"RSS after 20% of the parts {early:.0f} MB, peak over the job {peak:.0f} MB")
-    # The other 80,000 rows carry 64 MB of input alone; a bounded job adds ~nothing.
-    assert peak - early < 20, (early, peak)
+    # The other 80,000 rows carry 128 MB of input alone; a bounded job adds nothing that
+    # grows with them. One-off steps of 20-30 MB do occur (an allocator's pool or arena
+    # taking a new segment, in about one run of ten), hence the margin.
+    assert peak - early < 40, (early, peak)
     ids = []
     for part in sorted(out.glob("part-*.parquet")):
         t = pq.read_table(part, columns=["id", "error", "num_generated_tokens"])
