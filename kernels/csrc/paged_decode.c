@@ -228,6 +228,21 @@ static inline __attribute__((always_inline)) void accumulate_values_pair(
     for (int c = 0; c < 8; c++) acc0[c] = a[c], acc1[c] = b[c];
 }
 
+/* One query's scores of a block, s[0..n), turned into exp(s - max) in place: the running
+ * max m and sum l move on, and the returned factor rescales what was accumulated before. */
+static inline __attribute__((always_inline)) float softmax_block(float *si, int n, float *m,
+                                                                 float *l) {
+    float top = *m;
+    for (int j = 0; j < n; j++) top = si[j] > top ? si[j] : top;
+    const float alpha = expf(*m - top);
+    float sum = 0.0f;
+    _Pragma("omp simd reduction(+:sum)")
+    for (int j = 0; j < n; j++) { si[j] = expf(si[j] - top); sum += si[j]; }
+    *l = *l * alpha + sum;
+    *m = top;
+    return alpha;
+}
+
 /* The item in 8-lane vectors, for head dimensions that are multiples of 8; the cache and
  * the queries and output in fp32 or bf16 (`bf16` a constant in each wrapper below). */
 static inline __attribute__((always_inline)) void decode_x8_item(
@@ -302,15 +317,7 @@ static inline __attribute__((always_inline)) void decode_x8_item(
             }
         }
         for (int i = 0; i < nq; i++) {
-            float *si = s + i * block_size;
-            float top = m[i];
-            for (int j = 0; j < n; j++) top = si[j] > top ? si[j] : top;
-            const float alpha = expf(m[i] - top);
-            float sum = 0.0f;
-            _Pragma("omp simd reduction(+:sum)")
-            for (int j = 0; j < n; j++) { si[j] = expf(si[j] - top); sum += si[j]; }
-            l[i] = l[i] * alpha + sum;
-            m[i] = top;
+            const float alpha = softmax_block(s + i * block_size, n, m + i, l + i);
             if (alpha != 1.0f)
                 for (int c = 0; c < lanes; c++) acc[i * lanes + c] *= alpha;
         }
@@ -420,15 +427,7 @@ static inline __attribute__((always_inline)) void decode_dp_item(
                 }
             }
         for (int i = 0; i < nq; i++) {
-            float *si = s + i * block_size;
-            float top = m[i];
-            for (int j = 0; j < n; j++) top = si[j] > top ? si[j] : top;
-            const float alpha = expf(m[i] - top);
-            float sum = 0.0f;
-            _Pragma("omp simd reduction(+:sum)")
-            for (int j = 0; j < n; j++) { si[j] = expf(si[j] - top); sum += si[j]; }
-            l[i] = l[i] * alpha + sum;
-            m[i] = top;
+            const float alpha = softmax_block(s + i * block_size, n, m + i, l + i);
             if (alpha != 1.0f) {
                 const __m512 av = _mm512_set1_ps(alpha);
                 for (int c = 0; c < L; c++) {
@@ -478,25 +477,23 @@ static inline __attribute__((always_inline)) void decode_dp_item(
 #define DECODE_DP 0
 #endif
 
+#if DECODE_DP
 /* The dp item for the wrappers below, with L a constant; it is only called for bf16. */
 static void decode_dp_bf16(const void *q, void *out, const void *kc, const void *vc,
                            const int32_t *block_tables, const int32_t *seq_lens,
                            const int32_t *query_start_loc, int seq, int h0, int h1, int group,
                            int head_dim, int block_size, int window, float scale,
                            const strides_t *st, float *work) {
-#if DECODE_DP
     if (head_dim == 64)
         decode_dp_item(q, out, kc, vc, block_tables, seq_lens, query_start_loc, seq, h0, h1,
                        group, block_size, window, scale, st, work, 4);
     else
         decode_dp_item(q, out, kc, vc, block_tables, seq_lens, query_start_loc, seq, h0, h1,
                        group, block_size, window, scale, st, work, 8);
-#else
-    (void)q; (void)out; (void)kc; (void)vc; (void)block_tables; (void)seq_lens;
-    (void)query_start_loc; (void)seq; (void)h0; (void)h1; (void)group; (void)head_dim;
-    (void)block_size; (void)window; (void)scale; (void)st; (void)work;
-#endif
 }
+#else
+#define decode_dp_bf16(...) ((void)0)  /* never taken: DECODE_DP guards the call */
+#endif
 
 #define DEFINE_X8_ITEM(NAME, T, BF16)                                                       \
 static void NAME(const T *q, T *out, const T *kc, const T *vc, const int32_t *block_tables, \
