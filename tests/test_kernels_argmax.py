@@ -34,3 +34,31 @@ def test_masked_logits_and_strided_rows():
 def test_dispatcher_keeps_other_dtypes_on_torch():
     x = torch.randn(4, 50).bfloat16()
     assert torch.equal(argmax(x), x.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("rows, cols", [(1, 1), (3, 31), (4, 32), (5, 33), (6, 64), (7, 65),
+                                        (2, 95), (117, 32000), (2, 151936)])
+def test_bf16_equals_torch(rows, cols):
+    # bf16 rows take one pass over 16-bit keys on AVX-512 CPUs: every chunk boundary
+    # (32 columns), an odd chunk count and a partial last chunk
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(cols)).bfloat16()
+    assert torch.equal(argmax_native(x), x.argmax(dim=-1))
+
+
+def test_bf16_ties_signed_zeros_and_infinities():
+    x = torch.randint(-2, 3, (64, 1000), generator=torch.Generator().manual_seed(2)).bfloat16()
+    x[0] = 2.0  # the whole row ties: the first index
+    x[1] = -0.0
+    x[1, 500:] = 0.0  # -0 and +0 compare equal: index 0, not 500
+    x[2] = float("-inf")  # nothing but -inf: index 0
+    x[3, 999] = float("inf")
+    x[4] = -1e30
+    x[4, 777] = -1e-38  # the greatest of negative values is the one nearest zero
+    got = argmax_native(x)
+    assert torch.equal(got, x.argmax(dim=-1))
+    assert got[:5].tolist() == [0, 0, 0, 999, 777]
+
+
+def test_bf16_strided_rows():
+    x = torch.randn(8, 400, generator=torch.Generator().manual_seed(3)).bfloat16()[:, 50:350]
+    assert torch.equal(argmax_native(x), x.argmax(dim=-1))
