@@ -8,7 +8,24 @@ The repository's folders install as subpackages: `fusegen.engine` (the generatio
 engine, usable alone), `fusegen.kernels`, `fusegen.jobs` (jobs, the CLI, the
 benchmark) and `fusegen.workflows`.
 """
-from fusegen.engine import (LLM, CompletionOutput, EngineConfig, EngineConfigError,
+import ctypes as _ctypes
+import sys as _sys
+
+
+def _one_malloc_arena() -> None:
+    """Every thread started from here on allocates from glibc's main arena (M_ARENA_MAX
+    1), the engine's thread among them: before torch and numpy start theirs, so that no
+    other arena is there to be handed out (fusegen.engine.host says why)."""
+    if _sys.platform.startswith("linux"):
+        try:
+            _ctypes.CDLL(None).mallopt(-8, 1)  # M_ARENA_MAX; musl's mallopt ignores it
+        except (OSError, AttributeError):
+            pass
+
+
+_one_malloc_arena()
+
+from fusegen.engine import (LLM,  # noqa: E402 - after the arena setting CompletionOutput, EngineConfig, EngineConfigError,
                             EngineOptions, LLMEngine, ModelConfig, ModelLoadError,
                             RequestOutput, SamplingParams)
 

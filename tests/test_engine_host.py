@@ -1,5 +1,6 @@
 """engine/host.py: the allocator settings a CPU engine makes for itself."""
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -71,3 +72,27 @@ def test_advise_refuses_what_holds_no_whole_huge_page():
 def test_freed_memory_kept_on_glibc():
     assert keep_freed_memory() is (sys.platform.startswith("linux") and
                                    "glibc" in " ".join(__import__("platform").libc_ver()))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux")
+                    or "glibc" not in " ".join(__import__("platform").libc_ver()),
+                    reason="glibc's arenas")
+def test_threads_after_import_share_the_main_arena():
+    # A thread's arena is chosen at its first allocation; `import fusegen` limits them
+    # to one before torch and numpy start threads, so an engine thread allocating
+    # activations of 2,048-token steps uses the main arena, not 64 MiB heaps of its own.
+    code = """
+import ctypes, threading
+import fusegen, torch
+def work():
+    buffers = [torch.empty(12 * 2**20, dtype=torch.uint8) for _ in range(8)]
+    torch.ones(64, 64) @ torch.ones(64, 64)
+threads = [threading.Thread(target=work) for _ in range(3)]
+[t.start() for t in threads]; [t.join() for t in threads]
+ctypes.CDLL(None).malloc_stats()
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    arenas = [line for line in done.stderr.splitlines() if line.startswith("Arena ")]
+    assert arenas == ["Arena 0:"], done.stderr
