@@ -105,13 +105,17 @@ class BlockManager:
         if hits:
             self._take_hits(request, hits)
         count = self.num_new_blocks(request, num_new_tokens)
-        if count > self.num_free_blocks:
-            raise RuntimeError(f"request {request.request_id} needs {count} KV blocks, "
-                               f"{self.num_free_blocks} free")
-        request.block_table.extend(self._take() for _ in range(count))
+        if count:
+            if count > self.num_free_blocks:
+                raise RuntimeError(f"request {request.request_id} needs {count} KV blocks, "
+                                   f"{self.num_free_blocks} free")
+            request.block_table.extend(self._take() for _ in range(count))
         if self.cache is not None:
-            num_full = (request.num_computed_tokens + num_new_tokens) // self.block_size
-            self.cache.register(request.block_table, request.token_ids, num_full)
+            computed = request.num_computed_tokens
+            num_full = (computed + num_new_tokens) // self.block_size
+            # blocks full before this step were recorded when their last tokens ran
+            if count or num_full > computed // self.block_size:
+                self.cache.register(request.block_table, request.token_ids, num_full)
 
     def _take_hits(self, request: Request, hits: list[int]) -> None:
         self._hold(hits)
