@@ -79,11 +79,30 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-/* expf(x), with arguments below -80 taken at -80 (a result under 2e-35, beside terms of
- * at least 1: the running max's own). Masked scores (-FLT_MAX) and a first block's
- * rescale would otherwise underflow, and glibc's vector expf computes underflowing lanes
- * through scalar expf and its errno path: a tenth of the kernel's time. */
-static inline float exp_floor(float x) { return expf(x > -80.0f ? x : -80.0f); }
+/* exp(x) for the softmax, x <= 0, with arguments below -80 taken at -80 (a result under
+ * 2e-35, beside terms of at least 1: the running max's own); masked scores (-FLT_MAX) and
+ * a first block's rescale would otherwise underflow. Cephes' expf in line: x = n ln2 + r
+ * with |r| <= ln2 / 2, e^r by its degree-7 polynomial, 2^n put in the exponent bits; within
+ * 2 ulp of expf. Written so that the softmax's `omp simd` loops keep it in their vectors:
+ * glibc's vector expf is a call, around which the loop's registers are saved, a fifth of
+ * the kernel's time. */
+static inline float exp_floor(float x) {
+    x = x > -80.0f ? x : -80.0f;
+    const float n = __builtin_rintf(x * 1.44269504088896341f);
+    float r = __builtin_fmaf(n, -0.693359375f, x);  /* ln 2 in two parts, exact n * hi */
+    r = __builtin_fmaf(n, 2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = __builtin_fmaf(p, r, 1.3981999507e-3f);
+    p = __builtin_fmaf(p, r, 8.3334519073e-3f);
+    p = __builtin_fmaf(p, r, 4.1665795894e-2f);
+    p = __builtin_fmaf(p, r, 1.6666665459e-1f);
+    p = __builtin_fmaf(p, r, 5.0000001201e-1f);
+    p = __builtin_fmaf(p, r * r, r) + 1.0f;
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;  /* n >= -116: normal */
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
 
 /* Element i of a row stored as fp32 or bf16; `bf16` is a constant at every call. */
 static inline float load_el(const void *p, int64_t i, int bf16) {
@@ -149,6 +168,31 @@ static inline __m512bh bcast_pair(const uint16_t *k, int p) {
     return (__m512bh)_mm512_set1_epi32(pair);
 }
 
+/* v[k] <- lane k of every v[i] (v[k][i] = v[i][k] before): a 16 x 16 transpose of 32-bit
+ * elements in registers, 64 shuffles. */
+static inline __attribute__((always_inline)) void transpose16(__m512i *v) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        v[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        v[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        v[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        v[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++) {
+            t[8 * i + j] = _mm512_shuffle_i32x4(v[8 * i + j], v[8 * i + 4 + j], 0x88);
+            t[8 * i + 4 + j] = _mm512_shuffle_i32x4(v[8 * i + j], v[8 * i + 4 + j], 0xdd);
+        }
+    for (int j = 0; j < 8; j++) {
+        v[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
+        v[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xdd);
+    }
+}
+
 static inline __attribute__((always_inline)) void block_scores_dp(
         const uint32_t *qp, const uint16_t *kb, int64_t k_s, int nk, float *st, int R,
         int head_dim, float scale) {
@@ -158,7 +202,27 @@ static inline __attribute__((always_inline)) void block_scores_dp(
         const uint16_t *k1 = j + 1 < nk ? k0 + k_s : zero_row_bf16;
         const uint16_t *k2 = j + 2 < nk ? k0 + 2 * k_s : zero_row_bf16;
         const uint16_t *k3 = j + 3 < nk ? k0 + 3 * k_s : zero_row_bf16;
-        for (int r = 0; r < R; r += 32) {
+        int r = 0;
+        /* 64 rows at a time where R allows: sixteen accumulators, enough independent
+         * chains to keep both vdpbf16ps pipes busy (eight leave them waiting) */
+        for (; r + 64 <= R; r += 64) {
+            __m512 a[4][4];
+            for (int u = 0; u < 4; u++)
+                for (int k = 0; k < 4; k++) a[u][k] = _mm512_setzero_ps();
+            for (int p = 0; p < head_dim / 2; p++) {
+                const __m512bh c[4] = {bcast_pair(k0, p), bcast_pair(k1, p),
+                                       bcast_pair(k2, p), bcast_pair(k3, p)};
+                for (int u = 0; u < 4; u++) {
+                    const __m512bh qv = (__m512bh)_mm512_loadu_si512(qp + (int64_t)p * R + r + 16 * u);
+                    for (int k = 0; k < 4; k++) a[u][k] = _mm512_dpbf16_ps(a[u][k], qv, c[k]);
+                }
+            }
+            for (int k = 0; k < 4; k++)
+                for (int u = 0; u < 4; u++)
+                    _mm512_storeu_ps(st + (int64_t)(j + k) * R + r + 16 * u,
+                                     _mm512_mul_ps(a[u][k], sv));
+        }
+        for (; r < R; r += 32) {
             __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
             __m512 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
             for (int p = 0; p < head_dim / 2; p++) {
@@ -245,6 +309,31 @@ static inline __attribute__((always_inline)) void block_values_dp(
         if (acc_b) acc_b[c] = (vf)b[c];
     }
 }
+
+/* Four rows at once, for head_dim 64 (lanes 4): sixteen accumulators in registers, each
+ * pair of value rows loaded once for the four. Rows r..r+3 of acc and of the pairs. */
+static inline __attribute__((always_inline)) void block_values_dp4(
+        vf *acc, const float *alpha, const uint32_t *pp, int R, const uint32_t *vi,
+        int npairs) {
+    __m512 a[4][4];
+    for (int u = 0; u < 4; u++) {
+        const __m512 su = _mm512_set1_ps(alpha[u]);
+        for (int c = 0; c < 4; c++) a[u][c] = _mm512_mul_ps((__m512)acc[4 * u + c], su);
+    }
+    for (int jp = 0; jp < npairs; jp++) {
+        const uint32_t *vr = vi + (int64_t)jp * 64;
+        const __m512bh v[4] = {(__m512bh)_mm512_loadu_si512(vr),
+                               (__m512bh)_mm512_loadu_si512(vr + 16),
+                               (__m512bh)_mm512_loadu_si512(vr + 32),
+                               (__m512bh)_mm512_loadu_si512(vr + 48)};
+        for (int u = 0; u < 4; u++) {
+            const __m512bh x = (__m512bh)_mm512_set1_epi32((int)pp[(int64_t)jp * R + u]);
+            for (int c = 0; c < 4; c++) a[u][c] = _mm512_dpbf16_ps(a[u][c], v[c], x);
+        }
+    }
+    for (int u = 0; u < 4; u++)
+        for (int c = 0; c < 4; c++) acc[4 * u + c] = (vf)a[u][c];
+}
 #define SCORES_DP 1
 #else
 #define SCORES_DP 0
@@ -321,16 +410,26 @@ prefill_item(const void *q, void *out, const void *kc, const void *vc,
     const int dp = SCORES_DP && bf16;  /* scores by vdpbf16ps (block_scores_dp) */
     const int dp_values = dp && lanes <= 8;  /* and values (block_values_dp) */
     uint32_t *qpairs = (uint32_t *)qt;               /* dp: [head_dim / 2, R] bf16 pairs */
+#if SCORES_DP
+    if (dp)  /* the queries' channel pairs transposed sixteen rows at a time */
+        for (int r0 = 0; r0 < R; r0 += 16)
+            for (int p0 = 0; p0 < head_dim / 2; p0 += 16) {
+                __m512i v[16];
+                for (int i = 0; i < 16; i++) {
+                    const int r = r0 + i, t = t0 + r / group, h = it.head * group + r % group;
+                    v[i] = r < rows ? _mm512_loadu_si512(
+                        (const uint16_t *)q + (first + t) * st->q_t + (int64_t)h * st->q_h + 2 * p0)
+                        : _mm512_setzero_si512();
+                }
+                transpose16(v);
+                for (int i = 0; i < 16; i++)
+                    _mm512_storeu_si512(qpairs + (int64_t)(p0 + i) * R + r0, v[i]);
+            }
+#endif
     for (int r = 0; r < R; r++) {
         const int t = t0 + r / group, h = it.head * group + r % group;
         const char *qp = (const char *)q + ((first + t) * st->q_t + (int64_t)h * st->q_h) * es;
-        if (dp)
-            for (int p = 0; p < head_dim / 2; p++) {
-                uint32_t pair = 0;
-                if (r < rows) memcpy(&pair, (const uint16_t *)qp + 2 * p, 4);
-                qpairs[(int64_t)p * R + r] = pair;
-            }
-        else
+        if (!dp)
             for (int d = 0; d < head_dim; d++)
                 qt[(int64_t)d * R + r] = r < rows ? load_el(qp, d, bf16) * scale : 0.0f;
         for (int c = 0; c < lanes; c++) acc[r * lanes + c] = (vf){0};
@@ -363,7 +462,11 @@ prefill_item(const void *q, void *out, const void *kc, const void *vc,
             kb = kw, vb = vw, k_s = v_s = head_dim;
         }
         if (!dp) block_scores(qt, kb, k_s, nk, sc, R, head_dim);
-        for (int j = 0; j < nk; j++) {  /* causal and window masks */
+        /* causal and window masks, for the blocks that need them: a block before the
+         * tile's first position and inside every row's window is seen whole by all of
+         * its rows (the padded rows past `rows` are never written out) */
+        const int whole = pos + nk - 1 <= pos_lo && (window <= 0 || pos >= pos_hi - window + 1);
+        for (int j = 0; j < (whole ? 0 : nk); j++) {
             float *sj = sc + (int64_t)j * R;
             _Pragma("omp simd")
             for (int r = 0; r < R; r++)
@@ -396,7 +499,11 @@ prefill_item(const void *q, void *out, const void *kc, const void *vc,
 #if SCORES_DP
         if (dp_values) {
             pair_probs(sc, nk, R, pp);
-            for (int r = 0; r < rows; r += 2) {
+            int r = 0;
+            if (lanes == 4)
+                for (; r + 4 <= rows; r += 4)
+                    block_values_dp4(acc + r * lanes, alpha + r, pp + r, R, vi, (nk + 1) / 2);
+            for (; r < rows; r += 2) {
                 const int pair = r + 1 < rows;
                 block_values_dp(acc + r * lanes, pair ? acc + (r + 1) * lanes : NULL, alpha[r],
                                 pair ? alpha[r + 1] : 0.0f, pp + r, pp + r + 1, R, vi,
