@@ -404,12 +404,16 @@ prefill_item(const void *q, void *out, const void *kc, const void *vc,
     /* bf16: the block's keys and values widened, [block_size, head_dim] each */
     float *kw = (float *)(first_key + R), *vw = kw + (int64_t)block_size * head_dim;
     /* dp values: the block's probability and value pairs */
+#if SCORES_DP
     uint32_t *pp = (uint32_t *)(vw + (int64_t)block_size * head_dim);
     uint32_t *vi = pp + (int64_t)(block_size / 2 + 1) * R;
+#endif
     const int64_t es = bf16 ? 2 : 4;  /* bytes per element */
     const int dp = SCORES_DP && bf16;  /* scores by vdpbf16ps (block_scores_dp) */
     const int dp_values = dp && lanes <= 8;  /* and values (block_values_dp) */
+#if SCORES_DP
     uint32_t *qpairs = (uint32_t *)qt;               /* dp: [head_dim / 2, R] bf16 pairs */
+#endif
 #if SCORES_DP
     if (dp)  /* the queries' channel pairs transposed sixteen rows at a time */
         for (int r0 = 0; r0 < R; r0 += 16)
