@@ -300,6 +300,8 @@ class ModelRunner:
                                                    {"layers": self.layer_range, "hidden": hidden}))
 
     def _rows(self, x, residual, rows: list[int]):
+        if len(rows) == x.shape[0] and rows[-1] == len(rows) - 1:
+            return x, residual  # every row, in order (a decode step): nothing to gather
         index = self._tensor(rows, torch.int64)
         return x[index], residual[index]
 
