@@ -19,7 +19,7 @@ CPU = FreeMemory(device=8 * 2**30, host=8 * 2**30, on_gpu=False)
 
 def test_defaults_on_a_cpu_keep_every_layer_and_size_kv_from_free_memory():
     plan = plan_engine(EngineOptions(), SHAPE, CPU)
-    assert (plan.max_num_seqs, plan.max_num_batched_tokens, plan.max_model_len) == (256, 2048, 256)
+    assert (plan.max_num_seqs, plan.max_num_batched_tokens, plan.max_model_len) == (256, 4096, 256)
     assert plan.placement.layer_tiers == ["device"] * 8
     kv_block = 8 * 16 * 64 * 4  # layers * block_size * kv_width * bytes
     assert plan.placement.sizes.kv_block_bytes == kv_block
