@@ -82,8 +82,9 @@ def batch_limits(options, on_gpu: bool, streaming: bool) -> tuple[int, int]:
     # A CPU is compute-bound from a few hundred tokens per step on, so a bigger step
     # buys no speed of its own; but 4096 tokens (vLLM's CPU default too) take a batch's
     # prompts in half the steps of 2048, so its longest requests start decoding sooner
-    # and the last steps, with few rows left, are fewer: 2% off the cpu-small benchmark
-    # (docs/performance.md). It also holds a decode step of every running request.
+    # and the last steps, with few rows left, are fewer: about 2% off cpu-small through
+    # `LLM.generate` (docs/performance.md). It also holds a decode step of every running
+    # request.
     tokens = options.max_num_batched_tokens or (
         8192 * scale if on_gpu else max(4096, max_num_seqs))
     return max_num_seqs, tokens
