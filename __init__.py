@@ -25,7 +25,8 @@ def _one_malloc_arena() -> None:
 
 _one_malloc_arena()
 
-from fusegen.engine import (LLM,  # noqa: E402 - after the arena setting CompletionOutput, EngineConfig, EngineConfigError,
+# after the arena setting
+from fusegen.engine import (LLM, CompletionOutput, EngineConfig, EngineConfigError,  # noqa: E402
                             EngineOptions, LLMEngine, ModelConfig, ModelLoadError,
                             RequestOutput, SamplingParams)
 

@@ -61,3 +61,12 @@ def test_a_fresh_venv_has_only_the_fusegen_namespace(tmp_path):
     found = json.loads(out)
     assert found["generic"] == dict.fromkeys(GENERIC, False)
     assert Path(found["fusegen"]).is_relative_to(tmp_path / "venv")
+
+
+def test_every_public_name_is_there():
+    # `from fusegen import *` and `fusegen.<name>` for each name the package lists
+    import fusegen
+
+    missing = [name for name in fusegen.__all__ if not hasattr(fusegen, name)]
+    assert missing == []
+    assert fusegen.EngineConfig.__name__ == "EngineConfig"
