@@ -203,8 +203,8 @@ static inline __attribute__((always_inline)) void block_scores_dp(
         const uint16_t *k2 = j + 2 < nk ? k0 + 2 * k_s : zero_row_bf16;
         const uint16_t *k3 = j + 3 < nk ? k0 + 3 * k_s : zero_row_bf16;
         int r = 0;
-        /* 64 rows at a time where R allows: sixteen accumulators, enough independent
-         * chains to keep both vdpbf16ps pipes busy (eight leave them waiting) */
+        /* 64 rows at a time where R allows (groups of 2 and more): four keys' pairs
+         * broadcast once for four row vectors, sixteen independent accumulators */
         for (; r + 64 <= R; r += 64) {
             __m512 a[4][4];
             for (int u = 0; u < 4; u++)
