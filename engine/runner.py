@@ -20,7 +20,7 @@ from fusegen.engine.memory.plan import LOGITS_CHUNK, activation_bytes
 from fusegen.engine.weights.linear import ROW_TILE
 from fusegen.engine.weights.packed import can_pack, pack_linear, pack_linears
 from fusegen.engine.logprobs import record_prompt_logprobs
-from fusegen.engine.sampler import Sampler, SamplingBatch
+from fusegen.engine.sampler import Sampler
 from fusegen.engine.scheduler import ScheduledBatch
 
 
@@ -261,24 +261,31 @@ class ModelRunner:
                                    lambda rows: self.model.logits(*self._rows(x, residual, rows)),
                                    LOGITS_CHUNK)
         out: list[int | None] = [None] * len(batch)
-        for start in range(0, len(inputs.sample_rows), LOGITS_CHUNK):
-            chunk = slice(start, start + LOGITS_CHUNK)
-            x_rows, residual_rows = self._rows(x, residual, inputs.sample_rows[chunk])
-            reqs = [batch.requests[i] for i in inputs.sample_reqs[chunk]]
-            # plain greedy rows: their tokens straight from the head, no logits written
-            tokens = self.model.greedy_tokens(x_rows, residual_rows) \
-                if Sampler.plain_greedy(reqs) else None
+
+        def requests(chunk: slice) -> list:
+            return [batch.requests[i] for i in inputs.sample_reqs[chunk]]
+
+        # plain greedy rows: their tokens straight from the head, no logits written
+        for chunk, tokens, logits in self.head_chunks(
+                x, residual, inputs.sample_rows,
+                lambda chunk: Sampler.plain_greedy(requests(chunk))):
             if tokens is None:
-                tokens = self.sample(self.model.logits(x_rows, residual_rows), reqs)
+                tokens = self.sampler.sample(logits, requests(chunk))
             for i, token in zip(inputs.sample_reqs[chunk], tokens.tolist()):
                 out[i] = token
         return out
 
-    def sample(self, logits: torch.Tensor, reqs: list) -> torch.Tensor:
-        """[N, V] fp32 logits of these requests' rows -> their tokens [N]."""
-        sampling = SamplingBatch([r.params for r in reqs],
-                                 [self.sampler.generator_for(r) for r in reqs], reqs)
-        return self.sampler(logits, sampling)
+    def head_chunks(self, x, residual, rows: list[int], greedy):
+        """The head over the sampled `rows` of (x, residual), LOGITS_CHUNK rows at a time
+        (a step's logits never exceed a chunk's): per chunk (its slice of `rows`, the
+        greedy token ids [n] or None, the fp32 logits [n, V] or None). The ids come where
+        `greedy(chunk)` and the head computes its own argmax; the logits otherwise."""
+        for start in range(0, len(rows), LOGITS_CHUNK):
+            chunk = slice(start, start + LOGITS_CHUNK)
+            x_rows, residual_rows = self._rows(x, residual, rows[chunk])
+            tokens = self.model.greedy_tokens(x_rows, residual_rows) if greedy(chunk) else None
+            yield chunk, tokens, self.model.logits(x_rows, residual_rows) if tokens is None \
+                else None
 
     def forward(self, inputs: StepInputs, hidden=None):
         """The model's layers this process holds over the step's tokens -> (x, residual)

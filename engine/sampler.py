@@ -47,6 +47,13 @@ class Sampler:
             request.generator.manual_seed(params.seed)
         return request.generator
 
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """[N, vocab] fp32 logits of these requests' rows -> their tokens [N], each row
+        drawn with its request's parameters and, when seeded, its own generator."""
+        return self(logits, SamplingBatch([r.params for r in requests],
+                                          [self.generator_for(r) for r in requests],
+                                          requests))
+
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         # logits [N, vocab] fp32 -> token ids [N]
         # One pass decides whether any row needs more than temperature and top-k/p:

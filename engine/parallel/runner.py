@@ -21,7 +21,7 @@ from fusegen.engine.parallel.group import DeviceGroup, check_shared_memory
 from fusegen.engine.parallel.plan import model_stages, rank_devices, rank_infos
 from fusegen.engine.parallel.worker import shared_logits
 from fusegen.engine.runner import ModelRunner, step_inputs
-from fusegen.engine.sampler import Sampler, SamplingBatch
+from fusegen.engine.sampler import Sampler
 from fusegen.engine.scheduler import ScheduledBatch
 
 
@@ -89,9 +89,7 @@ class ParallelRunner:
         tokens = []
         for start in range(0, num_rows, LOGITS_CHUNK):
             chunk = reqs[start:start + LOGITS_CHUNK]
-            sampling = SamplingBatch([r.params for r in chunk],
-                                     [self.sampler.generator_for(r) for r in chunk], chunk)
-            tokens += self.sampler(logits[start:start + len(chunk)], sampling).tolist()
+            tokens += self.sampler.sample(logits[start:start + len(chunk)], chunk).tolist()
         return tokens
 
     def run(self, batch: ScheduledBatch) -> list[int | None]:

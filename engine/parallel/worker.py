@@ -83,13 +83,9 @@ class ShardRunner(ModelRunner):
         """The last stage's products for the sampled rows: greedy token ids [N], or the
         fp32 logits [N, V] (on the replying rank; None on the others)."""
         parts = []
-        for start in range(0, len(rows), LOGITS_CHUNK):
-            x_rows, residual_rows = self._rows(x, residual, rows[start:start + LOGITS_CHUNK])
-            tokens = self.model.greedy_tokens(x_rows, residual_rows) if greedy else None
-            if tokens is None:  # every rank joins the logits' gather
-                logits = self.model.logits(x_rows, residual_rows)
-                tokens = argmax(logits) if greedy else logits
-            parts.append(tokens)
+        # every rank joins the logits' gather where the head gives no tokens
+        for _, tokens, logits in self.head_chunks(x, residual, rows, lambda _: greedy):
+            parts.append(tokens if tokens is not None else argmax(logits) if greedy else logits)
         return torch.cat(parts) if parts else None
 
 
