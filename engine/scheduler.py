@@ -103,7 +103,6 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         cap = max_batch_seqs or self.max_num_seqs
-        block_size = self.block_manager.block_size
         i = 0
         while i < len(self.running) and budget > 0 and len(batch) < cap:
             req = self.running[i]
@@ -112,8 +111,7 @@ class Scheduler:
                 continue
             n = min(req.num_uncomputed_tokens, budget)
             # most decode steps fit in the blocks a request holds: no room to make
-            if req.num_computed_tokens + n > len(req.block_table) * block_size \
-                    and not self._make_room(req, n, batch):
+            if self.block_manager.num_new_blocks(req, n) and not self._make_room(req, n, batch):
                 break
             self.block_manager.allocate(req, n)
             batch.add(req, n)
