@@ -82,6 +82,12 @@ class EngineOptions:
         True, "Prefix caching: a prompt reuses the KV blocks of the full blocks of tokens "
         "another request already computed (a shared instruction is computed once); freed "
         "blocks stay cached until their memory is needed.", kind=bool)
+    # A recorded decode step runs its batch padded to a bucket size, which, like another
+    # batch composition, may pick another matmul kernel: not part of a job's identity.
+    enforce_eager: bool = option(
+        False, "On GPUs, run every step op by op: no CUDA graphs for decode steps (they "
+        "replay a step's kernels with one launch; deterministic mode, streamed layers and "
+        "MoE models never use them).", kind=bool)
     # Another revision is other weights: part of a job's identity.
     revision: str | None = option(
         None, "Hub revision (branch, tag or commit) of a model named by its hub id "
@@ -131,7 +137,7 @@ class EngineOptions:
         if self.block_size not in BLOCK_SIZES:
             raise EngineConfigError(f"block_size must be a power of two up to 128; "
                                     f"got {self.block_size!r}")
-        for name in ("allow_pickle", "deterministic", "enable_prefix_caching"):
+        for name in ("allow_pickle", "deterministic", "enable_prefix_caching", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise EngineConfigError(f"{name} must be true or false; got "
                                         f"{getattr(self, name)!r}")

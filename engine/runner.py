@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from fusegen.engine.config import EngineConfig
+from fusegen.engine.graphs import DecodeGraphs
 from fusegen.engine.host import keep_freed_memory, zeros_lazy
 from fusegen.engine.weights.gguf_names import is_gguf
 from fusegen.engine.weights.loader import fuse, load_state_dict
@@ -92,6 +93,9 @@ class ModelRunner:
                                            "disk": Counter()}
         if self.device.type == "cpu":
             keep_freed_memory()
+        else:  # the device peak counts from here, over what this engine allocates
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._cuda_base = torch.cuda.memory_allocated(self.device)
         state = _checkpoint_tensors(config, self.dtype)  # nothing read yet
         self.plan = config.placement
         self.arch = get_architecture(cfg.architecture)
@@ -126,7 +130,18 @@ class ModelRunner:
         self._account("host", "kv_cache", self.host_kv_cache)
         self.sampler = Sampler(self.device, config.options.seed)
         self.peak_device_bytes = sum(self.memory["device"].values())
+        self.graphs = DecodeGraphs(self, config.max_num_seqs, config.max_model_len) \
+            if self._records_decode_steps() else None
         self._submitted: list[ScheduledBatch] = []
+
+    def _records_decode_steps(self) -> bool:
+        """CUDA graphs for decode steps (engine/graphs.py): on a GPU, unless asked not
+        to, for models without host syncs in their forward pass, with every layer
+        resident, outside deterministic mode."""
+        options = self.config.options
+        return (self.device.type == "cuda" and not options.enforce_eager
+                and not options.deterministic and self.model.graphable
+                and self.model.streamer is None)
 
     # -- what a rank of a device group holds instead (engine/parallel/worker.py) ----
 
@@ -208,8 +223,9 @@ class ModelRunner:
             "layers": {t: self.plan.layer_tiers.count(t) for t in ("device", "host", "disk")},
             "kv_blocks": {"device": self.num_blocks, "host": self.num_host_blocks},
         }
-        report["device"]["peak"] = (torch.cuda.max_memory_allocated(self.device)
-                                    if self.device.type == "cuda" else self.peak_device_bytes)
+        report["device"]["peak"] = (
+            torch.cuda.max_memory_allocated(self.device) - self._cuda_base
+            if self.device.type == "cuda" else self.peak_device_bytes)
         streamer = self.model.streamer
         if streamer is not None:
             report["streamed"] = {"layers": len(streamer.order), "loads": streamer.next_load,
@@ -252,7 +268,10 @@ class ModelRunner:
         self.swap(inputs.swap_in, to_host=False)
         self.peak_device_bytes = max(self.peak_device_bytes, self._step_bytes(
             len(inputs.input_ids), len(inputs.sample_rows)))
-        x, residual = self.forward(inputs)
+        if self.graphs is not None and self.graphs.serves(inputs):
+            x, residual = self.graphs.run(inputs)
+        else:
+            x, residual = self.forward(inputs)
         # one flag a step: a request still missing prompt logprobs (they need more rows)
         if any(r.prompt_logprobs is not None and len(r.prompt_logprobs) < r.num_prompt_tokens
                for r in batch.requests):

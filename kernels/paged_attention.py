@@ -295,6 +295,13 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_st
     return out
 
 
+def decode_kv_splits(device, num_programs: int, max_seq_len: int) -> int:
+    """The KV splits the launcher picks for a decode step (one query row per sequence)
+    of `num_programs` (sequence, KV head) pairs: a recorded step (engine/graphs.py)
+    replays one split, so its graph is chosen by it."""
+    return _num_kv_splits(device, num_programs, 1, max_seq_len)
+
+
 def _num_kv_splits(device, num_programs, max_query_len, max_seq_len):
     # Split the keys only for decode steps whose (sequence, KV head) programs leave SMs
     # idle, and only as far as each split keeps >= 256 keys of work.
@@ -307,3 +314,4 @@ def _num_kv_splits(device, num_programs, max_query_len, max_seq_len):
 @functools.cache
 def _num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
+

@@ -20,6 +20,33 @@ import sys
 
 import torch
 
+def backport_interpreter_fixes() -> None:
+    """Triton <= 3.6's interpreter (TRITON_INTERPRET=1) keeps a scalar as a 1-element
+    array and hands it to range() through int(array), which NumPy >= 2.4 refuses ("only
+    0-dimensional arrays can be converted to Python scalars", triton-lang/triton#9171):
+    a key loop whose bounds are loaded values (`_paged_attention_kernel`) fails there.
+    Later Triton squeezes the array first; so does this, in an interpreter that lacks
+    that fix. Called by the interpreter's child below and by tests that run the engine
+    under the interpreter; compiled kernels never see it."""
+    import inspect
+
+    from triton.runtime import interpreter
+
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    try:
+        broken = "int(self.handle.data))" in inspect.getsource(patch_tensor)
+    except (TypeError, OSError):
+        return
+    if not broken or list(inspect.signature(patch_tensor).parameters) != ["tensor", "scope"]:
+        return
+
+    def _patch_lang_tensor(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = _patch_lang_tensor
+
+
 # The child: frames are an 8-byte length and a torch.save payload, on a private copy of
 # stdout (stray prints go to stderr).
 _CHILD = r"""
@@ -32,6 +59,8 @@ from triton.runtime import interpreter
 out = os.fdopen(os.dup(1), "wb")
 os.dup2(2, 1)
 torch.set_num_threads(1)
+from fusegen.kernels.testing import backport_interpreter_fixes
+backport_interpreter_fixes()
 
 # The interpreter keeps bfloat16 as raw uint16 and its tl.dot multiplies the bit patterns
 # (triton-lang/triton#11584: not supported yet); do what the GPU does, exact bf16

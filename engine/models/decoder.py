@@ -59,6 +59,9 @@ def set_weights(module: nn.Module, weights: dict[str, torch.Tensor]) -> None:
 class DecoderLayer(nn.Module):
     """Llama's layer. Architectures that differ subclass it and override `_qkv` (q/k
     norms), `_mlp` (another activation, experts) or `forward` (other norms)."""
+    # No host sync in forward, so a decode step can be recorded as a CUDA graph
+    # (engine/graphs.py); a layer that reads device values on the host sets False.
+    graphable = True
 
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
@@ -130,6 +133,10 @@ class CausalLM(nn.Module):
         self.norm = empty_param()  # [h]
         self.lm_head = Linear()  # [V, h]; the embedding itself when tied
         self.streamer = None  # engine.memory.offload.WeightStreamer when some layers stream
+
+    @property
+    def graphable(self) -> bool:
+        return all(layer.graphable for layer in self.layers)
 
     def make_deterministic(self, row_tile: int) -> None:
         """Batch-invariant from now on: every matmul in fixed row tiles, every query row's

@@ -84,6 +84,7 @@ class MoeLayer(DecoderLayer):
     gate_up [E, 2I, h], down [E, h, I]. Routing: softmax over the router's logits in
     fp32, `torch.topk` over the probabilities (ties broken as transformers' same call
     breaks them), the k weights renormalised to sum to 1 when `cfg.norm_topk_prob`."""
+    graphable = False  # run_experts counts each expert's tokens on the host
 
     # Mixtral multiplies by the fp32 weights; Qwen3-MoE first rounds them to the
     # model's dtype. The same in fp32 runs; bf16 runs round as each does.

@@ -51,6 +51,9 @@ class ShardRunner(ModelRunner):
     def layer_range(self) -> range:
         return self.info.layers
 
+    def _records_decode_steps(self) -> bool:
+        return False  # a rank's layers meet the group's collectives between kernels
+
     def _model_config(self):
         return rank_model_config(self.config.model_config, self.info.tp_size)
 

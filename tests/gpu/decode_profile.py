@@ -1,6 +1,7 @@
 """Where a GPU decode step's time goes (../shared/GPU.md, item 3): decode throughput at
-batch 64 and 256, then torch.profiler over 128 requests' 32 decode steps, on the bench's
-cached checkpoint. usage: python3 tests/gpu/decode_profile.py CHECKPOINT_DIR OUT_DIR
+batch 64 and 256, eagerly and with recorded decode steps (CUDA graphs), then
+torch.profiler over 128 requests' 32 decode steps in each mode, on the bench's cached
+checkpoint. usage: python3 tests/gpu/decode_profile.py CHECKPOINT_DIR OUT_DIR
 (Not named profile.py: that would shadow the standard library's module.)"""
 import json
 import sys
@@ -11,30 +12,66 @@ from torch.profiler import ProfilerActivity, profile
 from fusegen.engine import LLM, SamplingParams
 
 ckpt, out = sys.argv[1], sys.argv[2]
-llm = LLM(ckpt, dtype="bfloat16", device="cuda")
-g = torch.Generator().manual_seed(0)
-def prompts(n, length):
-    return [torch.randint(100, 30000, (length,), generator=g).tolist() for _ in range(n)]
 params = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-llm.generate(prompts(8, 64), params(8), use_tqdm=False)  # warm
+
+
+def busy(prof) -> dict:
+    """How busy the GPU was over the profiled window: the union of kernel intervals
+    against the window from the first kernel's start to the last one's end. The rest is
+    the GPU waiting for the host (launches, Python, syncs)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if str(e.device_type).endswith("CUDA") and e.time_range.end > e.time_range.start)
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in spans:
+        if cur_e is None or s > cur_e:
+            total += 0 if cur_e is None else cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    total += cur_e - cur_s
+    window = spans[-1][1] - spans[0][0]
+    calls = {}
+    for e in prof.events():
+        if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch",
+                      "cudaStreamSynchronize", "cudaMemcpyAsync", "cudaDeviceSynchronize"):
+            calls[e.name] = calls.get(e.name, 0) + 1
+    return {"kernels": len(spans), "window_ms": window / 1e3, "gpu_busy_ms": total / 1e3,
+            "busy_fraction": total / window, "host_calls": calls}
+
+
 res = {}
-for batch in (64, 256):
-    ps = prompts(batch, 200)
-    s0 = llm.stats(); t = time.perf_counter()
-    llm.generate(ps, params(129), use_tqdm=False)
-    torch.cuda.synchronize(); el = time.perf_counter() - t; s1 = llm.stats()
-    res[batch] = {"elapsed_s": el, "out_tok_s": batch * 129 / el,
-                  "steps": s1["num_steps"] - s0["num_steps"]}
-    print("batch", batch, res[batch], flush=True)
-ps = prompts(128, 200)
-llm.generate(ps, params(1), use_tqdm=False)  # every shape of the window seen once
-with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-    llm.generate(prompts(128, 200), params(33), use_tqdm=False)
-    torch.cuda.synchronize()
-table = prof.key_averages().table(sort_by="device_time_total", row_limit=30)
-print(table)
-cpu_table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=25)
-print(cpu_table)
-open(f"{out}/profile.txt", "w").write(table + "\n\n" + cpu_table)
+for eager in (True, False):
+    mode = "eager" if eager else "graphs"
+    g = torch.Generator().manual_seed(0)
+    prompts = lambda n, length: [torch.randint(100, 30000, (length,), generator=g).tolist()
+                                 for _ in range(n)]
+    llm = LLM(ckpt, dtype="bfloat16", device="cuda", enforce_eager=eager)
+    llm.generate(prompts(8, 64), params(8), use_tqdm=False)  # warm
+    for batch in (64, 256):
+        ps = prompts(batch, 200)
+        llm.generate(ps[:batch], params(3), use_tqdm=False)  # record/compile this batch's shapes
+        s0 = llm.stats(); t = time.perf_counter()
+        llm.generate(ps, params(129), use_tqdm=False)
+        torch.cuda.synchronize(); el = time.perf_counter() - t; s1 = llm.stats()
+        steps = s1["num_steps"] - s0["num_steps"]
+        dsteps = s1["num_decode_steps"] - s0["num_decode_steps"]
+        dsec = s1["decode_seconds"] - s0["decode_seconds"]
+        res[f"{mode}_{batch}"] = {"elapsed_s": el, "out_tok_s": batch * 129 / el, "steps": steps,
+                                  "decode_step_ms": 1e3 * dsec / max(dsteps, 1)}
+        print(mode, "batch", batch, res[f"{mode}_{batch}"], flush=True)
+    llm.generate(prompts(128, 200), params(3), use_tqdm=False)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts(128, 200), params(33), use_tqdm=False)
+        torch.cuda.synchronize()
+    try:
+        res[f"{mode}_profile"] = busy(prof)
+        print(mode, "gpu busy", res[f"{mode}_profile"], flush=True)
+    except Exception as failure:  # the figures above still come back
+        print(mode, "gpu busy: not computed:", repr(failure), flush=True)
+    table = prof.key_averages().table(sort_by="device_time_total", row_limit=25)
+    cpu_table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=20)
+    open(f"{out}/profile_{mode}.txt", "w").write(table + "\n\n" + cpu_table)
+    llm.close()
+    del llm
+    torch.cuda.empty_cache()
 json.dump(res, open(f"{out}/decode.json", "w"), indent=1)
-llm.close()
