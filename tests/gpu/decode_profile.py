@@ -70,7 +70,8 @@ for eager in (True, False):
         print(mode, "gpu busy: not computed:", repr(failure), flush=True)
     table = prof.key_averages().table(sort_by="device_time_total", row_limit=25)
     cpu_table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=20)
-    open(f"{out}/profile_{mode}.txt", "w").write(table + "\n\n" + cpu_table)
+    with open(f"{out}/profile.txt", "a") as file:  # one file: a call brings back 8
+        file.write(f"== {mode}\n{table}\n\n{cpu_table}\n\n")
     llm.close()
     del llm
     torch.cuda.empty_cache()
