@@ -13,7 +13,9 @@ a valid block, so they stay finite and touch nothing; their outputs are cut off.
 step's graph also depends on the attention's split of the keys (flash-decoding), which
 the launcher picks from the longest sequence: one graph per (bucket, splits), recorded
 the first time a step needs it, after one eager run of that step (which compiles the
-kernels and does the step's work; the replay repeats it bit for bit).
+kernels and does the step's work; the replay repeats it bit for bit). Should recording
+ever fail, that step keeps its eager result and the engine runs eagerly from then on,
+with one warning: no request is lost to it.
 
 Steps whose rows each run one token use graphs (decode, and prefill chunks of one
 token); the rest run eagerly, as do models that sync with the host inside the forward
@@ -22,10 +24,14 @@ on events), device groups and deterministic mode.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from fusegen.engine.models.decoder import AttentionMetadata
 from fusegen.kernels.paged_attention import decode_kv_splits
+
+log = logging.getLogger("fusegen.engine")
 
 # rows of the small-input buffer, each [max bucket] int64
 _IDS, _POSITIONS, _SLOTS, _SEQ_LENS, _LENGTHS = range(5)
@@ -72,9 +78,10 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple]] = {}
         self.replays = 0
+        self.failed: str | None = None  # why recording failed; then every step is eager
 
     def serves(self, inputs) -> bool:
-        return (inputs.max_query_len == 1 and len(inputs.input_ids) <= self.buckets[-1]
+        return (self.failed is None and inputs.max_query_len == 1 and len(inputs.input_ids) <= self.buckets[-1]
                 and len(inputs.block_tables[0]) <= self.block_tables.shape[1])
 
     def run(self, inputs):
@@ -115,8 +122,14 @@ class DecodeGraphs:
             return runner.model(small[_IDS], small[_POSITIONS], runner.cos_sin,
                                 runner.kv_caches, meta)
 
-        forward()  # this step, eagerly: compiles what the graph will launch
-        graph, out = self._capture(forward)
+        eager = forward()  # this step, eagerly: compiles what the graph will launch
+        try:
+            graph, out = self._capture(forward)
+        except Exception as failure:  # noqa: BLE001 - whatever refused, the step is done
+            self.failed = f"{type(failure).__name__}: {failure}"
+            log.warning("recording a decode step as a CUDA graph failed (%s); this engine "
+                        "runs every step eagerly from now on", self.failed)
+            return eager
         graph.replay()  # the step again, from the graph: the same writes, the same output
         self.graphs[key] = (graph, out)
         return out

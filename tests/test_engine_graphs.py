@@ -152,3 +152,23 @@ def test_eager_and_recorded_steps_give_the_same_tokens(llama_dir):
         recorded = [o.token_ids for o in llm.generate(PROMPTS, params)]
         assert llm.engine.runner.graphs.replays > 0
     assert recorded == eager
+
+
+def test_a_failed_recording_leaves_the_engine_eager(llama_dir, monkeypatch, caplog):
+    # The step whose recording fails keeps its eager result; every later step runs
+    # eagerly; one warning says why; the tokens are transformers'.
+    def refuse(graphs, forward):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(DecodeGraphs, "_capture", refuse)
+    with LLM(str(llama_dir), dtype="float32", device="cpu") as llm:
+        runner = llm.engine.runner
+        runner.graphs = DecodeGraphs(runner, len(PROMPTS), runner.config.max_model_len)
+        with caplog.at_level("WARNING", logger="fusegen.engine"):
+            outs = llm.generate(PROMPTS, budgets())
+        assert runner.graphs.failed == "RuntimeError: operation not permitted when stream " \
+                                       "is capturing"
+        assert runner.graphs.graphs == {} and runner.graphs.replays == 0
+        assert_transformers_tokens(llama_dir, llm.tokenizer, PROMPTS, outs)
+    warnings = [r.getMessage() for r in caplog.records if "CUDA graph" in r.getMessage()]
+    assert len(warnings) == 1 and "runs every step eagerly" in warnings[0]
