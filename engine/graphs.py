@@ -29,6 +29,7 @@ import logging
 import torch
 
 from fusegen.engine.models.decoder import AttentionMetadata
+from fusegen.engine.runner import host_rows
 from fusegen.kernels.paged_attention import decode_kv_splits
 
 log = logging.getLogger("fusegen.engine")
@@ -89,7 +90,7 @@ class DecodeGraphs:
         rows = len(inputs.input_ids)
         bucket = bucket_for(self.buckets, rows)
         self._copy(self.small[:, :bucket], small_inputs(inputs, bucket, self.with_lengths))
-        tables = torch.tensor(inputs.block_tables, dtype=torch.int32)
+        tables = host_rows(inputs.block_tables)
         self._copy(self.block_tables[:rows, :tables.shape[1]], tables)
         max_seq_len = max(inputs.seq_lens)
         key = (bucket, decode_kv_splits(self.small.device, bucket * self.num_kv_heads,
