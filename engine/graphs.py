@@ -138,6 +138,8 @@ class DecodeGraphs:
     def _capture(self, forward):
         """(the graph of `forward`'s launches, the output tensors it replays into)"""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: CUDA work of other threads in the process (a job's, a user's) is
+        # neither refused nor recorded while this thread records
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = forward()
         return graph, out

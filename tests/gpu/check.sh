@@ -1,51 +1,68 @@
 #!/bin/bash
 # A lent GPU's whole check in one call (../shared/GPU.md, items 1-3): install what the
-# device image lacks, run the CUDA-relevant tests, build the bench's gpu-8b checkpoint,
-# profile decode steps eagerly and with CUDA graphs, bench beside transformers, then
-# fusegen alone with the time left.
+# device image lacks, then the stages named in $STAGES (default: all, in this order):
+#   tests     the CUDA-relevant tests, pytest -n 16 (the device-group tests apart, -n 4:
+#             each runs two or more CPU ranks, and 16 at once time out)
+#   profile   decode steps eagerly and with CUDA graphs (tests/gpu/decode_profile.py)
+#   benchB    fusegen beside transformers' static batch of 64, 64 requests
+#   benchA    fusegen alone, 512 requests, with the time left
+# on the bench's gpu-8b shape with LAYERS decoder layers (32, the default, is the whole
+# Llama-3-8B; fewer build and load in a fraction of the time).
 #
 # Here, first: echo /.whl/ >> .git/info/exclude, and download the py3.12 wheels of what
 # the image lacks into .whl (dask, distributed, partd, locket, tblib, zict, tornado,
 # croniter, gguf, llguidance, jsonschema, jsonschema-specifications, referencing,
 # rpds-py; see the device tool's README). Then run, carrying .whl:
-#   bash tests/gpu/check.sh TOTAL_S TESTS_S PROFILE_S BENCH_B_S [LAYERS]
-# LAYERS: decoder layers of the Llama-3-8B shape (32, the default, is the whole model;
-# fewer build and load in a fraction of the time). Every stage writes under $OUT as it
-# goes (pytest -v streams each result, tests/gpu/instafail.py each failure's report),
-# so a stage cut off by its timeout still reports what it did; no more than the 8 files a
-# call brings back.
+#   STAGES=tests,profile bash tests/gpu/check.sh TOTAL_S TESTS_S PROFILE_S BENCH_B_S [LAYERS]
+# Every stage writes under $OUT as it goes (pytest -v streams each result,
+# tests/gpu/instafail.py each failure's report), so a stage cut off by its timeout still
+# reports what it did; no more than the 8 files a call brings back. Sizes seen on an
+# H200 at 8 layers: tests 160 s were not quite enough; transformers' batch of 64 did not
+# finish in 55 s (it runs to its longest budget, 1,024 tokens): give benchB 150 s.
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1 FUSEGEN_CACHE_DIR=/tmp/fgcache
 END=$(( $(date +%s) + $1 )); T_TESTS=$2; T_PROF=$3; T_B=$4; LAYERS=${5:-32}
+STAGES=",${STAGES:-tests,profile,benchB,benchA},"
+stage() { [[ "$STAGES" == *",$1,"* ]]; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl 2>&1 | tail -2
 python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -2
 python3 -c "import fusegen.jobs.cli" 2>/dev/null || {
   mkdir -p /tmp/pp; ln -sfn "$PWD" /tmp/pp/fusegen; export PYTHONPATH=/tmp/pp; }
 python3 -c "import fusegen, torch, triton, transformers; print(fusegen.__file__, 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; date -u
-PYTHONPATH=$PYTHONPATH:tests/gpu timeout "$T_TESTS" python3 -m pytest -v -p no:cacheprovider -p instafail \
-    -n 16 --timeout 60 --tb=short \
-    tests/test_kernels_*.py tests/test_engine_*.py tests/test_offload.py tests/test_triton_engine.py \
-    tests/test_prefix_cache.py tests/test_scheduler.py tests/test_models_*.py tests/test_sampling_options.py \
-    tests/test_structured.py tests/test_weights_packed.py tests/test_placement.py tests/test_parallel.py \
-    tests/test_loader.py > $OUT/tests.log 2>&1
-echo "tests rc=$?"; grep -cE " PASSED " $OUT/tests.log; grep -E " (FAILED|ERROR) " $OUT/tests.log | sed 's/.* \(FAILED\|ERROR\) //' | cut -c1-150 | head -40
-grep -E "^E  |^====" $OUT/failures.log 2>/dev/null | cut -c1-220 | head -60
+if stage tests; then
+  T_GROUPS=$(( T_TESTS / 4 ))
+  PYTHONPATH=$PYTHONPATH:tests/gpu timeout $(( T_TESTS - T_GROUPS )) python3 -m pytest -v \
+      -p no:cacheprovider -p instafail -n 16 --timeout 60 --tb=short \
+      tests/test_kernels_*.py tests/test_engine_*.py tests/test_offload.py tests/test_triton_engine.py \
+      tests/test_prefix_cache.py tests/test_scheduler.py tests/test_models_*.py tests/test_sampling_options.py \
+      tests/test_structured.py tests/test_weights_packed.py tests/test_placement.py \
+      tests/test_loader.py > $OUT/tests.log 2>&1
+  echo "tests rc=$?"
+  PYTHONPATH=$PYTHONPATH:tests/gpu timeout $T_GROUPS python3 -m pytest -v -p no:cacheprovider \
+      -p instafail -n 4 --timeout 120 --tb=short tests/test_parallel.py >> $OUT/tests.log 2>&1
+  echo "device-group tests rc=$?"; grep -cE " PASSED " $OUT/tests.log
+  grep -E " (FAILED|ERROR) " $OUT/tests.log | sed 's/.* \(FAILED\|ERROR\) //' | cut -c1-150 | sort -u | head -40
+  grep -E "^E  |^====" $OUT/failures.log 2>/dev/null | cut -c1-220 | head -60
+fi
 CKPT=$(python3 -c "
 from fusegen.jobs.bench.presets import PRESETS
 from fusegen.jobs.bench.checkpoint import default_cache_dir, ensure_checkpoint
 preset = PRESETS['gpu-8b'].shrink(num_layers=$LAYERS)
 print(ensure_checkpoint('gpu-8b', preset.model, default_cache_dir()))" | tail -1)
 echo "checkpoint $CKPT"; date -u
-timeout "$T_PROF" python3 tests/gpu/decode_profile.py "$CKPT" $OUT > $OUT/profile.log 2>&1
-echo "profile rc=$?"; grep -E "batch|gpu busy|Error|error" $OUT/profile.log | cut -c1-400
-# The same shape beside transformers' static batch of 64, 64 requests (128 did not
-# finish in 217 s on an H100 at 32 layers: each batch runs to its longest budget, up
-# to 1,024 tokens).
-timeout "$T_B" python3 -m fusegen.jobs.cli bench --preset gpu-8b --layers "$LAYERS" --requests 64 --hf-batch-size 64 --skip-hf-continuous --json /tmp/bench_b.json > $OUT/bench_b.log 2>&1
-echo "bench B rc=$?"; tail -16 $OUT/bench_b.log
-LEFT=$(( END - $(date +%s) - 5 ))
-echo "bench A gets $LEFT s"
-timeout "$LEFT" python3 -m fusegen.jobs.cli bench --preset gpu-8b --layers "$LAYERS" --requests 512 --skip-hf --json /tmp/bench_a.json > $OUT/bench_a.log 2>&1
-echo "bench A rc=$?"; tail -12 $OUT/bench_a.log
+if stage profile; then
+  timeout "$T_PROF" python3 tests/gpu/decode_profile.py "$CKPT" $OUT > $OUT/profile.log 2>&1
+  echo "profile rc=$?"; grep -E "batch|gpu busy|Error|error" $OUT/profile.log | cut -c1-400
+fi
+if stage benchB; then
+  timeout "$T_B" python3 -m fusegen.jobs.cli bench --preset gpu-8b --layers "$LAYERS" --requests 64 --hf-batch-size 64 --skip-hf-continuous --json /tmp/bench_b.json > $OUT/bench_b.log 2>&1
+  echo "bench B rc=$?"; tail -16 $OUT/bench_b.log
+fi
+if stage benchA; then
+  LEFT=$(( END - $(date +%s) - 5 ))
+  echo "bench A gets $LEFT s"
+  timeout "$LEFT" python3 -m fusegen.jobs.cli bench --preset gpu-8b --layers "$LAYERS" --requests 512 --skip-hf --json /tmp/bench_a.json > $OUT/bench_a.log 2>&1
+  echo "bench A rc=$?"; tail -12 $OUT/bench_a.log
+fi
 date -u
