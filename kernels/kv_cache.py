@@ -58,12 +58,13 @@ def rotary_cache_native(positions, q, k, v, cos, sin, k_cache, v_cache, slot_map
     num_tokens, num_kv_heads, head_dim = k.shape
     rotate = positions is not None
     tensors = (k, v, k_cache, v_cache) + ((q, cos, sin) if rotate else ())
-    assert all(t.dtype == k.dtype and t.device.type == "cpu" for t in tensors), \
-        f"one CPU dtype for all of {[(tuple(t.shape), t.dtype) for t in tensors]}"
+    dtype = k.dtype  # one pass of checks: a decode step makes this call once a layer
+    assert all(t.dtype == dtype and t.is_cpu and t.stride(-1) == 1 for t in tensors), \
+        f"one CPU dtype for all of {[(tuple(t.shape), t.dtype) for t in tensors]}, " \
+        f"each with a contiguous head dimension"
     assert v.shape == k.shape and k_cache.shape == v_cache.shape and \
         k_cache.shape[2:] == (num_kv_heads, head_dim), \
         f"key {tuple(k.shape)}, value {tuple(v.shape)}, caches {tuple(k_cache.shape)}"
-    assert all(t.stride(-1) == 1 for t in tensors), "the head dimension must be contiguous"
     assert slot_mapping.shape == (num_tokens,), \
         f"slot_mapping {tuple(slot_mapping.shape)} != ({num_tokens},)"
     slots = slot_mapping.to(torch.int64).contiguous()

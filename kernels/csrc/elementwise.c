@@ -206,6 +206,85 @@ rotate(void *x, const float *c, const float *s, int half, int bf16) {
     }
 }
 
+/* bf16 heads with AVX-512: the operations of `rotate`, 16 channel pairs a vector, every
+ * head of a token against one cos/sin row held in registers (`rotate` goes head by
+ * head, each a loop of its own). The rounding is bf16_rounded_bits lane for lane
+ * (vcvtneps2bf16 would flush denormals; torch does not). Half-widths 16, 32, 48 and 64
+ * (head_dim 32..128); others take `rotate`. */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+static inline __attribute__((always_inline)) __m512i bf16_bits16(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+    const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+    return _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
+}
+
+static inline __attribute__((always_inline)) __m512 in_bf16_16(__m512 f) {
+    return _mm512_castsi512_ps(bf16_bits16(f));
+}
+
+static inline __attribute__((always_inline)) __m512 load_bf16_16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+static inline __attribute__((always_inline)) void store_bf16_16(uint16_t *p, __m512 f) {
+    _mm256_storeu_si256((__m256i *)p,
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits16(f), 16)));
+}
+
+/* n heads at x, x + x_h, ... rotated in place by one position's cos/sin rows (bf16) */
+static inline __attribute__((always_inline)) void
+rotate_heads16(uint16_t *x, int64_t x_h, int n, const uint16_t *cos_row,
+               const uint16_t *sin_row, const int C) {
+    __m512 c[4], sn[4];
+    for (int j = 0; j < C; j++) {
+        c[j] = load_bf16_16(cos_row + 16 * j);
+        sn[j] = load_bf16_16(sin_row + 16 * j);
+    }
+    const int half = 16 * C;
+    for (int h = 0; h < n; h++) {
+        uint16_t *p = x + h * x_h;
+        for (int j = 0; j < C; j++) {
+            const __m512 x1 = load_bf16_16(p + 16 * j), x2 = load_bf16_16(p + half + 16 * j);
+            store_bf16_16(p + 16 * j, _mm512_sub_ps(in_bf16_16(_mm512_mul_ps(x1, c[j])),
+                                                    in_bf16_16(_mm512_mul_ps(x2, sn[j]))));
+            store_bf16_16(p + half + 16 * j,
+                          _mm512_add_ps(in_bf16_16(_mm512_mul_ps(x2, c[j])),
+                                        in_bf16_16(_mm512_mul_ps(x1, sn[j]))));
+        }
+    }
+}
+
+/* A token's q and k heads: 1 when rotated here, 0 for a width this does not take. */
+static inline int rotate_token16(uint16_t *q, int64_t q_h, int num_heads, uint16_t *k,
+                                 int64_t k_h, int num_kv_heads, const uint16_t *cos_row,
+                                 const uint16_t *sin_row, int half) {
+#define ROTATE_BOTH(C) do {                                                                 \
+        rotate_heads16(q, q_h, num_heads, cos_row, sin_row, C);                             \
+        rotate_heads16(k, k_h, num_kv_heads, cos_row, sin_row, C);                          \
+    } while (0)
+    switch (half) {
+    case 16: ROTATE_BOTH(1); return 1;
+    case 32: ROTATE_BOTH(2); return 1;
+    case 48: ROTATE_BOTH(3); return 1;
+    case 64: ROTATE_BOTH(4); return 1;
+    default: return 0;
+    }
+#undef ROTATE_BOTH
+}
+#else
+static inline int rotate_token16(uint16_t *q, int64_t q_h, int num_heads, uint16_t *k,
+                                 int64_t k_h, int num_kv_heads, const uint16_t *cos_row,
+                                 const uint16_t *sin_row, int half) {
+    return 0;
+}
+#endif
+
 /* --- entry points, one set per storage type T -------------------------------------- */
 
 /* rms_norm: x, residual, out, residual_out [rows, hidden] with the given row strides
@@ -290,7 +369,11 @@ int rotary_cache_##SUFFIX(const int64_t *positions, T *q, T *k, const T *v, cons
     const size_t row_bytes = (size_t)head_dim * sizeof(T);                                  \
     _Pragma("omp parallel for num_threads(num_threads) schedule(static) if(tokens >= 256)") \
     for (int64_t t = 0; t < tokens; t++) {                                                  \
-        if (half > 0) {                                                                     \
+        if (half > 0 && !(BF16 && rotate_token16(                                          \
+                (uint16_t *)(q + t * st->q_t), st->q_h, num_heads,                          \
+                (uint16_t *)(k + t * st->k_t), st->k_h, num_kv_heads,                       \
+                (const uint16_t *)(cos_t + positions[t] * st->cs),                          \
+                (const uint16_t *)(sin_t + positions[t] * st->cs), half))) {                \
             float c[half], s[half];                                                         \
             load_row(cos_t + positions[t] * st->cs, c, half, BF16);                         \
             load_row(sin_t + positions[t] * st->cs, s, half, BF16);                         \
