@@ -82,7 +82,8 @@ class DecodeGraphs:
         self.failed: str | None = None  # why recording failed; then every step is eager
 
     def serves(self, inputs) -> bool:
-        return (self.failed is None and inputs.max_query_len == 1 and len(inputs.input_ids) <= self.buckets[-1]
+        return (self.failed is None and inputs.max_query_len == 1
+                and len(inputs.input_ids) <= self.buckets[-1]
                 and len(inputs.block_tables[0]) <= self.block_tables.shape[1])
 
     def run(self, inputs):

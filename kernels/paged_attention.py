@@ -314,4 +314,3 @@ def _num_kv_splits(device, num_programs, max_query_len, max_seq_len):
 @functools.cache
 def _num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
-
