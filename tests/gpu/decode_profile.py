@@ -39,7 +39,7 @@ def busy(prof) -> dict:
             "busy_fraction": total / window, "host_calls": calls}
 
 
-res = {}
+res, tokens = {}, {}
 for eager in (True, False):
     mode = "eager" if eager else "graphs"
     g = torch.Generator().manual_seed(0)
@@ -51,13 +51,14 @@ for eager in (True, False):
         ps = prompts(batch, 200)
         llm.generate(ps[:batch], params(3), use_tqdm=False)  # record/compile this batch's shapes
         s0 = llm.stats(); t = time.perf_counter()
-        llm.generate(ps, params(129), use_tqdm=False)
+        outs = llm.generate(ps, params(129), use_tqdm=False)
         torch.cuda.synchronize(); el = time.perf_counter() - t; s1 = llm.stats()
         steps = s1["num_steps"] - s0["num_steps"]
         dsteps = s1["num_decode_steps"] - s0["num_decode_steps"]
         dsec = s1["decode_seconds"] - s0["decode_seconds"]
         res[f"{mode}_{batch}"] = {"elapsed_s": el, "out_tok_s": batch * 129 / el, "steps": steps,
                                   "decode_step_ms": 1e3 * dsec / max(dsteps, 1)}
+        tokens[(mode, batch)] = [o.token_ids for o in outs]
         print(mode, "batch", batch, res[f"{mode}_{batch}"], flush=True)
     llm.generate(prompts(128, 200), params(3), use_tqdm=False)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -75,4 +76,12 @@ for eager in (True, False):
     llm.close()
     del llm
     torch.cuda.empty_cache()
+# The same prompts (one seed) eagerly and from graphs: bf16 tokens can part where a
+# padded batch picks another GEMM kernel; how many sequences agree, and from where.
+for batch in (64, 256):
+    a, b = tokens[("eager", batch)], tokens[("graphs", batch)]
+    first = [next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), None) for s, t in zip(a, b)]
+    res[f"agree_{batch}"] = {"identical": sum(f is None for f in first), "of": len(a),
+                             "first_difference": sorted(f for f in first if f is not None)[:10]}
+    print("eager vs graphs, batch", batch, res[f"agree_{batch}"], flush=True)
 json.dump(res, open(f"{out}/decode.json", "w"), indent=1)
