@@ -285,3 +285,30 @@ def test_offload_preset_end_to_end(cache_dir):
     assert 0 <= offload["stall_per_step_s"] * fusegen["num_steps"] <= fusegen["elapsed_s"]
     assert "disk" in baseline["device_map"]
     assert set(report["ratios"]) == {"hf_offload"}
+
+
+def test_recorded_decode_steps_are_counted(cache_dir, tmp_path, monkeypatch):
+    # A CPU engine made to record its decode steps (each "replay" run eagerly, as in
+    # tests/test_engine_graphs.py): the report says how many of the timed run's decode
+    # steps replayed a graph; an engine without graphs reports none.
+    from fusegen.engine.graphs import DecodeGraphs
+    from fusegen.engine.runner import ModelRunner
+    from test_engine_graphs import replaying
+
+    monkeypatch.setattr(ModelRunner, "_records_decode_steps", lambda self: True)
+    monkeypatch.setattr(DecodeGraphs, "_capture", replaying)
+    out = tmp_path / "r.json"
+    result = CliRunner().invoke(bench, ["--preset", "tiny", "--requests", "6", "--skip-hf",
+                                        "--cache-dir", str(cache_dir), "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    fusegen = json.loads(out.read_text())["results"]["fusegen"]
+    graphs = fusegen["cuda_graphs"]
+    assert graphs["failed"] is None and graphs["recorded"] >= 1
+    assert 0 < graphs["replays"] <= fusegen["num_decode_steps"]
+    assert (f"CUDA graphs: {graphs['replays']:,} of {fusegen['num_decode_steps']:,} decode steps "
+            "replayed a recorded graph") in result.stdout
+    monkeypatch.undo()
+    result = CliRunner().invoke(bench, ["--preset", "tiny", "--requests", "6", "--skip-hf",
+                                        "--cache-dir", str(cache_dir), "--json", str(out)])
+    assert "cuda_graphs" not in json.loads(out.read_text())["results"]["fusegen"]
+    assert "CUDA graphs" not in result.stdout

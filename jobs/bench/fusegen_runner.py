@@ -46,6 +46,8 @@ def run_fusegen(model_dir: Path, requests: list[BenchRequest], warmup: list[Benc
         # a device group's ranks stream for themselves (their memory reports say)
         streamer = getattr(getattr(llm.engine.runner, "model", None), "streamer", None)
         stall_before = streamer.stall_seconds if streamer is not None else 0.0
+        graphs = getattr(llm.engine.runner, "graphs", None)  # GPUs: recorded decode steps
+        replays_before = graphs.replays if graphs is not None else 0
         progress(f"fusegen: generating {len(requests)} requests "
                  f"(max_num_seqs {llm.config.max_num_seqs}, "
                  f"max_num_batched_tokens {llm.config.max_num_batched_tokens})")
@@ -63,6 +65,9 @@ def run_fusegen(model_dir: Path, requests: list[BenchRequest], warmup: list[Benc
             delta["copy_stall_s"] = streamer.stall_seconds - stall_before
         offload = _offload_figures(llm, delta)
         memory = llm.memory_report()
+        cuda_graphs = None if graphs is None else {
+            "replays": graphs.replays - replays_before, "recorded": len(graphs.graphs),
+            "failed": graphs.failed}
     finally:
         llm.close()
 
@@ -81,6 +86,7 @@ def run_fusegen(model_dir: Path, requests: list[BenchRequest], warmup: list[Benc
         # allocated at load (sized from free memory unless kv_cache_memory says)
         "kv_cache_bytes": memory["device"]["kv_cache"] + memory["host"]["kv_cache"],
         **offload,
+        **({} if cuda_graphs is None else {"cuda_graphs": cuda_graphs}),
     }
     if schema is not None:
         constrained = [o.outputs[0] for o in outputs[1::2]]

@@ -138,6 +138,9 @@ def format_report(report: dict) -> str:
             f"{offload['decode_step_s'] * 1e3:.1f} ms ({offload['decode_over_bound']:.2f}x "
             f"the bound), of which compute waited {offload['stall_per_step_s'] * 1e3:.1f} ms "
             "per step on copies")
+    graphs = report["results"].get("fusegen", {}).get("cuda_graphs")
+    if graphs:
+        lines.append(_graphs_line(graphs, report["results"]["fusegen"]))
     util = report["utilisation"]
     if util:
         lines.append(
@@ -146,6 +149,15 @@ def format_report(report: dict) -> str:
             f"({util['num_steps']} steps x {util['weight_bytes'] / 1e6:,.1f} MB of weights + KV "
             f"reads over the measured bandwidth)")
     return "\n".join(lines)
+
+
+def _graphs_line(graphs: dict, fusegen: dict) -> str:
+    """How many of the timed run's decode steps replayed a CUDA graph (engine/graphs.py)."""
+    line = (f"CUDA graphs: {graphs['replays']:,} of {fusegen.get('num_decode_steps', 0):,} "
+            f"decode steps replayed a recorded graph ({graphs['recorded']} recorded)")
+    if graphs["failed"]:
+        line += f"; recording failed, the engine ran eagerly after: {graphs['failed'][:300]}"
+    return line
 
 
 def _prefix_line(results: dict) -> str:
