@@ -295,7 +295,9 @@ def test_recorded_decode_steps_are_counted(cache_dir, tmp_path, monkeypatch):
     from fusegen.engine.runner import ModelRunner
     from test_engine_graphs import replaying
 
-    monkeypatch.setattr(ModelRunner, "_records_decode_steps", lambda self: True)
+    # a GPU's decision, less the device: enforce_eager still says no
+    monkeypatch.setattr(ModelRunner, "_records_decode_steps",
+                        lambda self: not self.config.options.enforce_eager)
     monkeypatch.setattr(DecodeGraphs, "_capture", replaying)
     out = tmp_path / "r.json"
     result = CliRunner().invoke(bench, ["--preset", "tiny", "--requests", "6", "--skip-hf",
@@ -307,8 +309,9 @@ def test_recorded_decode_steps_are_counted(cache_dir, tmp_path, monkeypatch):
     assert 0 < graphs["replays"] <= fusegen["num_decode_steps"]
     assert (f"CUDA graphs: {graphs['replays']:,} of {fusegen['num_decode_steps']:,} decode steps "
             "replayed a recorded graph") in result.stdout
-    monkeypatch.undo()
     result = CliRunner().invoke(bench, ["--preset", "tiny", "--requests", "6", "--skip-hf",
-                                        "--cache-dir", str(cache_dir), "--json", str(out)])
+                                        "--enforce-eager", "--cache-dir", str(cache_dir),
+                                        "--json", str(out)])
+    assert result.exit_code == 0, result.output
     assert "cuda_graphs" not in json.loads(out.read_text())["results"]["fusegen"]
     assert "CUDA graphs" not in result.stdout
