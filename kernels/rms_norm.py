@@ -53,11 +53,11 @@ def rms_norm_native(x, weight, eps: float, residual=None):
 
     hidden = x.shape[-1]
     assert x.dtype == weight.dtype and x.dtype in _NATIVE_SUFFIX and weight.is_contiguous()
-    x2 = x if x.dim() == 2 else x.reshape(-1, hidden)  # [T, h]: the engine's, as it is
+    x2 = x.reshape(-1, hidden)
     assert x2.stride(-1) == 1, "the hidden dimension must be contiguous"
     out = torch.empty(x2.shape, dtype=x.dtype)
     if residual is not None:
-        res2 = residual if residual.dim() == 2 else residual.reshape(-1, hidden)
+        res2 = residual.reshape(-1, hidden)
         assert res2.shape == x2.shape and res2.dtype == x.dtype and res2.stride(-1) == 1
         res_out = torch.empty(x2.shape, dtype=x.dtype)
     else:
@@ -67,9 +67,8 @@ def rms_norm_native(x, weight, eps: float, residual=None):
            out.data_ptr(), None if res_out is None else res_out.data_ptr(), x2.shape[0],
            hidden, eps, x2.stride(0), 0 if res2 is None else res2.stride(0), out.stride(0),
            0 if res_out is None else res_out.stride(0), _SUM_LANES, torch.get_num_threads())
-    if x.dim() != 2:
-        out, res_out = out.view(x.shape), None if res_out is None else res_out.view(x.shape)
-    return out if residual is None else (out, res_out)
+    out = out.view(x.shape)
+    return out if residual is None else (out, res_out.view(x.shape))
 
 
 @triton.jit
@@ -115,9 +114,8 @@ def rms_norm_triton(x, weight, eps: float, residual=None):
             out.stride(0), x2.stride(0), res2.stride(0), res_out.stride(0),
             HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
             num_warps=min(max(block // 256, 1), 8))
-    if x.dim() != 2:
-        out, res_out = out.view(x.shape), None if res_out is None else res_out.view(x.shape)
-    return out if residual is None else (out, res_out)
+    out = out.view(x.shape)
+    return out if residual is None else (out, res_out.view(x.shape))
 
 
 def rms_norm_reference(x, weight, eps: float, residual=None):

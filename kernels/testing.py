@@ -20,6 +20,7 @@ import sys
 
 import torch
 
+
 def backport_interpreter_fixes() -> None:
     """Triton <= 3.6's interpreter (TRITON_INTERPRET=1) keeps a scalar as a 1-element
     array and hands it to range() through int(array), which NumPy >= 2.4 refuses ("only

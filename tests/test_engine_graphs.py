@@ -4,7 +4,7 @@ with the graphs replaying."""
 import pytest
 import torch
 
-from checkpoints import hf_greedy
+from checkpoints import hf_greedy, make_hf_checkpoint
 from fusegen.engine import LLM, EngineConfigError, SamplingParams
 from fusegen.engine.graphs import PAD, DecodeGraphs, bucket_for, decode_buckets, small_inputs
 from fusegen.engine.runner import StepInputs
@@ -12,7 +12,6 @@ from test_engine_equality import PROMPTS
 from test_models_gemma import gemma2_dir  # noqa: F401 - the fixture
 from test_models_phi3 import (ORIGINAL, RECOMPUTES_AT_THE_SWITCH, longrope,  # noqa: F401
                              phi3_dir)  # phi3_dir: the fixture
-from checkpoints import make_hf_checkpoint
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 # Budgets 1..13: the batch shrinks from 7 rows through the buckets 8, 4, 2, 1 as
