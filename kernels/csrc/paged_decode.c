@@ -204,11 +204,16 @@ static inline __attribute__((always_inline)) v8f load8(const void *p, int64_t i,
  * keeps acc in registers instead of loading and storing it for every slot. */
 static inline __attribute__((always_inline)) void accumulate_values(
         v8f *acc, const float *p, const void *v, int64_t v_s, int n, const int lanes,
-        const int bf16) {
+        const int bf16, const char *next) {
     v8f a[MAX_LANES];
+    const int64_t row_bytes = (int64_t)lanes * 8 * (bf16 ? 2 : 4);
     for (int c = 0; c < lanes; c++) a[c] = acc[c];
-    for (int j = 0; j < n; j++)
+    for (int j = 0; j < n; j++) {
+        if (next)
+            for (int64_t c = 0; c < row_bytes; c += 64)
+                __builtin_prefetch(next + (int64_t)j * v_s * (bf16 ? 2 : 4) + c);
         for (int c = 0; c < lanes; c++) a[c] += p[j] * load8(v, (int64_t)j * v_s + 8 * c, bf16);
+    }
     for (int c = 0; c < lanes; c++) acc[c] = a[c];
 }
 
@@ -216,11 +221,13 @@ static inline __attribute__((always_inline)) void accumulate_values(
  * widened once for both, the sixteen accumulators in registers (AVX-512 has 32). */
 static inline __attribute__((always_inline)) void accumulate_values_pair(
         v8f *acc0, v8f *acc1, const float *p0, const float *p1, const void *v, int64_t v_s,
-        int n) {
+        int n, const char *next) {
     v8f a[8], b[8];
     for (int c = 0; c < 8; c++) a[c] = acc0[c], b[c] = acc1[c];
     for (int j = 0; j < n; j++)
         for (int c = 0; c < 8; c++) {
+            if (next && c % 4 == 0)  /* 128 bytes a row: two lines */
+                __builtin_prefetch(next + (int64_t)j * v_s * 2 + 16 * c);
             const v8f x = load8(v, (int64_t)j * v_s + 8 * c, 1);
             a[c] += p0[j] * x;
             b[c] += p1[j] * x;
@@ -281,19 +288,20 @@ static inline __attribute__((always_inline)) void decode_x8_item(
         const int64_t kb = block * k_b + (int64_t)slot0 * k_s;  /* element offsets */
         const int64_t vb = block * v_b + (int64_t)slot0 * v_s;
         /* The next block is elsewhere in the cache (its id comes from the table), where
-         * the hardware prefetcher cannot follow: ask for its rows while this one runs. */
+         * the hardware prefetcher cannot follow: ask for its rows while this one runs,
+         * its keys during the key pass and its values during the value pass. A core has
+         * few misses in flight (its L1 miss buffers); asking for both in the key pass
+         * filled them there and left the value pass with nothing in flight: 26 against
+         * 35 GB/s for a step of 984 sequences, 16..768 tokens (docs/performance.md). */
         const int has_next = pos + n < len;
         const int64_t next = has_next ? table[(pos + n) / block_size] : 0;
         const char *kn = (const char *)kc + next * k_b * es;
         const char *vn = (const char *)vc + next * v_b * es;
         for (int j = 0; j < n; j++) {
             for (int h = h0; h < h1; h++) {
-                if (has_next) {
-                    for (int64_t c = 0; c < head_dim * es; c += 64) {
+                if (has_next)
+                    for (int64_t c = 0; c < head_dim * es; c += 64)
                         __builtin_prefetch(kn + ((int64_t)j * k_s + (int64_t)h * k_h) * es + c);
-                        __builtin_prefetch(vn + ((int64_t)j * v_s + (int64_t)h * v_h) * es + c);
-                    }
-                }
                 const int64_t kp = kb + (int64_t)j * k_s + (int64_t)h * k_h;
                 /* bf16: the key widened once for the whole group (fp32 keys are read
                  * straight from memory, where AVX2's 16 registers would spill them) */
@@ -328,20 +336,24 @@ static inline __attribute__((always_inline)) void decode_x8_item(
                 accumulate_values_pair(acc + i * 8, acc + (i + 1) * 8, s + i * block_size,
                                        s + (i + 1) * block_size,
                                        (const uint16_t *)vc + vb + (int64_t)h * v_h,
-                                       v_s, n);
+                                       v_s, n, has_next ? vn + (int64_t)h * v_h * es : NULL);
                 continue;
             }
 #endif
             for (int g = 0; g < group; g++) {
                 const int i = (h - h0) * group + g;
                 const char *vh = (const char *)vc + (vb + (int64_t)h * v_h) * es;
+                /* the head's rows of the next block, asked for by its first query */
+                const char *ahead = has_next && g == 0 ? vn + (int64_t)h * v_h * es : NULL;
                 if (lanes == 8)  /* head_dim 64: the accumulator stays in registers */
-                    accumulate_values(acc + i * 8, s + i * block_size, vh, v_s, n, 8, bf16);
+                    accumulate_values(acc + i * 8, s + i * block_size, vh, v_s, n, 8, bf16,
+                                      ahead);
                 else if (lanes == 16)  /* head_dim 128 */
-                    accumulate_values(acc + i * 16, s + i * block_size, vh, v_s, n, 16, bf16);
+                    accumulate_values(acc + i * 16, s + i * block_size, vh, v_s, n, 16, bf16,
+                                      ahead);
                 else
                     accumulate_values(acc + i * lanes, s + i * block_size, vh, v_s, n, lanes,
-                                      bf16);
+                                      bf16, ahead);
             }
         }
         pos += n;
@@ -411,10 +423,8 @@ static inline __attribute__((always_inline)) void decode_dp_item(
         for (int j = 0; j < n; j++)
             for (int h = h0; h < h1; h++) {
                 if (has_next)
-                    for (int c = 0; c < head_dim; c += 32) {
+                    for (int c = 0; c < head_dim; c += 32)
                         __builtin_prefetch(kn + (int64_t)j * k_s + (int64_t)h * k_h + c);
-                        __builtin_prefetch(vn + (int64_t)j * v_s + (int64_t)h * v_h + c);
-                    }
                 const uint16_t *kp = kc + kb + (int64_t)j * k_s + (int64_t)h * k_h;
                 __m512bh kv[4];
                 for (int c = 0; c < pairs; c++) kv[c] = (__m512bh)_mm512_loadu_si512(kp + 32 * c);
@@ -448,6 +458,10 @@ static inline __attribute__((always_inline)) void decode_dp_item(
                     a1[c] = two ? _mm512_loadu_ps(a1p + 16 * c) : _mm512_setzero_ps();
                 }
                 for (int j = 0; j < n; j++) {
+                    /* the head's next rows (as in the x8 item), spread over its pairs */
+                    if (has_next && j % ((group + 1) / 2) == g / 2)
+                        for (int c = 0; c < head_dim; c += 32)
+                            __builtin_prefetch(vn + (int64_t)j * v_s + (int64_t)h * v_h + c);
                     const __m512 x0 = _mm512_set1_ps(p0[j]);
                     const __m512 x1 = _mm512_set1_ps(two ? p1[j] : 0.0f);
                     const uint16_t *vr = vh + (int64_t)j * v_s;
