@@ -354,8 +354,10 @@ static inline void copy_heads(const char *src, int64_t src_h, char *dst, int64_t
  * strides in elements, so keys and values may share one tensor). A negative slot is a
  * padding token: rotated, not stored. Everything is checked before anything is written:
  * returns 1 when a position is outside the rotary table's num_positions rows, 2 when a
- * slot is at or past num_slots, 0 when done. Small steps stay on the calling thread:
- * waking a second one costs more than a few hundred rows of work. */
+ * slot is at or past num_slots, 0 when done. Steps under 32 tokens stay on the calling
+ * thread. A decode step's writes land on scattered slots, each a cache miss and some a
+ * fresh page, so from 32 rows on two threads pay: 93 to 60 us a layer for cpu-small's
+ * ~135 decode rows in the engine (docs/performance.md). */
 #define DEFINE_ROTARY_CACHE(SUFFIX, T, BF16)                                                \
 int rotary_cache_##SUFFIX(const int64_t *positions, T *q, T *k, const T *v, const T *cos_t, \
                           const T *sin_t, T *k_cache, T *v_cache, const int64_t *slots,     \
@@ -367,7 +369,7 @@ int rotary_cache_##SUFFIX(const int64_t *positions, T *q, T *k, const T *v, cons
         if (slots[t] >= num_slots) return 2;                                                \
     }                                                                                       \
     const size_t row_bytes = (size_t)head_dim * sizeof(T);                                  \
-    _Pragma("omp parallel for num_threads(num_threads) schedule(static) if(tokens >= 256)") \
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static) if(tokens >= 32)") \
     for (int64_t t = 0; t < tokens; t++) {                                                  \
         if (half > 0 && !(BF16 && rotate_token16(                                          \
                 (uint16_t *)(q + t * st->q_t), st->q_h, num_heads,                          \
