@@ -39,3 +39,10 @@ def use_native(tensor) -> bool:
     from fusegen.kernels import native
 
     return native.library() is not None
+
+
+def as_rows(tensor, width: int):
+    """`tensor` [..., width] as rows [N, width]: itself when already 2-D (a decode step
+    calls the row-wise kernels about 40 times, and a reshape and a view back cost more
+    than some of those kernels' work), else reshaped (a copy where no view exists)."""
+    return tensor if tensor.dim() == 2 else tensor.reshape(-1, width)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from fusegen.kernels import use_native, use_triton
+from fusegen.kernels import as_rows, use_native, use_triton
 
 try:
     import triton
@@ -53,22 +53,20 @@ def rms_norm_native(x, weight, eps: float, residual=None):
 
     hidden = x.shape[-1]
     assert x.dtype == weight.dtype and x.dtype in _NATIVE_SUFFIX and weight.is_contiguous()
-    x2 = x.reshape(-1, hidden)
+    x2 = as_rows(x, hidden)
     assert x2.stride(-1) == 1, "the hidden dimension must be contiguous"
-    out = torch.empty(x2.shape, dtype=x.dtype)
+    # outputs in x's shape, rows `hidden` apart: no view back at the end
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if residual is not None:
-        res2 = residual.reshape(-1, hidden)
+        res2 = as_rows(residual, hidden)
         assert res2.shape == x2.shape and res2.dtype == x.dtype and res2.stride(-1) == 1
-        res_out = torch.empty(x2.shape, dtype=x.dtype)
-    else:
-        res2 = res_out = None
+        res_out = torch.empty_like(out)
     kernel = getattr(native.library(), f"rms_norm_{_NATIVE_SUFFIX[x.dtype]}")
-    kernel(x2.data_ptr(), None if res2 is None else res2.data_ptr(), weight.data_ptr(),
-           out.data_ptr(), None if res_out is None else res_out.data_ptr(), x2.shape[0],
-           hidden, eps, x2.stride(0), 0 if res2 is None else res2.stride(0), out.stride(0),
-           0 if res_out is None else res_out.stride(0), _SUM_LANES, torch.get_num_threads())
-    out = out.view(x.shape)
-    return out if residual is None else (out, res_out.view(x.shape))
+    kernel(x2.data_ptr(), None if residual is None else res2.data_ptr(), weight.data_ptr(),
+           out.data_ptr(), None if residual is None else res_out.data_ptr(), x2.shape[0],
+           hidden, eps, x2.stride(0), 0 if residual is None else res2.stride(0), hidden,
+           hidden, _SUM_LANES, torch.get_num_threads())
+    return out if residual is None else (out, res_out)
 
 
 @triton.jit
@@ -97,13 +95,13 @@ def rms_norm_triton(x, weight, eps: float, residual=None):
     assert weight.shape == (hidden,), f"weight {tuple(weight.shape)} != ({hidden},)"
     assert weight.dtype == x.dtype, f"weight is {weight.dtype}, x is {x.dtype}"
     assert x.stride(-1) == 1 and weight.stride(0) == 1, "the hidden dimension must be contiguous"
-    x2 = x.reshape(-1, hidden)
+    x2 = as_rows(x, hidden)
     out = torch.empty_like(x2)
     if residual is not None:
         assert residual.shape == x.shape and residual.dtype == x.dtype, \
             f"residual {residual.dtype}{tuple(residual.shape)} != x {x.dtype}{tuple(x.shape)}"
         assert residual.stride(-1) == 1, "the residual's hidden dimension must be contiguous"
-        res2 = residual.reshape(-1, hidden)
+        res2 = as_rows(residual, hidden)
         res_out = torch.empty_like(x2)
     else:
         res2 = res_out = x2  # unused

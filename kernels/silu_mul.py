@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from fusegen.kernels import use_native, use_triton
+from fusegen.kernels import as_rows, use_native, use_triton
 import torch.nn.functional as F
 
 try:
@@ -42,14 +42,14 @@ def silu_and_mul_native(x) -> torch.Tensor:
     from fusegen.kernels import native
 
     intermediate = x.shape[-1] // 2
-    x2 = x.reshape(-1, 2 * intermediate)
+    x2 = as_rows(x, 2 * intermediate)
     assert x2.dtype in _NATIVE_SUFFIX and x2.stride(-1) == 1, \
         f"rows must be contiguous fp32 or bf16, got {x2.dtype} with strides {x2.stride()}"
-    out = torch.empty(x2.shape[0], intermediate, dtype=x.dtype)
+    out = torch.empty((*x.shape[:-1], intermediate), dtype=x.dtype)  # rows I apart
     kernel = getattr(native.library(), f"silu_mul_{_NATIVE_SUFFIX[x.dtype]}")
     kernel(x2.data_ptr(), out.data_ptr(), x2.shape[0], intermediate, x2.stride(0),
-           out.stride(0), torch.get_num_threads())
-    return out.view(*x.shape[:-1], intermediate)
+           intermediate, torch.get_num_threads())
+    return out
 
 
 @triton.jit
@@ -70,7 +70,7 @@ def silu_and_mul_triton(x) -> torch.Tensor:
     assert x.shape[-1] % 2 == 0, f"last dimension {x.shape[-1]} is not 2 * intermediate"
     assert x.stride(-1) == 1, "the last dimension must be contiguous"
     intermediate = x.shape[-1] // 2
-    x2 = x.reshape(-1, 2 * intermediate)
+    x2 = as_rows(x, 2 * intermediate)
     out = torch.empty(x2.shape[0], intermediate, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         block = min(triton.next_power_of_2(intermediate), 1024)
