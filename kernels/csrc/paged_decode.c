@@ -376,10 +376,12 @@ static inline __attribute__((always_inline)) void decode_x8_item(
  * AVX512_BF16: the scores by vdpbf16ps on the bf16 queries and keys as stored (exact
  * products summed in fp32, 32 channels an instruction; no key is widened), scaled once;
  * the values widened into 16-lane vectors once for two queries of the group, whose
- * accumulators stay in registers. Taken for groups of 3 query heads and more: 117
+ * accumulators stay in registers. Taken for groups of 2 query heads and more: 117
  * sequences of 100..700 tokens, head_dim 64, 12 query heads over 4: 1.68 -> 1.39 ms;
- * 32 over 4 at head_dim 128: 5.74 -> 3.58 ms. For pairs the 8-lane item's pair path
- * reads as fast (docs/performance.md). */
+ * 32 over 4 at head_dim 128: 5.74 -> 3.58 ms. For pairs it read as fast as the 8-lane
+ * item's pair path while both asked for a block's values with its keys; since each
+ * pass asks for its own, it is ~3% faster (cpu-small's decode attention in the
+ * engine, docs/performance.md). */
 static inline __attribute__((always_inline)) __m512 widen16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
@@ -515,7 +517,7 @@ static void NAME(const T *q, T *out, const T *kc, const T *vc, const int32_t *bl
                  int h1, int group, int head_dim, int block_size, int window, float scale,  \
                  const strides_t *st, float *work) {                                       \
     /* head_dim 64 and 128 with `lanes` a constant: the loops over it unroll */           \
-    if (BF16 && DECODE_DP && (head_dim == 64 || head_dim == 128) && group >= 3            \
+    if (BF16 && DECODE_DP && (head_dim == 64 || head_dim == 128) && group >= 2            \
         && (h1 - h0) * group <= 64)                                                         \
         decode_dp_bf16(q, out, kc, vc, block_tables, seq_lens, query_start_loc, seq, h0, h1,\
                        group, head_dim, block_size, window, scale, st, work);              \
