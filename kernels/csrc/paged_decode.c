@@ -206,12 +206,12 @@ static inline __attribute__((always_inline)) void accumulate_values(
         v8f *acc, const float *p, const void *v, int64_t v_s, int n, const int lanes,
         const int bf16, const char *next) {
     v8f a[MAX_LANES];
-    const int64_t row_bytes = (int64_t)lanes * 8 * (bf16 ? 2 : 4);
+    const int64_t es = bf16 ? 2 : 4, row_bytes = (int64_t)lanes * 8 * es;
     for (int c = 0; c < lanes; c++) a[c] = acc[c];
     for (int j = 0; j < n; j++) {
-        if (next)
+        if (next)  /* the next block's row j of this head */
             for (int64_t c = 0; c < row_bytes; c += 64)
-                __builtin_prefetch(next + (int64_t)j * v_s * (bf16 ? 2 : 4) + c);
+                __builtin_prefetch(next + (int64_t)j * v_s * es + c);
         for (int c = 0; c < lanes; c++) a[c] += p[j] * load8(v, (int64_t)j * v_s + 8 * c, bf16);
     }
     for (int c = 0; c < lanes; c++) acc[c] = a[c];
