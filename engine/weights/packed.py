@@ -17,6 +17,15 @@ Packing is used only where oneDNN can pack the dtype on this CPU (fp32 on any x8
 with AVX2; bf16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT) and gives F.linear's
 result on a probe; elsewhere the dense `Linear` (torch's reference) serves.
 FUSEGEN_KERNELS=reference turns packing off, like the other CPU kernels.
+
+On CPUs with AVX512_BF16 and no AMX, a bf16 call of up to `DP_ROWS` rows (a decode
+step's) goes to fusegen's own kernel (kernels/csrc/gemm_bf16.c) on the same packed
+weight, oneDNN's result to the bit: in a decode step oneDNN's call costs 40-60 us more
+than the same call made twice in a row (its state comes back from memory after the
+attention kernel has streamed the KV cache), and fusegen's takes a decode step's
+linears from 1,233 to 1,052 us a layer in that state (docs/performance.md). A probe per
+weight shape checks the layout and finds oneDNN's blocking over the input channels;
+a shape that does not match to the bit stays with oneDNN.
 """
 from __future__ import annotations
 
@@ -30,6 +39,11 @@ import torch.nn.functional as F
 from fusegen.engine.weights.linear import Linear, row_tiled
 
 log = logging.getLogger("fusegen.engine")
+
+# Rows up to which a bf16 call takes fusegen's kernel where it can (module docstring):
+# measured at least as fast as oneDNN up to here for a small model's shapes, slower
+# at 4,096 (prefill steps).
+DP_ROWS = 1024
 
 
 class PackedLinear(Linear):
@@ -45,13 +59,33 @@ class PackedLinear(Linear):
                                                                 batch_hint)
         packed.bias = linear.bias
         packed.row_tile = linear.row_tile
-        packed.out_features = linear.weight.shape[0]
+        packed.out_features, packed.in_features = linear.weight.shape
+        packed.k_block = None
+        if linear.weight.dtype == torch.bfloat16:
+            packed.weight_ptr = torch.ops.mkldnn.data_ptr(packed.weight)  # fixed from now on
+            packed.k_block = _dp_block(packed)
         return packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.row_tile is not None:
             return row_tiled(x, self._matmul, self.out_features, self.bias, self.row_tile)
+        if self.k_block is not None and x.dim() == 2 and x.shape[0] <= DP_ROWS \
+                and x.dtype == torch.bfloat16:
+            return self._dp(x)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+    def _dp(self, x: torch.Tensor, k_block: int | None = None) -> torch.Tensor:
+        """x [T, in] bf16 -> [T, out] through fusegen's kernel (kernels/csrc/gemm_bf16.c)."""
+        from fusegen.kernels import native
+
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        out = torch.empty(x.shape[0], self.out_features, dtype=torch.bfloat16)
+        native.library().gemm_bf16(
+            x.data_ptr(), x.shape[0], x.stride(0), self.weight_ptr, self.out_features, self.in_features, k_block or self.k_block,
+            None if self.bias is None else self.bias.data_ptr(), out.data_ptr(),
+            self.out_features, torch.get_num_threads())
+        return out
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """[T, in] -> [T] int64: each row's first column of the maximum of `forward(x)`,
@@ -124,6 +158,54 @@ class NativeLinear(Linear):
 
     def set_weight(self, name: str, tensor: torch.Tensor) -> None:
         raise TypeError("a packed linear's weight is fixed at load; streamed layers use Linear")
+
+
+# oneDNN's blocking over the input channels per (out, in, bias) shape: found once
+_DP_BLOCKS: dict[tuple, int | None] = {}
+
+
+def _dp_block(packed: PackedLinear) -> int | None:
+    """The channels per block of sums with which fusegen's bf16 kernel gives `packed`'s
+    oneDNN result to the bit, or None where it cannot serve (no AVX512_BF16, AMX, a
+    layout other than 64-column tiles of channel pairs, no block that matches)."""
+    out_features, in_features = packed.out_features, packed.in_features
+    key = (out_features, in_features, packed.bias is not None)
+    if key not in _DP_BLOCKS:
+        _DP_BLOCKS[key] = _probe_dp_block(packed) if _dp_gemm() else None
+    return _DP_BLOCKS[key]
+
+
+def _probe_dp_block(packed: PackedLinear) -> int | None:
+    out_features, in_features = packed.out_features, packed.in_features
+    tiled = -(-out_features // 64) * 64 * -(-in_features // 32) * 32 * 2
+    bias = packed.bias
+    if torch.ops.mkldnn._nbytes(packed.weight) != tiled or bias is not None and (
+            bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+        return None
+    gen = torch.Generator().manual_seed(0)
+    probes = [torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+              for rows in (5, 64)]
+    wants = [torch.ops.mkldnn._linear_pointwise(x, packed.weight, packed.bias, "none", [], "")
+             for x in probes]
+    whole = in_features + in_features % 2
+    for k_block in dict.fromkeys((whole, 1024, 512, 2048, 256)):
+        if k_block <= whole and all(torch.equal(packed._dp(x, k_block), want)
+                                    for x, want in zip(probes, wants)):
+            return k_block
+    log.info("fusegen's bf16 kernel does not match oneDNN on a [%d, %d] weight; oneDNN "
+             "serves it", out_features, in_features)
+    return None
+
+
+@functools.cache
+def _dp_gemm() -> bool:
+    """Whether bf16 calls of decode size may take fusegen's kernel: built for this CPU
+    (AVX512_BF16), and no AMX, whose tiles oneDNN uses and which are faster."""
+    from fusegen.kernels import native
+
+    lib = native.library()
+    amx = getattr(getattr(torch, "cpu", None), "_is_amx_tile_supported", lambda: False)()
+    return lib is not None and not amx and lib.gemm_bf16_available() == 1
 
 
 def pack_linear(linear: Linear, batch_hint: int) -> Linear:
