@@ -194,7 +194,15 @@ static inline __attribute__((always_inline)) v8f load8(const void *p, int64_t i,
         memcpy(&f, &u, sizeof f);
 #endif
     } else {
+#if defined(__AVX2__)
+        /* one unaligned load: for AVX2 targets (-march=znver3, haswell) GCC turned the
+         * memcpy into two 16-byte halves stored to the stack and read back as one
+         * 32-byte vector, a failed store forward per row: fp32 decode attention read
+         * 3 GB/s of KV instead of 21 on a CPU that does both (docs/performance.md) */
+        f = (v8f)_mm256_loadu_ps((const float *)p + i);
+#else
         memcpy(&f, (const float *)p + i, sizeof f);
+#endif
     }
     return f;
 }
