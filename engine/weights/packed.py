@@ -82,7 +82,8 @@ class PackedLinear(Linear):
             x = x.contiguous()
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.bfloat16)
         native.library().gemm_bf16(
-            x.data_ptr(), x.shape[0], x.stride(0), self.weight_ptr, self.out_features, self.in_features, k_block or self.k_block,
+            x.data_ptr(), x.shape[0], x.stride(0), self.weight_ptr, self.out_features,
+            self.in_features, k_block or self.k_block,
             None if self.bias is None else self.bias.data_ptr(), out.data_ptr(),
             self.out_features, torch.get_num_threads())
         return out
