@@ -12,8 +12,8 @@ from fusegen.engine import LLM, SamplingParams
 from fusegen.engine.models.decoder import DecoderLayer
 from fusegen.engine.weights.linear import Linear
 import fusegen.engine.weights.packed as packed_module
-from fusegen.engine.weights.packed import DP_ROWS, NativeLinear, PackedLinear, _dp_gemm, \
-    _native_gemm, can_pack, pack_linears
+from fusegen.engine.weights.packed import DP_MAX_IN, DP_ROWS, NativeLinear, PackedLinear, \
+    _dp_gemm, _native_gemm, can_pack, pack_linears
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.float32),
                                 reason="fp32 weights are not packed on this CPU")
@@ -250,7 +250,7 @@ def _onednn(packed, x):
 
 @needs_dp
 @pytest.mark.parametrize("shape", [(1024, 512), (512, 1536), (2048, 1024), (1000, 200),
-                                   (77, 33), (8, 64), (32000, 64)])
+                                   (77, 33), (8, 64), (32000, 64), (130, DP_MAX_IN)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_decode_kernel_is_onednn_to_the_bit(shape, bias):
     """Every row count up to DP_ROWS (row blocks of 6 and their tails), tiles of 64
@@ -315,6 +315,10 @@ def test_bf16_decode_kernel_serves_only_shapes_it_matches(monkeypatch, caplog):
     monkeypatch.setattr(packed_module, "_DP_BLOCKS", {})
     monkeypatch.setattr(packed_module, "_dp_gemm", lambda: False)
     assert PackedLinear.pack(_bf16_linear(128, 64), batch_hint=64).k_block is None
+    monkeypatch.setattr(packed_module, "_DP_BLOCKS", {})
+    monkeypatch.setattr(packed_module, "_dp_gemm", lambda: True)
+    monkeypatch.setattr(PackedLinear, "_dp", lambda self, x, k_block=None: 1 / 0)  # unasked
+    assert PackedLinear.pack(_bf16_linear(64, DP_MAX_IN + 32), batch_hint=8).k_block is None
 
 
 @needs_dp

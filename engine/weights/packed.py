@@ -44,6 +44,11 @@ log = logging.getLogger("fusegen.engine")
 # measured at least as fast as oneDNN up to here for a small model's shapes, slower
 # at 4,096 (prefill steps).
 DP_ROWS = 1024
+# Input channels up to which it does: the kernel streams a tile of 64 columns (128 bytes
+# a channel) once per 6 rows, from L2 while a tile (512 KB here) fits there. Past it, a
+# 1B model's down projection (8,192 channels) ran 25-50% slower than oneDNN's at 8-32
+# rows, whose blocking over the channels keeps its tiles in cache (docs/performance.md).
+DP_MAX_IN = 4096
 
 
 class PackedLinear(Linear):
@@ -167,9 +172,12 @@ _DP_BLOCKS: dict[tuple, int | None] = {}
 
 def _dp_block(packed: PackedLinear) -> int | None:
     """The channels per block of sums with which fusegen's bf16 kernel gives `packed`'s
-    oneDNN result to the bit, or None where it cannot serve (no AVX512_BF16, AMX, a
-    layout other than 64-column tiles of channel pairs, no block that matches)."""
+    oneDNN result to the bit, or None where it does not serve (more than DP_MAX_IN input
+    channels, no AVX512_BF16, AMX, a layout other than 64-column tiles of channel pairs,
+    no block that matches)."""
     out_features, in_features = packed.out_features, packed.in_features
+    if in_features > DP_MAX_IN:
+        return None
     key = (out_features, in_features, packed.bias is not None)
     if key not in _DP_BLOCKS:
         _DP_BLOCKS[key] = _probe_dp_block(packed) if _dp_gemm() else None
