@@ -94,6 +94,7 @@ int gemm_bf16_available(void) { return 1; }
 int gemm_bf16(const uint16_t *x, int64_t rows, int64_t ldx, const uint16_t *w, int64_t n,
               int64_t k, int64_t k_block, const uint16_t *bias, uint16_t *out, int64_t ldo,
               int num_threads) {
+    if (rows <= 0 || n <= 0) return 0;
     const int64_t tiles = (n + TILE - 1) / TILE, k_pairs = (k + 1) / 2;
     const int64_t tile_elems = (k + 31) / 32 * 32 * TILE, block_pairs = k_block / 2;
     const int64_t row_blocks = (rows + MR - 1) / MR;
