@@ -58,9 +58,9 @@ _SIGNATURES = {
     "gemm_pack_f32": [_P, _P, _L, _L, _I],
     "gemm_f32": [_P, _L, _L, _P, _L, _L, _P, _P, _L, _I],
     "gemm_argmax_f32": [_P, _L, _L, _P, _L, _L, _P, _P, _I],
-    # csrc/gemm_bf16.c
-    "gemm_bf16_available": [],
-    "gemm_bf16": [_P, _L, _L, _P, _L, _L, _L, _P, _P, _L, _I],
+    # csrc/gemm_tiles.c
+    "gemm_tiles_available": [],
+    **{f"gemm_tiles_{t}": [_P, _L, _L, _P, _L, _L, _L, _P, _P, _L, _I] for t in ("bf16", "f32")},
     # csrc/argmax.c
     **{f"argmax_{t}": [_P, _P, _L, _I, _L, _I] for t in ("f32", "bf16")},
 }
@@ -144,5 +144,5 @@ def library() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.argtypes = argtypes
         fn.restype = ctypes.c_int if name.startswith(
-            ("paged_", "rotary_cache_", "gemm_argmax", "gemm_bf16")) else None
+            ("paged_", "rotary_cache_", "gemm_argmax", "gemm_tiles")) else None
     return lib

@@ -1,8 +1,9 @@
 """Weights packed on CPUs (engine/weights/packed.py): fusegen's own fp32 GEMM
 (`NativeLinear`) and oneDNN's (`PackedLinear`) give the same products as the dense
 `Linear`, batch-invariant (the GEMM by construction, oneDNN in row tiles), used for
-resident layers only, and the engine's tokens unchanged by them. fusegen's bf16 kernel
-for decode-sized calls on oneDNN's packed weight gives oneDNN's result to the bit."""
+resident layers only, and the engine's tokens unchanged by them. fusegen's bf16 and fp32
+kernels for decode-sized calls on oneDNN's packed weight give oneDNN's result to the
+bit."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,7 +13,7 @@ from fusegen.engine import LLM, SamplingParams
 from fusegen.engine.models.decoder import DecoderLayer
 from fusegen.engine.weights.linear import Linear
 import fusegen.engine.weights.packed as packed_module
-from fusegen.engine.weights.packed import DP_MAX_IN, DP_ROWS, NativeLinear, PackedLinear, \
+from fusegen.engine.weights.packed import DP_MAX_TILE, DP_ROWS, NativeLinear, PackedLinear, \
     _dp_gemm, _native_gemm, can_pack, pack_linears
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.float32),
@@ -230,17 +231,22 @@ def test_bf16_argmax_kernel_keeps_the_first_column_on_ties():
     assert got[[2, 5, 6]].tolist() == [17, 4999, 0]
 
 
-# -- fusegen's bf16 kernel on oneDNN's packed weight (kernels/csrc/gemm_bf16.c) ----------
+# -- fusegen's kernels on oneDNN's packed weight (kernels/csrc/gemm_tiles.c) -----------
 
-needs_dp = pytest.mark.skipif(not can_pack(torch.bfloat16) or not _dp_gemm(),
-                              reason="bf16 calls stay with oneDNN on this CPU (the kernel "
-                                     "needs AVX512_BF16 and is not used beside AMX)")
+DTYPES = [pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+              not can_pack(torch.bfloat16) or not _dp_gemm(torch.bfloat16),
+              reason="bf16 calls stay with oneDNN on this CPU (the kernel needs "
+                     "AVX512_BF16 and is not used beside AMX)"), id="bf16"),
+          pytest.param(torch.float32, marks=pytest.mark.skipif(
+              _native_gemm() or not _dp_gemm(torch.float32),
+              reason="fp32 calls take fusegen's AVX2 GEMM or oneDNN on this CPU (the "
+                     "kernel needs AVX-512)"), id="fp32")]
 
 
-def _bf16_linear(out_features, in_features, bias=False, seed=0):
+def _typed_linear(dtype, out_features, in_features, bias=False, seed=0):
     dense = _linear(out_features, in_features, bias=bias, seed=seed)
-    dense.weight = dense.weight.bfloat16()
-    dense.bias = None if dense.bias is None else dense.bias.bfloat16()
+    dense.weight = dense.weight.to(dtype)
+    dense.bias = None if dense.bias is None else dense.bias.to(dtype)
     return dense
 
 
@@ -248,90 +254,100 @@ def _onednn(packed, x):
     return torch.ops.mkldnn._linear_pointwise(x, packed.weight, packed.bias, "none", [], "")
 
 
-@needs_dp
+def _max_in(dtype):
+    return DP_MAX_TILE // (64 * dtype.itemsize)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1024, 512), (512, 1536), (2048, 1024), (1000, 200),
-                                   (77, 33), (8, 64), (32000, 64), (130, DP_MAX_IN)])
+                                   (77, 33), (8, 64), (32000, 64), (130, None)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_bf16_decode_kernel_is_onednn_to_the_bit(shape, bias):
-    """Every row count up to DP_ROWS (row blocks of 6 and their tails), tiles of 64
-    columns and a partial last one, an odd number of channels, blocks of channel sums."""
-    dense = _bf16_linear(*shape, bias=bias)
+def test_decode_kernel_is_onednn_to_the_bit(dtype, shape, bias):
+    """Every row count up to DP_ROWS (one row, row blocks of 6 and their tails), tiles of
+    64 columns and a partial last one, an odd number of channels, blocks of channel sums,
+    the widest weight taken (None: DP_MAX_TILE's channels)."""
+    out_features, in_features = shape[0], shape[1] or _max_in(dtype)
+    dense = _typed_linear(dtype, out_features, in_features, bias=bias)
     packed = PackedLinear.pack(dense, batch_hint=256)
-    assert packed.k_block is not None and packed.k_block % 2 == 0
+    assert packed.k_blocks is not None
     gen = torch.Generator().manual_seed(3)
     for rows in (0, 1, 2, 5, 6, 7, 13, 64, 135, DP_ROWS):
-        x = torch.randn(rows, shape[1], generator=gen).bfloat16()
+        x = torch.randn(rows, in_features, generator=gen).to(dtype)
         got = packed(x)
-        assert got.dtype == torch.bfloat16 and got.shape == (rows, shape[0])
+        assert got.dtype == dtype and got.shape == (rows, out_features)
         assert torch.equal(got, _onednn(packed, x)), rows
     want = F.linear(x.float(), dense.weight.float(),
                     None if dense.bias is None else dense.bias.float())
-    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
 
 
-@needs_dp
-def test_bf16_decode_kernel_on_any_thread_count():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_kernel_on_any_thread_count(dtype):
     from fusegen.kernels import native
 
-    packed = PackedLinear.pack(_bf16_linear(640, 512, bias=True), batch_hint=256)
-    x = torch.randn(135, 512).bfloat16()
+    packed = PackedLinear.pack(_typed_linear(dtype, 640, 512, bias=True), batch_hint=256)
+    x = torch.randn(135, 512).to(dtype)
     want = _onednn(packed, x)
+    kernel = getattr(native.library(), f"gemm_tiles_{'bf16' if dtype == torch.bfloat16 else 'f32'}")
     for threads in (1, 2, 3, 16):  # 16: more threads than tiles, the rows split too
-        out = torch.empty(135, 640, dtype=torch.bfloat16)
-        assert native.library().gemm_bf16(
-            x.data_ptr(), 135, 512, packed.weight_ptr, 640, 512, packed.k_block,
-            packed.bias.data_ptr(), out.data_ptr(), 640, threads) == 0
+        out = torch.empty(135, 640, dtype=dtype)
+        assert kernel(x.data_ptr(), 135, 512, packed.weight_ptr, 640, 512, packed.k_blocks[1],
+                      packed.bias.data_ptr(), out.data_ptr(), 640, threads) == 0
         assert torch.equal(out, want), threads
 
 
-@needs_dp
-def test_bf16_decode_kernel_takes_strided_rows_and_leaves_large_calls_to_onednn(monkeypatch):
-    packed = PackedLinear.pack(_bf16_linear(256, 64), batch_hint=64)
-    x = torch.randn(9, 128).bfloat16()[:, 32:96]  # rows of 64 with a stride of 128
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_kernel_takes_strided_rows_and_leaves_large_calls_to_onednn(dtype, monkeypatch):
+    packed = PackedLinear.pack(_typed_linear(dtype, 256, 64), batch_hint=64)
+    x = torch.randn(9, 128).to(dtype)[:, 32:96]  # rows of 64 with a stride of 128
     assert torch.equal(packed(x), _onednn(packed, x.contiguous()))
     calls = []
     monkeypatch.setattr(PackedLinear, "_dp", lambda self, x: calls.append(len(x)))
-    packed(torch.randn(DP_ROWS, 64).bfloat16())
-    big = torch.randn(DP_ROWS + 1, 64).bfloat16()
+    packed(torch.randn(DP_ROWS, 64).to(dtype))
+    big = torch.randn(DP_ROWS + 1, 64).to(dtype)
     assert torch.equal(packed(big), _onednn(packed, big))
     assert calls == [DP_ROWS]
 
 
-def test_bf16_decode_kernel_serves_only_shapes_it_matches(monkeypatch, caplog):
+def test_decode_kernel_serves_only_shapes_it_matches(monkeypatch, caplog):
     """A shape whose oneDNN result the kernel does not give to the bit stays with oneDNN,
-    and so does every shape where the kernel cannot run."""
+    and so does every shape where the kernel cannot run or whose tiles are too large."""
     if not can_pack(torch.bfloat16):
         pytest.skip("bf16 weights are not packed here")
     monkeypatch.setattr(packed_module, "_DP_BLOCKS", {})
-    monkeypatch.setattr(packed_module, "_dp_gemm", lambda: True)
+    monkeypatch.setattr(packed_module, "_dp_gemm", lambda dtype: True)
     monkeypatch.setattr(PackedLinear, "_dp", lambda self, x, k_block=None: torch.zeros(
-        len(x), self.out_features, dtype=torch.bfloat16))
+        len(x), self.out_features, dtype=self.dtype))
     with caplog.at_level("INFO", logger="fusegen.engine"):
-        packed = PackedLinear.pack(_bf16_linear(128, 64), batch_hint=64)
-    assert packed.k_block is None
-    assert "does not match oneDNN on a [128, 64] weight" in caplog.text
+        packed = PackedLinear.pack(_typed_linear(torch.bfloat16, 128, 64), batch_hint=64)
+    assert packed.k_blocks is None
+    assert "bfloat16 kernel does not match oneDNN on a [128, 64] weight" in caplog.text
     x = torch.randn(3, 64).bfloat16()
     assert torch.equal(packed(x), _onednn(packed, x))
     monkeypatch.setattr(packed_module, "_DP_BLOCKS", {})
-    monkeypatch.setattr(packed_module, "_dp_gemm", lambda: False)
-    assert PackedLinear.pack(_bf16_linear(128, 64), batch_hint=64).k_block is None
+    monkeypatch.setattr(packed_module, "_dp_gemm", lambda dtype: False)
+    assert PackedLinear.pack(_typed_linear(torch.bfloat16, 128, 64), batch_hint=64) \
+        .k_blocks is None
     monkeypatch.setattr(packed_module, "_DP_BLOCKS", {})
-    monkeypatch.setattr(packed_module, "_dp_gemm", lambda: True)
+    monkeypatch.setattr(packed_module, "_dp_gemm", lambda dtype: True)
     monkeypatch.setattr(PackedLinear, "_dp", lambda self, x, k_block=None: 1 / 0)  # unasked
-    assert PackedLinear.pack(_bf16_linear(64, DP_MAX_IN + 32), batch_hint=8).k_block is None
+    wide = _max_in(torch.bfloat16) + 32
+    assert PackedLinear.pack(_typed_linear(torch.bfloat16, 64, wide), batch_hint=8) \
+        .k_blocks is None
 
 
-@needs_dp
-def test_engine_bf16_tokens_are_the_same_with_the_decode_kernel(deep_dir, monkeypatch):
-    options = {**OPTIONS, "dtype": "bfloat16"}
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_engine_tokens_are_the_same_with_the_decode_kernel(dtype, deep_dir, monkeypatch):
+    options = {**OPTIONS, "dtype": str(dtype).removeprefix("torch.")}
     with LLM(str(deep_dir), **options) as llm:
         model = llm.engine.runner.model
-        assert all(layer.qkv.k_block is not None for layer in model.layers)
-        assert model.lm_head.k_block is not None
+        assert all(layer.qkv.k_blocks is not None for layer in model.layers)
+        assert model.lm_head.k_blocks is not None
         with_kernel = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
     monkeypatch.setattr(packed_module, "_DP_BLOCKS", {})
-    monkeypatch.setattr(packed_module, "_dp_gemm", lambda: False)
+    monkeypatch.setattr(packed_module, "_dp_gemm", lambda dtype: False)
     with LLM(str(deep_dir), **options) as llm:
-        assert llm.engine.runner.model.layers[0].qkv.k_block is None
+        assert llm.engine.runner.model.layers[0].qkv.k_blocks is None
         onednn = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
     assert with_kernel == onednn

@@ -18,14 +18,16 @@ with AVX2; bf16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT) and gives F.linear's
 result on a probe; elsewhere the dense `Linear` (torch's reference) serves.
 FUSEGEN_KERNELS=reference turns packing off, like the other CPU kernels.
 
-On CPUs with AVX512_BF16 and no AMX, a bf16 call of up to `DP_ROWS` rows (a decode
-step's) goes to fusegen's own kernel (kernels/csrc/gemm_bf16.c) on the same packed
-weight, oneDNN's result to the bit: in a decode step oneDNN's call costs 40-60 us more
-than the same call made twice in a row (its state comes back from memory after the
-attention kernel has streamed the KV cache), and fusegen's takes a decode step's
-linears from 1,233 to 1,052 us a layer in that state (docs/performance.md). A probe per
-weight shape checks the layout and finds oneDNN's blocking over the input channels;
-a shape that does not match to the bit stays with oneDNN.
+On AVX-512 CPUs a call of up to `DP_ROWS` rows (a decode step's) goes to fusegen's own
+kernels (kernels/csrc/gemm_tiles.c) on the same packed weight, oneDNN's result to the
+bit: in fp32, and in bf16 where the CPU has AVX512_BF16 and no AMX (whose tiles oneDNN
+uses). In a decode step oneDNN's call costs 40-60 us more than the same call made
+twice in a row (its state comes back from memory after the attention kernel has
+streamed the KV cache); fusegen's takes a decode step's bf16 linears from 1,233 to
+1,052 us a layer in that state (docs/performance.md). A probe per weight shape checks
+the layout and finds oneDNN's blocking over the input channels (for one row and for
+more: oneDNN blocks fp32 rows differently when there is one); a shape that does not
+match to the bit stays with oneDNN.
 """
 from __future__ import annotations
 
@@ -40,15 +42,17 @@ from fusegen.engine.weights.linear import Linear, row_tiled
 
 log = logging.getLogger("fusegen.engine")
 
-# Rows up to which a bf16 call takes fusegen's kernel where it can (module docstring):
-# measured at least as fast as oneDNN up to here for a small model's shapes, slower
-# at 4,096 (prefill steps).
+# Rows up to which a call takes fusegen's kernel where it can (module docstring): measured
+# at least as fast as oneDNN up to here for a small model's shapes, slower at 4,096
+# (prefill steps).
 DP_ROWS = 1024
-# Input channels up to which it does: the kernel streams a tile of 64 columns (128 bytes
-# a channel) once per 6 rows, from L2 while a tile (512 KB here) fits there. Past it, a
-# 1B model's down projection (8,192 channels) ran 25-50% slower than oneDNN's at 8-32
-# rows, whose blocking over the channels keeps its tiles in cache (docs/performance.md).
-DP_MAX_IN = 4096
+# Bytes of a weight tile (64 columns by the input channels) up to which it does: the
+# kernel reads a tile once per 6 rows, from L2 while the tile fits there. Past it, a 1B
+# model's bf16 down projection (8,192 channels, 1 MB tiles) ran 25-50% slower than
+# oneDNN's at 8-32 rows, whose blocking over the channels keeps its tiles in cache
+# (docs/performance.md). 4,096 channels in bf16, 2,048 in fp32.
+DP_MAX_TILE = 512 * 1024
+_DP_DTYPES = {torch.bfloat16: ("gemm_tiles_bf16", 1, 32), torch.float32: ("gemm_tiles_f32", 2, 16)}
 
 
 class PackedLinear(Linear):
@@ -65,32 +69,36 @@ class PackedLinear(Linear):
         packed.bias = linear.bias
         packed.row_tile = linear.row_tile
         packed.out_features, packed.in_features = linear.weight.shape
-        packed.k_block = None
-        if linear.weight.dtype == torch.bfloat16:
+        packed.dtype = linear.weight.dtype
+        packed.k_blocks = None  # (for one row, for more): where fusegen's kernel serves
+        if packed.dtype in _DP_DTYPES:
             packed.weight_ptr = torch.ops.mkldnn.data_ptr(packed.weight)  # fixed from now on
-            packed.k_block = _dp_block(packed)
+            packed.k_blocks = _dp_blocks(packed)
         return packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.row_tile is not None:
             return row_tiled(x, self._matmul, self.out_features, self.bias, self.row_tile)
-        if self.k_block is not None and x.dim() == 2 and x.shape[0] <= DP_ROWS \
-                and x.dtype == torch.bfloat16:
+        if self.k_blocks is not None and x.dim() == 2 and x.shape[0] <= DP_ROWS \
+                and x.dtype == self.dtype:
             return self._dp(x)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
     def _dp(self, x: torch.Tensor, k_block: int | None = None) -> torch.Tensor:
-        """x [T, in] bf16 -> [T, out] through fusegen's kernel (kernels/csrc/gemm_bf16.c)."""
+        """x [T, in] -> [T, out] through fusegen's kernel (kernels/csrc/gemm_tiles.c);
+        `k_block`: its blocking over the channels, else the one found for T rows."""
         from fusegen.kernels import native
 
         if x.stride(-1) != 1:
             x = x.contiguous()
-        out = torch.empty(x.shape[0], self.out_features, dtype=torch.bfloat16)
-        native.library().gemm_bf16(
-            x.data_ptr(), x.shape[0], x.stride(0), self.weight_ptr, self.out_features,
-            self.in_features, k_block or self.k_block,
-            None if self.bias is None else self.bias.data_ptr(), out.data_ptr(),
-            self.out_features, torch.get_num_threads())
+        rows = x.shape[0]
+        if k_block is None:
+            k_block = self.k_blocks[0 if rows == 1 else 1]
+        out = torch.empty(rows, self.out_features, dtype=self.dtype)
+        getattr(native.library(), _DP_DTYPES[self.dtype][0])(
+            x.data_ptr(), rows, x.stride(0), self.weight_ptr, self.out_features,
+            self.in_features, k_block, None if self.bias is None else self.bias.data_ptr(),
+            out.data_ptr(), self.out_features, torch.get_num_threads())
         return out
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
@@ -166,55 +174,63 @@ class NativeLinear(Linear):
         raise TypeError("a packed linear's weight is fixed at load; streamed layers use Linear")
 
 
-# oneDNN's blocking over the input channels per (out, in, bias) shape: found once
-_DP_BLOCKS: dict[tuple, int | None] = {}
+# oneDNN's blocking over the input channels per (dtype, out, in, bias) shape: found once
+_DP_BLOCKS: dict[tuple, tuple[int, int] | None] = {}
 
 
-def _dp_block(packed: PackedLinear) -> int | None:
-    """The channels per block of sums with which fusegen's bf16 kernel gives `packed`'s
-    oneDNN result to the bit, or None where it does not serve (more than DP_MAX_IN input
-    channels, no AVX512_BF16, AMX, a layout other than 64-column tiles of channel pairs,
-    no block that matches)."""
-    out_features, in_features = packed.out_features, packed.in_features
-    if in_features > DP_MAX_IN:
+def _dp_blocks(packed: PackedLinear) -> tuple[int, int] | None:
+    """The channels per block of sums with which fusegen's kernel gives `packed`'s
+    oneDNN result to the bit, for one row and for more, or None where it does not serve
+    (tiles over DP_MAX_TILE, no kernel for the dtype on this CPU, a layout other than
+    oneDNN's 64-column tiles, no block that matches)."""
+    dtype, out_features, in_features = packed.dtype, packed.out_features, packed.in_features
+    if in_features * 64 * dtype.itemsize > DP_MAX_TILE:
         return None
-    key = (out_features, in_features, packed.bias is not None)
+    key = (dtype, out_features, in_features, packed.bias is not None)
     if key not in _DP_BLOCKS:
-        _DP_BLOCKS[key] = _probe_dp_block(packed) if _dp_gemm() else None
+        _DP_BLOCKS[key] = _probe_dp_blocks(packed) if _dp_gemm(dtype) else None
     return _DP_BLOCKS[key]
 
 
-def _probe_dp_block(packed: PackedLinear) -> int | None:
-    out_features, in_features = packed.out_features, packed.in_features
-    tiled = -(-out_features // 64) * 64 * -(-in_features // 32) * 32 * 2
+def _probe_dp_blocks(packed: PackedLinear) -> tuple[int, int] | None:
+    dtype, out_features, in_features = packed.dtype, packed.out_features, packed.in_features
+    pad = _DP_DTYPES[dtype][2]
+    tiled = -(-out_features // 64) * 64 * -(-in_features // pad) * pad * dtype.itemsize
     bias = packed.bias
     if torch.ops.mkldnn._nbytes(packed.weight) != tiled or bias is not None and (
-            bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+            bias.dtype != dtype or not bias.is_contiguous()):
         return None
     gen = torch.Generator().manual_seed(0)
-    probes = [torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
-              for rows in (5, 64)]
-    wants = [torch.ops.mkldnn._linear_pointwise(x, packed.weight, packed.bias, "none", [], "")
-             for x in probes]
     whole = in_features + in_features % 2
-    for k_block in dict.fromkeys((whole, 1024, 512, 2048, 256)):
-        if k_block <= whole and all(torch.equal(packed._dp(x, k_block), want)
-                                    for x, want in zip(probes, wants)):
-            return k_block
-    log.info("fusegen's bf16 kernel does not match oneDNN on a [%d, %d] weight; oneDNN "
-             "serves it", out_features, in_features)
-    return None
+    candidates = [k for k in dict.fromkeys((whole, 1024, 512, 2048, 256)) if k <= whole]
+
+    def block(rows: tuple[int, ...]) -> int | None:
+        probes = [torch.randn(n, in_features, generator=gen).to(dtype) for n in rows]
+        wants = [torch.ops.mkldnn._linear_pointwise(x, packed.weight, bias, "none", [], "")
+                 for x in probes]
+        return next((k for k in candidates if all(torch.equal(packed._dp(x, k), want)
+                                                    for x, want in zip(probes, wants))), None)
+
+    blocks = block((1, 1, 1)), block((2, 5, 64))
+    if None in blocks:
+        log.info("fusegen's %s kernel does not match oneDNN on a [%d, %d] weight; oneDNN "
+                 "serves it", str(dtype).removeprefix("torch."), out_features, in_features)
+        return None
+    return blocks
 
 
 @functools.cache
-def _dp_gemm() -> bool:
-    """Whether bf16 calls of decode size may take fusegen's kernel: built for this CPU
-    (AVX512_BF16), and no AMX, whose tiles oneDNN uses and which are faster."""
+def _dp_gemm(dtype: torch.dtype) -> bool:
+    """Whether calls of decode size in `dtype` may take fusegen's kernel: built for this
+    CPU (AVX-512; AVX512_BF16 for bf16), and for bf16 no AMX, whose tiles oneDNN uses
+    and which are faster."""
     from fusegen.kernels import native
 
     lib = native.library()
+    if lib is None or not lib.gemm_tiles_available() & _DP_DTYPES[dtype][1]:
+        return False
     amx = getattr(getattr(torch, "cpu", None), "_is_amx_tile_supported", lambda: False)()
-    return lib is not None and not amx and lib.gemm_bf16_available() == 1
+    return dtype != torch.bfloat16 or not amx
 
 
 def pack_linear(linear: Linear, batch_hint: int) -> Linear:
