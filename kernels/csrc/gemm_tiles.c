@@ -193,37 +193,31 @@ static gemm_t plan(const void *x, int64_t rows, int64_t ldx, const void *w, int6
 
 /* x [rows, k] (row stride ldx elements) . w^T, w oneDNN's packed [n, k] weight -> out
  * [rows, n] (row stride ldo); bias [n] or NULL. k_block: channels per block of sums
- * (even for bf16). Returns -1 where this build has no such kernel. */
-int gemm_tiles_bf16(const uint16_t *x, int64_t rows, int64_t ldx, const uint16_t *w,
-                    int64_t n, int64_t k, int64_t k_block, const uint16_t *bias,
-                    uint16_t *out, int64_t ldo, int num_threads) {
-#if HAS_BF16
-    if (rows <= 0 || n <= 0) return 0;
-    const gemm_t g = plan(x, rows, ldx, w, n, k, k_block, bias, out, ldo, num_threads, 1);
-    _Pragma("omp parallel for num_threads(num_threads) schedule(static)")
-    for (int64_t item = 0; item < (g.n + TILE - 1) / TILE * g.chunks; item++)
-        work(&g, item, 1);
-    return 0;
-#else
-    (void)x, (void)rows, (void)ldx, (void)w, (void)n, (void)k, (void)k_block, (void)bias;
-    (void)out, (void)ldo, (void)num_threads;
-    return -1;
-#endif
+ * (even for bf16). Returns -1 where this build has no such kernel. One definition per
+ * dtype, each with its parallel region: BF16 must be a literal inside the region (GCC
+ * outlines the region before it inlines, and a flag passed in would stay a variable). */
+#define DEFINE_GEMM(NAME, T, HAS, BF16)                                                     \
+int NAME(const T *x, int64_t rows, int64_t ldx, const T *w, int64_t n, int64_t k,          \
+         int64_t k_block, const T *bias, T *out, int64_t ldo, int num_threads) {           \
+    if (!(HAS)) return -1;                                                                  \
+    if (rows <= 0 || n <= 0) return 0;                                                      \
+    RUN(BF16);                                                                              \
+    return 0;                                                                               \
 }
 
-int gemm_tiles_f32(const float *x, int64_t rows, int64_t ldx, const float *w, int64_t n,
-                   int64_t k, int64_t k_block, const float *bias, float *out, int64_t ldo,
-                   int num_threads) {
 #if HAS_F32
-    if (rows <= 0 || n <= 0) return 0;
-    const gemm_t g = plan(x, rows, ldx, w, n, k, k_block, bias, out, ldo, num_threads, 0);
-    _Pragma("omp parallel for num_threads(num_threads) schedule(static)")
-    for (int64_t item = 0; item < (g.n + TILE - 1) / TILE * g.chunks; item++)
-        work(&g, item, 0);
-    return 0;
+#define RUN(BF16)                                                                           \
+    do {                                                                                    \
+        const gemm_t g = plan(x, rows, ldx, w, n, k, k_block, bias, out, ldo, num_threads,  \
+                              BF16);                                                        \
+        _Pragma("omp parallel for num_threads(num_threads) schedule(static)")               \
+        for (int64_t item = 0; item < (g.n + TILE - 1) / TILE * g.chunks; item++)          \
+            work(&g, item, BF16);                                                           \
+    } while (0)
 #else
-    (void)x, (void)rows, (void)ldx, (void)w, (void)n, (void)k, (void)k_block, (void)bias;
-    (void)out, (void)ldo, (void)num_threads;
-    return -1;
+#define RUN(BF16) (void)x, (void)ldx, (void)w, (void)k, (void)k_block, (void)bias, (void)out, \
+                  (void)ldo, (void)num_threads
 #endif
-}
+
+DEFINE_GEMM(gemm_tiles_bf16, uint16_t, HAS_BF16, 1)
+DEFINE_GEMM(gemm_tiles_f32, float, HAS_F32, 0)
