@@ -52,7 +52,9 @@ DP_ROWS = 1024
 # oneDNN's at 8-32 rows, whose blocking over the channels keeps its tiles in cache
 # (docs/performance.md). 4,096 channels in bf16, 2,048 in fp32.
 DP_MAX_TILE = 512 * 1024
-_DP_DTYPES = {torch.bfloat16: ("gemm_tiles_bf16", 1, 32), torch.float32: ("gemm_tiles_f32", 2, 16)}
+# per dtype: the kernel, its bit in gemm_tiles_available(), oneDNN's padding of the channels
+_DP_DTYPES = {torch.bfloat16: ("gemm_tiles_bf16", 1, 32),
+              torch.float32: ("gemm_tiles_f32", 2, 16)}
 
 
 class PackedLinear(Linear):

@@ -181,7 +181,7 @@ static gemm_t plan(const void *x, int64_t rows, int64_t ldx, const void *w, int6
     g.steps = (k + per_step - 1) / per_step;
     g.odd = bf16 && (k & 1);
     g.tile_bytes = (k + pad - 1) / pad * pad * TILE * es;
-    g.block_steps = k_block / per_step;
+    g.block_steps = k_block / per_step > 0 ? k_block / per_step : g.steps;  /* 0: one block */
     g.row_blocks = (rows + MR - 1) / MR;
     const int64_t tiles = (n + TILE - 1) / TILE;
     g.chunks = tiles >= 2 * num_threads ? 1 : (2 * num_threads + tiles - 1) / tiles;
