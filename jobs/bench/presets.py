@@ -189,6 +189,11 @@ PRESETS["labelling"] = replace(
     model=replace(PRESETS["cpu-small"].model, max_position_embeddings=2048),
     num_requests=512, shared_prefix_len=1024, prompt_len=LengthDist("uniform", 32, 128),
     output_len=LengthDist("uniform", 32, 32), hf_batch_size=16)
+# gpu-8b's model on the fixed lengths of TensorRT-LLM's published table (1,000 prompt
+# and 1,000 output tokens a request): the anchor a GPU user compares with.
+PRESETS["gpu-8b-1k"] = replace(
+    PRESETS["gpu-8b"], name="gpu-8b-1k", num_requests=512,
+    prompt_len=LengthDist("uniform", 1000, 1000), output_len=LengthDist("uniform", 1000, 1000))
 
 
 def get_preset(name: str) -> Preset:

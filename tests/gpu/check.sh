@@ -1,10 +1,12 @@
 #!/bin/bash
 # A lent GPU's whole check in one call (../shared/GPU.md, items 1-3): install what the
 # device image lacks, then the stages named in $STAGES (default: all, in this order):
+#   suite     the whole suite, pytest -n 16 (the device-group tests apart, -n 4)
 #   tests     the CUDA-relevant tests, pytest -n 16 (the device-group tests apart, -n 4:
 #             each runs two or more CPU ranks, and 16 at once time out)
 #   profile   decode steps eagerly and with CUDA graphs (tests/gpu/decode_profile.py)
 #   benchB    fusegen beside transformers' static batch of 64, 64 requests
+#   bench1k   fusegen alone on gpu-8b-1k (1000 in / 1000 out), $REQ_1K requests (256)
 #   benchA    fusegen alone, 512 requests, with the time left
 # on the bench's gpu-8b shape with LAYERS decoder layers (32, the default, is the whole
 # Llama-3-8B; fewer build and load in a fraction of the time).
@@ -22,7 +24,7 @@
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1 FUSEGEN_CACHE_DIR=/tmp/fgcache
 END=$(( $(date +%s) + $1 )); T_TESTS=$2; T_PROF=$3; T_B=$4; LAYERS=${5:-32}
-STAGES=",${STAGES:-tests,profile,benchB,benchA},"
+STAGES=",${STAGES:-tests,profile,benchB,benchA},"  # or suite, bench1k
 stage() { [[ "$STAGES" == *",$1,"* ]]; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl 2>&1 | tail -2
 python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -2
@@ -30,6 +32,23 @@ python3 -c "import fusegen.jobs.cli" 2>/dev/null || {
   mkdir -p /tmp/pp; ln -sfn "$PWD" /tmp/pp/fusegen; export PYTHONPATH=/tmp/pp; }
 python3 -c "import fusegen, torch, triton, transformers; print(fusegen.__file__, 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; date -u
+if stage suite; then
+  # The whole suite with the GPU visible (S3 tests need moto, absent there), then the
+  # device-group tests in a slot of their own.
+  T_GROUPS=$(( T_TESTS / 4 ))
+  PYTHONPATH=$PYTHONPATH:tests/gpu timeout $(( T_TESTS - T_GROUPS )) python3 -m pytest -v \
+      -p no:cacheprovider -p instafail -n 16 --timeout 120 --tb=short tests \
+      --ignore=tests/gpu --ignore=tests/test_parallel.py --ignore=tests/test_parallel_jobs.py \
+      --ignore=tests/test_jobs_s3.py > $OUT/tests.log 2>&1
+  echo "suite rc=$?"
+  PYTHONPATH=$PYTHONPATH:tests/gpu timeout $T_GROUPS python3 -m pytest -v -p no:cacheprovider \
+      -p instafail -n 4 --timeout 150 --tb=short tests/test_parallel.py \
+      tests/test_parallel_jobs.py >> $OUT/tests.log 2>&1
+  echo "device-group tests rc=$?"
+  grep -cE " PASSED " $OUT/tests.log; grep -cE " SKIPPED " $OUT/tests.log
+  grep -E " (FAILED|ERROR) " $OUT/tests.log | sed 's/.* \(FAILED\|ERROR\) //' | cut -c1-150 | sort -u | head -60
+  grep -E "^E  |^====" $OUT/failures.log 2>/dev/null | cut -c1-220 | head -80
+fi
 if stage tests; then
   T_GROUPS=$(( T_TESTS / 4 ))
   PYTHONPATH=$PYTHONPATH:tests/gpu timeout $(( T_TESTS - T_GROUPS )) python3 -m pytest -v \
@@ -58,6 +77,12 @@ fi
 if stage benchB; then
   timeout "$T_B" python3 -m fusegen.jobs.cli bench --preset gpu-8b --layers "$LAYERS" --requests 64 --hf-batch-size 64 --skip-hf-continuous --json /tmp/bench_b.json > $OUT/bench_b.log 2>&1
   echo "bench B rc=$?"; tail -16 $OUT/bench_b.log
+fi
+if stage bench1k; then
+  # The anchors' fixed lengths (1000 in / 1000 out) on the same checkpoint.
+  ln -sfn "$CKPT" "$(dirname "$CKPT")/gpu-8b-1k-$(basename "$CKPT" | sed 's/^gpu-8b-//')"
+  timeout "$T_B" python3 -m fusegen.jobs.cli bench --preset gpu-8b-1k --layers "$LAYERS" --requests "${REQ_1K:-256}" --skip-hf --json /tmp/bench_1k.json > $OUT/bench_1k.log 2>&1
+  echo "bench 1k rc=$?"; tail -14 $OUT/bench_1k.log
 fi
 if stage benchA; then
   LEFT=$(( END - $(date +%s) - 5 ))
