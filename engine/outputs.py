@@ -51,7 +51,9 @@ class RequestOutput:
     request_id: int
     prompt: str | None  # the prompt's text; None when it was given as token ids
     prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]  # sorted by index; one (finish_reason "error") on error
+    # sorted by index; one (finish_reason "error") for a prompt that produced nothing, all
+    # n when a completion failed mid-output (that one's finish_reason "error")
+    outputs: list[CompletionOutput]
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # first entry None
     finished: bool = True
     error: str | None = None  # "code: message" when finish_reason == "error"
@@ -98,10 +100,12 @@ class RequestOutput:
         requests = sorted(requests, key=lambda r: r.index)
         first = requests[0]
         decode = _TokenText(tokenizer)
+        # A completion that ended in error makes the prompt's output an error (its first).
+        error = next((r.error for r in requests if r.error is not None), None)
         return cls(request_id, first.prompt, first.prompt_token_ids,
                    [completion(r, tokenizer, decode) for r in requests],
                    prompt_logprobs=decode.fill(first.prompt_logprobs),
-                   num_cached_tokens=first.num_cached_tokens)
+                   num_cached_tokens=first.num_cached_tokens, error=error)
 
     @classmethod
     def from_request(cls, request: Request, tokenizer: Tokenizer) -> RequestOutput:

@@ -62,6 +62,8 @@ class Request:
     # grammar (False until it does); both None for an unconstrained request.
     structured: StructuredState | None = None
     structured_valid: bool | None = None
+    # "code: message" when it ended with finish_reason "error" (its grammar engine gave up)
+    error: str | None = None
     # Its sampling row needs the logits processors or logprobs (set from params): rows
     # without it cost the sampler nothing.
     processed: bool = False
@@ -119,10 +121,17 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def append_token(self, token_id: int, max_model_len: int) -> str | None:
-        """Append a sampled token; why the request must stop now ("stop" or "length"),
-        or None to go on. The one place a request decides that it is done."""
+        """Append a sampled token; why the request must stop now ("stop", "length", or
+        "error" with `error` set), or None to go on. The one place a request decides
+        that it is done."""
+        if self.structured is not None and self.structured.problem is not None:
+            self.error = self.structured.problem  # the token drawn is none the grammar allows
+            return "error"
         self.token_ids.append(token_id)
         grammar_done = self.structured is not None and self.structured.accept(token_id)
+        if grammar_done and (error := self.structured.error) is not None:
+            self.error = error  # a failed matcher is stopped too: never a complete output
+            return "error"
         # A stop string completed by the last token allowed still ends with "stop".
         if self.detokenizer is not None and self.detokenizer.add_token(token_id):
             return "stop"  # the text is cut at the stop string: structured_valid stays False

@@ -74,6 +74,7 @@ class Sampler:
         constrained = [i for i in rows if requests[i].structured is not None]
         if constrained:
             apply_token_masks(logits, constrained, [requests[i].structured for i in constrained])
+            _check_drawable(logits, [i for i in constrained if requests[i].processed], requests)
         sampled = self._sample(logits, batch)
         if raw is not None:
             record_sampled([requests[i] for i in logprob_rows], raw,
@@ -118,6 +119,22 @@ class Sampler:
         if greedy.any():
             sampled = torch.where(greedy, argmax(logits), sampled)
         return sampled
+
+
+def _check_drawable(logits: torch.Tensor, rows: list[int], requests: list[Request]) -> None:
+    """A constrained row whose processors (bad_words; min_tokens, which bans the end of
+    sequence) banned every token its grammar allows has nothing to draw: its request
+    ends as an error, not with a token of no grammar. Only processed rows can: the
+    model's own logits are finite."""
+    if not rows:
+        return
+    drawable = (logits[torch.tensor(rows, device=logits.device)] > float("-inf")).any(-1)
+    for i, ok in zip(rows, drawable.tolist()):
+        if not ok:
+            requests[i].structured.problem = (
+                "invalid_params: the request's bad_words or min_tokens ban every token its "
+                "structured output constraint allows at output token "
+                f"{requests[i].num_output_tokens + 1}; loosen one of them")
 
 
 def _top_k(logits: torch.Tensor, ks: list[int]) -> torch.Tensor:

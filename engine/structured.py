@@ -12,12 +12,19 @@ mask, through llguidance (why that library: setup.py).
   state survives preemption, swapping and recompute as is.
 
 The end-of-sequence tokens are allowed by the mask only where the grammar accepts, so a
-request ends either complete (finish_reason "stop", structured_valid True) or cut by its
-length limit (finish_reason "length", structured_valid False).
+request ends complete (finish_reason "stop", structured_valid True), cut by its length
+limit (finish_reason "length", structured_valid False), or, when llguidance gives up on
+the grammar mid-output (a limit on its work per token: a row of 5,000 alternatives, a
+regex that expands past its lexer's budget), as that request's error (finish_reason
+"error", `structured_output_limit`). An errored matcher also reports itself stopped and
+its mask allows only end-of-sequence: taken at its word, it would end a cut-off output as
+a normal stop. A constraint whose very first mask already fails is refused when the
+request is made (`invalid_params`).
 """
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING
@@ -32,6 +39,11 @@ CONSTRAINT_FIELDS = ("json_schema", "regex", "choice", "grammar")
 INSTALL_HINT = "pip install 'fusegen[structured]' (or: pip install llguidance)"
 _CACHE_SIZE = 256  # distinct constraints kept compiled per engine, least recently used out
 _BITS = torch.arange(32, dtype=torch.int32)
+STRUCTURED_LIMIT = "structured_output_limit"  # llguidance ran out of a budget mid-output
+STRUCTURED_ERROR = "structured_output_error"  # its matcher failed otherwise
+# How llguidance words its budgets' errors ("max is 2000", "limit 50000", "too many
+# expressions", "too complex", lexer "fuel"); any other failure is STRUCTURED_ERROR.
+_LIMIT_WORDS = re.compile(r"max is|limit|too many|too complex|fuel", re.IGNORECASE)
 # JSON as json.dumps writes it: free whitespace would let a model pad an object with
 # spaces and newlines until max_tokens runs out (a schema's "x-guidance" may override).
 _JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -74,10 +86,13 @@ def _import_llguidance():
 class StructuredState:
     """One request's position in its grammar."""
 
-    __slots__ = ("matcher",)
+    __slots__ = ("matcher", "problem")
 
     def __init__(self, matcher):
         self.matcher = matcher
+        # "code: message" set by the sampler when the request's own processors banned
+        # every token the mask allows: what it drew then is no token of the grammar.
+        self.problem: str | None = None
 
     def accept(self, token_id: int) -> bool:
         """Advance over a generated token; True when the request must stop here: the
@@ -89,6 +104,19 @@ class StructuredState:
     def complete(self) -> bool:
         """The output so far is a whole sentence of the grammar."""
         return not self.matcher.is_error() and self.matcher.is_accepting()
+
+    @property
+    def error(self) -> str | None:
+        """"code: message" once the matcher has failed (it then also reports itself
+        stopped, so `accept`'s True alone never means complete); None while it works."""
+        if self.problem is not None:
+            return self.problem
+        if not self.matcher.is_error():
+            return None
+        problem = _first_line(self.matcher.get_error())
+        code = STRUCTURED_LIMIT if _LIMIT_WORDS.search(problem) else STRUCTURED_ERROR
+        return f"{code}: the structured output engine (llguidance) gave up on the " \
+               f"constraint mid-output: {problem}"
 
 
 class StructuredCompiler:
@@ -138,9 +166,17 @@ class StructuredCompiler:
             lltok = self._llguidance_tokenizer(llguidance)
         except ValueError as exc:  # a tokenizer.json llguidance cannot read
             return f"unsupported_tokenizer: {name} needs a tokenizer llguidance reads: {exc}"
-        matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
+        matcher = llguidance.LLMatcher(lltok, grammar, log_level=0, limits=_limits(llguidance))
+        if not matcher.is_error():
+            # The first mask, on a copy: a constraint that fails it (a $ref loop with no
+            # finite value, a first row past llguidance's limits) can produce nothing.
+            probe = matcher.deep_copy()
+            probe.compute_bitmask()
+            if probe.is_error():
+                return (f"invalid_params: {name} fails at its first token in the structured "
+                        f"output engine (llguidance): {_first_line(probe.get_error())}")
         if matcher.is_error():
-            problem = matcher.get_error().strip()
+            problem = _first_line(matcher.get_error())
             return f"invalid_params: {name} is not valid: {problem}"
         return matcher
 
@@ -153,6 +189,17 @@ class StructuredCompiler:
             self._lltok = llguidance.LLTokenizer(backend.to_str(), n_vocab=n_vocab,
                                                  eos_token=self._eos or None)
         return self._lltok
+
+
+def _limits(llguidance):
+    # llguidance's default budgets; its errors without the parser's state and grammar,
+    # which would copy a request's whole schema into its row's error and the logs.
+    return llguidance.LLParserLimits(verbose_errors=False)
+
+
+def _first_line(message: str) -> str:
+    # llguidance appends its state, or a Rust backtrace after a panic, below the message
+    return message.strip().split("\n", 1)[0].strip()
 
 
 _executor = None

@@ -125,6 +125,73 @@ def test_too_few_tokens_end_with_length_and_invalid(llm):
         assert completion(out).structured_valid is False
 
 
+# Constraints that exhaust llguidance's budgets once output starts; each fragment is the
+# start of llguidance's own message for the budget it ran out of.
+ROW_LIMIT = "Parser Error: Current row has {} items; max is 2000; consider making your grammar "
+LEXER_LIMIT = "lexer error: too many expressions constructed"
+HOSTILE = {
+    "anyOf of 5,000 objects": (dict(json_schema={"anyOf": [
+        {"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"],
+         "additionalProperties": False} for i in range(5000)]}), ROW_LIMIT.format(5000)),
+    "50,000 alternatives": (dict(grammar="start: " + " | ".join(f'"w{i}"' for i in range(50000))),
+                            ROW_LIMIT.format(50001)),
+    "a{1000}{1000}": (dict(regex="a{1000}{1000}"), LEXER_LIMIT),
+    "a 1 MB choice": (dict(choice=["x" * 1_000_000]), LEXER_LIMIT),
+    "a $ref to itself, required": (dict(json_schema={
+        "$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}},
+                        "required": ["c"]}}, "$ref": "#/$defs/n"}),
+        "parser error: Too many items (limit 50000; ff_tokens)"),
+}
+
+
+def test_grammar_engine_limits_end_as_the_rows_error(llm):
+    # Before: finish_reason "stop", error None, text "{": a cut-off output passed as done.
+    cases = list(HOSTILE.values())
+    outs = llm.generate([PROMPTS[i % 4] for i in range(len(cases) + 1)],
+                        [params(**c) for c, _ in cases] + [params(choice=CHOICES)])
+    for out, (_, fragment) in zip(outs, cases):
+        assert (out.finish_reason, out.error_code) == ("error", "structured_output_limit")
+        assert out.error.startswith(
+            "structured_output_limit: the structured output engine (llguidance) gave up on "
+            f"the constraint mid-output: {fragment}"), out.error
+        assert "<state>" not in out.error and "\n" not in out.error  # no schema dumped
+        assert completion(out).structured_valid is False
+    check_all_complete(outs[-1:])  # its neighbour in the batch is untouched
+
+
+def test_stop_is_always_complete(llm):
+    # n = 2: both completions fail, and the prompt's output carries the error
+    out = llm.generate(PROMPTS[0], params(n=2, **HOSTILE["anyOf of 5,000 objects"][0]))[0]
+    assert [c.finish_reason for c in out.outputs] == ["error", "error"]
+    assert out.error_code == "structured_output_limit"
+    cases = [c for c, _ in HOSTILE.values()] + [dict(choice=CHOICES), dict(regex=REGEXES[0])]
+    for out in llm.generate([PROMPTS[0]] * len(cases), [params(**c) for c in cases]):
+        if out.finish_reason == "stop":
+            assert out.error is None and completion(out).structured_valid is True
+
+
+def test_constraint_failing_its_first_mask_is_refused(llm):
+    # A $ref loop with no value at all: llguidance can allow no first token.
+    loop = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+    out = llm.generate(PROMPTS[0], params(json_schema=loop))[0]
+    assert (out.finish_reason, out.token_ids) == ("error", [])
+    assert out.error == ("invalid_params: json_schema fails at its first token in the "
+                         "structured output engine (llguidance): NoExtensionBias")
+
+
+def test_processors_banning_every_allowed_token_is_an_error(llm):
+    # bad_words takes "yes" and "no" once their first tokens are out: nothing is left to
+    # draw, and a token outside the grammar must not end the row as a stop.
+    outs = llm.generate(PROMPTS[:2], [params(seed, choice=["yes", "no"], bad_words=["yes", "no"])
+                                      for seed in (None, 5)])
+    for out in outs:
+        assert (out.finish_reason, len(out.token_ids)) == ("error", 1)
+        assert out.error == (
+            "invalid_params: the request's bad_words or min_tokens ban every token its "
+            "structured output constraint allows at output token 2; loosen one of them")
+        assert completion(out).structured_valid is False
+
+
 def test_unconstrained_rows_unchanged_by_constrained_neighbours(llm):
     plain = [params(max_tokens=12), params(21, max_tokens=12, top_p=0.9),
              params(max_tokens=12, stop=["zz"])]
