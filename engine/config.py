@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
-import time
 from dataclasses import dataclass, field
 
 import psutil
@@ -27,44 +25,11 @@ def default_device() -> str:
 
 
 def cpu_supports_bf16() -> bool:
-    """bf16 only pays on CPUs with bf16 matrix units; elsewhere it is emulated and slow."""
+    """Whether the CPU's flags show bf16 units (AMX tiles or AVX512_BF16): elsewhere bf16
+    arithmetic is emulated, slow, and fp32 serves better."""
     cpu = getattr(torch, "cpu", None)
     checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
     return any(getattr(cpu, name, lambda: False)() for name in checks)
-
-
-# bf16 must beat fp32 by this much to be chosen: a margin that timing noise cannot cross,
-# so that "auto" resolves the same way on every start (the dtype changes outputs).
-BF16_MIN_SPEEDUP = 1.5
-
-
-@functools.cache
-def cpu_prefers_bf16() -> bool:
-    """Whether "auto" runs in bf16 on this CPU: only where it has bf16 units (the flags)
-    and a measured matmul through the engine's own linear shows them paying."""
-    if not cpu_supports_bf16():
-        return False
-    return matmul_seconds(torch.float32) >= BF16_MIN_SPEEDUP * matmul_seconds(torch.bfloat16)
-
-
-def matmul_seconds(dtype: torch.dtype, rows: int = 256, size: int = 1024) -> float:
-    """Best of five [rows, size] x [size, size] products, through the linear the engine
-    would use for `dtype` (packed for oneDNN where it can be)."""
-    from fusegen.engine.weights.linear import Linear
-    from fusegen.engine.weights.packed import pack_linear
-
-    linear = Linear()
-    linear.weight = torch.randn(size, size).to(dtype)
-    if can_pack(dtype):
-        linear = pack_linear(linear, rows)
-    x = torch.randn(rows, size).to(dtype)
-    linear(x)  # warm-up
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        linear(x)
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def read_model_config(model) -> ModelConfig:
@@ -77,12 +42,23 @@ def read_model_config(model) -> ModelConfig:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
+    """The dtype a run computes in. "auto" follows only what is the same on every start of
+    the same machine, since the dtype changes the tokens and a resumed job must make the
+    ones its first start made: never a timing.
+    - GPUs: bf16. A 16-bit checkpoint is never upcast; an fp32 one is halved; an fp16 one
+      runs in bf16 too (some models' activations overflow fp16's narrow range).
+    - CPUs with bf16 units (the flags: AMX, AVX512_BF16): bf16, whatever the checkpoint's
+      dtype (an fp32 checkpoint is halved, as on GPUs).
+    - other CPUs: fp32, a 16-bit checkpoint included: bf16 arithmetic is emulated there,
+      and fp16 has no fast CPU path.
+    So the checkpoint's own dtype changes no choice, and the choice needs no checkpoint:
+    a job's driver resolves it before any model is read."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         if device.startswith("cuda"):
             return torch.bfloat16
-        return torch.bfloat16 if cpu_prefers_bf16() else torch.float32
+        return torch.bfloat16 if cpu_supports_bf16() else torch.float32
     if dtype not in _DTYPES:
         raise EngineConfigError(f"dtype must be auto, {', '.join(_DTYPES)}; got {dtype!r}")
     return _DTYPES[dtype]

@@ -11,12 +11,16 @@ while a run is going, a `_tmp/` folder. Its life:
    a part is either absent or complete; its footer carries its `PartStats`. It commits
    only while its run holds the lease.
 4. `Output.finish`: the manifest with status "complete"; `_tmp/` removed; the lease
-   released. Or `Output.interrupt`: the manifest with status "interrupted", the lease
-   released. `Output.release` alone when the run fails.
+   released. Or `Output.interrupt`: the manifest with status "interrupted", or
+   `Output.fail`: status "failed" with the error and the command that resumes; the lease
+   released. `Output.release` alone when the run stops before `start`.
 
 A part is kept on resume only when its footer names this output's fingerprint (a hash of
-the output's config and its planned inputs: paths, row counts and content identity) and
-its row counts match the plan.
+the output's config and its planned inputs: paths, row counts and content identity; for a
+generation job also the dtype it resolved and its model's files, `jobs/identity.py`) and
+its row counts match the plan. An output written before fusegen recorded the dtype and
+the model's files keeps its parts under their fingerprint (`earlier_fingerprint` in the
+manifest) when it holds the same job in the same dtype.
 
 JSONL parts (`part-NNNNN.jsonl`) have no footer: their `PartStats` and the sizes of their
 files go in `_parts/part-NNNNN.jsonl.json`, written after the files, so that record is the
@@ -96,6 +100,7 @@ class Output:
         self.path = path.rstrip("/")
         self.owner = owner
         self._lease: Lease | None = None
+        self.earlier_fingerprint: str | None = None  # set by prepare
 
     def read_manifest(self) -> dict | None:
         """None without a manifest; {} for one that is not JSON (treated as another job's)."""
@@ -109,34 +114,45 @@ class Output:
                 return {}
 
     def prepare(self, fingerprint: str, config: dict, plan: list[Partition],
-                overwrite: bool, inputs: list | None = None
+                overwrite: bool, inputs: list | None = None, identity=None
                 ) -> tuple[dict | None, dict[int, PartStats]]:
         """Take the lease, decide fresh / resume / overwrite (JobError when the output
         holds another job or another run holds the output); returns the old manifest to
         carry on (None once overwritten) and index -> PartStats of the parts to keep.
-        `inputs`: this run's `input_records`, to name a changed input."""
+        `inputs`: this run's `input_records`, to name a changed input; `identity`: a
+        generation job's `JobIdentity` (dtype, model files), to name a changed one and
+        to keep the parts of an output written before fusegen recorded it (their
+        fingerprint is then `earlier_fingerprint`)."""
         check_writable(self.fs, self.path, redact_url(self.url))
         self._lease = Lease(self.fs, self.path, redact_url(self.url))
         self._lease.acquire()  # before the old manifest is read or anything removed
         self.owner = self._lease.owner
         try:
-            return self._prepare(fingerprint, config, plan, overwrite, inputs)
+            return self._prepare(fingerprint, config, plan, overwrite, inputs, identity)
         except BaseException:
             self.release()
             raise
 
-    def _prepare(self, fingerprint, config, plan, overwrite, inputs):
+    def _prepare(self, fingerprint, config, plan, overwrite, inputs, identity):
         old = self.read_manifest()
         names = list_names(self.fs, self.path)
         has_parts = PARTS_DIR in names or any(is_part_name(n) for n in names)
         mode = resume_mode(old, fingerprint, config, has_parts,
-                           overwrite, redact_url(self.url), inputs)
+                           overwrite, redact_url(self.url), inputs, identity)
         if mode == OVERWRITE:
             self._clear()
             return None, {}
         if TMP_DIR in names:  # leftovers of a killed run: never committed, never read
             remove_tree(self.fs, f"{self.path}/{TMP_DIR}")
-        return old, self.committed(plan, fingerprint) if mode == RESUME else {}
+        if mode != RESUME:
+            return old, {}
+        if old.get("fingerprint") == fingerprint:
+            self.earlier_fingerprint = old.get("earlier_fingerprint")
+        elif identity is not None:
+            self.earlier_fingerprint = identity.earlier_fingerprint(old, config, inputs)
+        kept = (fingerprint, self.earlier_fingerprint) if self.earlier_fingerprint else \
+            (fingerprint,)
+        return old, self.committed(plan, kept)
 
     def start(self, manifest: dict) -> None:
         manifest["status"] = "running"
@@ -191,6 +207,15 @@ class Output:
         self._write_manifest(manifest)
         self.release()
 
+    def fail(self, manifest: dict, error: str, resume: str) -> None:
+        """The run failed: the manifest says so, with the error (credentials already
+        masked) and how to resume; the lease goes. Written only while this run holds the
+        lease (a run that lost it must not touch the manifest of the one that took it)."""
+        self._check_lease()
+        manifest.update(status="failed", error=error, resume=resume)
+        self._write_manifest(manifest)
+        self.release()
+
     def release(self) -> None:
         """Give the output up (idempotent): the next run may take it."""
         if self._lease is not None:
@@ -234,9 +259,12 @@ class Output:
             elif name == MANIFEST or is_part_name(name) or name in MERGED:
                 self.fs.rm_file(f"{self.path}/{name}")
 
-    def committed(self, plan: list[Partition], fingerprint: str) -> dict[int, PartStats]:
+    def committed(self, plan: list[Partition], fingerprint: str | tuple[str, ...]
+                  ) -> dict[int, PartStats]:
         """index -> PartStats of the parts this output committed with the planned row
-        counts; anything else (another output's part, a short or damaged one) is redone."""
+        counts (under `fingerprint`, or any of several); anything else (another output's
+        part, a short or damaged one) is redone."""
+        kept = (fingerprint,) if isinstance(fingerprint, str) else tuple(fingerprint)
         existing = list_names(self.fs, self.path)
         done = {}
         records = PARTS_DIR in existing and list_names(self.fs, f"{self.path}/{PARTS_DIR}")
@@ -244,12 +272,12 @@ class Output:
             if part.name.endswith(".jsonl"):
                 stats = self._jsonl_stats(part.name) if records and \
                     f"{part.name}.json" in records else None
-                if stats is not None and stats.fingerprint == fingerprint \
+                if stats is not None and stats.fingerprint in kept \
                         and stats.rows_read == part.num_rows:
                     done[part.index] = stats
             elif part.name in existing:
                 stats = self._footer_stats(part.name)
-                if stats is not None and stats.fingerprint == fingerprint \
+                if stats is not None and stats.fingerprint in kept \
                         and stats.rows_read == part.num_rows:
                     done[part.index] = stats
         return done
@@ -301,8 +329,10 @@ def jsonl_bytes(rows: list[dict]) -> bytes:
 
 
 def resume_mode(old: dict | None, fingerprint: str, config: dict, has_parts: bool,
-                overwrite: bool, output: str, inputs: list | None = None) -> str:
-    """FRESH, RESUME or OVERWRITE; raises JobError when the output holds another job."""
+                overwrite: bool, output: str, inputs: list | None = None,
+                identity=None) -> str:
+    """FRESH, RESUME or OVERWRITE; raises JobError when the output holds another job
+    (one written in another dtype: naming both)."""
     if overwrite:
         return OVERWRITE
     if old is None:
@@ -319,16 +349,25 @@ def resume_mode(old: dict | None, fingerprint: str, config: dict, has_parts: boo
         raise JobError(f"output {output} holds part files and a {MANIFEST} that is damaged "
                        "or not fusegen's, so they cannot be matched to this job; pass "
                        "--overwrite to replace them or choose another --output")
-    what = "; ".join(_changes(old, config, inputs)) or "the input files or their row counts"
+    changes = _changes(old, config, inputs, identity)
+    if identity is not None:
+        earlier = identity.earlier_fingerprint(old, config, inputs) is not None
+        identity.check_dtype(old, output, earlier, changes)
+        if earlier:
+            return RESUME
+    what = "; ".join(changes) or "the input files or their row counts"
     raise JobError(f"output {output} holds a different job (changed: {what}); rerun with "
                    "--overwrite to start afresh, or choose another --output")
 
 
-def _changes(old: dict, config: dict, inputs: list | None) -> list[str]:
-    """What differs between the old manifest and this run: config keys, then inputs."""
+def _changes(old: dict, config: dict, inputs: list | None, identity=None) -> list[str]:
+    """What differs between the old manifest and this run: config keys, the model's
+    files, then inputs."""
     before = old.get("config", {})
     changed = [f"{k}: {before.get(k)!r} -> {v!r}" for k, v in config.items()
                if before.get(k) != v]
+    if identity is not None:
+        changed += identity.changes(old)
     if inputs is None:
         return changed
     was = {r.get("path"): r for r in old.get("inputs", [])}

@@ -115,7 +115,10 @@ def run(job_file, storage_option, **flags):
             setup_logging()
             from fusegen.jobs import runner
 
-            result = runner.run_job(spec)
+            # A failed run's manifest names the command that resumes it (masked there).
+            command = resume_command(click.get_current_context(), job_file,
+                                     bool(file_values.get("overwrite")))
+            result = runner.run_job(spec, resume=command)
     except JobError as exc:
         raise click.ClickException(str(exc)) from None
     except KeyboardInterrupt as exc:

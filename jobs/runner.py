@@ -30,28 +30,38 @@ from fusegen.jobs.task import engine_stats, load_engine, run_partition
 log = logging.getLogger("fusegen.jobs")
 
 
-def run_job(spec: JobSpec, progress_stream=None, client=None) -> JobResult:
+# What a failed run's manifest says resumes it when the caller names no command.
+RERUN = "rerun the same job (same options, same output, without --overwrite)"
+
+
+def run_job(spec: JobSpec, progress_stream=None, client=None,
+            resume: str | None = None) -> JobResult:
     """Run a job to completion (or raise JobError with a message that says what to fix).
 
     `client`: an open Dask client to run on instead of opening one (workflows pass the
     same client to consecutive steps, so a worker's loaded engine serves them all).
     On Ctrl-C or SIGTERM (`jobs/interrupt.py`) raises JobInterrupted: the manifest then
-    says "interrupted", and rerunning the job resumes it."""
+    says "interrupted", and rerunning the job resumes it. A run that fails once its
+    manifest is written leaves it "failed", with the error and `resume`: the command that
+    resumes the job (credentials masked), or what to do."""
     redact = spec.redactor()
     with redacted_logging(redact):
         try:
-            return _run(spec, progress_stream, client)
+            return _run(spec, progress_stream, client, redact(resume or RERUN))
         except JobInterrupted:
             raise
         except KeyboardInterrupt as exc:  # before the output was touched
             raise JobInterrupted(signal_of(exc), redact_url(spec.output)) from None
-        except JobError as exc:
-            raise JobError(redact(str(exc))) from None
         except Exception as exc:
-            raise JobError(redact(f"{type(exc).__name__}: {exc}")) from None
+            raise JobError(_message(exc, redact)) from None
 
 
-def _run(spec: JobSpec, progress_stream, client=None) -> JobResult:
+def _message(exc: Exception, redact) -> str:
+    """An error as the user reads it, credentials masked."""
+    return redact(str(exc) if isinstance(exc, JobError) else f"{type(exc).__name__}: {exc}")
+
+
+def _run(spec: JobSpec, progress_stream, client=None, resume: str = RERUN) -> JobResult:
     started, t0 = _now(), time.perf_counter()
     _check_shared_storage(spec)
     files = list_input_files(spec.input, spec.storage_options)
@@ -69,24 +79,33 @@ def _run(spec: JobSpec, progress_stream, client=None) -> JobResult:
         log.warning("%s", warning)
     plan = plan_partitions(files, spec.partition_rows, part_suffix(files, spec.output_format))
     inputs = input_records(files)
-    fingerprint = spec.fingerprint(inputs)
+    identity = spec.identity()  # once: the workers run the dtype resolved here
+    fingerprint = spec.fingerprint(inputs, identity)
     output = Output(spec.output, spec.storage_options)
     # The lease first: nothing (manifest, parts) is read or written without it.
-    old, done = output.prepare(fingerprint, spec.output_config(), plan, spec.overwrite, inputs)
+    old, done = output.prepare(fingerprint, spec.output_config(), plan, spec.overwrite, inputs,
+                               identity)
     run = _Run(spec, plan, output, started, t0, done, manifest={
         "format": 1, "fingerprint": fingerprint, "config": spec.public_dict(),
-        "inputs": inputs, "num_partitions": len(plan), "runs": (old or {}).get("runs", [])})
+        **identity.manifest_fields(), "inputs": inputs, "num_partitions": len(plan),
+        "runs": (old or {}).get("runs", [])})
+    if output.earlier_fingerprint:
+        run.manifest["earlier_fingerprint"] = output.earlier_fingerprint
     try:
         output.start(run.manifest)
         todo = [p for p in plan if p.index not in done]
-        log.info("job %s: %d rows in %d partitions, %d to run, %d already committed",
-                 fingerprint, sum(f.num_rows for f in files), len(plan), len(todo), len(done))
+        log.info("job %s: %d rows in %d partitions, %d to run, %d already committed; "
+                 "dtype %s", fingerprint, sum(f.num_rows for f in files), len(plan),
+                 len(todo), len(done), identity.dtype)
+        if spec.scheduler and spec.device == "auto" and spec.dtype == "auto":
+            log.info("dtype auto resolved to %s on this machine; pass --dtype to choose "
+                     "another for the cluster's workers", identity.dtype)
         progress = Progress(sum(f.num_rows for f in files),
                             sum(s.num_rows for s in done.values()), spec.progress,
                             stream=progress_stream)
         try:
-            engines = _execute(spec, todo, fingerprint, output.owner, progress, run.new,
-                               client) if todo else []
+            engines = _execute(spec.on_workers(identity), todo, fingerprint, output.owner,
+                               progress, run.new, client) if todo else []
         finally:
             progress.close()
         result = run.complete(engines, progress.timeline)
@@ -95,6 +114,9 @@ def _run(spec: JobSpec, progress_stream, client=None) -> JobResult:
         return result
     except KeyboardInterrupt as exc:
         raise run.interrupted(signal_of(exc)) from None
+    except Exception as exc:
+        run.failed(_message(exc, spec.redactor()), resume)
+        raise
     finally:
         output.release()
 
@@ -126,21 +148,42 @@ class _Run:
     def interrupted(self, signum: int) -> JobInterrupted:
         """Record what is committed, parts that committed while the driver was stopping
         (not yet reported to it) included; the manifest says "interrupted"."""
+        stats = self._committed()
+        self._record(len(stats) - len(self.done), [], "interrupted")
+        self.output.interrupt(self.manifest)
+        return JobInterrupted(signum, redact_url(self.spec.output), len(stats), len(self.plan))
+
+    def failed(self, error: str, resume: str) -> None:
+        """Record what is committed and the error; the manifest says "failed". A manifest
+        that cannot be written (the lease lost, the store gone) leaves the error to the
+        caller as it was."""
+        if self.manifest.get("status") == "complete":  # failed after it finished
+            return
+        try:
+            stats = self._committed()
+            self._record(len(stats) - len(self.done), [], "failed", error=error)
+            self.output.fail(self.manifest, error, resume)
+        except Exception as exc:  # noqa: BLE001 - the job's own error is the one to report
+            log.warning("could not mark %s failed: %s", redact_url(self.spec.output),
+                        self.spec.redactor()(str(exc)))
+
+    def _committed(self) -> dict[int, PartStats]:
+        """Every committed part, those committed while the driver was stopping (not yet
+        reported to it) included; the manifest lists them."""
         stats = {**self.done, **self.new}
         unheard = [p for p in self.plan if p.index not in stats]
         stats.update(self.output.committed(unheard, self.manifest["fingerprint"]))
         self.manifest["parts"] = [_part_entry(p, stats[p.index]) for p in self.plan
                                   if p.index in stats]
-        self._record(len(stats) - len(self.done), [], "interrupted")
-        self.output.interrupt(self.manifest)
-        return JobInterrupted(signum, redact_url(self.spec.output), len(stats), len(self.plan))
+        return stats
 
-    def _record(self, num_computed: int, engines: list[dict], status: str) -> None:
+    def _record(self, num_computed: int, engines: list[dict], status: str,
+                **extra) -> None:
         self.manifest["runs"].append({
             "started": self.started, "finished": _now(),
             "wall_seconds": round(time.perf_counter() - self.t0, 3),
             "parts_computed": num_computed, "parts_skipped": len(self.done),
-            "engine_stats": engines, "status": status})
+            "engine_stats": engines, "status": status, **extra})
 
 
 def _check_shared_storage(spec: JobSpec) -> None:

@@ -196,11 +196,41 @@ class JobSpec(EngineOptions):
         return {name: getattr(self, name) for name in _OUTPUT_FIELDS
                 if name not in _LATER_FIELDS or getattr(self, name) != _default(name)}
 
-    def fingerprint(self, inputs: list) -> str:
-        """Hash of the output config and the planned inputs (paths and row counts)."""
+    def fingerprint(self, inputs: list, identity=None) -> str:
+        """Hash of the output config, the planned inputs (paths, row counts, content) and
+        the job's `identity()` (the dtype resolved, the model's files)."""
         from fusegen.jobs.output import output_fingerprint
 
-        return output_fingerprint(self.output_config(), inputs)
+        identity = identity or self.identity()
+        return output_fingerprint({**self.output_config(), **identity.fingerprint_fields()},
+                                  inputs)
+
+    def identity(self):
+        """The dtype this job computes in and its model's files (`jobs/identity.py`),
+        resolved here, on the driver, once: its workers get the dtype resolved, so that
+        none elsewhere resolves "auto" otherwise. On an external cluster with device auto
+        the dtype follows this machine's device and CPU."""
+        from fusegen.engine.config import cpu_supports_bf16, default_device, resolve_dtype
+        from fusegen.engine.errors import EngineConfigError, ModelLoadError
+        from fusegen.jobs.identity import JobIdentity, model_identity
+
+        device = default_device() if self.device == "auto" else self.device
+        try:
+            dtype, auto = (_dtype_name(resolve_dtype(d, device)) for d in (self.dtype, "auto"))
+            model = model_identity(self.model, self.revision, external=bool(self.scheduler),
+                                   record_path=redact_url(self.model))
+        except (EngineConfigError, ModelLoadError) as exc:
+            raise JobError(str(exc)) from None
+        except OSError as exc:
+            raise JobError(f"model {redact_url(self.model)}: cannot read its files "
+                           f"({exc.strerror or exc}); check the path and its permissions"
+                           ) from None
+        earlier = auto if device.startswith("cuda") or not cpu_supports_bf16() else None
+        return JobIdentity(dtype=dtype, option=self.dtype, model=model, earlier_auto=earlier)
+
+    def on_workers(self, identity) -> "JobSpec":
+        """The spec the workers run: the dtype as resolved, not "auto"."""
+        return dataclasses.replace(self, dtype=identity.dtype)
 
     def public_dict(self) -> dict:
         """The spec with credentials masked: for the manifest and logs."""
@@ -236,6 +266,10 @@ _LATER_FIELDS = ("messages_column", "revision", *_NEW_SAMPLING_FIELDS, RESPONSE_
 FIELD_NAMES = tuple(dict.fromkeys(
     [f.name for f in dataclasses.fields(JobSpec) if f.name not in ENGINE_OPTIONS]
     + list(ENGINE_OPTIONS)))
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _default(name: str):
