@@ -5,12 +5,13 @@ byte offset of every GROUP_ROWS-th row (the planner's "row groups", `jobs/plan.p
 hashes the bytes (the file's content identity) and infers one Arrow schema for the whole
 file, so that every partition reads its rows with the same column types.
 
-A partition (`read_text`, on a worker) seeks to its row group, reads its rows with
-pyarrow's JSON or CSV reader, and only when that fails parses them one by one: a line
-that cannot be read becomes a row of nulls plus a message naming the file and line, and
-the job writes it as an error row (`LineErrors`). Rows are counted the same way by both:
-a JSONL row is a non-blank line; a CSV row is a record (quoted fields may span lines),
-the first record being the header.
+A partition (`read_text`, on a worker) seeks to its row group and reads its rows. The
+scan and the reads walk the file with one record reader (`jobs/text_records.py`), so they
+agree on where every row starts. JSONL lines are parsed by `load_json` (depth-bounded) and
+their values put in the file's columns exactly or not at all (`jobs/json_columns.py`);
+CSV records are split into fields by Python's csv module and pyarrow converts the fields
+to the column types. A row that cannot be read becomes a row of nulls plus a message
+naming the file and line, and the job writes it as an error row (`LineErrors`).
 """
 from __future__ import annotations
 
@@ -19,19 +20,27 @@ import hashlib
 import io
 import json
 import logging
+import re
 
 import pyarrow as pa
 import pyarrow.csv as pcsv
-import pyarrow.json as pjson
 
 from fusegen.jobs.errors import JobError
+from fusegen.jobs.json_columns import row_schema, to_table, widen
 from fusegen.jobs.plan import InputFile, TextLayout, TextSlice
+from fusegen.jobs.text_records import Record, records
 
 JSONL, CSV, OPENAI_BATCH = "jsonl", "csv", "openai_batch"
 SUFFIXES = {".jsonl": JSONL, ".ndjson": JSONL, ".csv": CSV}
 GROUP_ROWS = 256  # rows between recorded offsets: a partition skips at most this many
 BATCH_KEYS = ("custom_id", "method", "url", "body")  # OpenAI Batch API request lines
 INVALID_LINE = "invalid_line"  # the error code of a row that could not be read
+# How deep arrays and objects may nest in one JSON text. Python's parser, and the code
+# walking a parsed value, recurse once a level and die near 1,000 (RecursionError), and a
+# Parquet reader refuses a schema nested past 100 levels (a list takes two): a JSONL
+# column nested 50 lists deep would make an output no one can read. Real rows (messages,
+# schemas, parameters) nest a few levels.
+MAX_JSON_DEPTH = 32
 log = logging.getLogger("fusegen.jobs")
 
 LineErrors = dict  # row index within the partition -> "file line N: what is wrong"
@@ -43,6 +52,44 @@ def text_format(path: str) -> str | None:
     return next((fmt for suffix, fmt in SUFFIXES.items() if lower.endswith(suffix)), None)
 
 
+class JsonTooDeep(ValueError):
+    """A JSON text nested deeper than allowed; the message gives its depth and the limit."""
+
+
+def load_json(text: str | bytes, limit: int = MAX_JSON_DEPTH):
+    """`json.loads`, refusing a text nested more than `limit` levels deep (JsonTooDeep)
+    before parsing it; other malformed text raises ValueError, as json.loads does."""
+    opens = (b"[", b"{") if isinstance(text, bytes) else ("[", "{")
+    if text.count(opens[0]) + text.count(opens[1]) > limit:  # else it cannot be too deep
+        depth = json_depth(text)
+        if depth > limit:
+            raise JsonTooDeep(f"nests arrays and objects {depth} levels deep, past "
+                              f"fusegen's limit of {limit} levels")
+    return json.loads(text)
+
+
+def json_depth(text: str | bytes) -> int:
+    """How deep a JSON text's arrays and objects nest (`1`: 0, `{"a": [1]}`: 2), counted
+    without recursion, so any text can be measured; brackets inside strings do not count."""
+    if isinstance(text, bytes):
+        brackets = _STRING_B.sub(b"", text).translate(None, _NOT_BRACKETS_B)
+        opens = (ord("["), ord("{"))
+    else:
+        brackets = _NOT_BRACKETS.sub("", _STRING.sub("", text))
+        opens = ("[", "{")
+    depth = deepest = 0
+    for c in brackets:
+        depth += 1 if c in opens else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_STRING_B = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_NOT_BRACKETS = re.compile(r"[^\[\]{}]+")
+_NOT_BRACKETS_B = bytes(sorted(set(range(256)) - set(b"[]{}")))
+
+
 def inspect_text(fs, path: str, fmt: str) -> InputFile:
     """Scan a JSONL or CSV file (see the module's docstring). An OpenAI batch request file
     (a JSONL file whose first row has custom_id, method, url and body) gets the format
@@ -50,8 +97,8 @@ def inspect_text(fs, path: str, fmt: str) -> InputFile:
     scan = _Scan(fmt)
     digest = hashlib.sha256()
     with fs.open(path, "rb") as f:
-        for offset, line, record in _records(f, fmt, digest):
-            scan.add(offset, line, record)
+        for record in records(f, fmt == CSV, digest):
+            scan.add(record)
     scan.finish()
     if scan.format == OPENAI_BATCH and scan.models:
         log.warning("input %s: requests name model(s) %s; fusegen serves every request with "
@@ -60,31 +107,6 @@ def inspect_text(fs, path: str, fmt: str) -> InputFile:
     columns = BATCH_KEYS if scan.format == OPENAI_BATCH else tuple(scan.schema.names)
     return InputFile(path, tuple(scan.groups), columns, size=fs.info(path).get("size"),
                      version="sha256=" + digest.hexdigest(), text=layout)
-
-
-def _records(f, fmt: str, digest=None, offset: int = 0, line: int = 0):
-    """(byte offset, 1-based line, record bytes) of every row: non-blank lines for JSONL,
-    CSV records (a record goes on while its quotes are unbalanced; RFC 4180 escapes a
-    quote by doubling it, so the parity of the quote count decides)."""
-    pending, start, start_line = b"", 0, 0  # `line`: of the line before `offset`
-    for raw in f:
-        if digest is not None:
-            digest.update(raw)
-        line += 1
-        if not pending:
-            start, start_line = offset, line
-        offset += len(raw)
-        if fmt == CSV:
-            pending += raw
-            if pending.count(b'"') % 2:
-                continue
-            record, pending = pending, b""
-        else:
-            record = raw
-        if record.strip():
-            yield start, start_line, record
-    if pending.strip():  # an unterminated quote: the rest of the file is one bad record
-        yield start, start_line, pending
 
 
 class _Scan:
@@ -96,20 +118,21 @@ class _Scan:
         self.schema = pa.schema([])
         self.names: list[str] | None = None  # a CSV file's header
         self.models: set[str] = set()
-        self._group: list[bytes] = []
+        self._group: list[Record] = []
         self._decided = False  # JSONL: whether a line parsed, telling batch files apart
+        self._kinds: dict[str, str] = {}  # JSONL: each column's kind (`row_schema`)
 
-    def add(self, offset: int, line: int, record: bytes) -> None:
+    def add(self, record: Record) -> None:
         if self.format == CSV and self.names is None:
             self.names = _csv_header(record)
             return
         if self.format == JSONL and not self._decided:
-            self._detect_batch(record)
+            self._detect_batch(record.raw)
         if len(self._group) == GROUP_ROWS:
             self._close_group()
         if not self._group:
-            self.offsets.append(offset)
-            self.lines.append(line)
+            self.offsets.append(record.offset)
+            self.lines.append(record.line)
         self._group.append(record)
 
     def finish(self) -> None:
@@ -128,32 +151,36 @@ class _Scan:
             self._batch_models(self._group)
         else:
             group = _csv_schema(self._group, self.names) if self.format == CSV else \
-                _jsonl_schema(self._group)
+                row_schema([r for r, _ in map(_json_row, self._group) if r is not None],
+                           self._kinds)
             self.schema = merge_schemas(self.schema, group, self.format == CSV)
         self._group = []
 
-    def _detect_batch(self, record: bytes) -> None:
+    def _detect_batch(self, raw: bytes) -> None:
         """The first line that parses decides (a malformed first line is an error row)."""
         try:
-            first = json.loads(record)
+            first = load_json(raw)
         except ValueError:
             return
         self._decided = True
         if isinstance(first, dict) and all(k in first for k in ("custom_id", "body")):
             self.format = OPENAI_BATCH
 
-    def _batch_models(self, records: list[bytes]) -> None:
-        for record in records:
+    def _batch_models(self, group: list[Record]) -> None:
+        for record in group:
             try:
-                model = json.loads(record).get("body", {}).get("model")
+                model = load_json(record.raw).get("body", {}).get("model")
             except (ValueError, AttributeError):
                 continue
             if isinstance(model, str) and len(self.models) < 10:
                 self.models.add(model)
 
 
-def _csv_header(record: bytes) -> list[str]:
-    names = next(csv.reader(io.StringIO(record.decode("utf-8-sig", "replace"))), [])
+def _csv_header(record: Record) -> list[str]:
+    if record.problem is not None:
+        raise JobError(f"the CSV header (line {record.line}) {record.problem}")
+    names = [n.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+             for n in record.fields]
     repeated = next((n for n in names if names.count(n) > 1), None)
     if repeated is not None:
         raise JobError(f"the CSV header repeats the column {repeated!r}; rename the columns "
@@ -161,152 +188,146 @@ def _csv_header(record: bytes) -> list[str]:
     return names
 
 
-def _jsonl_schema(records: list[bytes]) -> pa.Schema:
-    """The schema of the lines that parse, columns in order of first appearance; a column
-    whose values mix types keeps its first value's type (the others become error rows)."""
-    rows = [r for r in (_loads(record) for record in records) if isinstance(r, dict)]
-    names = list(dict.fromkeys(k for r in rows for k in r))
-    return pa.schema([pa.field(n, _value_type([r.get(n) for r in rows])) for n in names])
-
-
-def _loads(record: bytes):
+def _csv_schema(group: list[Record], names: list[str]) -> pa.Schema:
+    """pyarrow's inference over the group's readable records."""
+    good = [r.fields for r in group if _csv_problem(r, len(names)) is None]
+    if not good:
+        return pa.schema([])
     try:
-        return json.loads(record)
-    except ValueError:
-        return None
-
-
-def _value_type(values: list) -> pa.DataType:
-    try:
-        return pa.array(values).type
-    except (pa.ArrowException, ValueError, TypeError, OverflowError):
-        first = next(v for v in values if v is not None)
-        try:
-            return pa.array([first]).type
-        except (pa.ArrowException, ValueError, TypeError, OverflowError):
-            return pa.null()
-
-
-def _csv_schema(records: list[bytes], names: list[str]) -> pa.Schema:
-    """pyarrow's inference over the records that have the header's number of fields."""
-    good = [r for r in records if _csv_fields(r) == len(names)]
-    try:
-        return _read_csv(b"".join(good), names, None).schema
+        return _read_csv(_csv_bytes(good), names, None).schema
     except (pa.ArrowException, ValueError):
         return pa.schema([pa.field(n, pa.string()) for n in names])
 
 
-def _csv_fields(record: bytes) -> int:
+def _csv_problem(record: Record, num_columns: int) -> str | None:
+    if record.problem is not None:
+        return record.problem
     try:
-        return len(next(csv.reader(io.StringIO(record.decode("utf-8"))), []))
-    except (UnicodeDecodeError, csv.Error):
-        return -1
+        record.raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"is not valid UTF-8 (byte {exc.start} of the record)"
+    if len(record.fields) != num_columns:
+        return f"has {len(record.fields)} fields where the header has {num_columns}"
+    return None
+
+
+def _csv_bytes(rows: list[list[str]]) -> bytes:
+    """Parsed rows written out again as plain CSV (every field holding a comma, quote or
+    line end quoted, quotes doubled), which pyarrow reads exactly one row per record."""
+    out = io.StringIO()
+    csv.writer(out, lineterminator="\r\n").writerows(rows)
+    return out.getvalue().encode("utf-8")
 
 
 def _read_csv(data: bytes, names: list[str], schema: pa.Schema | None) -> pa.Table:
     types = {f.name: f.type for f in schema} if schema is not None else None
-    return pcsv.read_csv(io.BytesIO(data),
-                         read_options=pcsv.ReadOptions(column_names=names, use_threads=False),
+    # One block: a record never straddles two (a long field would fail to parse).
+    read = pcsv.ReadOptions(column_names=names, use_threads=False, block_size=len(data) + 1)
+    return pcsv.read_csv(io.BytesIO(data), read_options=read,
                          parse_options=pcsv.ParseOptions(newlines_in_values=True),
                          convert_options=pcsv.ConvertOptions(column_types=types))
 
 
+def _json_row(record: Record) -> tuple[dict | None, str | None]:
+    """(the line's row, None) or (None, what is wrong with the line)."""
+    try:
+        row = load_json(record.raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        return None, f"is not valid UTF-8 (byte {exc.start} of the line)"
+    except JsonTooDeep as exc:
+        return None, str(exc)
+    except ValueError as exc:
+        return None, f"is not JSON ({exc})"
+    if not isinstance(row, dict):
+        return None, f"is a JSON {type(row).__name__}, not an object of column: value"
+    return row, None
+
+
 def merge_schemas(a: pa.Schema, b: pa.Schema, to_string: bool) -> pa.Schema:
     """Field by field: promotable types widen (int64 + double -> double, null + x -> x);
-    others become strings (`to_string`: CSV, where any value is text) or keep a's type."""
+    others become strings (`to_string`: CSV, where any value is text) or keep a's type
+    (JSONL: the file's earlier rows decide, and a value not fitting is its row's error)."""
     fields = {f.name: f for f in a}
     for f in b:
         old = fields.get(f.name)
         if old is None:
             fields[f.name] = f
             continue
-        try:
-            fields[f.name] = pa.unify_schemas([pa.schema([old]), pa.schema([f])],
-                                              promote_options="permissive").field(0)
-        except (pa.ArrowException, TypeError):
-            fields[f.name] = pa.field(f.name, pa.string()) if to_string else old
+        merged = widen(old.type, f.type) or (pa.string() if to_string else old.type)
+        fields[f.name] = pa.field(f.name, merged)
     return pa.schema(list(fields.values()))
 
 
 def read_text(fs, path: str, text: TextSlice, num_rows: int) -> tuple[pa.Table, LineErrors]:
     """The partition's rows as a table of the file's schema, and its unreadable rows."""
-    records = []  # (line, bytes)
+    rows = []
     with fs.open(path, "rb") as f:
         f.seek(text.offset)
         skip = text.skip
-        for _, line, record in _records(f, _fmt(text), None, text.offset, text.line - 1):
+        for record in records(f, text.format == CSV, None, text.offset, text.line - 1):
             if skip:
                 skip -= 1
                 continue
-            records.append((line, record))
-            if len(records) == num_rows:
+            rows.append(record)
+            if len(rows) == num_rows:
                 break
-    if len(records) != num_rows:
+    if len(rows) != num_rows:
         raise JobError(f"input file {path} changed while the job ran (rows "
                        f"{text.skip}.. after line {text.line} are missing); rerun the job")
     if text.format == OPENAI_BATCH:
-        return pa.table({"line": pa.array([ln for ln, _ in records], pa.int64()),
-                         "request": [r.decode("utf-8", "replace") for _, r in records]}), {}
-    return _parse(records, text.schema, text.format == CSV, path)
+        return pa.table({"line": pa.array([r.line for r in rows], pa.int64()),
+                         "request": [r.raw.decode("utf-8", "replace") for r in rows]}), {}
+    table, problems = _csv_table(rows, text.schema) if text.format == CSV else \
+        _jsonl_table(rows, text.schema)
+    if table.num_rows != num_rows:  # never: one reader decides the plan's rows and these
+        raise JobError(f"input file {path}: read {table.num_rows} rows from line "
+                       f"{rows[0].line} where the plan has {num_rows}; please report this")
+    return table, {i: f"{path} line {rows[i].line} {problem}; fix or drop the line"
+                   for i, problem in sorted(problems.items())}
 
 
-def _fmt(text: TextSlice) -> str:
-    return CSV if text.format == CSV else JSONL
-
-
-def _parse(records: list[tuple[int, bytes]], schema: pa.Schema, is_csv: bool,
-           path: str) -> tuple[pa.Table, LineErrors]:
-    """All records at once through pyarrow; when that fails, record by record, so that
-    one bad line costs its row only."""
+def _csv_table(rows: list[Record], schema: pa.Schema) -> tuple[pa.Table, dict]:
+    """The records' fields in the file's column types: all at once, or one by one when
+    that fails, so that one bad record costs its row only."""
+    problems = {i: p for i, r in enumerate(rows)
+                if (p := _csv_problem(r, len(schema))) is not None}
+    good = [i for i in range(len(rows)) if i not in problems]
     try:
-        table = _parse_block([r for _, r in records], schema, is_csv)
-        if table.num_rows == len(records):
-            return table, {}
-    except (pa.ArrowException, ValueError, TypeError):
-        pass
-    tables, errors = [], {}
-    null_row = pa.Table.from_pylist([{}], schema=schema)
-    for i, (line, record) in enumerate(records):
-        table, problem = _parse_one(record, schema, is_csv)
+        table = _read_csv(_csv_bytes([rows[i].fields for i in good]), schema.names,
+                          schema) if good else schema.empty_table()
+    except (pa.ArrowException, ValueError):
+        table = None
+    if table is None or table.num_rows != len(good):
+        tables = []
+        for i in good:
+            try:
+                tables.append(_read_csv(_csv_bytes([rows[i].fields]), schema.names, schema))
+            except (pa.ArrowException, ValueError) as exc:
+                problems[i] = ("does not match the column types of the file's other rows "
+                               f"({exc})")
+        good = [i for i in good if i not in problems]
+        table = pa.concat_tables([schema.empty_table(), *tables]).combine_chunks()
+    return _with_null_rows(table, good, len(rows)), problems
+
+
+def _with_null_rows(table: pa.Table, good: list[int], num_rows: int) -> pa.Table:
+    """`table` holds rows `good` of `num_rows`; the others become rows of nulls."""
+    if len(good) == num_rows:
+        return table
+    at = dict(zip(good, range(len(good))))
+    padded = pa.concat_tables([table, pa.Table.from_pylist([{}], schema=table.schema)])
+    return padded.take([at.get(i, len(good)) for i in range(num_rows)]).combine_chunks()
+
+
+def _jsonl_table(rows: list[Record], schema: pa.Schema) -> tuple[pa.Table, dict]:
+    values, problems = [], {}
+    for i, record in enumerate(rows):
+        row, problem = _json_row(record)
+        values.append(row)
         if problem is not None:
-            errors[i] = f"{path} line {line} {problem}; fix or drop the line"
-        tables.append(null_row if problem is not None else table)
-    return pa.concat_tables(tables).combine_chunks(), errors
-
-
-def _parse_block(records: list[bytes], schema: pa.Schema, is_csv: bool) -> pa.Table:
-    data = b"".join(r if r.endswith(b"\n") else r + b"\n" for r in records)
-    if is_csv:
-        return _read_csv(data, schema.names, schema)
-    return pjson.read_json(io.BytesIO(data),
-                           read_options=pjson.ReadOptions(use_threads=False,
-                                                          block_size=len(data) + 1),
-                           parse_options=pjson.ParseOptions(
-                               explicit_schema=schema, unexpected_field_behavior="ignore"))
-
-
-def _parse_one(record: bytes, schema: pa.Schema, is_csv: bool):
-    """(one-row table, None) or (None, what is wrong with the record)."""
-    if is_csv:
-        fields = _csv_fields(record)
-        if fields == -1:
-            return None, "is not valid UTF-8 CSV"
-        if fields != len(schema):
-            return None, f"has {fields} fields where the header has {len(schema)}"
-        try:
-            return _read_csv(record, schema.names, schema), None
-        except (pa.ArrowException, ValueError) as exc:
-            return None, f"does not match the column types of the file's other rows ({exc})"
-    try:
-        row = json.loads(record)
-    except ValueError as exc:
-        return None, f"is not JSON ({exc})"
-    if not isinstance(row, dict):
-        return None, f"is a JSON {type(row).__name__}, not an object of column: value"
-    try:
-        return pa.Table.from_pylist([row], schema=schema), None
-    except (pa.ArrowException, ValueError, TypeError, OverflowError) as exc:
-        return None, f"does not match the column types of the file's other rows ({exc})"
+            problems[i] = problem
+    table, misfits = to_table(values, schema)
+    return table, {**problems, **misfits}
 
 
 def mark_line_errors(requests: list, line_errors: LineErrors) -> list:

@@ -72,8 +72,8 @@ def test_unreadable_lines_are_error_rows_naming_file_and_line(fake_engine, tmp_p
                   "column 12 (char 11)); fix or drop the line"),
         (2, None, f"invalid_line: row 2: {path} line 4 is a JSON list, not an object of "
                   "column: value; fix or drop the line"),
-        (3, None, f"invalid_line: row 3: {path} line 5 does not match the column types of "
-                  "the file's other rows (Expected bytes, got a 'int' object); fix or drop "
+        (3, None, f"invalid_line: row 3: {path} line 5 has 7 in column 'prompt', which "
+                  "holds string (set by the column's first value in the file); fix or drop "
                   "the line"),
         (4, "b", None)]
     assert [r["error_code"] for r in j] == [None] + ["invalid_line"] * 3 + [None]
