@@ -245,7 +245,8 @@ def _bench(cache_dir, tmp_path, python, *extra):
 def test_bench_reports_vllm_beside_fusegen(fake_python, cache_dir, tmp_path):
     result, report = _bench(cache_dir, tmp_path, fake_python)
     fusegen, vllm = report["results"]["fusegen"], report["results"]["vllm"]
-    assert vllm["label"] == "vLLM 0.0.fake (cpu)" and vllm["budgets_met"] is True
+    device = report["machine"]["device"]  # cuda where a GPU is visible
+    assert vllm["label"] == f"vLLM 0.0.fake ({device})" and vllm["budgets_met"] is True
     assert vllm["num_output_tokens"] == fusegen["num_output_tokens"] == \
         report["workload"]["num_output_tokens"]
     assert vllm["model_flops"] == fusegen["model_flops"] > 0

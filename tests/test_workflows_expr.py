@@ -90,3 +90,29 @@ def test_transform_applies_in_order_and_streams_by_table():
     assert out.column_names == ["answer", "id"]
     assert out.to_pylist() == [{"answer": "Yes", "id": 0}, {"answer": "maybe", "id": 2}]
     assert t.output_schema(TABLE.schema) == out.schema
+
+
+_MODULO_CHECK = """
+import pyarrow as pa, pyarrow.compute as pc
+if {remove}:
+    del pc.modulo  # stands in for a pyarrow release without the function
+from fusegen.workflows.expr import Expression
+pairs = [(a, b) for a in (-7, -6, -1, 0, 1, 5, 7) for b in (-3, -2, 2, 3)]
+table = pa.table({{"a": [a for a, _ in pairs], "b": [b for _, b in pairs],
+                  "x": [a + 0.5 for a, _ in pairs]}})
+assert Expression("a % b").evaluate(table).to_pylist() == [a % b for a, b in pairs]
+assert Expression("x % b").evaluate(table).to_pylist() == [(a + 0.5) % b for a, b in pairs]
+"""
+
+
+@pytest.mark.parametrize("remove", [False, True])
+def test_modulo_is_pythons_with_or_without_pyarrows_function(remove):
+    """`%` takes the divisor's sign, as in Python, also with a pyarrow that lacks
+    `pyarrow.compute.modulo` (older releases): the module imports and computes it. In a
+    child process, since the module is imported once per process."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _MODULO_CHECK.format(remove=remove)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

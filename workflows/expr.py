@@ -27,7 +27,7 @@ _LITERAL_NAMES = {"null": None, "true": True, "false": False}
 _COMPARE = {ast.Eq: pc.equal, ast.NotEq: pc.not_equal, ast.Lt: pc.less,
             ast.LtE: pc.less_equal, ast.Gt: pc.greater, ast.GtE: pc.greater_equal}
 _ARITH = {ast.Add: "add", ast.Sub: pc.subtract, ast.Mult: pc.multiply, ast.Div: "div",
-          ast.FloorDiv: "floordiv", ast.Mod: pc.modulo}
+          ast.FloorDiv: "floordiv", ast.Mod: "mod"}
 _FUNCTIONS = "len, lower, upper, strip, contains, startswith, endswith, matches, abs, " \
              "round, coalesce, col"
 # Bounds on what a filter may be: compiling and evaluating recurse once per level, and
@@ -140,6 +140,8 @@ class Expression:
             return lambda table: pc.divide(_float(left(table)), _float(right(table)))
         if op == "floordiv":
             return lambda table: pc.floor(pc.divide(_float(left(table)), _float(right(table))))
+        if op == "mod":
+            return lambda table: _modulo(left(table), right(table))
         return lambda table: op(left(table), right(table))
 
     def _Compare(self, node: ast.Compare) -> Compiled:
@@ -273,6 +275,20 @@ def _add(a, b):
     if pa.types.is_string(a.type) and pa.types.is_string(b.type):
         return pc.binary_join_element_wise(a, b, "")
     return pc.add(a, b)
+
+
+def _modulo(a, b):
+    """Python's `%` (the sign of the divisor): pyarrow's `modulo` where this pyarrow has
+    it, else the same from division, exactly in integers (pyarrow's integer division
+    truncates and refuses zero, as `modulo` does)."""
+    if hasattr(pc, "modulo"):
+        return pc.modulo(a, b)
+    if pa.types.is_integer(a.type) and pa.types.is_integer(b.type):
+        rem = pc.subtract(a, pc.multiply(b, pc.divide(a, b)))  # the sign of the dividend
+        wrong_sign = pc.and_(pc.not_equal(rem, 0), pc.not_equal(pc.less(rem, 0), pc.less(b, 0)))
+        return pc.if_else(wrong_sign, pc.add(rem, b), rem)
+    a, b = _float(a), _float(b)
+    return pc.subtract(a, pc.multiply(b, pc.floor(pc.divide(a, b))))
 
 
 def _float(value):

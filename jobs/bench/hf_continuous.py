@@ -34,7 +34,7 @@ def _cb_config(requests: list[BenchRequest], device: str):
     # On CPU its default takes 60% of host memory for KV pages, which costs seconds of
     # warm-up; give it exactly enough to hold every request at once instead (never less
     # than it can use, so it is never made to wait or preempt).
-    page = ContinuousBatchingConfig().page_size
+    page = _page_size(ContinuousBatchingConfig())
     blocks = sum(math.ceil((r.num_prompt_tokens + r.max_tokens) / page) + 1 for r in requests)
     return ContinuousBatchingConfig(num_blocks=blocks)
 
@@ -83,5 +83,10 @@ def run_hf_continuous(model, requests: list[BenchRequest], warmup: list[BenchReq
     result.budgets_met = all(n == r.max_tokens and outputs[i].error is None
                              for r, n, i in zip(requests, generated, ids))
     result.extra = {"num_blocks": manager.continuous_batching_config.num_blocks,
-                    "page_size": manager.continuous_batching_config.page_size}
+                    "page_size": _page_size(manager.continuous_batching_config)}
     return result
+
+
+def _page_size(config) -> int:
+    """Tokens per KV page: `page_size` in transformers 5.20 and later, `block_size` before."""
+    return getattr(config, "page_size", None) or config.block_size
