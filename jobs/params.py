@@ -6,14 +6,27 @@ Which columns are parameters (`parameter_columns`): with `--param-columns` given
 those; otherwise every column named exactly like a parameter (`ROW_PARAM_COLUMNS`), less
 the columns the prompt is made of (the prompt, template, messages and id columns), which
 stay data. Plain Python over plain values: no engine, no Dask.
+
+A per-row cell may be text whatever the parameter: CSV columns are text, and a column
+whose cells mix numbers and words (a JSONL column too, or a Parquet string column) is
+read as text, so numeric text in a numeric parameter's cell is read as its number ("3"
+is 3; "" keeps the job's value) and only a cell that is no number fails its row.
+The job's own options and OpenAI batch bodies keep JSON's types.
+
+Values parsed from a cell (JSON text, Arrow lists / structs / maps) nest at most
+MAX_DEPTH levels of lists and objects: what reads them (here, the engine's checks, the
+grammar compiler) recurses, and a value nested thousands of levels deep would exhaust
+Python's stack: it is its row's `invalid_params` error (`TooDeep`) instead.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import json
+import math
 
 from fusegen.engine.sampling_params import SamplingParams
+from fusegen.jobs.formats import MAX_JSON_DEPTH
 
 # Every SamplingParams field a job sets, job-wide or per row, in --help order.
 SAMPLING_FIELDS = (
@@ -39,16 +52,87 @@ FOREIGN_PARAMS = frozenset({
 _INTS = ("max_tokens", "top_k", "seed", "n", "min_tokens", "logprobs", "prompt_logprobs")
 _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
            "repetition_penalty")
+_BOOLS = ("ignore_eos",)
+# Levels of lists and objects a parsed value may nest: the limit of a JSONL line
+# (`jobs/formats.py` says why), so a value is refused alike whatever file holds it.
+MAX_DEPTH = MAX_JSON_DEPTH
 
 
 class ParamError(ValueError):
     """A value that cannot become its parameter; the message names the fix."""
 
 
-def coerce(name: str, value):
+class TooDeep(ParamError):
+    """A parsed value nested more than MAX_DEPTH levels (its message follows its name)."""
+
+    def __init__(self, limit: int = MAX_DEPTH):
+        super().__init__(f"is nested more than {limit} levels deep (lists and objects); "
+                         f"fusegen reads at most {limit}: flatten it")
+
+
+def nesting_problem(value, limit: int = MAX_DEPTH) -> TooDeep | None:
+    """TooDeep when lists / dicts in `value` nest deeper than `limit`, else None. Walked
+    without recursion: the deep values are the ones that would exhaust the stack."""
+    stack = [(value, 1)] if isinstance(value, (dict, list, tuple)) else []
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return TooDeep(limit)
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list, tuple)))
+    return None
+
+
+def read_json(text: str | bytes, max_depth: int | None = MAX_DEPTH):
+    """JSON text as its value. Raises TooDeep past `max_depth` levels (None: whatever
+    json.loads reads without exhausting the stack) and ValueError for text that is no
+    JSON (json's message)."""
+    try:
+        value = json.loads(text)
+    except RecursionError:  # json.loads recurses once per level
+        raise TooDeep(max_depth or MAX_DEPTH) from None
+    problem = max_depth is not None and nesting_problem(value, max_depth)
+    if problem:
+        raise problem
+    return value
+
+
+def lone_surrogate(value) -> tuple[str, str, int] | None:
+    """(where, character, index) of the first lone surrogate in a string of `value`, or
+    None: JSON's "\\ud800" reads as one, and no UTF-8 file can hold it. `where` is the
+    string's path from `value` ("", "[0].content", "['a b']", " key 'k'": a key)."""
+    stack = [("", value)]
+    while stack:
+        where, item = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    return where, item[exc.start], exc.start
+        elif isinstance(item, dict):
+            for key, child in reversed(item.items()):
+                stack.append((f"{where}.{key}" if str(key).isidentifier() else
+                              f"{where}[{key!r}]", child))
+                stack.append((f"{where} key {key!r}", key))
+        elif isinstance(item, (list, tuple)):  # (a list of token ids: nothing to push)
+            stack.extend((f"{where}[{i}]", child) for i, child in reversed(list(enumerate(item)))
+                         if isinstance(child, (str, dict, list, tuple)))
+    return None
+
+
+def coerce(name: str, value, text_numbers: bool = False):
     """A cell (or option) as its SamplingParams value. Undoes storage widening (a nullable
-    int column read as float) and reads JSON text; what is still wrong is left for
-    `SamplingParams.validate()` to name, or raises ParamError when it cannot be read."""
+    int column read as float) and reads JSON text; `text_numbers` (per-row cells): a
+    numeric or boolean parameter's text is read as its value. What is still wrong is left
+    for `SamplingParams.validate()` to name, or raises ParamError when it cannot be read
+    (TooDeep: nested past MAX_DEPTH)."""
+    if isinstance(value, (dict, list, tuple)):  # before anything walks it recursively
+        problem = nesting_problem(value)
+        if problem:
+            raise problem
+    if text_numbers and isinstance(value, str) and name in _INTS + _FLOATS + _BOOLS:
+        value = _from_text(name, value)
     if name in _INTS and isinstance(value, float) and value.is_integer():
         return int(value)
     if name in _FLOATS and isinstance(value, int) and not isinstance(value, bool):
@@ -59,12 +143,42 @@ def coerce(name: str, value):
     return reader(value) if reader else value
 
 
+def _from_text(name: str, text: str):
+    """A numeric or boolean parameter's text cell as its value; ParamError naming the
+    value when it is none."""
+    word = text.strip()
+    if name in _BOOLS:
+        if word.lower() in ("true", "false"):
+            return word.lower() == "true"
+        raise ParamError(f"must be true or false, got {_shown(text)}")
+    try:
+        return int(word)  # exact: a seed may pass 2**53
+    except ValueError:
+        pass
+    try:
+        number = float(word)
+    except ValueError:
+        number = None
+    if name in _FLOATS and number is not None:
+        return number
+    if number is not None and math.isfinite(number) and number.is_integer():
+        return int(number)
+    raise ParamError(f"must be {'a number' if name in _FLOATS else 'an integer'}, "
+                     f"got {_shown(text)}")
+
+
+def _shown(text: str) -> str:
+    return repr(text) if len(text) <= 40 else repr(text[:40]) + "..."
+
+
 def _json(value, what: str):
-    """JSON text as its value; anything else as is."""
+    """JSON text as its value (nested at most MAX_DEPTH levels); anything else as is."""
     if not isinstance(value, str):
         return value
     try:
-        return json.loads(value)
+        return read_json(value)
+    except TooDeep:
+        raise
     except ValueError as exc:
         raise ParamError(f"is not JSON ({exc}); write it as {what}") from None
 
@@ -140,14 +254,18 @@ _READERS = {"stop_token_ids": _token_ids, "logit_bias": _logit_bias, "bad_words"
 
 def row_changes(row: dict, columns) -> dict:
     """The row's non-null parameter cells as SamplingParams changes (`response_format`
-    becomes `json_schema`). Raises ParamError with the column named."""
+    becomes `json_schema`); numeric text read as its number, and blank text in a numeric
+    column is no value, as an empty CSV cell of a numeric column is null. Raises
+    ParamError with the column named."""
     changes = {}
     for name in columns:
         value = row.get(name)
-        if value is None:
+        if value is None or (name in _INTS + _FLOATS + _BOOLS and isinstance(value, str)
+                             and not value.strip()):
             continue
         try:
-            changes["json_schema" if name == RESPONSE_FORMAT else name] = coerce(name, value)
+            changes["json_schema" if name == RESPONSE_FORMAT else name] = coerce(
+                name, value, text_numbers=True)
         except ParamError as exc:
             raise ParamError(f"column {name!r} {exc}") from None
     if "json_schema" in changes and changes["json_schema"] is None:

@@ -6,7 +6,6 @@ step (the tokenizer's chat template), passed in as a function.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from typing import Callable
 
@@ -16,8 +15,9 @@ from fusegen.engine.sampling_params import SamplingParams
 from fusegen.engine.tokenizer import PromptLimit, messages_problem, prompt_problem
 from fusegen.jobs import errors
 from fusegen.jobs.errors import JobError
-from fusegen.jobs.params import (CONSTRAINT_COLUMNS, ParamError, column_warnings,
-                                 parameter_columns, row_changes)
+from fusegen.jobs.params import (CONSTRAINT_COLUMNS, ParamError, TooDeep, column_warnings,
+                                 lone_surrogate, nesting_problem, parameter_columns,
+                                 read_json, row_changes)
 from fusegen.jobs.spec import MESSAGES_COLUMN, OUTPUT_COLUMNS, ROW_ID_COLUMN, JobSpec
 from fusegen.jobs.template import PromptTemplate
 
@@ -181,19 +181,16 @@ class RowPreparer:
             return None, (errors.NULL_PROMPT, f"column {column!r} is null")
         if isinstance(messages, str):
             try:
-                messages = json.loads(messages)
-            except json.JSONDecodeError as exc:
+                messages = read_json(messages)
+            except TooDeep as exc:
+                return None, (errors.INVALID_PROMPT, f"column {column!r} {exc}")
+            except ValueError as exc:
                 return None, (errors.INVALID_PROMPT, f"column {column!r} is not a JSON list "
                               f"of messages ({exc})")
-        problem = messages_problem(messages)
+        messages, problem = conversation(messages, f"column {column!r}",
+                                         self.spec.system_prompt, self.limit)
         if problem:
-            return None, (errors.INVALID_PROMPT, f"column {column!r} {problem}")
-        if self.spec.system_prompt is not None and not (
-                messages and isinstance(messages[0], dict) and messages[0].get("role") == "system"):
-            messages = [{"role": "system", "content": self.spec.system_prompt}, *messages]
-        too_long = self.limit and self.limit.conversation_too_long(messages)
-        if too_long:  # checked before the chat template renders and tokenizes it
-            return None, tuple(too_long.split(": ", 1))
+            return None, problem
         try:
             return self.chat(messages), None
         except Exception as exc:  # noqa: BLE001
@@ -213,6 +210,31 @@ class RowPreparer:
         if problem:
             return None, (errors.INVALID_PARAMS, f"{problem} (per-row column override)")
         return params, None
+
+
+def conversation(messages, what: str, system_prompt: str | None,
+                 limit: PromptLimit | None):
+    """(messages, None): the conversation as the chat template gets it, `system_prompt`
+    first unless it opens with its own; (None, (code, message)) when it cannot be a prompt.
+    Everything is checked before the template renders it, since rendering and tokenizing
+    cost memory per byte of content (a 20 MB message would take gigabytes): its nesting,
+    its shape, its text (no lone surrogate), its size against `limit`. `what` names the
+    value in messages ("column 'messages'", "body.messages")."""
+    problem = nesting_problem(messages) or messages_problem(messages)
+    if problem:
+        return None, (errors.INVALID_PROMPT, f"{what} {problem}")
+    bad = lone_surrogate(messages)
+    if bad:
+        where, char, at = bad
+        return None, (errors.INVALID_PROMPT, f"{what} holds a lone surrogate U+{ord(char):04X} "
+                      f"(character {at} of {where.lstrip('.')}), which is not valid Unicode; "
+                      "remove it")
+    if system_prompt is not None and messages[0].get("role") != "system":
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    too_long = limit and limit.conversation_too_long(messages)
+    if too_long:
+        return None, tuple(too_long.split(": ", 1))
+    return messages, None
 
 
 class Unreadable:

@@ -52,8 +52,8 @@ def test_per_row_parameter_columns_override_job_values():
 
 def test_invalid_param_type_is_a_row_error():
     table = pa.table({"prompt": ["a"], "top_p": ["high"]})
-    assert _prep().prepare(table, 0)[0].error.startswith(
-        "invalid_params: row 0: top_p must be in (0, 1], got 'high'")
+    assert _prep().prepare(table, 0)[0].error == (
+        "invalid_params: row 0: column 'top_p' must be a number, got 'high' (per-row column)")
 
 
 def test_template_over_columns_with_row_failures():
