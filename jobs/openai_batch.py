@@ -10,8 +10,15 @@ scan warns once, naming the models the file asks for). Any other field fails its
 Each request gives one line: a response (status 200, a chat.completion or
 text_completion body with one choice per completion and `usage`) in the part's output
 file, or `{"error": {"code", "message"}}` naming the custom_id (or the line) in its
-errors file. Parts commit like any JSONL part (`Output.commit_files`); the job's end
-merges them into `output.jsonl` and `errors.jsonl`.
+errors file. A line that is no request is an error line, never a failed job: not JSON,
+not UTF-8 (bad bytes are not read as U+FFFD), a field nested past MAX_DEPTH levels, a
+lone surrogate in a string (`"\ud800"`: no UTF-8 file can hold it), a conversation too
+large for the context (sized before the chat template renders it). A custom_id that two
+or more lines of a file share is an error on each of them (`duplicate_custom_id`, naming
+the others): results are matched to requests by custom_id, and OpenAI's Batch API
+refuses such a file, so none of them is served. Parts commit like any JSONL part
+(`Output.commit_files`); the job's end merges them into `output.jsonl` and
+`errors.jsonl`.
 """
 from __future__ import annotations
 
@@ -19,15 +26,19 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 
 from fusegen.engine.sampling_params import SamplingParams
-from fusegen.engine.tokenizer import messages_problem
+from fusegen.engine.tokenizer import PromptLimit
+from fusegen.jobs import errors
+from fusegen.jobs.batch_checks import FileChecks, file_checks
 from fusegen.jobs.output import PARTS_DIR, Output, PartStats, jsonl_bytes
-from fusegen.jobs.params import ENGINE_SAMPLING_FIELDS, ParamError, coerce
+from fusegen.jobs.params import (ENGINE_SAMPLING_FIELDS, ParamError, TooDeep, coerce,
+                                 lone_surrogate, nesting_problem, read_json)
 from fusegen.jobs.redact import redact_url
-from fusegen.jobs.rows import row_seed
+from fusegen.jobs.rows import conversation, row_seed
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 # body field -> SamplingParams field (vLLM's OpenAI server takes the last six too)
@@ -46,6 +57,7 @@ NEUTRAL = {"stream": (False, None), "echo": (False, None), "suffix": (None,),
            "best_of": (None, 1), "tools": (None, []), "tool_choice": (None, "none"),
            "parallel_tool_calls": (None, True, False)}
 INVALID_REQUEST, UNSUPPORTED = "invalid_request", "unsupported_field"
+DUPLICATE = "duplicate_custom_id"  # OpenAI's code for it
 
 
 @dataclass(slots=True)
@@ -59,26 +71,30 @@ class BatchRequest:
     error: dict | None = None  # {"code", "message"}: the line is not submitted
 
 
-def parse_request(text: str, line: int, base: SamplingParams, index: int,
-                  chat=None) -> BatchRequest:
+def parse_request(text: str, line: int, base: SamplingParams, index: int, chat=None,
+                  system_prompt: str | None = None,
+                  limit: PromptLimit | None = None) -> BatchRequest:
     """A request line as a prompt and its SamplingParams, or an error naming the custom_id
     (or the line) and the field. `index`: the row's global position (its seed);
-    `chat`: messages -> prompt (the chat template)."""
+    `chat`: messages -> prompt (the chat template), given the conversation with
+    `system_prompt` first, once it is known to fit `limit` (the engine's)."""
     req = BatchRequest(line)
     try:
-        obj = json.loads(text)
+        obj = read_json(text, max_depth=None)  # each field's depth is checked below
     except ValueError as exc:
-        return _fail(req, INVALID_REQUEST, f"is not JSON ({exc})")
+        req.custom_id = _leading_custom_id(text)
+        return _fail(req, INVALID_REQUEST, str(exc) if isinstance(exc, TooDeep) else
+                     f"is not JSON ({exc})")
     if not isinstance(obj, dict):
         return _fail(req, INVALID_REQUEST, "is not a JSON object")
     if isinstance(obj.get("custom_id"), str):
         req.custom_id = obj["custom_id"]
-    problem = _envelope_problem(obj)
+    problem = _value_problem(obj) or _envelope_problem(obj)
     if problem:
         return _fail(req, INVALID_REQUEST, problem)
     req.url, body = obj["url"], obj["body"]
     try:
-        req.prompt = _prompt(req.url, body, chat)
+        req.prompt = _prompt(req.url, body, chat, system_prompt, limit)
         req.params, req.top_logprobs = _params(req.url, body, base, index)
     except _LineError as exc:
         return _fail(req, exc.code, str(exc))
@@ -96,8 +112,42 @@ def _fail(req: BatchRequest, code: str, message: str) -> BatchRequest:
     return req
 
 
+_LEADING_ID = re.compile(r'\s*\{\s*"custom_id"\s*:\s*("(?:[^"\\]|\\.)*")')
+
+
+def _leading_custom_id(text: str) -> str | None:
+    """The custom_id of a line that cannot be read whole, when it is the line's first key
+    (as OpenAI's examples and clients write it), so that its error line names it."""
+    found = _LEADING_ID.match(text) if isinstance(text, str) else None
+    try:
+        return json.loads(found.group(1)) if found else None
+    except ValueError:
+        return None
+
+
 def _where(req: BatchRequest) -> str:
     return f"line {req.line}" + (f" (custom_id {req.custom_id!r})" if req.custom_id else "")
+
+
+def _value_problem(obj: dict) -> str | None:
+    """A field the request uses (custom_id, method, url, the body's but the ignored ones)
+    nested past MAX_DEPTH, or a lone surrogate in one of its strings: found before
+    anything reads them recursively (an error message showing a value, the chat
+    template) or writes them (the custom_id, in the line's result)."""
+    used = {k: obj[k] for k in ("custom_id", "method", "url") if k in obj}
+    body = obj.get("body")
+    if isinstance(body, dict):
+        body = {k: v for k, v in body.items() if k not in IGNORED}
+    fields = [*used.items(), *((f"body.{k}", v) for k, v in body.items())] \
+        if isinstance(body, dict) else [*used.items(), ("body", body)]
+    deep = next((f"{name} {problem}" for name, value in fields
+                 if (problem := nesting_problem(value))), None)
+    bad = deep is None and lone_surrogate({**used, "body": body})
+    if bad:
+        where, char, at = bad
+        return (f"{where.lstrip('.')} holds a lone surrogate U+{ord(char):04X} at character "
+                f"{at}, which is not valid Unicode (UTF-8 cannot hold it); remove it")
+    return deep
 
 
 def _envelope_problem(obj: dict) -> str | None:
@@ -112,13 +162,15 @@ def _envelope_problem(obj: dict) -> str | None:
     return None
 
 
-def _prompt(url: str, body: dict, chat):
+def _prompt(url: str, body: dict, chat, system_prompt: str | None, limit: PromptLimit | None):
     if url == CHAT:
-        problem = messages_problem(body.get("messages"))
+        messages, problem = conversation(body.get("messages"), "body.messages", system_prompt,
+                                         limit)
         if problem:
-            raise _LineError(INVALID_REQUEST, f"body.messages {problem}")
+            code, message = problem
+            raise _LineError(INVALID_REQUEST if code == errors.INVALID_PROMPT else code, message)
         try:
-            return chat(body["messages"])
+            return chat(messages)
         except Exception as exc:  # noqa: BLE001 - the template's refusal is this line's
             raise _LineError(INVALID_REQUEST, f"body.messages: the chat template failed: "
                              f"{type(exc).__name__}: {exc}") from None
@@ -208,10 +260,12 @@ def run_batch_partition(spec, part, llm, table, fingerprint: str, owner, wait,
     """Generate every request of a partition read from a batch file (`line`, `request`
     columns) and commit its output and errors files. `wait(futures, num_rejected)`: the
     futures' results, reporting progress meanwhile."""
-    base = spec.sampling_params()
+    base, limit = spec.sampling_params(), getattr(llm, "prompt_limit", None)  # None: a fake
     chat = _chat_fn(llm, spec)
+    checks = file_checks(spec, part.path, fingerprint)
     lines = table.column("line").to_pylist()
-    requests = [parse_request(text, line, base, part.first_row + i, chat)
+    requests = [_check_line(parse_request(text, line, base, part.first_row + i, chat,
+                                          spec.system_prompt, limit), checks)
                 for i, (line, text) in enumerate(zip(lines, table.column("request").to_pylist()))]
     valid = [r for r in requests if r.error is None]
     outputs = iter(wait(llm.submit_many([(r.prompt, r.params) for r in valid]),
@@ -234,9 +288,37 @@ def run_batch_partition(spec, part, llm, table, fingerprint: str, owner, wait,
     stats.seconds = round(time.perf_counter() - started, 3)
     stem = part.name.removesuffix(".jsonl")
     Output(spec.output, spec.storage_options, owner=owner).commit_files(stats, {
-        f"{PARTS_DIR}/{stem}.jsonl": jsonl_bytes(done),
-        f"{PARTS_DIR}/{stem}.errors.jsonl": jsonl_bytes(failed)})
+        f"{PARTS_DIR}/{stem}.jsonl": _jsonl(done),
+        f"{PARTS_DIR}/{stem}.errors.jsonl": _jsonl(failed)})
     return stats
+
+
+def _check_line(req: BatchRequest, checks: FileChecks) -> BatchRequest:
+    """`req` made its line's error line when the whole file says so: the line is not
+    UTF-8, or other lines share its custom_id (all of them fail: OpenAI refuses the file)."""
+    problem = checks.not_utf8(req.line)
+    if problem:
+        if req.custom_id is not None and "\ufffd" in req.custom_id:
+            req.custom_id = None  # its own bytes are the bad ones: not shown
+        return _fail(req, INVALID_REQUEST, problem)
+    others = [] if req.error is not None else checks.others(req.line, req.custom_id)
+    if not others:
+        return req
+    shown = ", ".join(map(str, others[:5])) + (f" and {len(others) - 5} more"
+                                               if len(others) > 5 else "")
+    return _fail(req, DUPLICATE, f"the custom_id is also on line{'s' * (len(others) > 1)} "
+                 f"{shown}; a result is matched to its request by custom_id, so none of "
+                 "them is served: give each request its own")
+
+
+def _jsonl(lines: list[dict]) -> bytes:
+    """`jsonl_bytes`; a line holding a lone surrogate (an error line's custom_id as the
+    request wrote it, `"\ud800"`) is written with JSON's escapes: the same value, in
+    UTF-8 a reader can decode."""
+    try:
+        return jsonl_bytes(lines)
+    except UnicodeEncodeError:
+        return b"".join(json.dumps(line, default=str).encode() + b"\n" for line in lines)
 
 
 def _model_name(model: str) -> str:
@@ -246,9 +328,7 @@ def _model_name(model: str) -> str:
 
 
 def _chat_fn(llm, spec):
-    def chat(messages):
-        if spec.system_prompt is not None and messages[0].get("role") != "system":
-            messages = [{"role": "system", "content": spec.system_prompt}, *messages]
+    def chat(messages):  # --system-prompt is in them already (`conversation`)
         return llm.tokenizer.encode_chat(messages, add_generation_prompt=True,
                                          chat_template=spec.chat_template)
     return chat

@@ -48,8 +48,8 @@ def test_malformed_lines_and_unsupported_fields_name_the_line_and_field():
         return parse_request(text, line, BASE, 0, _chat).error
 
     assert error('{"custom_id": "a", ') == {"code": "invalid_request", "message":
-        "line 3: is not JSON (Expecting property name enclosed in double quotes: line 1 "
-        "column 20 (char 19))"}
+        "line 3 (custom_id 'a'): is not JSON (Expecting property name enclosed in double "
+        "quotes: line 1 column 20 (char 19))"}
     assert error(json.dumps({"url": "/v1/completions", "body": {}})) == {
         "code": "invalid_request",
         "message": "line 3: has no string custom_id; give every request a unique custom_id"}
@@ -120,7 +120,7 @@ def test_batch_file_round_trip_matches_the_engine_alone(tmp_path):
     out, errors = _read(results / "output.jsonl"), _read(results / "errors.jsonl")
     assert [o["custom_id"] for o in out] == ["a", "b", "e"]
     assert [(e["custom_id"], e["response"], e["error"]["code"]) for e in errors] == [
-        (None, None, "invalid_request"), ("d", None, "unsupported_field")]
+        ("c", None, "invalid_request"), ("d", None, "unsupported_field")]
     assert errors[1]["error"]["message"] == ("line 4 (custom_id 'd'): body.suffix=\"!\" is "
                                              "not supported by fusegen's batch runner; drop it")
     with LLM(tiny_model_dir()) as llm:
