@@ -208,7 +208,7 @@ def _run_flags(monkeypatch, words):
 
     seen = {}
 
-    def fake_run_job(spec):
+    def fake_run_job(spec, **_):  # run_cmd also passes resume=
         seen["spec"] = spec
         return JobResult("o")
 
