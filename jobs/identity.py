@@ -114,7 +114,8 @@ def _model_files(path):
 
 
 def _split_set(path):
-    """A GGUF file, or every part of the split set it is the first file of."""
+    """A GGUF file, or every part of the split set it is the first file of (named as
+    engine/weights/gguf.py reads them; that module needs the gguf package, this not)."""
     import re
 
     match = re.fullmatch(r"(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf", path.name)
