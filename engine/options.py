@@ -32,7 +32,8 @@ def option(default, help: str, *, kind: type = str, unset: str = "none",
 class EngineOptions:
     dtype: str = option(
         "auto", "Weights dtype: auto, float32, bfloat16, float16 (auto: bf16 on GPUs and on "
-        "CPUs whose bf16 matrix units measure at least 1.5x fp32, fp32 elsewhere).",
+        "CPUs with bf16 units by their flags (AMX, AVX512_BF16), fp32 elsewhere; a job "
+        "records the dtype it resolved to and resumes only in it).",
         affects_output=True)
     device: str = option("auto", "Engine device: auto, cpu, cuda, cuda:N, or for a device "
                          "group one GPU per rank, cuda:0,1,... (auto: cuda when present).")

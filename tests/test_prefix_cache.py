@@ -314,7 +314,7 @@ def test_no_prefix_caching_flag_reaches_the_job(monkeypatch):
     from fusegen.jobs.cli import main
 
     seen = []
-    monkeypatch.setattr(runner, "run_job", lambda spec: seen.append(spec) or 1 / 0)
+    monkeypatch.setattr(runner, "run_job", lambda spec, **_: seen.append(spec) or 1 / 0)
     for flag, value in (("--no-prefix-caching", False), ("--enable-prefix-caching", True),
                         (None, True)):
         args = ["run", "--model", "m", "--input", "i", "--output", "o"] + ([flag] if flag else [])
