@@ -2,6 +2,7 @@
 dequantizes to exactly what `gguf` itself gives, a tiny Llama converted to GGUF runs
 token for token like its safetensors directory (split, streamed, quantized), and a
 broken file fails with an error that says what is wrong."""
+import dataclasses
 import struct
 
 import numpy as np
@@ -239,8 +240,15 @@ def test_missing_metadata_and_unknown_architecture(llama_dir, tmp_path):
         LLM(str(path))
 
 
-def test_tensors_not_matching_the_metadata(llama_dir, tmp_path):
+def test_tensors_not_matching_the_metadata(llama_dir, llama_gguf, tmp_path):
+    # The sizes are checked against layer 0's tensors before anything is built
+    # (tests/test_checkpoint_metadata.py has the rest)...
     path = write_gguf(llama_dir, tmp_path / "a.gguf", extra={"llama.feed_forward_length": 64})
-    with pytest.raises(ModelLoadError, match=r"a.gguf: tensor 'blk.0.ffn_gate.weight' has "
-                       r"shape \(128, 64\), but the metadata implies \(64, 64\)"):
+    with pytest.raises(ModelLoadError, match="a.gguf: GGUF metadata 'llama.feed_forward_length' "
+                       "is 64; expected 128, the rows of tensor 'blk.0.ffn_up.weight'"):
         LLM(str(path), **OPTIONS)
+    # ...and every tensor's shape at load, against the config it is read with.
+    cfg = dataclasses.replace(reader.gguf_model_config(llama_gguf), intermediate_size=64)
+    with pytest.raises(ModelLoadError, match=r"tiny.gguf: tensor 'blk.0.ffn_gate.weight' has "
+                       r"shape \(128, 64\), but the metadata implies \(64, 64\)"):
+        load_gguf_state_dict(llama_gguf, cfg, torch.float32)

@@ -79,8 +79,9 @@ def test_missing_and_unexpected_tensors(ckpt):
     save_file(state, ckpt / "model.safetensors")
     with pytest.raises(ModelLoadError, match=r"weights missing for model.layers.1.mlp.down_proj"):
         LLM(str(ckpt))
-    edit_config(ckpt, num_hidden_layers=1)
-    with pytest.raises(ModelLoadError, match=r"unexpected tensor 'model.layers.1."):
+    edit_config(ckpt, num_hidden_layers=1)  # counted from the weights before the plan
+    with pytest.raises(ModelLoadError, match=r"config.json: num_hidden_layers is 1; expected 2, "
+                                             r"the layers its weights hold \(numbered 0 to 1\)"):
         LLM(str(ckpt))
 
 

@@ -2,12 +2,24 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from fusegen.engine.errors import ModelLoadError
 from fusegen.engine.models import SUPPORTED_ARCHITECTURES, get_architecture
+
+# Bounds on what a config may claim before anything is sized from it (per-layer lists,
+# rotary tables, the memory plan). The longest context in circulation (Llama 4 Scout's
+# 10M tokens) and the deepest open models (Llama 3.1 405B: 126 layers) sit well inside.
+MAX_CONTEXT = 2**24
+MAX_LAYERS = 10_000
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+          "num_kv_heads", "head_dim", "max_position_embeddings")
+# ModelConfig's field -> the config.json key it comes from, for the errors
+_KEYS = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+         "num_kv_heads": "num_key_value_heads"}
 
 
 @dataclass(slots=True)
@@ -73,7 +85,11 @@ class ModelConfig:
             raw = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise ModelLoadError(f"{path}: not valid JSON ({exc})") from None
-        return cls.from_dict(raw, source=str(path))
+        cfg = cls.from_dict(raw, source=str(path))
+        from fusegen.engine.weights.loader import check_num_layers  # it imports this module
+
+        check_num_layers(cfg, Path(model_dir), str(path))
+        return cfg
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
@@ -94,7 +110,7 @@ class ModelConfig:
                 num_layers=int(raw["num_hidden_layers"]),
                 num_heads=num_heads,
                 num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-                head_dim=int(raw.get("head_dim") or hidden // num_heads),
+                head_dim=int(raw.get("head_dim") or hidden // max(num_heads, 1)),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(_rope_param(raw, "rope_theta", 10000.0)),
@@ -104,6 +120,7 @@ class ModelConfig:
                 eos_token_ids=_as_list(raw.get("eos_token_id")),
                 torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             )
+            _check_sizes(fields)  # before the flags build anything per layer
             # The architecture's flags may restate common fields (Gemma 3's rotary tables).
             flags = get_architecture(arch).config_flags(raw)
             if "rope_scaling" not in flags:
@@ -117,6 +134,24 @@ class ModelConfig:
             raise ModelLoadError(f"{source}: num_attention_heads ({cfg.num_heads}) is not a "
                                  f"multiple of num_key_value_heads ({cfg.num_kv_heads})")
         return cfg
+
+
+def _check_sizes(fields: dict) -> None:
+    """ValueError naming the config.json key of a size that is not positive or past
+    the bounds, or a rotary base or norm epsilon that is not a finite number."""
+    for name in _SIZES:
+        if fields[name] <= 0:
+            raise ValueError(f"{_KEYS.get(name, name)} is {fields[name]}; expected a "
+                             "positive integer")
+    for name, bound in (("num_layers", MAX_LAYERS), ("max_position_embeddings", MAX_CONTEXT)):
+        if fields[name] > bound:
+            raise ValueError(f"{_KEYS.get(name, name)} is {fields[name]}; expected at most "
+                             f"{bound}; no model in circulation comes near it")
+    for name, positive in (("rope_theta", True), ("rms_norm_eps", False)):
+        value = fields[name]
+        if not math.isfinite(value) or value < 0 or (positive and value == 0):
+            raise ValueError(f"{name} is {value}; expected a finite number "
+                             f"{'above' if positive else 'at least'} 0")
 
 
 def _as_list(value) -> list[int]:

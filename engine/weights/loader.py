@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -61,8 +62,7 @@ def _safetensors_views(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     disk tier cost no host memory."""
     try:
         with open(path, "rb") as f:
-            header_len = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(header_len))
+            header_len, header = _read_header(f)
             # A private (copy-on-write) mapping: writable for torch, never written.
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     except (OSError, ValueError) as exc:
@@ -79,6 +79,51 @@ def _safetensors_views(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         flat = torch.frombuffer(mapped, dtype=dtype, count=count, offset=base + start) \
             if count else torch.empty(0, dtype=dtype)
         yield name, flat.view(info["shape"])
+
+
+_MAX_HEADER = 100_000_000  # bytes: the safetensors format's own bound on its header
+
+
+def _read_header(f) -> tuple[int, dict]:
+    header_len = int.from_bytes(f.read(8), "little")
+    if header_len > _MAX_HEADER:  # read as is, a damaged length would size the buffer
+        raise ValueError(f"a header of {header_len} bytes; the format allows {_MAX_HEADER}")
+    return header_len, json.loads(f.read(header_len))
+
+
+def check_num_layers(cfg: ModelConfig, model_dir: Path, source: str) -> None:
+    """config.json's layer count against the layers its safetensors hold, read from the
+    index or the files' headers alone, before anything is sized per layer; the loader's
+    name-by-name check follows. Checkpoints without safetensors are left to the loader."""
+    names = _safetensors_names(model_dir)
+    if names is None:
+        return
+    pattern = re.compile(re.escape(get_architecture(cfg.architecture).layer_prefix)
+                         .replace(re.escape("{}"), r"(\d+)"))
+    layers = {int(m[1]) for name in names if (m := pattern.match(name))}
+    if len(layers) != cfg.num_layers or (layers and max(layers) != len(layers) - 1):
+        held = f"numbered {min(layers)} to {max(layers)}" if layers else "none"
+        raise ModelLoadError(f"{source}: num_hidden_layers is {cfg.num_layers}; expected "
+                             f"{len(layers)}, the layers its weights hold ({held})")
+
+
+def _safetensors_names(model_dir: Path) -> list[str] | None:
+    """The tensor names of the directory's safetensors (None: none, or unreadable: the
+    loader says why)."""
+    try:
+        index = model_dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            if not all((model_dir / shard).is_file() for shard in set(weight_map.values())):
+                return None
+            return list(weight_map)
+        names = []
+        for path in sorted(model_dir.glob("*.safetensors")):
+            with open(path, "rb") as f:
+                names += [name for name in _read_header(f)[1] if name != "__metadata__"]
+        return names or None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def iter_tensors(files: list[Path]) -> Iterator[tuple[str, Path, torch.Tensor]]:
