@@ -205,6 +205,20 @@ def test_truncated_file(llama_gguf, tmp_path):
         LLM(str(cut))
 
 
+def test_a_shape_whose_size_overflows_is_refused(llama_gguf, tmp_path):
+    # 2^32 x 2^32 values: their count wrapped to 0 in int64, so the table passed as whole
+    data = bytearray(llama_gguf.read_bytes())
+    name = b"blk.0.attn_q.weight"
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name) + 4
+    struct.pack_into("<2Q", data, at, 2**32, 2**32)
+    path = tmp_path / "huge.gguf"
+    path.write_bytes(bytes(data))
+    start = GGUFFile.open(llama_gguf).tensors["blk.0.attn_q.weight"].offset
+    with pytest.raises(ModelLoadError, match=rf"huge.gguf: truncated: tensor 'blk.0.attn_q."
+                       rf"weight' ends at byte {start + 2**64 * 4}, past the end of the file"):
+        LLM(str(path))
+
+
 def _retype(path, tensor: str, type_id: int, out):
     # The type id sits right after the tensor's name and dims in the tensor table.
     data = bytearray(path.read_bytes())

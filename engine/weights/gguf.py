@@ -15,6 +15,7 @@ dequantizer. A split set (`name-00001-of-00003.gguf`) is read from its first fil
 from __future__ import annotations
 
 import functools
+import math
 import mmap
 import re
 import struct
@@ -333,6 +334,6 @@ def _tensor_info(path: Path, shard: int, data_start: int, name: str,
     if shape and shape[-1] % block:
         raise ModelLoadError(f"{path}: tensor {name!r} rows of {shape[-1]} values do not "
                              f"fill whole {qtype.name} blocks of {block}; the file is damaged")
-    numel = int(np.prod(shape, dtype=np.int64))
+    numel = math.prod(shape)  # exact: a damaged shape's product must not wrap to a small size
     return TensorInfo(name, shape, qtype, data_start + offset, numel // block * block_bytes,
                       shard)
