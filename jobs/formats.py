@@ -16,6 +16,7 @@ naming the file and line, and the job writes it as an error row (`LineErrors`).
 from __future__ import annotations
 
 import csv
+import dataclasses
 import hashlib
 import io
 import json
@@ -25,6 +26,7 @@ import re
 import pyarrow as pa
 import pyarrow.csv as pcsv
 
+from fusegen.jobs.batch_checks import BatchScan
 from fusegen.jobs.errors import JobError
 from fusegen.jobs.json_columns import row_schema, to_table, widen
 from fusegen.jobs.plan import InputFile, TextLayout, TextSlice
@@ -90,11 +92,15 @@ _NOT_BRACKETS = re.compile(r"[^\[\]{}]+")
 _NOT_BRACKETS_B = bytes(sorted(set(range(256)) - set(b"[]{}")))
 
 
-def inspect_text(fs, path: str, fmt: str) -> InputFile:
+def inspect_text(fs, path: str, fmt: str, batch: BatchScan | None = None) -> InputFile:
     """Scan a JSONL or CSV file (see the module's docstring). An OpenAI batch request file
     (a JSONL file whose first row has custom_id, method, url and body) gets the format
-    `openai_batch` and no schema: its lines are parsed per request (`jobs/openai_batch.py`)."""
-    scan = _Scan(fmt)
+    `openai_batch` and no schema: its lines are parsed per request (`jobs/openai_batch.py`),
+    and `batch`, the job's BatchScan, notes its problem lines (the caller attaches them,
+    `with_batch_checks`, once every file is read; without one, the file's own are)."""
+    alone = batch is None
+    batch = BatchScan(load_json) if alone else batch
+    scan = _Scan(fmt, batch, path)
     digest = hashlib.sha256()
     with fs.open(path, "rb") as f:
         for record in records(f, fmt == CSV, digest):
@@ -105,14 +111,32 @@ def inspect_text(fs, path: str, fmt: str) -> InputFile:
                     "--model and ignores body.model", path, ", ".join(sorted(scan.models)))
     layout = TextLayout(scan.format, tuple(scan.offsets), tuple(scan.lines), scan.schema)
     columns = BATCH_KEYS if scan.format == OPENAI_BATCH else tuple(scan.schema.names)
-    return InputFile(path, tuple(scan.groups), columns, size=fs.info(path).get("size"),
+    file = InputFile(path, tuple(scan.groups), columns, size=fs.info(path).get("size"),
                      version="sha256=" + digest.hexdigest(), text=layout)
+    return with_batch_checks([file], batch)[0] if alone else file
+
+
+def with_batch_checks(files: list[InputFile], batch: BatchScan) -> list[InputFile]:
+    """The files, each batch file with the LineChecks `batch` found in it, across all of
+    them (a custom_id two files share fails in both). A JSONL file of no line among batch
+    files is one of them: it holds nothing that could be another format."""
+    checks = batch.finish()
+    any_batch = any(f.text is not None and f.text.format == OPENAI_BATCH for f in files)
+    out = []
+    for f in files:
+        if any_batch and f.num_rows == 0 and f.text is not None and f.text.format == JSONL:
+            f = dataclasses.replace(f, columns=BATCH_KEYS, text=dataclasses.replace(
+                f.text, format=OPENAI_BATCH, schema=None))
+        if f.path in checks:
+            f = dataclasses.replace(f, text=dataclasses.replace(f.text, checks=checks[f.path]))
+        out.append(f)
+    return out
 
 
 class _Scan:
     """Rows, offsets and the schema of one file, built record by record."""
 
-    def __init__(self, fmt: str):
+    def __init__(self, fmt: str, batch: BatchScan, path: str):
         self.format = fmt
         self.groups, self.offsets, self.lines = [], [], []
         self.schema = pa.schema([])
@@ -121,6 +145,10 @@ class _Scan:
         self._group: list[Record] = []
         self._decided = False  # JSONL: whether a line parsed, telling batch files apart
         self._kinds: dict[str, str] = {}  # JSONL: each column's kind (`row_schema`)
+        self._batch = batch
+        # While the file may be a batch file, every line goes to the batch checks (lines
+        # before the first that parses too: they may be bad UTF-8 or name a custom_id).
+        self._file = batch.start(path) if fmt == JSONL else None
 
     def add(self, record: Record) -> None:
         if self.format == CSV and self.names is None:
@@ -128,6 +156,8 @@ class _Scan:
             return
         if self.format == JSONL and not self._decided:
             self._detect_batch(record.raw)
+        if self._file is not None:
+            self._batch_line(record)
         if len(self._group) == GROUP_ROWS:
             self._close_group()
         if not self._group:
@@ -137,6 +167,8 @@ class _Scan:
 
     def finish(self) -> None:
         self._close_group()
+        if self._file is not None and self.format != OPENAI_BATCH:  # no line parsed
+            self._drop_batch()
         if self.format == CSV and self.names is not None:
             # Columns no row filled (or a file of a header alone) read as strings.
             self.schema = pa.schema([pa.field(n, pa.string()) if self.schema.get_field_index(n)
@@ -147,9 +179,7 @@ class _Scan:
         if not self._group:
             return
         self.groups.append(len(self._group))
-        if self.format == OPENAI_BATCH:
-            self._batch_models(self._group)
-        else:
+        if self.format != OPENAI_BATCH:
             group = _csv_schema(self._group, self.names) if self.format == CSV else \
                 row_schema([r for r, _ in map(_json_row, self._group) if r is not None],
                            self._kinds)
@@ -157,23 +187,29 @@ class _Scan:
         self._group = []
 
     def _detect_batch(self, raw: bytes) -> None:
-        """The first line that parses decides (a malformed first line is an error row)."""
+        """The first line that parses decides (a malformed first line is an error row).
+        Bad bytes are replaced here: a batch file saved as Latin-1 is still one, and its
+        lines the error lines of a batch file (not UTF-8), not rows of another format."""
         try:
-            first = load_json(raw)
+            first = load_json(raw.decode("utf-8", "replace"))
         except ValueError:
             return
         self._decided = True
         if isinstance(first, dict) and all(k in first for k in ("custom_id", "body")):
             self.format = OPENAI_BATCH
+        else:
+            self._drop_batch()
 
-    def _batch_models(self, group: list[Record]) -> None:
-        for record in group:
-            try:
-                model = load_json(record.raw).get("body", {}).get("model")
-            except (ValueError, AttributeError):
-                continue
-            if isinstance(model, str) and len(self.models) < 10:
-                self.models.add(model)
+    def _drop_batch(self) -> None:
+        self._batch.drop(self._file)
+        self._file = None
+
+    def _batch_line(self, record: Record) -> None:
+        line = self._batch.add(self._file, record.line, record.raw)
+        body = line.get("body") if isinstance(line, dict) else None
+        model = body.get("model") if isinstance(body, dict) else None
+        if isinstance(model, str) and len(self.models) < 10:
+            self.models.add(model)
 
 
 def _csv_header(record: Record) -> list[str]:

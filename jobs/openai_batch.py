@@ -14,11 +14,12 @@ errors file. A line that is no request is an error line, never a failed job: not
 not UTF-8 (bad bytes are not read as U+FFFD), a field nested past MAX_DEPTH levels, a
 lone surrogate in a string (`"\ud800"`: no UTF-8 file can hold it), a conversation too
 large for the context (sized before the chat template renders it). A custom_id that two
-or more lines of a file share is an error on each of them (`duplicate_custom_id`, naming
-the others): results are matched to requests by custom_id, and OpenAI's Batch API
-refuses such a file, so none of them is served. Parts commit like any JSONL part
-(`Output.commit_files`); the job's end merges them into `output.jsonl` and
-`errors.jsonl`.
+or more lines of the job's files share is an error on each of them (`duplicate_custom_id`,
+naming the others, in another file by its path): results are matched to requests by
+custom_id, one `output.jsonl` holds every file's, and OpenAI's Batch API refuses such a
+file, so none of them is served. Planning finds both (`jobs/batch_checks.py`). Parts
+commit like any JSONL part (`Output.commit_files`); the job's end merges them into
+`output.jsonl` and `errors.jsonl`.
 """
 from __future__ import annotations
 
@@ -26,14 +27,13 @@ import dataclasses
 import hashlib
 import json
 import os
-import re
 import time
 from dataclasses import dataclass
 
 from fusegen.engine.sampling_params import SamplingParams
 from fusegen.engine.tokenizer import PromptLimit
 from fusegen.jobs import errors
-from fusegen.jobs.batch_checks import FileChecks, file_checks
+from fusegen.jobs.batch_checks import LineChecks, leading_custom_id
 from fusegen.jobs.output import PARTS_DIR, Output, PartStats, jsonl_bytes
 from fusegen.jobs.params import (ENGINE_SAMPLING_FIELDS, ParamError, TooDeep, coerce,
                                  lone_surrogate, nesting_problem, read_json)
@@ -82,7 +82,7 @@ def parse_request(text: str, line: int, base: SamplingParams, index: int, chat=N
     try:
         obj = read_json(text, max_depth=None)  # each field's depth is checked below
     except ValueError as exc:
-        req.custom_id = _leading_custom_id(text)
+        req.custom_id = leading_custom_id(text)
         return _fail(req, INVALID_REQUEST, str(exc) if isinstance(exc, TooDeep) else
                      f"is not JSON ({exc})")
     if not isinstance(obj, dict):
@@ -110,19 +110,6 @@ class _LineError(ValueError):
 def _fail(req: BatchRequest, code: str, message: str) -> BatchRequest:
     req.error = {"code": code, "message": f"{_where(req)}: {message}"}
     return req
-
-
-_LEADING_ID = re.compile(r'\s*\{\s*"custom_id"\s*:\s*("(?:[^"\\]|\\.)*")')
-
-
-def _leading_custom_id(text: str) -> str | None:
-    """The custom_id of a line that cannot be read whole, when it is the line's first key
-    (as OpenAI's examples and clients write it), so that its error line names it."""
-    found = _LEADING_ID.match(text) if isinstance(text, str) else None
-    try:
-        return json.loads(found.group(1)) if found else None
-    except ValueError:
-        return None
 
 
 def _where(req: BatchRequest) -> str:
@@ -262,10 +249,10 @@ def run_batch_partition(spec, part, llm, table, fingerprint: str, owner, wait,
     futures' results, reporting progress meanwhile."""
     base, limit = spec.sampling_params(), getattr(llm, "prompt_limit", None)  # None: a fake
     chat = _chat_fn(llm, spec)
-    checks = file_checks(spec, part.path, fingerprint)
+    checks = part.text.checks  # the plan's, for this partition's lines
     lines = table.column("line").to_pylist()
     requests = [_check_line(parse_request(text, line, base, part.first_row + i, chat,
-                                          spec.system_prompt, limit), checks)
+                                          spec.system_prompt, limit), checks, part.path)
                 for i, (line, text) in enumerate(zip(lines, table.column("request").to_pylist()))]
     valid = [r for r in requests if r.error is None]
     outputs = iter(wait(llm.submit_many([(r.prompt, r.params) for r in valid]),
@@ -293,22 +280,21 @@ def run_batch_partition(spec, part, llm, table, fingerprint: str, owner, wait,
     return stats
 
 
-def _check_line(req: BatchRequest, checks: FileChecks) -> BatchRequest:
-    """`req` made its line's error line when the whole file says so: the line is not
-    UTF-8, or other lines share its custom_id (all of them fail: OpenAI refuses the file)."""
-    problem = checks.not_utf8(req.line)
+def _check_line(req: BatchRequest, checks: LineChecks | None, path: str) -> BatchRequest:
+    """`req` made its line's error line when planning found the line not UTF-8, or other
+    lines of the job's files holding its custom_id (all of them fail: OpenAI refuses such
+    a file, and one output.jsonl holds the results of every file)."""
+    problem = checks and checks.not_utf8(req.line)
     if problem:
         if req.custom_id is not None and "\ufffd" in req.custom_id:
             req.custom_id = None  # its own bytes are the bad ones: not shown
         return _fail(req, INVALID_REQUEST, problem)
-    others = [] if req.error is not None else checks.others(req.line, req.custom_id)
+    others = checks and req.error is None and checks.shared_with(path, req.line)
     if not others:
         return req
-    shown = ", ".join(map(str, others[:5])) + (f" and {len(others) - 5} more"
-                                               if len(others) > 5 else "")
-    return _fail(req, DUPLICATE, f"the custom_id is also on line{'s' * (len(others) > 1)} "
-                 f"{shown}; a result is matched to its request by custom_id, so none of "
-                 "them is served: give each request its own")
+    return _fail(req, DUPLICATE, f"the custom_id is also on {others}; a result is matched to "
+                 "its request by custom_id, so none of them is served: give each request "
+                 "its own")
 
 
 def _jsonl(lines: list[dict]) -> bytes:

@@ -24,6 +24,9 @@ class TextLayout:
     offsets: tuple[int, ...]  # byte offset of each row group's first row
     lines: tuple[int, ...]  # 1-based line number of each row group's first row
     schema: object = None  # pa.Schema of the whole file (None for openai_batch)
+    # openai_batch: the file's problem lines the planning scan found (not UTF-8, a
+    # custom_id other lines of the job hold), `jobs/batch_checks.py`'s LineChecks; None: none
+    checks: object = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +38,10 @@ class TextSlice:
     line: int
     skip: int
     schema: object = None
+    # The layout's checks of the lines from `line` to the row group after the partition's
+    # last row (those of fewer than two row groups' rows beyond its own), so a worker
+    # never reads the file for them.
+    checks: object = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,22 +98,27 @@ def plan_partitions(files: list[InputFile], partition_rows: int,
         groups = f.row_groups if f.text is None else (f.num_rows,)
         for start, stop in _file_ranges(groups, partition_rows):
             ranges.append((f.path, start, stop, first_row + start,
-                           _text_slice(f, start, firsts)))
+                           _text_slice(f, start, stop, firsts)))
         first_row += f.num_rows
     digits = name_digits(len(ranges))
     return [Partition(i, *r[:4], num_digits=digits, text=r[4], suffix=suffix)
             for i, r in enumerate(ranges)]
 
 
-def _text_slice(f: InputFile, start: int, firsts: list[int]) -> TextSlice | None:
-    """The row group of a text file holding row `start`, and the rows to skip in it.
-    `firsts`: the first row of each row group."""
+def _text_slice(f: InputFile, start: int, stop: int, firsts: list[int]) -> TextSlice | None:
+    """The row group of a text file holding row `start`, and the rows to skip in it, for
+    rows [start, stop). `firsts`: the first row of each row group."""
     if f.text is None:
         return None
     g = bisect.bisect_right(firsts, start) - 1
     layout = f.text
+    checks = None
+    if layout.checks is not None:  # lines up to the start of the group after row stop - 1
+        after = bisect.bisect_right(firsts, stop - 1)
+        end = layout.lines[after] if after < len(layout.lines) else 1 << 62
+        checks = layout.checks.between(layout.lines[g], end)
     return TextSlice(layout.format, layout.offsets[g], layout.lines[g], start - firsts[g],
-                     layout.schema)
+                     layout.schema, checks)
 
 
 def _file_ranges(row_groups, partition_rows: int):

@@ -12,8 +12,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fusegen.jobs.errors import JobError
-from fusegen.jobs.formats import OPENAI_BATCH, SUFFIXES, LineErrors, inspect_text, read_text, \
-    text_format
+from fusegen.jobs.batch_checks import BatchScan
+from fusegen.jobs.formats import OPENAI_BATCH, SUFFIXES, LineErrors, inspect_text, load_json, \
+    read_text, text_format, with_batch_checks
 from fusegen.jobs.identity import content_version
 from fusegen.jobs.plan import InputFile, Partition
 
@@ -45,7 +46,9 @@ def list_input_files(url: str, storage_options: dict) -> list[InputFile]:
         raise
     except Exception as exc:  # noqa: BLE001 - any backend error: the input is unreadable
         raise JobError(f"cannot read input {url}: {type(exc).__name__}: {exc}") from None
-    files = [_inspect(fs, p, "" if p == path else f" (in {url})") for p in sorted(paths)]
+    scan = BatchScan(load_json)  # one for all files: a custom_id two files share is found
+    files = with_batch_checks([_inspect(fs, p, "" if p == path else f" (in {url})", scan)
+                               for p in sorted(paths)], scan)
     batch = [f.path for f in files if f.text is not None and f.text.format == OPENAI_BATCH]
     if batch and len(batch) != len(files):
         other = next(f.path for f in files if f.path not in batch)
@@ -79,14 +82,15 @@ def _visible(name: str) -> bool:
     return not name.startswith(("_", "."))
 
 
-def _inspect(fs, path: str, where: str) -> InputFile:
+def _inspect(fs, path: str, where: str, scan: BatchScan) -> InputFile:
     """Row-group sizes, column names and content identity (`jobs/identity.py`). A file
     that is not Parquet, or whose columns repeat a name, fails here, named, before any
-    model loads. JSONL and CSV files are scanned whole (`jobs/formats.py`)."""
+    model loads. JSONL and CSV files are scanned whole (`jobs/formats.py`), a batch
+    file's problem lines noted in the job's `scan`."""
     fmt = text_format(path)
     try:
         if fmt is not None:
-            return inspect_text(fs, path, fmt)
+            return inspect_text(fs, path, fmt, scan)
         with fs.open(path, "rb") as f:
             pf = pq.ParquetFile(f)
             md = pf.metadata

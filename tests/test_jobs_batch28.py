@@ -1,16 +1,16 @@
 """Issue 28, OpenAI batch files: a line that is no request (nested too deep, a lone
 surrogate, bytes that are not UTF-8, a custom_id other lines share, a conversation too
 large to render) is that line's error line, and the job completes."""
-import io
 import json
 
 from fusegen.engine import SamplingParams
 from fusegen.engine.tokenizer import PromptLimit
-from fusegen.jobs.batch_checks import digest, scan_file
 from fusegen.jobs.openai_batch import _check_line, parse_request
 from fusegen.jobs.params import MAX_DEPTH
+from fusegen.jobs.plan import plan_partitions
 from fusegen.jobs.runner import run_job
 from fusegen.jobs.spec import JobSpec
+from fusegen.jobs.storage import list_input_files
 from jobs_fixtures import fake_engine, tiny_model_dir  # noqa: F401
 
 DEEP = (f"is nested more than {MAX_DEPTH} levels deep (lists and objects); fusegen reads "
@@ -24,10 +24,19 @@ def _line(custom_id, url="/v1/completions", **body) -> str:
     return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
 
 
-def _run(tmp_path, data: bytes, model: str, **spec) -> tuple[list[dict], list[dict]]:
-    (tmp_path / "requests.jsonl").write_bytes(data)
-    run_job(JobSpec(model=model, input=str(tmp_path / "requests.jsonl"),
-                    output=str(tmp_path / "results"), progress="none", **spec))
+def _run(tmp_path, data: bytes | dict[str, bytes], model: str,
+         **spec) -> tuple[list[dict], list[dict]]:
+    """A job over one request file (`data`), or a folder of them ({name: data})."""
+    tmp_path.mkdir(exist_ok=True)
+    if isinstance(data, bytes):
+        (tmp_path / "requests.jsonl").write_bytes(data)
+        inp = tmp_path / "requests.jsonl"
+    else:
+        (inp := tmp_path / "requests").mkdir()
+        for name, content in data.items():
+            (inp / name).write_bytes(content)
+    run_job(JobSpec(model=model, input=str(inp), output=str(tmp_path / "results"),
+                    progress="none", **spec))
     manifest = json.loads((tmp_path / "results" / "_manifest.json").read_text())
     assert manifest["status"] == "complete"
     return [[json.loads(line) for line in (tmp_path / "results" / name).read_bytes().splitlines()]
@@ -166,13 +175,127 @@ def test_duplicate_custom_ids_are_error_lines_on_every_line(fake_engine, tmp_pat
         ("", "duplicate_custom_id", f"line 9: the custom_id is also on line 5; {DUPLICATE}")]
 
 
-def test_scan_file_finds_shared_custom_ids_and_bad_bytes():
+def test_the_plan_finds_shared_custom_ids_and_bad_bytes(tmp_path):
     lines = [_line("x") for _ in range(8)] + ["", "not json", _line("y"), "[1]"]
     data = "\n".join(lines).encode() + b"\n" + _line("zz").encode().replace(b"zz", b"z\x80")
-    checks = scan_file(io.BytesIO(data))
-    assert checks.shared == {digest("x"): tuple(range(1, 9))}
+    (tmp_path / "b.jsonl").write_bytes(data)
+    (file,) = list_input_files(str(tmp_path / "b.jsonl"), {})
+    checks, path = file.text.checks, file.path
+    assert list(checks.shared_lines) == list(range(1, 9))  # line 9 blank, 10 no JSON
     assert (list(checks.bad_lines), list(checks.bad_at)) == ([13], [16 * 256 + 0x80])
+    assert (checks.shared_with(path, 10), checks.shared_with(path, 13)) == (None, None)
     req = parse_request(_line("x", prompt="p"), 4, SamplingParams(), 0)
-    assert req.error is None and _check_line(req, checks).error["message"] == (
+    assert req.error is None and _check_line(req, checks, path).error["message"] == (
         f"line 4 (custom_id 'x'): the custom_id is also on lines 1, 2, 3, 5, 6 and 2 more; "
         f"{DUPLICATE}")
+
+
+def _file(*lines: str) -> bytes:
+    return "".join(line + "\n" for line in lines).encode()
+
+
+def test_line_1_after_a_bom_is_read_as_every_other_line(fake_engine, tmp_path):
+    bom = b"\xef\xbb\xbf"
+    lines = [_line(i, prompt=f"p{n}", max_tokens=2) for n, i in enumerate("abac")]
+    out, errors = _run(tmp_path / "dup", bom + b"".join(line.encode() + b"\r\n"
+                                                         for line in lines),
+                       fake_engine, partition_rows=2)  # CRLF; line 1 and 3 in two parts
+    assert [o["custom_id"] for o in out] == ["b", "c"]
+    assert _errors(errors) == [
+        ("a", "duplicate_custom_id", f"line 1 (custom_id 'a'): the custom_id is also on line "
+         f"3; {DUPLICATE}"),
+        ("a", "duplicate_custom_id", f"line 3 (custom_id 'a'): the custom_id is also on line "
+         f"1; {DUPLICATE}")]
+    latin = _line("e", prompt="cafXX", max_tokens=2)
+    data = bom + latin.replace("XX", "\xe9").encode("latin-1") + b"\r\n" + _file(
+        _line("f", prompt="x", max_tokens=2))
+    out, errors = _run(tmp_path / "bytes", data, fake_engine)
+    assert [o["custom_id"] for o in out] == ["f"]
+    assert _errors(errors) == [("e", "invalid_request", f"line 1 (custom_id 'e'): is not "
+                                f"valid UTF-8 (byte 0xe9 at byte {latin.index('XX')} of the "
+                                "line); save the file as UTF-8")]  # counted after the BOM
+
+
+def test_a_batch_file_in_latin_1_is_a_batch_file_of_error_lines(fake_engine, tmp_path):
+    data = _file(*(_line(i, prompt="cafXX", max_tokens=2) for i in ("a", "b")))
+    out, errors = _run(tmp_path, data.replace(b"XX", b"\xe9"), fake_engine)
+    assert out == [] and [(e["custom_id"], e["error"]["code"]) for e in errors] == [
+        ("a", "invalid_request"), ("b", "invalid_request")]
+
+
+def test_workers_never_read_a_batch_file_again_for_its_checks(fake_engine, tmp_path,
+                                                              monkeypatch):
+    from fsspec.implementations.local import LocalFileSystem
+
+    opened = []
+    real_open = LocalFileSystem._open
+
+    def spy(self, path, mode="rb", *args, **kwargs):
+        if str(path).endswith("requests.jsonl"):
+            opened.append(mode)
+        return real_open(self, path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(LocalFileSystem, "_open", spy)
+    lines = [_line(i, prompt="p", max_tokens=2) for i in ("a", "b", "XX", "a", "c")]
+    data = _file(*lines).replace(b"XX", b"\xff")
+    out, errors = _run(tmp_path, data, fake_engine, partition_rows=2)
+    assert [o["custom_id"] for o in out] == ["b", "c"]
+    assert [e["error"]["code"] for e in errors] == [
+        "duplicate_custom_id", "invalid_request", "duplicate_custom_id"]
+    assert opened == ["rb"] * 4  # the plan's scan, then one read per partition (3)
+
+
+def test_each_partition_carries_the_problem_lines_of_its_stretch(tmp_path):
+    ids = [f"r{i}" for i in range(1000)]
+    ids[10] = ids[900] = "dup"  # lines 11 and 901
+    data = _file(*(_line(i, prompt="p") for i in ids))
+    data = data.replace(b'"r500", "method": "POST", "url": "/v1/completions", '
+                        b'"body": {"prompt": "p"', b'"r500", "method": "POST", "url": '
+                        b'"/v1/completions", "body": {"prompt": "\xff"')  # line 501
+    (tmp_path / "b.jsonl").write_bytes(data)
+    (tmp_path / "ok.jsonl").write_bytes(_file(*(_line(f"o{i}") for i in range(600))))
+    files = list_input_files(str(tmp_path), {})
+    plan = plan_partitions(files, 300, ".jsonl")
+    path = files[0].path
+    # Row groups start at rows 0, 256, 512, 768 (lines 1, 257, 513, 769): a partition
+    # gets the lines from its first row's group to the group after its last row.
+    checks = [p.text.checks for p in plan]
+    assert [(list(c.bad_lines), list(c.shared_lines)) if c else None for c in checks] == [
+        ([501], [11]), ([501], []), ([], [901]), ([], [901]), None, None]
+    assert (checks[0].shared_with(path, 11), checks[3].shared_with(path, 901)) == (
+        "line 901", "line 11")
+    assert checks[3].ids.paths == (path,) and list(checks[3].ids.counts) == [2]
+    assert files[1].text.checks is None  # a file without problems keeps nothing
+
+
+def test_a_custom_id_in_two_files_is_an_error_on_every_line_holding_it(fake_engine,
+                                                                       tmp_path):
+    ids = {"a.jsonl": ["x", "y", "w"], "c.jsonl": ["z", "x", "v", "x", "y"]}
+    out, errors = _run(tmp_path, {name: _file(*(_line(i, prompt=f"{name}{n}", max_tokens=2)
+                                                for n, i in enumerate(held)))
+                                  for name, held in ids.items()},
+                       fake_engine, partition_rows=2)  # duplicates across parts and files
+    a, c = (f"{tmp_path}/requests/{name}" for name in ids)
+    assert [o["custom_id"] for o in out] == ["w", "z", "v"]
+    assert _errors(errors) == [
+        ("x", "duplicate_custom_id", f"line 1 (custom_id 'x'): the custom_id is also on "
+         f"lines 2, 4 of {c}; {DUPLICATE}"),
+        ("y", "duplicate_custom_id", f"line 2 (custom_id 'y'): the custom_id is also on line "
+         f"5 of {c}; {DUPLICATE}"),
+        ("x", "duplicate_custom_id", f"line 2 (custom_id 'x'): the custom_id is also on line "
+         f"4 of this file and line 1 of {a}; {DUPLICATE}"),
+        ("x", "duplicate_custom_id", f"line 4 (custom_id 'x'): the custom_id is also on line "
+         f"2 of this file and line 1 of {a}; {DUPLICATE}"),
+        ("y", "duplicate_custom_id", f"line 5 (custom_id 'y'): the custom_id is also on line "
+         f"2 of {a}; {DUPLICATE}")]
+
+
+def test_an_empty_file_among_batch_files_adds_no_line(fake_engine, tmp_path):
+    out, errors = _run(tmp_path, {
+        "a.jsonl": _file(_line("p", prompt="x", max_tokens=2)), "b.jsonl": b"",
+        "c.jsonl": b"\r\n \n", "d.jsonl": _file(_line("q", prompt="y", max_tokens=2))},
+        fake_engine, partition_rows=2)
+    assert ([o["custom_id"] for o in out], errors) == (["p", "q"], [])
+    manifest = json.loads((tmp_path / "results" / "_manifest.json").read_text())
+    assert [(i["path"].rsplit("/", 1)[-1], i["num_rows"]) for i in manifest["inputs"]] == [
+        ("a.jsonl", 1), ("b.jsonl", 0), ("c.jsonl", 0), ("d.jsonl", 1)]
