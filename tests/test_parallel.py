@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 import os
 import signal
-import time
 
 import psutil
 import pytest
@@ -245,34 +244,46 @@ def test_pipeline_is_bit_identical_through_chunking_preemption_and_sampling(chec
 
 
 def test_pipeline_keeps_two_batches_in_flight(checkpoints):
-    """Non-blocking pipeline: while stage 1 runs batch k, stage 0 already runs batch
-    k + 1, and the stages idle less than when the controller waits for each batch."""
+    """Non-blocking pipeline: the controller submits batch k + 1 before it collects batch
+    k, each batch holding half the requests, so stage 0 has batch k + 1 to run while
+    stage 1 runs batch k; every stage runs the batches in the order they were submitted.
+    Asserted on the order of events and the batches' contents, never on durations: how
+    much the stages overlap in time is the OS scheduler's, and a busy machine's."""
     prompts = [list(range(5 + i, 60 + i)) for i in range(24)]
 
     def run(max_in_flight):
         with LLM(str(checkpoints["llama"]), dtype="float32", pipeline_parallel_size=2) as llm:
-            llm.engine.max_in_flight = max_in_flight
+            engine, events = llm.engine, []
+            engine.max_in_flight = max_in_flight
+            submit, collect = engine.runner.submit, engine.runner.collect
+            engine.runner.submit = lambda batch: events.append(
+                {r.request_id for r in batch.requests}) or submit(batch)
+            engine.runner.collect = lambda: events.append("collect") or collect()
             out = tokens(llm, prompts, greedy(24))
-            trace = llm.engine.runner.stage_trace()
-        return out, trace
+            trace = engine.runner.stage_trace()
+        return out, events, trace
 
-    overlapped, trace = run(2)
-    blocking, blocking_trace = run(1)
+    overlapped, events, trace = run(2)
+    blocking, blocking_events, blocking_trace = run(1)
     assert overlapped == blocking
-    first, last = trace[0], {step: (s, e) for step, _, s, e in trace[1]}
-    overlaps = sum(1 for step, _, s, e in first if step - 1 in last
-                   and s < last[step - 1][1] and e > last[step - 1][0])
-    assert overlaps >= len(first) // 2  # stage 0 ran step k + 1 during stage 1's step k
-    first, last = blocking_trace[0], {step: (s, e) for step, _, s, e in blocking_trace[1]}
-    assert not any(step - 1 in last and s < last[step - 1][1] for step, _, s, e in first)
-    assert _idle(trace) < _idle(blocking_trace)
-
-
-def _idle(trace) -> float:
-    """The stages' idle fraction: 1 - busy / span, summed over the stages."""
-    busy = sum(e - s for steps in trace.values() for _, _, s, e in steps)
-    span = sum(steps[-1][3] - steps[0][2] for steps in trace.values())
-    return 1 - busy / span
+    # 24 requests in two alternating halves of 12, two batches out before each collect
+    batches = [e for e in events if e != "collect"]
+    assert events == [batches[0], batches[1]] + [e for b in batches[2:] for e in ("collect", b)] \
+        + ["collect"] * 2
+    assert [len(b) for b in batches] == [12] * len(batches) == [12] * 48
+    assert all(b == batches[k % 2] for k, b in enumerate(batches))
+    assert not batches[0] & batches[1]
+    # the blocking baseline: one batch of all 24 at a time
+    assert blocking_events == [e for b in blocking_events[::2] for e in (b, "collect")]
+    assert [len(b) for b in blocking_events[::2]] == [24] * 24
+    # each stage ran every batch, in submission order
+    for stage_trace, num_batches in ((trace, 48), (blocking_trace, 24)):
+        assert {rank: [step for step, *_ in steps] for rank, steps in stage_trace.items()} \
+            == {0: list(range(num_batches)), 1: list(range(num_batches))}
+    # Blocking, stage 0 cannot start batch k + 1 before stage 1 has ended batch k: the
+    # controller submits it only after the reply stage 1 sends after its end (one clock).
+    first, last = blocking_trace[0], {step: end for step, _, _, end in blocking_trace[1]}
+    assert all(start > last[step - 1] for step, _, start, _ in first[1:])
 
 
 def test_collective_bytes_match_one_dimensional_tensor_parallelism(checkpoints):
@@ -297,10 +308,10 @@ def test_killed_rank_fails_the_step_and_nothing_hangs(checkpoints):
     try:
         pids = llm.engine.runner.group.pids
         os.kill(pids[1], signal.SIGKILL)
-        start = time.monotonic()
         with pytest.raises(DeviceGroupError) as info:
             tokens(llm, PROMPTS, greedy(50))
-        assert time.monotonic() - start < 30
+        # found by watching the ranks' processes: waiting out collective_timeout would
+        # say "did not answer ... within 60 s" instead
         assert str(info.value).startswith("device_group_failed: rank 1 (pid "
                                           f"{pids[1]}) exited with code -9 during ")
         assert DeviceGroupError.code == "device_group_failed"
