@@ -16,7 +16,7 @@ from fusegen.engine.llm_engine import LLMEngine, Prompt
 from fusegen.engine.options import EngineOptions, describe
 from fusegen.engine.outputs import RequestOutput
 from fusegen.engine.sampling_params import SamplingParams
-from fusegen.engine.tokenizer import PromptLimit, messages_problem
+from fusegen.engine.tokenizer import PromptError, PromptLimit, messages_problem
 
 
 class LLM:
@@ -53,6 +53,8 @@ class LLM:
                 self._cond.notify_all()
             raise
         self.tokenizer = self.engine.tokenizer
+        # Chat templates stop writing text longer than a prompt can be.
+        self.tokenizer.prompt_limit = self.engine.prompt_limit
 
     @property
     def max_model_len(self) -> int:
@@ -121,18 +123,17 @@ class LLM:
         prompts = [self._chat_prompt(c, add_generation_prompt, chat_template)
                    for c in conversations]
         valid = [i for i, p in enumerate(prompts) if not isinstance(p, RequestOutput)]
-        # The text carries the special tokens the template writes: none are added again.
-        ids = [self.tokenizer.encode(prompts[i], add_special_tokens=False) for i in valid]
-        outputs = self.generate(ids, [params[i] for i in valid], use_tqdm) if valid else []
+        outputs = self.generate([prompts[i][1] for i in valid], [params[i] for i in valid],
+                                use_tqdm) if valid else []
         for i, output in zip(valid, outputs):
-            output.prompt = prompts[i]  # vLLM's: the conversation as the template wrote it
+            output.prompt = prompts[i][0]  # vLLM's: the conversation as the template wrote it
             prompts[i] = output
         return prompts
 
-    def _chat_prompt(self, messages, add_generation_prompt: bool,
-                     chat_template: str | None) -> str | RequestOutput:
-        """The conversation written out by the template (its ids are `encode_chat`'s),
-        or an error output saying why there is none."""
+    def _chat_prompt(self, messages, add_generation_prompt: bool, chat_template: str | None
+                     ) -> tuple[str, list[int]] | RequestOutput:
+        """The conversation written out by the template and its ids (`chat_prompt`'s),
+        or an error output saying why there are none."""
         problem = messages_problem(messages)
         if problem:
             return self.engine.error_output(f"invalid_prompt: a conversation {problem}")
@@ -140,8 +141,9 @@ class LLM:
         if too_long:  # before the template renders it and the tokenizer encodes it
             return self.engine.error_output(too_long)
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt,
-                                                      chat_template)
+            return self.tokenizer.chat_prompt(messages, add_generation_prompt, chat_template)
+        except PromptError as exc:  # its text is too long, or the tokenizer failed on it
+            return self.engine.error_output(f"{exc.code}: {exc}")
         except Exception as exc:  # noqa: BLE001 - the template's refusal is this request's
             return self.engine.error_output(
                 f"invalid_prompt: the chat template failed: {type(exc).__name__}: {exc}")

@@ -1,12 +1,13 @@
-"""Prompt templates: Jinja over a row's columns, sandboxed, bounded in size, strict about
-missing names."""
+"""Prompt templates: Jinja over a row's columns, sandboxed, bounded in size and in work
+(engine/template_sandbox.py, which chat templates share), strict about missing names."""
 from __future__ import annotations
 
 import jinja2
 from jinja2 import meta
 
+from fusegen.engine.template_sandbox import (BoundedSandbox, TemplateSizeError,  # noqa: F401
+                                              TemplateTimeError)
 from fusegen.jobs.errors import JobError
-from fusegen.jobs.template_sandbox import BoundedSandbox, TemplateSizeError  # noqa: F401
 
 
 class PromptTemplate:
@@ -21,10 +22,12 @@ class PromptTemplate:
             self._template = self._env.from_string(source)
         except jinja2.TemplateSyntaxError as exc:
             raise JobError(f"prompt_template line {exc.lineno}: {exc.message}") from None
+        except TemplateSizeError as exc:
+            raise JobError(f"prompt_template: {exc}") from None
 
     def render(self, row: dict) -> str:
         """Raises on a row the template cannot render (the caller makes it an error row),
-        TemplateSizeError included.
+        TemplateSizeError and TemplateTimeError (too many steps) included.
 
         Null values are left undefined rather than rendered as "None": using one fails
         the row, while `{% if x is defined %}` or `{{ x | default('') }}` handle it."""
