@@ -31,6 +31,16 @@ def test_masked_logits_and_strided_rows():
     assert torch.equal(argmax_native(sliced), sliced.argmax(dim=-1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cols", [1, 31, 448, 32000])
+def test_rows_of_nothing_but_minus_infinity(dtype, cols):
+    """A row a constraint masks whole: index 0, as torch gives, never past the row."""
+    x = torch.full((3, cols), float("-inf"), dtype=dtype)
+    x[1, cols - 1] = -1e30
+    got = argmax_native(x)
+    assert torch.equal(got, x.argmax(dim=-1)) and got.tolist() == [0, cols - 1, 0]
+
+
 def test_dispatcher_keeps_other_dtypes_on_torch():
     x = torch.randn(4, 50).bfloat16()
     assert torch.equal(argmax(x), x.argmax(dim=-1))

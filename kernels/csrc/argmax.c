@@ -4,12 +4,16 @@
  * value and does not vectorise that loop: 7-15 ms for 125 rows of 32000 on a 2-core
  * AVX2 machine. Two vectorised passes per row instead: the maximum (a plain max
  * reduction), then the first index holding it, which is torch's answer on ties.
- * Logits are finite (a NaN logit is a model fault, and -ffast-math drops NaN rules).
+ * Logits may be -inf (masked tokens; a row a constraint or a logits processor masks
+ * whole), so this file keeps infinities out of -ffast-math's finite-math assumption,
+ * under which "the first index holding -inf" was never found and the scan ran past
+ * the row. NaN is a model fault; the scan still stops at the row's last index.
  * bf16 logits are compared as the fp32 values they widen to, exactly: the answer is
  * argmax_f32's over the widened rows, without writing them. With AVX-512 BW, a bf16
  * row takes one pass over 16-bit keys that order as the values do (32 a vector, where
  * widening gives 16, and no second pass for the index).
  */
+#pragma GCC optimize("no-finite-math-only")
 #include <stdint.h>
 #include <string.h>
 #if defined(__AVX512BW__)
@@ -34,7 +38,7 @@ void NAME(const T *x, int64_t *out, int64_t rows, int cols, int64_t stride,     
         _Pragma("omp simd reduction(max:best)")                                             \
         for (int i = 1; i < cols; i++) best = LOAD(row[i]) > best ? LOAD(row[i]) : best;   \
         int64_t at = 0;                                                                     \
-        while (LOAD(row[at]) != best) at++;                                                 \
+        while (at < cols - 1 && LOAD(row[at]) != best) at++;                                \
         out[r] = at;                                                                        \
     }                                                                                       \
 }
