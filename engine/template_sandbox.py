@@ -187,6 +187,23 @@ _FILTERS = {
     "slice": lambda items, slices, fill_with=None: _size(items) + slices,
     "tojson": lambda value, indent=None: json_size(value, indent),  # Jinja's own
 }
+# Steps for the filters whose work grows faster than their input, or is slow per
+# character, charged before they run (one call is otherwise one step: no hook inside it).
+def _sum_steps(items, attribute=None, start=0) -> int:
+    """Adding up lists copies the sum so far each time: quadratic."""
+    if not isinstance(items, (list, tuple)) or not isinstance(start, (list, tuple)):
+        return 0
+    return len(items) * _size(items) // 1024
+
+
+_FILTER_STEPS = {
+    # markupsafe removes one tag at a time, copying the text each time
+    "striptags": lambda s: str(s).count("<") * len(s) // 8192 + len(s) // 16,
+    "sum": _sum_steps,
+    "urlize": lambda s, *_, **__: len(s) * 4,  # about 1.3 us a character
+    "wordwrap": lambda s, *_, **__: len(s) * 4,
+}
+
 _BINOPS = {
     "*": lambda a, b: _repeated(a, b) or _repeated(b, a) or _size(a) + _size(b),
     "+": lambda a, b: _size(a) + _size(b),
@@ -309,7 +326,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         if budget.steps > budget.max_steps:
             raise TemplateTimeError(
                 f"{budget.origin} took more than {budget.max_steps:,} steps in one render "
-                f"(a loop turn counts {TURN_STEPS}, a filter {FILTER_STEPS}, a call "
+                f"(a loop turn counts {TURN_STEPS}, a filter {FILTER_STEPS} or more, a call "
                 f"{CALL_STEPS}), the most a template may take: its loops or recursion never "
                 "end, or grow too fast with the input")
         if time.monotonic() >= budget.deadline:
@@ -383,13 +400,14 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
     def _bounded_filter(self, name: str, fn, estimate=None):
         skip = 1 if _PassArg.from_obj(fn) is not None else 0  # context / eval_ctx first
         estimate = estimate or _FILTERS.get(name)
+        cost = _FILTER_STEPS.get(name)
         stringifies = name not in _STRUCTURAL_FILTERS
 
         what = f"filter {name!r}"
 
         @functools.wraps(fn)
         def bounded(*args, **kwargs):
-            self.step(FILTER_STEPS)
+            self.step(FILTER_STEPS + (_bound(cost, *args[skip:], **kwargs) if cost else 0))
             value = args[skip] if len(args) > skip else None
             if stringifies and isinstance(value, _CONTAINERS):
                 self.check(what, _bound(_size, value))

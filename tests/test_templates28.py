@@ -35,8 +35,8 @@ LOOP = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% e
 BOOM = ("{% for m in messages %}{% if m['content'] == 'boom' %}" + LOOP + "{% endif %}"
         "<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
 STEPS_ERROR = ("TemplateTimeError: {origin} took more than 20,000 steps in one render (a loop "
-               "turn counts 1, a filter 10, a call 30), the most a template may take: its "
-               "loops or recursion never end, or grow too fast with the input")
+               "turn counts 1, a filter 10 or more, a call 30), the most a template may take: "
+               "its loops or recursion never end, or grow too fast with the input")
 TOO_LONG = ("prompt_too_long: the conversation as {origin} writes it has {size}; no text over "
             "8,704 bytes fits the context (max_model_len 512 tokens x 17 bytes, the longest "
             "token); shorten it")
@@ -148,6 +148,18 @@ def test_the_clock_is_a_backstop_naming_the_template(llm, monkeypatch):
         "in one render (1 steps), the longest a template may run: its loops never end, or "
         "grow too fast with the input")
     assert "ran past 0 s" in _prompt_error("{% for i in range(3) %}{{ i }}{% endfor %}")
+
+
+@pytest.mark.parametrize("source", [
+    "{{ ('<a>' * 1000000) | striptags }}",  # markupsafe copies the text once per tag
+    "{{ ([[1]] * 1000000) | sum(start=[]) }}",  # each list added copies the sum so far
+])
+def test_filters_whose_work_outgrows_their_input_take_steps_first(source):
+    """Under a large limit (a long context's), one such call would run for hours, with
+    no hook inside it where a step or the clock could stop it."""
+    with pytest.raises(template_sandbox.TemplateTimeError) as info:
+        PromptTemplate(source, max_size=1 << 24).render({})
+    assert str(info.value) == STEPS_ERROR.format(origin="the prompt template").split(": ", 1)[1]
 
 
 def test_templates_longer_than_the_limit_are_refused_before_they_compile(llm):
