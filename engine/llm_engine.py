@@ -24,7 +24,7 @@ from fusegen.engine.sampling_params import SamplingParams
 from fusegen.engine.scheduler import ScheduledBatch, Scheduler
 from fusegen.engine.logits_processors import bad_words_token_ids, vocabulary_problem
 from fusegen.engine.structured import StructuredCompiler
-from fusegen.engine.tokenizer import PromptLimit, Tokenizer, prompt_problem
+from fusegen.engine.tokenizer import PromptError, PromptLimit, Tokenizer, prompt_problem
 from fusegen.engine.weights.gguf_names import is_gguf
 from fusegen.engine.weights.hub import resolve_model
 
@@ -110,6 +110,9 @@ class LLMEngine:
         self.max_in_flight = self.runner.max_in_flight
         self._ids = itertools.count()
         self.structured = StructuredCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        # chat templates stop rendering past what could fit the context (engine used alone
+        # too, not only through LLM)
+        self.tokenizer.prompt_limit = self.prompt_limit
 
     @property
     def vocab_size(self) -> int:
@@ -154,12 +157,16 @@ class LLMEngine:
         if error is not None:
             return RequestOutput.failed(request_id, error, text, prompt_ids)
         n = params.n
-        if n == 1:
-            return [self._request(request_id, text, prompt_ids, params, structured)]
-        group = RequestGroup(request_id, n)
-        return [self._request(next(self._ids), text, prompt_ids, _child_params(params, i),
-                              structured if i == 0 else self.structured.state_for(params)[0],
-                              group, i) for i in range(n)]
+        try:  # bad_words are tokenized here
+            if n == 1:
+                return [self._request(request_id, text, prompt_ids, params, structured)]
+            group = RequestGroup(request_id, n)
+            return [self._request(next(self._ids), text, prompt_ids, _child_params(params, i),
+                                  structured if i == 0 else self.structured.state_for(params)[0],
+                                  group, i) for i in range(n)]
+        except PromptError as exc:
+            return RequestOutput.failed(request_id, f"{exc.code}: bad_words: {exc}", text,
+                                        prompt_ids)
 
     def _request(self, request_id: int, text: str | None, prompt_ids: list[int],
                  params: SamplingParams, structured, group: RequestGroup | None = None,
@@ -184,7 +191,12 @@ class LLMEngine:
             if not prompt:
                 return None, "empty_prompt: the prompt is an empty string"
             problem = prompt_problem(prompt, self.prompt_limit)
-            return (None, problem) if problem else (self.tokenizer.encode(prompt), None)
+            if problem:
+                return None, problem
+            try:
+                return self.tokenizer.encode(prompt), None
+            except PromptError as exc:  # the tokenizer failed on this text: its error
+                return None, f"{exc.code}: {exc}"
         if isinstance(prompt, (list, tuple)):
             if not prompt:
                 return None, "empty_prompt: the prompt has no token ids"

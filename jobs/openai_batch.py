@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 
 from fusegen.engine.sampling_params import SamplingParams
-from fusegen.engine.tokenizer import PromptLimit
+from fusegen.engine.tokenizer import PromptError, PromptLimit
 from fusegen.jobs import errors
 from fusegen.jobs.batch_checks import LineChecks, leading_custom_id
 from fusegen.jobs.output import PARTS_DIR, Output, PartStats, jsonl_bytes
@@ -158,6 +158,9 @@ def _prompt(url: str, body: dict, chat, system_prompt: str | None, limit: Prompt
             raise _LineError(INVALID_REQUEST if code == errors.INVALID_PROMPT else code, message)
         try:
             return chat(messages)
+        except PromptError as exc:  # past the prompt limit, or the tokenizer failed on it
+            code = INVALID_REQUEST if exc.code == errors.INVALID_PROMPT else exc.code
+            raise _LineError(code, f"body.messages: {exc}") from None
         except Exception as exc:  # noqa: BLE001 - the template's refusal is this line's
             raise _LineError(INVALID_REQUEST, f"body.messages: the chat template failed: "
                              f"{type(exc).__name__}: {exc}") from None

@@ -12,7 +12,8 @@ from typing import Callable
 import pyarrow as pa
 
 from fusegen.engine.sampling_params import SamplingParams
-from fusegen.engine.tokenizer import PromptLimit, messages_problem, prompt_problem
+from fusegen.engine.tokenizer import (PromptError, PromptLimit, messages_problem,
+                                      prompt_problem)
 from fusegen.jobs import errors
 from fusegen.jobs.errors import JobError
 from fusegen.jobs.params import (CONSTRAINT_COLUMNS, ParamError, TooDeep, column_warnings,
@@ -193,6 +194,8 @@ class RowPreparer:
             return None, problem
         try:
             return self.chat(messages), None
+        except PromptError as exc:  # past the prompt limit, or the tokenizer failed on it
+            return None, (exc.code, str(exc))
         except Exception as exc:  # noqa: BLE001
             return None, (errors.TEMPLATE_ERROR, f"chat template: {type(exc).__name__}: {exc}")
 

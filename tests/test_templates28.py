@@ -219,6 +219,16 @@ def test_a_tokenizer_panic_is_that_conversation_s_error(llm, monkeypatch):
         "fix the text")
 
 
+def test_a_tokenizer_panic_on_a_prompt_or_bad_words_is_that_prompt_s_error(llm, monkeypatch):
+    """`generate` too: the panic is one prompt's error output, the others generate."""
+    monkeypatch.setattr(llm.tokenizer, "_backend", _Spy(llm.tokenizer._backend))
+    outs = llm.generate(["hello", "a PANIC here", "fine"], ONE)
+    assert [o.finish_reason for o in outs] == ["length", "error", "length"]
+    assert outs[1].error.startswith("invalid_prompt: the tokenizer failed on 12 characters")
+    (out,) = llm.generate(["hello"], SamplingParams(max_tokens=2, bad_words=["PANIC"]))
+    assert out.error.startswith("invalid_prompt: bad_words: the tokenizer failed on")
+
+
 def _checkpoint_with(tmp_path, template: str, form: str):
     """The tiny model with `template` as its own chat template, as a directory or a GGUF
     file; and how errors name where the template came from."""
@@ -297,10 +307,9 @@ def test_a_chat_template_that_floods_or_panics_on_one_row_fails_that_row(tmp_pat
     errors = read_output(tmp_path / "out").column("error").to_pylist()
     assert errors == [
         None,
-        # jobs/rows.py names a chat template's failure template_error, whatever it is
-        "template_error: row 1: chat template: PromptError: " +
+        "prompt_too_long: row 1: " +
         TOO_LONG.format(origin=PASSED, size="more than 8,704 characters").split(": ", 1)[1],
-        "template_error: row 2: chat template: PromptError: the tokenizer failed on 5 "
+        "invalid_prompt: row 2: the tokenizer failed on 5 "
         "characters of text (the tokenizers library panicked: index out of bounds: the len "
         "is 3 but the index is 7); shorten or fix the text",
         None]
