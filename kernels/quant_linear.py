@@ -1,0 +1,146 @@
+"""A linear layer whose weight stays in its GGUF blocks: x @ W.T with W expanded only
+inside the product.
+
+Shapes:
+  x        [T, in_features] fp32 or bf16, rows contiguous (T may be 0)
+  blocks   uint8 [out_features, row_bytes]: each row one weight row's GGUF blocks as the
+           file stores them; row_bytes = in_features // block_size * type_size
+           (gguf.constants.GGML_QUANT_SIZES)
+  qtype    int, a gguf.GGMLQuantizationType value (one of SUPPORTED)
+  returns  [T, out_features] in x.dtype
+
+On CPUs the C kernel (kernels/csrc/quant_gguf.c) expands each block in registers and
+multiplies it with every row of x in fp32, so each weight byte is read once per call.
+It serves decode-shaped calls (T <= MAX_KERNEL_ROWS); larger T, a type or dtype this
+build has no kernel for, and every other device take the reference: dequantize a tile of
+output rows and multiply it with torch (never a dense copy of the whole layer).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import numpy as np
+import torch
+
+from fusegen.kernels import use_native
+
+# GGMLQuantizationType values (gguf.constants), kept here so the dispatcher needs no
+# gguf import on its hot path.
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = \
+    0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
+SUPPORTED = {
+    Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0",
+    Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K",
+}
+# (values per block, bytes per block), as gguf.constants.GGML_QUANT_SIZES says
+BLOCK_SIZES = {
+    Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34),
+    Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
+}
+# Above this many rows of x the kernel's advantage (reading each block once) is spent:
+# the product is bound by arithmetic, which torch's GEMM on a dequantized tile does
+# better. The C entry points refuse (return -1) above it too.
+MAX_KERNEL_ROWS = 64
+REFERENCE_TILE_ROWS = 256  # output rows dequantized at a time by the reference
+_NATIVE = {torch.float32: ("quant_gguf_f32", 1), torch.bfloat16: ("quant_gguf_bf16", 2)}
+
+
+def check(blocks: torch.Tensor, qtype: int, out_features: int, in_features: int) -> int:
+    """row_bytes of a valid call; ValueError naming the problem otherwise."""
+    if qtype not in SUPPORTED:
+        raise ValueError(
+            f"GGUF quantization type {qtype} has no quant_linear kernel or reference; "
+            f"supported: {', '.join(SUPPORTED.values())} (load the model with "
+            f"quantization='dequantize' to expand it to 16 bits instead)")
+    block_size, type_size = BLOCK_SIZES[qtype]
+    if in_features % block_size:
+        raise ValueError(f"{SUPPORTED[qtype]} weight rows hold whole blocks of {block_size} "
+                         f"values; in_features={in_features} is not a multiple")
+    row_bytes = in_features // block_size * type_size
+    if blocks.dtype != torch.uint8 or tuple(blocks.shape) != (out_features, row_bytes):
+        raise ValueError(f"{SUPPORTED[qtype]} blocks for a {out_features} x {in_features} "
+                         f"weight are uint8 [{out_features}, {row_bytes}]; got "
+                         f"{blocks.dtype} {list(blocks.shape)}")
+    return row_bytes
+
+
+def quant_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features: int,
+                 in_features: int) -> torch.Tensor:
+    """Dispatcher: the C kernel where this build has one for (qtype, x.dtype) and T is
+    decode-sized, else the reference."""
+    check(blocks, qtype, out_features, in_features)
+    if 0 < x.shape[0] <= MAX_KERNEL_ROWS and x.dtype in _NATIVE and use_native(x) \
+            and has_kernel(qtype, x.dtype):
+        out = _quant_linear_native(x, blocks, qtype, out_features, in_features)
+        if out is not None:
+            return out
+    return quant_linear_reference(x, blocks, qtype, out_features, in_features)
+
+
+@functools.cache
+def has_kernel(qtype: int, dtype: torch.dtype) -> bool:
+    """Whether this machine's build has the C kernel for `qtype` with `dtype` rows of x
+    (False under FUSEGEN_KERNELS=reference only through the dispatcher's use_native)."""
+    if qtype not in SUPPORTED or dtype not in _NATIVE:
+        return False
+    lib = _library()
+    return lib is not None and bool(lib.quant_gguf_available(qtype) & _NATIVE[dtype][1])
+
+
+@functools.cache
+def _library():
+    from fusegen.kernels import native
+
+    lib = native.library()
+    if lib is None or not hasattr(lib, "quant_gguf_available"):
+        return None
+    # native.library() gives the int result only to the names it knows return one
+    for name in ("quant_gguf_available", "quant_gguf_f32", "quant_gguf_bf16"):
+        getattr(lib, name).restype = ctypes.c_int
+    return lib
+
+
+def _quant_linear_native(x, blocks, qtype, out_features, in_features):
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    blocks = blocks if blocks.is_contiguous() else blocks.contiguous()
+    out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
+    kernel = getattr(_library(), _NATIVE[x.dtype][0])
+    status = kernel(qtype, x.data_ptr(), x.shape[0], x.stride(0), blocks.data_ptr(),
+                    out_features, in_features, out.data_ptr(), out_features,
+                    torch.get_num_threads())
+    return out if status == 0 else None
+
+
+def quant_linear_native(x, blocks, qtype, out_features, in_features) -> torch.Tensor:
+    """The C kernel alone (tests); RuntimeError where it declines the call."""
+    check(blocks, qtype, out_features, in_features)
+    if x.shape[0] == 0:
+        return torch.empty(0, out_features, dtype=x.dtype)
+    out = _quant_linear_native(x, blocks, qtype, out_features, in_features)
+    if out is None:
+        raise RuntimeError(f"no C kernel for {SUPPORTED[qtype]} with {x.dtype} x and "
+                           f"{x.shape[0]} rows in this build")
+    return out
+
+
+def dequantize_rows(blocks: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
+    """[rows, row_bytes] uint8 blocks -> [rows, in_features] fp32, by the gguf package."""
+    from gguf.quants import dequantize
+
+    data = blocks.contiguous().numpy()
+    dense = dequantize(data, qtype).reshape(blocks.shape[0], in_features)
+    return torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32))
+
+
+def quant_linear_reference(x: torch.Tensor, blocks: torch.Tensor, qtype: int,
+                           out_features: int, in_features: int) -> torch.Tensor:
+    """Dequantize REFERENCE_TILE_ROWS output rows at a time, multiply in fp32."""
+    check(blocks, qtype, out_features, in_features)
+    xf = x.float()
+    out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    for first in range(0, out_features, REFERENCE_TILE_ROWS):
+        last = min(first + REFERENCE_TILE_ROWS, out_features)
+        w = dequantize_rows(blocks[first:last], qtype, in_features)  # [tile, in]
+        out[:, first:last] = xf @ w.T
+    return out.to(x.dtype)
