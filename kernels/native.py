@@ -63,6 +63,10 @@ _SIGNATURES = {
     **{f"gemm_tiles_{t}": [_P, _L, _L, _P, _L, _L, _L, _P, _P, _L, _I] for t in ("bf16", "f32")},
     # csrc/argmax.c
     **{f"argmax_{t}": [_P, _P, _L, _I, _L, _I] for t in ("f32", "bf16")},
+    # csrc/quant_gguf.c (int results; kernels/quant_linear.py sets them)
+    "quant_gguf_available": [_I],
+    **{f"quant_gguf_{t}": [_I, _P, _L, _L, _P, _L, _L, _P, _L, _I, _I] for t in ("f32", "bf16")},
+    "quant_gguf_dequantize_f32": [_I, _P, _L, _L, _P, _I, _I],
 }
 
 

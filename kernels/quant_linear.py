@@ -70,11 +70,12 @@ def quant_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features
     """Dispatcher: the C kernel where this build has one for (qtype, x.dtype) and T is
     decode-sized, else the reference."""
     check(blocks, qtype, out_features, in_features)
-    if 0 < x.shape[0] <= MAX_KERNEL_ROWS and x.dtype in _NATIVE and use_native(x) \
-            and has_kernel(qtype, x.dtype):
-        out = _quant_linear_native(x, blocks, qtype, out_features, in_features)
-        if out is not None:
-            return out
+    if x.shape[0] and x.dtype in _NATIVE and use_native(x) and has_kernel(qtype, x.dtype):
+        if x.shape[0] <= MAX_KERNEL_ROWS:
+            out = _quant_linear_native(x, blocks, qtype, out_features, in_features)
+            if out is not None:
+                return out
+        return _tiled(x, blocks, qtype, out_features, in_features)
     return quant_linear_reference(x, blocks, qtype, out_features, in_features)
 
 
@@ -96,32 +97,61 @@ def _library():
     if lib is None or not hasattr(lib, "quant_gguf_available"):
         return None
     # native.library() gives the int result only to the names it knows return one
-    for name in ("quant_gguf_available", "quant_gguf_f32", "quant_gguf_bf16"):
+    for name in ("quant_gguf_available", "quant_gguf_f32", "quant_gguf_bf16",
+                 "quant_gguf_dequantize_f32"):
         getattr(lib, name).restype = ctypes.c_int
     return lib
 
 
-def _quant_linear_native(x, blocks, qtype, out_features, in_features):
+def _quant_linear_native(x, blocks, qtype, out_features, in_features, plain=False):
     x = x if x.stride(-1) == 1 else x.contiguous()
     blocks = blocks if blocks.is_contiguous() else blocks.contiguous()
     out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
     kernel = getattr(_library(), _NATIVE[x.dtype][0])
     status = kernel(qtype, x.data_ptr(), x.shape[0], x.stride(0), blocks.data_ptr(),
                     out_features, in_features, out.data_ptr(), out_features,
-                    torch.get_num_threads())
+                    torch.get_num_threads(), int(plain))
     return out if status == 0 else None
 
 
-def quant_linear_native(x, blocks, qtype, out_features, in_features) -> torch.Tensor:
-    """The C kernel alone (tests); RuntimeError where it declines the call."""
+def quant_linear_native(x, blocks, qtype, out_features, in_features,
+                        plain: bool = False) -> torch.Tensor:
+    """The C kernel alone (tests); `plain` takes its plain-C expansion of the blocks
+    instead of the vectorised one. RuntimeError where it declines the call."""
     check(blocks, qtype, out_features, in_features)
     if x.shape[0] == 0:
         return torch.empty(0, out_features, dtype=x.dtype)
-    out = _quant_linear_native(x, blocks, qtype, out_features, in_features)
+    out = _quant_linear_native(x, blocks, qtype, out_features, in_features, plain)
     if out is None:
         raise RuntimeError(f"no C kernel for {SUPPORTED[qtype]} with {x.dtype} x and "
                            f"{x.shape[0]} rows in this build")
     return out
+
+
+def dequantize_native(blocks: torch.Tensor, qtype: int, in_features: int,
+                      plain: bool = False) -> torch.Tensor:
+    """[rows, row_bytes] uint8 blocks -> [rows, in_features] fp32 by the C expansion
+    (`plain`: its plain-C form)."""
+    blocks = blocks if blocks.is_contiguous() else blocks.contiguous()
+    out = torch.empty(blocks.shape[0], in_features)
+    status = _library().quant_gguf_dequantize_f32(
+        qtype, blocks.data_ptr(), blocks.shape[0], in_features, out.data_ptr(),
+        torch.get_num_threads(), int(plain))
+    if status != 0:
+        raise RuntimeError(f"no C expansion of {SUPPORTED[qtype]} blocks in this build")
+    return out
+
+
+def _tiled(x, blocks, qtype, out_features, in_features) -> torch.Tensor:
+    """Prefill-sized calls: REFERENCE_TILE_ROWS output rows expanded by the C kernel at a
+    time, multiplied by torch in fp32 (the reference's arithmetic, without numpy)."""
+    xf = x.float()
+    out = torch.empty(x.shape[0], out_features)
+    for first in range(0, out_features, REFERENCE_TILE_ROWS):
+        last = min(first + REFERENCE_TILE_ROWS, out_features)
+        w = dequantize_native(blocks[first:last], qtype, in_features)  # [tile, in]
+        out[:, first:last] = xf @ w.T
+    return out.to(x.dtype)
 
 
 def dequantize_rows(blocks: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:

