@@ -36,6 +36,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Sums keep the order written (the lanes of each vector last, in a fixed order), so an
+ * element's value cannot depend on which inlined copy of the micro-kernel computed it;
+ * multiply-adds still contract (fp-contract is its own flag). */
+#pragma GCC optimize("no-associative-math")
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define HAS_AVX512 1
@@ -388,41 +393,99 @@ int quant_gguf_available(int qtype) {
 
 /* ---- the product -------------------------------------------------------------------- */
 
+#if HAS_AVX512 && defined(__AVX512BF16__)
+#define HAS_BF16DOT 1 /* bf16 x: weights expanded to bf16, pairs multiplied by vdpbf16ps */
+#else
+#define HAS_BF16DOT 0
+#endif
+
 static inline vf loadv(const float *p) {
     vf v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 
-/* out[r][j] = x row r . w row j for r < R, j < ncols; w rows NR apart by k (scratch) */
+static inline uint16_t to_bf16(float f) { /* nearest even, as torch rounds; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)(u >> 16 | 0x40);
+    return (uint16_t)((u + 0x7fff + (u >> 16 & 1)) >> 16);
+}
+
+/* One x row's NR sums, each vector's lanes added (in one fixed order per element), stored
+ * as fp32 or rounded to bf16: columns [0, ncols) of `out`. */
 static inline __attribute__((always_inline)) void
-micro(const float *x, int64_t ldx, const float *w, int64_t k, float *out, int64_t ldo,
-      int ncols, const int R) {
+store_sums(const vf c[NR], void *out, int ncols, const int BF16) {
+    float s[NR];
+#if HAS_AVX512
+    /* NR == 4: halves added, then three hadds give the four sums in one xmm */
+    __m256 t[4];
+    for (int j = 0; j < 4; j++) {
+        const __m512 v = (__m512)c[j];
+        t[j] = _mm256_add_ps(_mm512_castps512_ps256(v),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    }
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(t[0], t[1]), _mm256_hadd_ps(t[2], t[3]));
+    _mm_storeu_ps(s, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+#else
+    for (int j = 0; j < NR; j++) {
+        s[j] = 0.0f;
+        for (int l = 0; l < VL; l++) s[j] += c[j][l];
+    }
+#endif
+    for (int j = 0; j < ncols; j++) {
+        if (BF16)
+            ((uint16_t *)out)[j] = to_bf16(s[j]);
+        else
+            ((float *)out)[j] = s[j];
+    }
+}
+
+/* out rows [0, R) x columns [0, ncols) = x rows . the NR expanded weight rows (k apart in
+ * `w`: fp32, or bf16 where BF16 and HAS_BF16DOT). fp32 x, or bf16 x (BF16). */
+static inline __attribute__((always_inline)) void
+micro(const void *x, int64_t ldx, const void *w, int64_t k, void *out, int64_t ldo, int ncols,
+      const int R, const int BF16) {
     vf c[MR][NR];
     for (int r = 0; r < R; r++)
         for (int j = 0; j < NR; j++) c[r][j] = (vf){0};
-    for (int64_t i = 0; i < k; i += VL) {
-        vf wv[NR];
-        for (int j = 0; j < NR; j++) wv[j] = loadv(w + j * k + i);
-        for (int r = 0; r < R; r++) {
-            const vf a = loadv(x + r * ldx + i);
-            for (int j = 0; j < NR; j++) c[r][j] += a * wv[j];
+#if HAS_BF16DOT
+    if (BF16) {
+        const uint16_t *xb = x, *wb = w;
+        for (int64_t i = 0; i < k; i += 32) { /* k is whole blocks: a multiple of 32 */
+            __m512bh wv[NR];
+            for (int j = 0; j < NR; j++) wv[j] = (__m512bh)_mm512_loadu_si512(wb + j * k + i);
+            for (int r = 0; r < R; r++) {
+                const __m512bh a = (__m512bh)_mm512_loadu_si512(xb + r * ldx + i);
+                for (int j = 0; j < NR; j++)
+                    c[r][j] = (vf)_mm512_dpbf16_ps((__m512)c[r][j], a, wv[j]);
+            }
+        }
+    } else
+#endif
+    {
+        const float *xf = x, *wf = w;
+        for (int64_t i = 0; i < k; i += VL) {
+            vf wv[NR];
+            for (int j = 0; j < NR; j++) wv[j] = loadv(wf + j * k + i);
+            for (int r = 0; r < R; r++) {
+                const vf a = loadv(xf + r * ldx + i);
+                for (int j = 0; j < NR; j++) c[r][j] += a * wv[j];
+            }
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < ncols; j++) {
-            float s = 0.0f;
-            for (int l = 0; l < VL; l++) s += c[r][j][l];
-            out[r * ldo + j] = s;
-        }
+    const int64_t es = BF16 ? 2 : 4;
+    for (int r = 0; r < R; r++) store_sums(c[r], (char *)out + r * ldo * es, ncols, BF16);
 }
 
-static void rows_against(const float *x, int64_t rows, int64_t ldx, const float *w, int64_t k,
-                         float *out, int64_t ldo, int ncols) {
+static inline __attribute__((always_inline)) void
+rows_against(const void *x, int64_t rows, int64_t ldx, const void *w, int64_t k, void *out,
+             int64_t ldo, int ncols, const int BF16) {
+    const int64_t es = BF16 ? 2 : 4;
     for (int64_t r0 = 0; r0 < rows; r0 += MR) {
-        const float *xr = x + r0 * ldx;
-        float *o = out + r0 * ldo;
-#define MICRO(RR) micro(xr, ldx, w, k, o, ldo, ncols, RR)
+        const char *xr = (const char *)x + r0 * ldx * es;
+        char *o = (char *)out + r0 * ldo * es;
+#define MICRO(RR) micro(xr, ldx, w, k, o, ldo, ncols, RR, BF16)
         switch (rows - r0 < MR ? (int)(rows - r0) : MR) {
 #if MR > 4
         case 6: MICRO(6); break;
@@ -437,31 +500,57 @@ static void rows_against(const float *x, int64_t rows, int64_t ldx, const float 
     }
 }
 
-/* fp32 x [rows, k] (row stride ldx) against the blocks -> fp32 out (row stride ldo) */
-static int product(int qtype, const float *x, int64_t rows, int64_t ldx, const uint8_t *w,
-                   int64_t n, int64_t k, float *out, int64_t ldo, int num_threads, int plain) {
+/* A group's rows expanded into `scratch` (NR rows k apart): fp32, or with DOT bf16
+ * (through `tmp`, one fp32 row, rounded to nearest even as torch rounds a weight). */
+static inline __attribute__((always_inline)) void
+expand_group(row_fn expand, const uint8_t *w, int64_t row_bytes, int64_t nb, int64_t k,
+             int ncols, void *scratch, float *tmp, const int DOT) {
+    for (int j = 0; j < ncols; j++) {
+#if HAS_BF16DOT
+        if (DOT) {
+            uint16_t *dst = (uint16_t *)scratch + j * k;
+            expand(w + j * row_bytes, nb, tmp);
+            for (int64_t i = 0; i < k; i += 32)
+                _mm512_storeu_si512(dst + i, (__m512i)_mm512_cvtne2ps_pbh(
+                                                 _mm512_loadu_ps(tmp + i + 16),
+                                                 _mm512_loadu_ps(tmp + i)));
+            continue;
+        }
+#endif
+        (void)tmp, (void)DOT;
+        expand(w + j * row_bytes, nb, (float *)scratch + j * k);
+    }
+}
+
+/* x [rows, k] (row stride ldx; fp32, or bf16 with BF16) against the blocks -> out (row
+ * stride ldo, x's dtype). With BF16 and no bf16 dot product in this build, x must already
+ * be widened: the caller passes fp32 x and fp32 out (BF16 = 0). */
+static inline __attribute__((always_inline)) int
+product(int qtype, const void *x, int64_t rows, int64_t ldx, const uint8_t *w, int64_t n,
+        int64_t k, void *out, int64_t ldo, int num_threads, int plain, const int BF16) {
     int block, bytes;
     const row_fn expand = expander(qtype, plain, &block, &bytes);
     if (!expand || k % block) return -1;
     const int64_t nb = k / block, row_bytes = nb * bytes, groups = (n + NR - 1) / NR;
+    const int64_t es = BF16 ? 2 : 4, scratch_bytes = (NR * k * es + 63) / 64 * 64;
     int failed = 0;
     _Pragma("omp parallel num_threads(num_threads) reduction(|:failed)")
     {
-        /* NR expanded rows; zeroed so a last group's unused rows hold finite values */
-        float *scratch = aligned_alloc(64, (size_t)(NR * k * 4 + 63) / 64 * 64);
-        if (!scratch) {
+        /* NR expanded rows (zeroed: a last group's unused rows hold finite values), and
+         * for bf16 one fp32 row */
+        char *scratch = aligned_alloc(64, scratch_bytes + (BF16 ? scratch_bytes : 0));
+        if (!scratch)
             failed = 1;
-        } else {
-            memset(scratch, 0, (size_t)NR * k * 4);
-        }
+        else
+            memset(scratch, 0, scratch_bytes);
         _Pragma("omp for schedule(static)")
         for (int64_t g = 0; g < groups; g++) {
             if (!scratch) continue;
             const int64_t first = g * NR;
             const int ncols = n - first < NR ? (int)(n - first) : NR;
-            for (int j = 0; j < ncols; j++)
-                expand(w + (first + j) * row_bytes, nb, scratch + j * k);
-            rows_against(x, rows, ldx, scratch, k, out + first, ldo, ncols);
+            expand_group(expand, w + first * row_bytes, row_bytes, nb, k, ncols, scratch,
+                         (float *)(scratch + scratch_bytes), BF16);
+            rows_against(x, rows, ldx, scratch, k, (char *)out + first * es, ldo, ncols, BF16);
         }
         free(scratch);
     }
@@ -478,22 +567,21 @@ int quant_gguf_f32(int qtype, const float *x, int64_t rows, int64_t ldx, const u
         int block, bytes;
         return expander(qtype, plain, &block, &bytes) ? 0 : -1;
     }
-    return product(qtype, x, rows, ldx, w, n, k, out, ldo, num_threads, plain);
+    return product(qtype, x, rows, ldx, w, n, k, out, ldo, num_threads, plain, 0);
 }
 
-static inline uint16_t to_bf16(float f) { /* nearest even, as torch rounds; NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)(u >> 16 | 0x40);
-    return (uint16_t)((u + 0x7fff + (u >> 16 & 1)) >> 16);
-}
-
-/* As quant_gguf_f32 for bf16 x and out: x widened to fp32, the sums rounded once. */
+/* As quant_gguf_f32 for bf16 x and out, the sums rounded once to bf16. With AVX512_BF16
+ * the weights are expanded to bf16 (each weight as torch would round it) and multiplied
+ * pairwise by vdpbf16ps (products exact, summed in fp32); elsewhere x is widened to fp32
+ * and the fp32 product runs. */
 int quant_gguf_bf16(int qtype, const uint16_t *x, int64_t rows, int64_t ldx, const uint8_t *w,
                     int64_t n, int64_t k, uint16_t *out, int64_t ldo, int num_threads,
                     int plain) {
     if (rows > MAX_ROWS) return -1;
     if (rows <= 0 || n <= 0) return quant_gguf_f32(qtype, 0, 0, 0, w, n, k, 0, 0, 0, plain);
+#if HAS_BF16DOT
+    return product(qtype, x, rows, ldx, w, n, k, out, ldo, num_threads, plain, 1);
+#else
     float *xf = malloc((size_t)rows * k * 4), *of = malloc((size_t)rows * n * 4);
     int status = -1;
     if (xf && of) {
@@ -502,7 +590,7 @@ int quant_gguf_bf16(int qtype, const uint16_t *x, int64_t rows, int64_t ldx, con
                 const uint32_t u = (uint32_t)x[r * ldx + i] << 16;
                 memcpy(xf + r * k + i, &u, 4);
             }
-        status = product(qtype, xf, rows, k, w, n, k, of, n, num_threads, plain);
+        status = product(qtype, xf, rows, k, w, n, k, of, n, num_threads, plain, 0);
         if (status == 0)
             for (int64_t r = 0; r < rows; r++)
                 for (int64_t j = 0; j < n; j++) out[r * ldo + j] = to_bf16(of[r * n + j]);
@@ -510,6 +598,7 @@ int quant_gguf_bf16(int qtype, const uint16_t *x, int64_t rows, int64_t ldx, con
     free(xf);
     free(of);
     return status;
+#endif
 }
 
 /* The blocks of n rows expanded to fp32 out [n, k]: a tile for callers that multiply
