@@ -48,6 +48,17 @@ _NATIVE = {torch.float32: ("quant_gguf_f32", 1), torch.bfloat16: ("quant_gguf_bf
 
 def check(blocks: torch.Tensor, qtype: int, out_features: int, in_features: int) -> int:
     """row_bytes of a valid call; ValueError naming the problem otherwise."""
+    row_bytes = _row_bytes(qtype, in_features)
+    if blocks.dtype != torch.uint8 or blocks.shape != (out_features, row_bytes):
+        raise ValueError(f"{SUPPORTED[qtype]} blocks for a {out_features} x {in_features} "
+                         f"weight are uint8 [{out_features}, {row_bytes}]; got "
+                         f"{blocks.dtype} {list(blocks.shape)}")
+    return row_bytes
+
+
+@functools.lru_cache(maxsize=None)
+def _row_bytes(qtype: int, in_features: int) -> int:
+    # cached: a decode step checks every linear's call, a few microseconds each otherwise
     if qtype not in SUPPORTED:
         raise ValueError(
             f"GGUF quantization type {qtype} has no quant_linear kernel or reference; "
@@ -57,12 +68,7 @@ def check(blocks: torch.Tensor, qtype: int, out_features: int, in_features: int)
     if in_features % block_size:
         raise ValueError(f"{SUPPORTED[qtype]} weight rows hold whole blocks of {block_size} "
                          f"values; in_features={in_features} is not a multiple")
-    row_bytes = in_features // block_size * type_size
-    if blocks.dtype != torch.uint8 or tuple(blocks.shape) != (out_features, row_bytes):
-        raise ValueError(f"{SUPPORTED[qtype]} blocks for a {out_features} x {in_features} "
-                         f"weight are uint8 [{out_features}, {row_bytes}]; got "
-                         f"{blocks.dtype} {list(blocks.shape)}")
-    return row_bytes
+    return in_features // block_size * type_size
 
 
 def quant_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features: int,
@@ -90,6 +96,11 @@ def has_kernel(qtype: int, dtype: torch.dtype) -> bool:
 
 
 @functools.cache
+def _kernel(dtype: torch.dtype):
+    return getattr(_library(), _NATIVE[dtype][0])
+
+
+@functools.cache
 def _library():
     from fusegen.kernels import native
 
@@ -107,7 +118,7 @@ def _quant_linear_native(x, blocks, qtype, out_features, in_features, plain=Fals
     x = x if x.stride(-1) == 1 else x.contiguous()
     blocks = blocks if blocks.is_contiguous() else blocks.contiguous()
     out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
-    kernel = getattr(_library(), _NATIVE[x.dtype][0])
+    kernel = _kernel(x.dtype)
     status = kernel(qtype, x.data_ptr(), x.shape[0], x.stride(0), blocks.data_ptr(),
                     out_features, in_features, out.data_ptr(), out_features,
                     torch.get_num_threads(), int(plain))
