@@ -8,7 +8,7 @@ import psutil
 import torch
 
 from fusegen.engine.errors import EngineConfigError
-from fusegen.engine.memory.placement import PlacementPlan
+from fusegen.engine.memory.placement import PlacementPlan, format_bytes
 from fusegen.engine.memory.plan import FreeMemory, ModelShape, plan_engine
 from fusegen.engine.models import get_architecture
 from fusegen.engine.models.config import ModelConfig
@@ -76,8 +76,9 @@ class PlanInputs:
 
     @classmethod
     def gather(cls, model, options: EngineOptions) -> "PlanInputs":
-        model_config = read_model_config(model)
         device = default_device() if options.device == "auto" else options.device
+        check_quantization(options.quantization, model, device)
+        model_config = read_model_config(model)
         dtype = resolve_dtype(options.dtype, device)
         # A head tied to the embedding is packed as a copy on CPUs (weights/packed.py).
         packed_head = (device == "cpu" and model_config.tie_word_embeddings
@@ -87,9 +88,40 @@ class PlanInputs:
             return cls(model_config, device, dtype,
                        rank_shape(model_config, dtype, tp, pp, packed_head),
                        group_free_memory(device, tp * pp))
-        return cls(model_config, device, dtype,
-                   model_shape(model_config, dtype, packed_head=packed_head),
-                   free_memory(device))
+        shape = model_shape(model_config, dtype, packed_head=packed_head)
+        if options.quantization == "gguf":
+            shape = dataclasses.replace(shape, layer_bytes=max(
+                gguf_layer_bytes(model, model_config, dtype)))
+        return cls(model_config, device, dtype, shape, free_memory(device))
+
+
+def check_quantization(quantization: str | None, model, device: str) -> None:
+    """quantization="gguf" asks for a GGUF file's blocks kept on a CPU: refused, before
+    anything loads, for a checkpoint directory or a GPU (no GPU kernel yet)."""
+    if quantization != "gguf":
+        return
+    if not is_gguf(model):
+        raise EngineConfigError(
+            f"quantization='gguf' on {model} (device {device}): it keeps the blocks of a "
+            "GGUF file, and this model is not one; pass a .gguf file, or leave quantization "
+            "out to run this checkpoint at its own width")
+    if device != "cpu":
+        raise EngineConfigError(
+            f"quantization='gguf' on device {device}: kept GGUF blocks run on CPUs only for "
+            "now (no GPU kernel yet); pass device='cpu', or quantization='dequantize' to "
+            f"run {model} on {device} with its weights expanded as they load")
+
+
+def gguf_layer_bytes(model, cfg: ModelConfig, dtype: torch.dtype) -> list[int]:
+    """Each decoder layer's weight bytes with quantization="gguf": its kept linears'
+    blocks, its other weights dense in `dtype` (from the tensor table; nothing read)."""
+    from fusegen.engine.weights.gguf import load_gguf_state_dict  # the gguf package
+    from fusegen.engine.weights.quantized import layer_nbytes
+
+    state = load_gguf_state_dict(model, cfg, dtype, keep_blocks=True)
+    arch = get_architecture(cfg.architecture)
+    return [layer_nbytes(arch.layer_sources(state, i, cfg), dtype.itemsize)
+            for i in range(cfg.num_layers)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +149,14 @@ class EngineConfig:
         path = resolve_model(str(model), options.revision)
         inputs = PlanInputs.gather(path, options)
         plan = plan_engine(options, inputs.shape, inputs.free)
+        if options.quantization == "gguf" and plan.placement.streamed_layers:
+            layers = plan.placement.layer_tiers
+            raise EngineConfigError(
+                f"quantization='gguf' keeps every layer resident, but device_memory "
+                f"{options.device_memory!r} holds {layers.count('device')} of the model's "
+                f"{len(layers)} layers (of {format_bytes(plan.placement.sizes.layer_bytes)} "
+                "each) and would stream the rest; raise device_memory or use "
+                "quantization='dequantize'")
         return cls(path, str(model), inputs.model_config, options, inputs.device,
                    inputs.dtype, inputs.shape, plan.placement, plan.max_num_seqs,
                    plan.max_num_batched_tokens, plan.max_model_len)

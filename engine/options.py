@@ -15,6 +15,8 @@ from fusegen.engine.errors import EngineConfigError
 from fusegen.engine.memory.placement import parse_bytes
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# None: dequantize (for now); engine/config.py checks "gguf" against the model and device
+QUANTIZATIONS = (None, "dequantize", "gguf")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
@@ -98,6 +100,12 @@ class EngineOptions:
         None, "Tokenizer to use instead of the model's: a checkpoint directory holding "
         "tokenizer.json, a .gguf file, or a hub id (org/name).", unset="the model's",
         affects_output=True)
+    # Kept blocks are summed in another order than dense weights: part of a job's identity.
+    quantization: str | None = option(
+        None, "Weights of a GGUF file: gguf keeps the decoder layers' linears as the file's "
+        "quantized blocks, expanded only inside each product (CPU only, every layer resident; "
+        "the embedding, norms and head are dequantized); dequantize expands every weight to "
+        "the run's dtype as it loads.", unset="dequantize", affects_output=True)
 
     # Another split sums the row-parallel matmuls in another order: part of a job's identity.
     tensor_parallel_size: int = option(
@@ -153,6 +161,21 @@ class EngineOptions:
         for name in ("device_memory", "host_memory"):
             if getattr(self, name) is not None:  # a typo fails before any model loads
                 _parse(getattr(self, name), 1, name)
+        self._check_quantization()
+
+    def _check_quantization(self) -> None:
+        if self.quantization not in QUANTIZATIONS:
+            raise EngineConfigError(
+                f"quantization={self.quantization!r}: fusegen does not run that yet; it runs "
+                "quantization='gguf' (a GGUF file's blocks kept as stored, on CPUs) and "
+                "quantization='dequantize' or None (every weight expanded as it loads)")
+        if self.quantization == "gguf" and (self.tensor_parallel_size
+                                            * self.pipeline_parallel_size > 1):
+            raise EngineConfigError(
+                f"quantization='gguf' with tensor_parallel_size={self.tensor_parallel_size}, "
+                f"pipeline_parallel_size={self.pipeline_parallel_size}: kept GGUF blocks run "
+                "in one process only for now; use a device group with "
+                "quantization='dequantize', or one process with quantization='gguf'")
 
     def _check_seed(self) -> None:
         _check_int(self, "seed", 0)
@@ -190,8 +213,6 @@ ALIASES = {
 UNSUPPORTED = {
     "trust_remote_code": (False, "fusegen runs its own code for each architecture it "
                                  "supports, never code from a checkpoint; leave it out"),
-    "quantization": (None, "load an unquantized checkpoint, or a GGUF file (dequantized "
-                           "as it loads); leave it out"),
     "enable_lora": (False, "merge the adapter into the weights (peft's "
                            "merge_and_unload) and load the merged checkpoint"),
 }

@@ -20,6 +20,7 @@ from fusegen.engine.memory.offload import WeightStreamer
 from fusegen.engine.memory.plan import LOGITS_CHUNK, activation_bytes
 from fusegen.engine.weights.linear import ROW_TILE
 from fusegen.engine.weights.packed import can_pack, pack_linear, pack_linears
+from fusegen.engine.weights.quantized import keep_blocks, split_kept
 from fusegen.engine.logprobs import record_prompt_logprobs
 from fusegen.engine.sampler import Sampler
 from fusegen.engine.scheduler import ScheduledBatch
@@ -31,7 +32,8 @@ def _checkpoint_tensors(config: EngineConfig, dtype: torch.dtype) -> dict:
     if is_gguf(config.model):
         from fusegen.engine.weights.gguf import load_gguf_state_dict  # the gguf package
 
-        return load_gguf_state_dict(config.model, config.model_config, dtype)
+        return load_gguf_state_dict(config.model, config.model_config, dtype,
+                                    keep_blocks=config.options.quantization == "gguf")
     return load_state_dict(config.model, config.model_config, config.options.allow_pickle)
 
 
@@ -186,9 +188,13 @@ class ModelRunner:
             layer = self.model.layers[i]
             sources = self._layer_sources(state, i)
             if tier == "device":
+                # quantization="gguf": the linears kept as blocks become GGUFLinears
+                # (weights/quantized.py); the plan refuses it when layers would stream
+                kept, sources = split_kept(sources) if self._keeps_blocks else ({}, sources)
+                blocks = keep_blocks(layer, kept, self.device)
                 weights = fuse(sources, self.device, self.dtype)
                 layer.set_weights(weights)
-                self._account("device", "weights", *weights.values())
+                self._account("device", "weights", *blocks.values(), *weights.values())
             elif tier == "host":
                 weights = fuse(sources, "cpu", self.dtype)
                 if self._pin:
@@ -207,9 +213,14 @@ class ModelRunner:
             for slot in self.model.streamer.slots:
                 self._account("device", "staging", *slot.values())
 
+    @property
+    def _keeps_blocks(self) -> bool:
+        return self.config.options.quantization == "gguf"
+
     def _pack_weights(self) -> None:
         """Resident weights packed once for oneDNN (engine/weights/packed.py); streamed
-        layers stay dense, their staging slots refill every step."""
+        layers stay dense, their staging slots refill every step, and GGUFLinears keep
+        their blocks (pack_linears packs dense Linears only)."""
         for i, tier in zip(self.layer_range, self.plan.layer_tiers):
             if tier == "device":
                 pack_linears(self.model.layers[i], self.config.max_num_batched_tokens)

@@ -260,7 +260,7 @@ _OUTPUT_FIELDS = ("model", "prompt_column", "id_column", "prompt_template", "cha
 # their default, so those outputs keep theirs.
 _LATER_FIELDS = ("messages_column", "revision", *_NEW_SAMPLING_FIELDS, RESPONSE_FORMAT,
                  "chat_template", "system_prompt", "param_columns", "output_format",
-                 "tokenizer", "tensor_parallel_size")
+                 "tokenizer", "tensor_parallel_size", "quantization")
 # The job's own keys first, then the engine's: the order `fusegen run --help` and the
 # job file's "valid keys" list show.
 FIELD_NAMES = tuple(dict.fromkeys(

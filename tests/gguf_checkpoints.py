@@ -36,12 +36,13 @@ def gemma3_path() -> Path:
 
 def write_gguf(hf_dir: Path, out: Path, qtype=Q.F32, split_max_tensors: int = 0,
                arch: str = "llama", tokenizer: str = "gpt2", drop: tuple[str, ...] = (),
-               extra: dict | None = None) -> Path:
+               extra: dict | None = None, types: dict | None = None) -> Path:
     """`hf_dir` (config.json, model.safetensors, tokenizer.json) as a GGUF file: metadata
     under llama.cpp's keys, q/k rows permuted for llama.cpp's rotary layout (llama),
-    norms stored as 1 + w (gemma3), 2-D weights in `qtype`. `drop`: metadata keys left
-    out; `extra`: more keys. Returns the path to pass to fusegen (the first file of a
-    split set)."""
+    norms stored as 1 + w (gemma3), 2-D weights in `qtype`. `types`: another type for the
+    2-D tensors whose GGUF name holds a key ({"attn_q": Q.Q8_0}), as llama.cpp's mixes
+    (Q4_K_M) write some tensors wider. `drop`: metadata keys left out; `extra`: more
+    keys. Returns the path to pass to fusegen (the first file of a split set)."""
     config = json.loads((hf_dir / "config.json").read_text())
     writer = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors)
     meta = {**_model_metadata(config, arch), **_tokenizer_metadata(hf_dir, config, tokenizer),
@@ -50,8 +51,9 @@ def write_gguf(hf_dir: Path, out: Path, qtype=Q.F32, split_max_tensors: int = 0,
         if key not in drop:
             writer.add_key_value(key, value, _value_type(value))
     for name, array in _gguf_tensors(hf_dir, config, arch).items():
-        if array.ndim == 2 and qtype != Q.F32:
-            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        kind = next((t for key, t in (types or {}).items() if key in name), qtype)
+        if array.ndim == 2 and kind != Q.F32:
+            writer.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)
         else:
             writer.add_tensor(name, array)
     writer.write_header_to_file()

@@ -34,6 +34,10 @@ class ModelShape:
     vocab_size: int
     max_position_embeddings: int
     dtype_bytes: int  # of the run's dtype
+    # one layer's weight bytes when they are not layer_params * dtype_bytes: GGUF
+    # blocks kept compressed (quantization="gguf"; the largest layer's, where types
+    # differ between layers)
+    layer_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +100,8 @@ def model_sizes(options, shape: ModelShape, limits: tuple[int, int],
     elem = shape.dtype_bytes
     max_num_seqs, max_num_batched_tokens = limits
     return ModelSizes(
-        layer_bytes=shape.layer_params * elem, num_layers=shape.num_layers,
+        layer_bytes=(shape.layer_params * elem if shape.layer_bytes is None
+                     else shape.layer_bytes), num_layers=shape.num_layers,
         fixed_bytes=shape.fixed_params * elem,
         kv_block_bytes=shape.num_layers * options.block_size * shape.kv_width * elem,
         min_kv_blocks=-(-max_model_len // options.block_size),

@@ -63,10 +63,29 @@ def gguf_model_config(path) -> ModelConfig:
                                  source=str(path))
 
 
-def load_gguf_state_dict(path, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def load_gguf_state_dict(path, cfg: ModelConfig, dtype: torch.dtype,
+                         keep_blocks: bool = False) -> dict[str, torch.Tensor]:
     """Every weight under its Hugging Face name as a `LazyTensor` in `dtype`, checked
     name by name and shape by shape against the config; nothing is read or dequantized
-    until the loader uses a tensor, so layers load (or stream) one at a time."""
+    until the loader uses a tensor, so layers load (or stream) one at a time.
+    `keep_blocks` (quantization="gguf"): each 2-D block-quantized tensor whose value
+    transform only reorders rows also carries `.blocks`, a `BlockSource` of its raw
+    blocks in Hugging Face row order (weights/quantized.py picks which to keep)."""
+    reader, state = GGUFFile.open(path), _checked_tensors(path, cfg)
+    arch = reader.require("general.architecture")
+    out = {}
+    for hf_name, info in state.items():
+        transform = value_transform(arch, info.name, cfg.num_heads, cfg.num_kv_heads)
+        out[hf_name] = LazyTensor(info.shape, dtype,
+                                  functools.partial(reader.read, info, dtype, transform))
+        if keep_blocks and len(info.shape) == 2 and info.qtype not in _TORCH_TYPES:
+            out[hf_name].blocks = reader.block_source(info, transform)
+    return out
+
+
+def _checked_tensors(path, cfg: ModelConfig) -> dict[str, TensorInfo]:
+    """Every weight's tensor-table entry under its Hugging Face name, checked name by
+    name, shape by shape and type by type."""
     reader = GGUFFile.open(path)
     arch = reader.require("general.architecture")
     expected = get_architecture(cfg.architecture).checkpoint_shapes(cfg)
@@ -86,10 +105,23 @@ def load_gguf_state_dict(path, cfg: ModelConfig, dtype: torch.dtype) -> dict[str
             raise ModelLoadError(f"{path}: tensor {info.name!r} has shape {info.shape}, but "
                                  f"the metadata implies {shape} for {hf_name!r}")
         reader.check_type(info)
-        transform = value_transform(arch, info.name, cfg.num_heads, cfg.num_kv_heads)
-        state[hf_name] = LazyTensor(shape, dtype,
-                                    functools.partial(reader.read, info, dtype, transform))
+        state[hf_name] = info
     return state
+
+
+def _row_order(transform, num_rows: int) -> torch.Tensor | None:
+    """The row order `transform` (numpy [rows, ...] -> same shape) applies, found by
+    running it on row numbers, or None when it does anything but move whole rows:
+    Llama's q/k un-permutation is a row order; restoring Gemma's `1 + w` norms changes
+    values (of 1-D norms, which stay dense anyway)."""
+    numbers = np.repeat(np.arange(num_rows, dtype=np.float32)[:, None], 2, axis=1)
+    moved = transform(numbers.copy())
+    if moved.shape != numbers.shape or not np.array_equal(moved[:, 0], moved[:, 1]):
+        return None
+    order = moved[:, 0]
+    if not np.array_equal(np.sort(order), numbers[:, 0]):
+        return None
+    return torch.from_numpy(order.astype(np.int64))
 
 
 def _unused_hint(name: str) -> str:
@@ -191,6 +223,30 @@ class GGUFFile:
         if transform is not None:
             values = transform(values)
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(dtype)
+
+    def block_source(self, info: TensorInfo, transform=None):
+        """`info`'s raw blocks as a `BlockSource` (weights/quantized.py), or None where
+        `transform` changes values rather than moving whole rows (its blocks would not
+        hold the Hugging Face weight)."""
+        from fusegen.engine.weights.quantized import BlockSource
+
+        order = None
+        if transform is not None:
+            order = _row_order(transform, info.shape[0])
+            if order is None:
+                return None
+        return BlockSource(int(info.qtype), info.shape, info.nbytes,
+                           functools.partial(self.blocks, info, order))
+
+    def blocks(self, info: TensorInfo, order: torch.Tensor | None = None) -> torch.Tensor:
+        """A 2-D tensor's blocks as stored: uint8 [out, row_bytes], a view of the memory
+        map (the file lists the input dimension fastest, so each torch row is one
+        contiguous run of whole blocks); `order`: the rows taken in that order (a copy)."""
+        out = info.shape[0]
+        flat = torch.frombuffer(self.maps[info.shard], dtype=torch.uint8, count=info.nbytes,
+                                offset=info.offset)
+        rows = flat.view(out, info.nbytes // out)
+        return rows if order is None else rows[order]
 
     def check_type(self, info: TensorInfo) -> None:
         if info.qtype not in SUPPORTED_TYPES:
