@@ -9,11 +9,14 @@ Shapes:
   qtype    int, a gguf.GGMLQuantizationType value (one of SUPPORTED)
   returns  [T, out_features] in x.dtype
 
-On CPUs the C kernel (kernels/csrc/quant_gguf.c) expands each block in registers and
-multiplies it with every row of x in fp32, so each weight byte is read once per call.
-It serves decode-shaped calls (T <= MAX_KERNEL_ROWS); larger T, a type or dtype this
-build has no kernel for, and every other device take the reference: dequantize a tile of
-output rows and multiply it with torch (never a dense copy of the whole layer).
+On CPUs the C kernel (kernels/csrc/quant_gguf.c) expands a few weight rows at a time
+into a thread's scratch and multiplies them with up to MAX_KERNEL_ROWS rows of x, so
+each weight byte is read once per 64 rows; larger T runs in calls of 64 rows, which
+keeps every row's result the same whatever the batch (prefill and decode rows alike).
+bf16 x multiplies the weights as bf16 rounds them (a model dequantized to bf16 holds the
+same values), fp32 x the fp32 weights. Every other device, and FUSEGEN_KERNELS=reference,
+take the reference: dequantize a tile of output rows and multiply it with torch in fp32
+(never a dense copy of the whole layer).
 """
 from __future__ import annotations
 
@@ -38,9 +41,8 @@ BLOCK_SIZES = {
     Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34),
     Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
 }
-# Above this many rows of x the kernel's advantage (reading each block once) is spent:
-# the product is bound by arithmetic, which torch's GEMM on a dequantized tile does
-# better. The C entry points refuse (return -1) above it too.
+# Rows of x per kernel call (the C entry points refuse more): 64 rows of 2,048 bf16
+# channels are 256 KiB, read from L2 for each group of weight rows.
 MAX_KERNEL_ROWS = 64
 REFERENCE_TILE_ROWS = 256  # output rows dequantized at a time by the reference
 _NATIVE = {torch.float32: ("quant_gguf_f32", 1), torch.bfloat16: ("quant_gguf_bf16", 2)}
@@ -77,11 +79,9 @@ def quant_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features
     decode-sized, else the reference."""
     check(blocks, qtype, out_features, in_features)
     if x.shape[0] and x.dtype in _NATIVE and use_native(x) and has_kernel(qtype, x.dtype):
-        if x.shape[0] <= MAX_KERNEL_ROWS:
-            out = _quant_linear_native(x, blocks, qtype, out_features, in_features)
-            if out is not None:
-                return out
-        return _tiled(x, blocks, qtype, out_features, in_features)
+        out = _quant_linear_native(x, blocks, qtype, out_features, in_features)
+        if out is not None:
+            return out
     return quant_linear_reference(x, blocks, qtype, out_features, in_features)
 
 
@@ -118,11 +118,17 @@ def _quant_linear_native(x, blocks, qtype, out_features, in_features, plain=Fals
     x = x if x.stride(-1) == 1 else x.contiguous()
     blocks = blocks if blocks.is_contiguous() else blocks.contiguous()
     out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
-    kernel = _kernel(x.dtype)
-    status = kernel(qtype, x.data_ptr(), x.shape[0], x.stride(0), blocks.data_ptr(),
-                    out_features, in_features, out.data_ptr(), out_features,
-                    torch.get_num_threads(), int(plain))
-    return out if status == 0 else None
+    kernel, threads = _kernel(x.dtype), torch.get_num_threads()
+    # MAX_KERNEL_ROWS rows a call: each call reads the blocks once more (a quarter to a
+    # half of a bf16 weight's bytes) and keeps its rows of x in L2
+    for first in range(0, x.shape[0], MAX_KERNEL_ROWS):
+        rows = min(MAX_KERNEL_ROWS, x.shape[0] - first)
+        status = kernel(qtype, x[first].data_ptr(), rows, x.stride(0), blocks.data_ptr(),
+                        out_features, in_features, out[first].data_ptr(), out_features,
+                        threads, int(plain))
+        if status != 0:
+            return None
+    return out
 
 
 def quant_linear_native(x, blocks, qtype, out_features, in_features,
@@ -151,18 +157,6 @@ def dequantize_native(blocks: torch.Tensor, qtype: int, in_features: int,
     if status != 0:
         raise RuntimeError(f"no C expansion of {SUPPORTED[qtype]} blocks in this build")
     return out
-
-
-def _tiled(x, blocks, qtype, out_features, in_features) -> torch.Tensor:
-    """Prefill-sized calls: REFERENCE_TILE_ROWS output rows expanded by the C kernel at a
-    time, multiplied by torch in fp32 (the reference's arithmetic, without numpy)."""
-    xf = x.float()
-    out = torch.empty(x.shape[0], out_features)
-    for first in range(0, out_features, REFERENCE_TILE_ROWS):
-        last = min(first + REFERENCE_TILE_ROWS, out_features)
-        w = dequantize_native(blocks[first:last], qtype, in_features)  # [tile, in]
-        out[:, first:last] = xf @ w.T
-    return out.to(x.dtype)
 
 
 def dequantize_rows(blocks: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:

@@ -132,15 +132,16 @@ def test_plain_and_vector_expansion_agree_with_gguf(qtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [0, 1, 100])
 def test_dispatcher(dtype, rows, monkeypatch):
-    """0 rows, decode rows (the kernel) and rows past MAX_KERNEL_ROWS (dequantized tiles
-    and torch's product) all give the reference's answer; FUSEGEN_KERNELS=reference
-    gives the reference itself."""
+    """0 rows, decode rows and rows past MAX_KERNEL_ROWS (several kernel calls) all give
+    the reference's answer; FUSEGEN_KERNELS=reference gives the reference itself."""
     blocks = make_blocks(ql.Q4_1, 33, 64)
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).to(dtype)
     ref = ql.quant_linear_reference(x, blocks, ql.Q4_1, 33, 64)
     got = ql.quant_linear(x, blocks, ql.Q4_1, 33, 64)
     assert got.shape == (rows, 33) and got.dtype == dtype
     assert_close(got, ref, x, dense(blocks, ql.Q4_1, 64))
+    if rows > 70 and native.library() is not None:  # the second 64-row call's rows
+        assert torch.equal(got[70:71], ql.quant_linear(x[70:71], blocks, ql.Q4_1, 33, 64))
     monkeypatch.setenv("FUSEGEN_KERNELS", "reference")
     assert torch.equal(ql.quant_linear(x, blocks, ql.Q4_1, 33, 64), ref)
 
