@@ -426,7 +426,14 @@ store_sums(const vf c[NR], void *out, int ncols, const int BF16) {
                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
     }
     const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(t[0], t[1]), _mm256_hadd_ps(t[2], t[3]));
-    _mm_storeu_ps(s, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+#if HAS_BF16DOT
+    if (BF16) { /* vcvtneps2bf16: nearest even, as to_bf16 */
+        _mm_mask_storeu_epi16(out, (__mmask8)((1u << ncols) - 1), (__m128i)_mm_cvtneps_pbh(sums));
+        return;
+    }
+#endif
+    _mm_storeu_ps(s, sums);
 #else
     for (int j = 0; j < NR; j++) {
         s[j] = 0.0f;
