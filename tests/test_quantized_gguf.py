@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from checkpoints import make_hf_checkpoint
-from gguf_checkpoints import Q, smollm2_path, write_gguf
+from gguf_checkpoints import Q, gemma3_path, smollm2_path, write_gguf
 from fusegen.engine import LLM, EngineConfigError, SamplingParams
 from fusegen.engine.config import EngineConfig
 from fusegen.engine.memory.placement import format_bytes, minimum_device_budget
@@ -273,3 +273,24 @@ def test_smollm2_q4_1_kept_generates_like_dequantized():
           f"({dense_layer} B a layer), kept {kept_bytes} B ({kept_layer} B a layer)")
     assert got == want
     assert kept_layer * 6 < dense_layer  # Q4_1: 20 bytes a 32 values against 128
+
+
+def test_gemma3_q4_k_m_kept_generates_like_dequantized():
+    # llama.cpp's Q4_K_M mix: Q4_K, Q5_0, Q6_K and Q8_0 linears, their sizes differing
+    # between layers (the plan takes the largest layer's: it reserves at least what loads).
+    path = gemma3_path()
+    prompts = [f"<bos><start_of_turn>user\n{q}<end_of_turn>\n<start_of_turn>model\n"
+               for q in ("What is the capital of France?", "Write a haiku about the sea.")]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    results = {}
+    for quantization in (None, "gguf"):
+        with LLM(str(path), quantization=quantization, dtype="float32", max_model_len=128,
+                 num_kv_blocks=32, max_num_seqs=4) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            runner = llm.engine.runner
+            results[quantization] = [o.token_ids for o in outs]
+            resident = llm.memory_report()["device"]["weights"]
+    assert results["gguf"] == results[None]
+    kinds = {layer.down.qtype for layer in runner.model.layers}
+    assert len(kinds) > 1  # the mix kept as it is: no layer requantized
+    assert runner.plan.device_bytes["weights"] >= resident
