@@ -245,6 +245,7 @@ def test_jobs_take_the_option_and_keep_old_fingerprints():
 
     assert "quantization" not in spec().output_config()  # old jobs' fingerprints hold
     assert spec(quantization="gguf").output_config()["quantization"] == "gguf"
+    assert spec(quantization="gguf").engine_kwargs()["quantization"] == "gguf"  # to LLM(...)
     assert spec(quantization="dequantize").output_config()["quantization"] == "dequantize"
     with pytest.raises(JobError, match="quantization='fp8': fusegen does not run"):
         spec(quantization="fp8")
