@@ -86,11 +86,25 @@ def _columns(rows: list[dict | None], schema: pa.Schema) -> tuple[list, dict]:
         values = [None if r is None else r.get(field.name) for r in rows]
         array, bad = _column(values, field.type)
         for i in bad:
-            misfits.setdefault(i, f"has {_short(values[i])} in column {field.name!r}, "
-                                  f"which holds {field.type} (set by the column's first "
-                                  "value in the file)")
+            misfits.setdefault(i, _misfit(values[i], field))
         arrays.append(array)
     return arrays, misfits
+
+
+def _misfit(value, field: pa.Field) -> str:
+    if isinstance(value, str) and _has_lone_surrogate(value):
+        return (f"has {_short(value)} in column {field.name!r}: a lone surrogate (an "
+                "escaped \\ud800-\\udfff without its pair), which is no Unicode text")
+    return (f"has {_short(value)} in column {field.name!r}, which holds {field.type} (set "
+            "by the column's first value in the file)")
+
+
+def _has_lone_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _column(values: list, type_: pa.DataType) -> tuple[pa.Array | None, list[int]]:

@@ -156,6 +156,16 @@ def test_jsonl_mixed_column_keeps_every_value_or_errors_its_row(fake_engine, tmp
         0.0, 0.9, None, None, 0.5, 1.0]
 
 
+def test_a_lone_surrogate_in_a_jsonl_cell_is_named_as_one(fake_engine, tmp_path):
+    (tmp_path / "in.jsonl").write_text('{"prompt": "ok"}\n{"prompt": "e\\ud800"}\n')
+    run_job(_spec(fake_engine, tmp_path / "in.jsonl", tmp_path / "out"))
+    got = read_output(tmp_path / "out").to_pylist()
+    assert [r["error"] for r in got] == [
+        None, f"invalid_line: row 1: {tmp_path}/in.jsonl line 2 has \"e\\ud800\" in column "
+              "'prompt': a lone surrogate (an escaped \\ud800-\\udfff without its pair), "
+              "which is no Unicode text; fix or drop the line"]
+
+
 def test_jsonl_column_kind_is_the_files_across_row_groups(tmp_path, monkeypatch):
     monkeypatch.setattr(formats, "GROUP_ROWS", 2)  # 0, 0 | "hot", 0.9 | 7, 2**60 + 1
     values = [0, 0, "hot", 0.9, 7, 2**60 + 1]
