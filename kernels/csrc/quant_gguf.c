@@ -109,20 +109,17 @@ static void row_q8_0(const uint8_t *b, int64_t nb, float *y) {
 static void row_q4_0(const uint8_t *b, int64_t nb, float *y) {
     for (int64_t i = 0; i < nb; i++, b += 18, y += 32) {
         const float d = fp16(b);
-        for (int j = 0; j < 16; j++) {
-            y[j] = d * (float)((b[2 + j] & 0xf) - 8);
-            y[j + 16] = d * (float)((b[2 + j] >> 4) - 8);
-        }
+        /* low nibbles, then high: one loop each, the form a compiler may vectorise */
+        for (int j = 0; j < 16; j++) y[j] = d * (float)((b[2 + j] & 0xf) - 8);
+        for (int j = 0; j < 16; j++) y[j + 16] = d * (float)((b[2 + j] >> 4) - 8);
     }
 }
 
 static void row_q4_1(const uint8_t *b, int64_t nb, float *y) {
     for (int64_t i = 0; i < nb; i++, b += 20, y += 32) {
         const float d = fp16(b), m = fp16(b + 2);
-        for (int j = 0; j < 16; j++) {
-            y[j] = d * (float)(b[4 + j] & 0xf) + m;
-            y[j + 16] = d * (float)(b[4 + j] >> 4) + m;
-        }
+        for (int j = 0; j < 16; j++) y[j] = d * (float)(b[4 + j] & 0xf) + m;
+        for (int j = 0; j < 16; j++) y[j + 16] = d * (float)(b[4 + j] >> 4) + m;
     }
 }
 
@@ -130,12 +127,10 @@ static void row_q5_0(const uint8_t *b, int64_t nb, float *y) {
     for (int64_t i = 0; i < nb; i++, b += 22, y += 32) {
         const float d = fp16(b);
         const uint32_t qh = load32(b + 2);
-        for (int j = 0; j < 16; j++) {
-            const int lo = (b[6 + j] & 0xf) | ((qh >> j) & 1) << 4;
-            const int hi = (b[6 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4;
-            y[j] = d * (float)(lo - 16);
-            y[j + 16] = d * (float)(hi - 16);
-        }
+        for (int j = 0; j < 16; j++) /* codes as int: qh is unsigned */
+            y[j] = d * (float)((int)((b[6 + j] & 0xf) | ((qh >> j) & 1) << 4) - 16);
+        for (int j = 0; j < 16; j++)
+            y[j + 16] = d * (float)((int)((b[6 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4) - 16);
     }
 }
 
@@ -143,12 +138,10 @@ static void row_q5_1(const uint8_t *b, int64_t nb, float *y) {
     for (int64_t i = 0; i < nb; i++, b += 24, y += 32) {
         const float d = fp16(b), m = fp16(b + 2);
         const uint32_t qh = load32(b + 4);
-        for (int j = 0; j < 16; j++) {
-            const int lo = (b[8 + j] & 0xf) | ((qh >> j) & 1) << 4;
-            const int hi = (b[8 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4;
-            y[j] = d * (float)lo + m;
-            y[j + 16] = d * (float)hi + m;
-        }
+        for (int j = 0; j < 16; j++)
+            y[j] = d * (float)((b[8 + j] & 0xf) | ((qh >> j) & 1) << 4) + m;
+        for (int j = 0; j < 16; j++)
+            y[j + 16] = d * (float)((b[8 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4) + m;
     }
 }
 
@@ -205,18 +198,19 @@ static void row_q6_k(const uint8_t *b, int64_t nb, float *y) {
         const float d = fp16(b + 208);
         const uint8_t *ql = b, *qh = b + 128;
         const int8_t *sc = (const int8_t *)(b + 192);
+        /* each run of 16 values (one scale) its own loop, so a compiler vectorises it:
+         * quarter j of a half takes ql's low (j even) or high nibbles, qh's bits 2j, 2j+1 */
         for (int half = 0; half < 2; half++, ql += 64, qh += 32, sc += 8, y += 128)
-            for (int l = 0; l < 32; l++) {
-                const int s = l / 16;
-                const int q1 = ((ql[l] & 0xf) | ((qh[l] >> 0) & 3) << 4) - 32;
-                const int q2 = ((ql[l + 32] & 0xf) | ((qh[l] >> 2) & 3) << 4) - 32;
-                const int q3 = ((ql[l] >> 4) | ((qh[l] >> 4) & 3) << 4) - 32;
-                const int q4 = ((ql[l + 32] >> 4) | ((qh[l] >> 6) & 3) << 4) - 32;
-                y[l] = d * (float)sc[s] * (float)q1;
-                y[l + 32] = d * (float)sc[s + 2] * (float)q2;
-                y[l + 64] = d * (float)sc[s + 4] * (float)q3;
-                y[l + 96] = d * (float)sc[s + 6] * (float)q4;
-            }
+            for (int j = 0; j < 4; j++)
+                for (int s = 0; s < 2; s++) {
+                    const float ds = d * (float)sc[s + 2 * j];
+                    const uint8_t *lo = ql + 32 * (j & 1) + 16 * s, *hi = qh + 16 * s;
+                    const int shift = 4 * (j >> 1);
+                    float *out = y + 32 * j + 16 * s;
+                    for (int l = 0; l < 16; l++)
+                        out[l] = ds * (float)((((lo[l] >> shift) & 0xf) |
+                                               ((hi[l] >> (2 * j)) & 3) << 4) - 32);
+                }
     }
 }
 
