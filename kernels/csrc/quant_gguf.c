@@ -47,6 +47,12 @@
 #else
 #define HAS_AVX512 0
 #endif
+#if !HAS_AVX512 && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAS_AVX2 1 /* AVX2 expansions for the 32-value 4- and 5-bit types */
+#else
+#define HAS_AVX2 0
+#endif
 #if defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -355,12 +361,67 @@ static void row_q6_k_v(const uint8_t *b, int64_t nb, float *y) {
 }
 #endif
 
+/* ---- AVX2 expansion of Q4_0 / Q4_1 / Q5_0 / Q5_1 (the types compilers leave scalar);
+ * the others keep their plain-C form, which compilers vectorise ------------------------ */
+#if HAS_AVX2
+/* 16 codes (bytes) -> d q + c in 16 fp32 */
+static inline void store16(float *y, __m128i q, __m256 d, __m256 c) {
+    _mm256_storeu_ps(y, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), d, c));
+    _mm256_storeu_ps(y + 8, _mm256_fmadd_ps(
+                                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8))),
+                                d, c));
+}
+
+/* bits 0..15 of `bits` as 16 bytes of 16 (set) or 0 */
+static inline __m128i fifth_bits(uint32_t bits) {
+    const __m128i sel = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
+    const __m128i spread = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m128i v = _mm_shuffle_epi8(_mm_cvtsi32_si128((int)bits), spread);
+    return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(v, sel), sel), _mm_set1_epi8(16));
+}
+
+/* one 32-value block: q[16] nibbles (and, with `five`, qh's fifth bits); w = d q + c */
+static inline void block32(float *y, const uint8_t *q, uint32_t qh, const int five, float d,
+                           float c) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)q), mask = _mm_set1_epi8(0xf);
+    __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+    if (five) {
+        lo = _mm_or_si128(lo, fifth_bits(qh));
+        hi = _mm_or_si128(hi, fifth_bits(qh >> 16));
+    }
+    const __m256 dv = _mm256_set1_ps(d), cv = _mm256_set1_ps(c);
+    store16(y, lo, dv, cv);
+    store16(y + 16, hi, dv, cv);
+}
+
+static void row_q4_0_v(const uint8_t *b, int64_t nb, float *y) {
+    for (int64_t i = 0; i < nb; i++, b += 18, y += 32)
+        block32(y, b + 2, 0, 0, fp16(b), -8.0f * fp16(b));
+}
+static void row_q4_1_v(const uint8_t *b, int64_t nb, float *y) {
+    for (int64_t i = 0; i < nb; i++, b += 20, y += 32)
+        block32(y, b + 4, 0, 0, fp16(b), fp16(b + 2));
+}
+static void row_q5_0_v(const uint8_t *b, int64_t nb, float *y) {
+    for (int64_t i = 0; i < nb; i++, b += 22, y += 32)
+        block32(y, b + 6, load32(b + 2), 1, fp16(b), -16.0f * fp16(b));
+}
+static void row_q5_1_v(const uint8_t *b, int64_t nb, float *y) {
+    for (int64_t i = 0; i < nb; i++, b += 24, y += 32)
+        block32(y, b + 8, load32(b + 4), 1, fp16(b), fp16(b + 2));
+}
+#define row_q8_0_v row_q8_0
+#define row_q4_k_v row_q4_k
+#define row_q5_k_v row_q5_k
+#define row_q6_k_v row_q6_k
+#endif
+
 typedef void (*row_fn)(const uint8_t *, int64_t, float *);
 
-/* The expansion for `qtype` (the plain-C one when `plain` or off AVX-512), its block
+/* The expansion for `qtype` (the plain-C one when `plain` or without a vector form), its block
  * size and bytes; 0 for a type this file does not know. */
 static row_fn expander(int qtype, int plain, int *block, int *bytes) {
-#if HAS_AVX512
+#if HAS_AVX512 || HAS_AVX2
 #define PICK(fn) (plain ? fn : fn##_v)
 #else
 #define PICK(fn) ((void)plain, fn)
