@@ -20,17 +20,20 @@
  * expanded to fp32 into the thread's scratch (each block read once per call; a row of K
  * fp32 values stays in L1/L2), then a micro-kernel multiplies MR rows of x at a time
  * with the NR expanded rows, holding MR x NR vectors of fp32 sums in registers. The
- * expansion has a plain-C form per type (the reference, and the only form off AVX-512)
- * and an AVX-512 form for each; the product is written with GCC vector extensions
- * (zmm with AVX-512, ymm pairs with AVX2, NEON elsewhere), -ffast-math contracting
- * `c += a * b` to fused multiply-adds.
+ * expansion has a plain-C form per type (the reference, and the only form on other
+ * CPUs), an AVX-512 form for each and an AVX2 form for the 32-value 4- and 5-bit types;
+ * the fp32 product is written with GCC vector extensions (zmm with AVX-512, ymm with
+ * AVX2, NEON pairs on Arm), -ffast-math contracting `c += a * b` to fused multiply-adds.
+ *
+ * bf16 x: with AVX512_BF16 the expanded rows are rounded to bf16 (nearest even, the
+ * values a model dequantized to bf16 holds) and multiplied pairwise by vdpbf16ps (exact
+ * products, fp32 sums); elsewhere x is widened to fp32 and the fp32 product runs. Either
+ * way the sums are rounded once to bf16, and x is never quantized.
  *
  * Every output element is summed in one order, whatever T, the thread count or the
  * element's place in the batch: lane-wise over K in steps of the vector width, then the
  * lanes. A row's result is therefore independent of the batch it came in
- * (batch-invariant). bf16 x is widened to fp32 first and the fp32 sums rounded once to
- * bf16 (nearest even), so both dtypes see the same weights exactly as the fp32
- * reference expands them (no activation quantization).
+ * (batch-invariant).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -440,7 +443,7 @@ static row_fn expander(int qtype, int plain, int *block, int *bytes) {
 #undef PICK
 }
 
-/* 1 fp32 x, 2 bf16 x, 4 the expansion is vectorised (AVX-512); 0 for an unknown type */
+/* 1 fp32 x, 2 bf16 x, 4 every expansion is AVX-512's; 0 for an unknown type */
 int quant_gguf_available(int qtype) {
     int block, bytes;
     return expander(qtype, 0, &block, &bytes) ? 1 | 2 | (HAS_AVX512 ? 4 : 0) : 0;
