@@ -48,9 +48,12 @@ REFERENCE_TILE_ROWS = 256  # output rows dequantized at a time by the reference
 _NATIVE = {torch.float32: ("quant_gguf_f32", 1), torch.bfloat16: ("quant_gguf_bf16", 2)}
 
 
-def check(blocks: torch.Tensor, qtype: int, out_features: int, in_features: int) -> int:
+def check(blocks: torch.Tensor, qtype: int, out_features: int, in_features: int,
+          x: torch.Tensor | None = None) -> int:
     """row_bytes of a valid call; ValueError naming the problem otherwise."""
     row_bytes = _row_bytes(qtype, in_features)
+    if x is not None and (x.dim() == 0 or x.shape[-1] != in_features):
+        raise ValueError(f"x {list(x.shape)} does not end in in_features={in_features}")
     if blocks.dtype != torch.uint8 or blocks.shape != (out_features, row_bytes):
         raise ValueError(f"{SUPPORTED[qtype]} blocks for a {out_features} x {in_features} "
                          f"weight are uint8 [{out_features}, {row_bytes}]; got "
@@ -75,9 +78,13 @@ def _row_bytes(qtype: int, in_features: int) -> int:
 
 def quant_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features: int,
                  in_features: int) -> torch.Tensor:
-    """Dispatcher: the C kernel where this build has one for (qtype, x.dtype) and T is
-    decode-sized, else the reference."""
-    check(blocks, qtype, out_features, in_features)
+    """Dispatcher: the C kernel where this build has one for (qtype, x.dtype), else the
+    reference. x [..., in_features] is taken as rows [T, in_features]."""
+    check(blocks, qtype, out_features, in_features, x)
+    if x.dim() != 2:
+        rows = quant_linear(x.reshape(-1, in_features), blocks, qtype, out_features,
+                            in_features)
+        return rows.view(*x.shape[:-1], out_features)
     if x.shape[0] and x.dtype in _NATIVE and use_native(x) and has_kernel(qtype, x.dtype):
         out = _quant_linear_native(x, blocks, qtype, out_features, in_features)
         if out is not None:
@@ -135,7 +142,8 @@ def quant_linear_native(x, blocks, qtype, out_features, in_features,
                         plain: bool = False) -> torch.Tensor:
     """The C kernel alone (tests); `plain` takes its plain-C expansion of the blocks
     instead of the vectorised one. RuntimeError where it declines the call."""
-    check(blocks, qtype, out_features, in_features)
+    check(blocks, qtype, out_features, in_features, x)
+    assert x.dim() == 2, "rows [T, in_features]"
     if x.shape[0] == 0:
         return torch.empty(0, out_features, dtype=x.dtype)
     out = _quant_linear_native(x, blocks, qtype, out_features, in_features, plain)
@@ -171,11 +179,11 @@ def dequantize_rows(blocks: torch.Tensor, qtype: int, in_features: int) -> torch
 def quant_linear_reference(x: torch.Tensor, blocks: torch.Tensor, qtype: int,
                            out_features: int, in_features: int) -> torch.Tensor:
     """Dequantize REFERENCE_TILE_ROWS output rows at a time, multiply in fp32."""
-    check(blocks, qtype, out_features, in_features)
+    check(blocks, qtype, out_features, in_features, x)
     xf = x.float()
-    out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    out = torch.empty(*x.shape[:-1], out_features, dtype=torch.float32)
     for first in range(0, out_features, REFERENCE_TILE_ROWS):
         last = min(first + REFERENCE_TILE_ROWS, out_features)
         w = dequantize_rows(blocks[first:last], qtype, in_features)  # [tile, in]
-        out[:, first:last] = xf @ w.T
+        out[..., first:last] = xf @ w.T
     return out.to(x.dtype)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from fusegen.kernels import native
+from fusegen.kernels import native, use_native
 from fusegen.kernels import quant_linear as ql
 
 needs_library = pytest.mark.skipif(native.library() is None, reason="no C compiler here")
@@ -140,10 +140,21 @@ def test_dispatcher(dtype, rows, monkeypatch):
     got = ql.quant_linear(x, blocks, ql.Q4_1, 33, 64)
     assert got.shape == (rows, 33) and got.dtype == dtype
     assert_close(got, ref, x, dense(blocks, ql.Q4_1, 64))
-    if rows > 70 and native.library() is not None:  # the second 64-row call's rows
+    if rows > 70 and use_native(x):  # the kernel's second 64-row call
         assert torch.equal(got[70:71], ql.quant_linear(x[70:71], blocks, ql.Q4_1, 33, 64))
     monkeypatch.setenv("FUSEGEN_KERNELS", "reference")
     assert torch.equal(ql.quant_linear(x, blocks, ql.Q4_1, 33, 64), ref)
+
+
+def test_leading_dimensions():
+    blocks = make_blocks(ql.Q4_1, 33, 64)
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(4))
+    got = ql.quant_linear(x, blocks, ql.Q4_1, 33, 64)
+    assert got.shape == (2, 3, 33)
+    assert torch.equal(got.reshape(6, 33), ql.quant_linear(x.reshape(6, 64), blocks, ql.Q4_1,
+                                                            33, 64))
+    assert_close(ql.quant_linear_reference(x, blocks, ql.Q4_1, 33, 64).reshape(6, 33),
+                 got.reshape(6, 33), x.reshape(6, 64), dense(blocks, ql.Q4_1, 64))
 
 
 def test_unknown_type_and_bad_shapes_are_clear_errors():
@@ -155,6 +166,8 @@ def test_unknown_type_and_bad_shapes_are_clear_errors():
         ql.quant_linear(x, make_blocks(ql.Q8_0, 4, 64), ql.Q8_0, 4, 32)
     with pytest.raises(ValueError, match="in_features=48 is not a multiple"):
         ql.quant_linear(torch.randn(2, 48), blocks, ql.Q8_0, 4, 48)
+    with pytest.raises(ValueError, match=r"x \[2, 64\] does not end in in_features=32"):
+        ql.quant_linear(torch.randn(2, 64), blocks, ql.Q8_0, 4, 32)
     assert not ql.has_kernel(10, torch.float32)
 
 
