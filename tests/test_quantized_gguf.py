@@ -157,12 +157,15 @@ def test_kept_as_blocks_policy():
     assert not kept_as_blocks("down.weight", [(Q.Q2_K, (64, 256))])  # no kernel for it
 
 
+@pytest.mark.parametrize("kernels", ["auto", "reference"])
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1], ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_deterministic_rows_do_not_depend_on_the_batch(qtype, dtype):
-    # quant_linear takes the C kernel for calls of up to its row limit and the reference
-    # GEMM past it, each summing `in` in its own order: in deterministic mode every call
-    # is ROW_TILE rows, so a row is bit-identical alone or among 64 (or 100) rows.
+def test_deterministic_rows_do_not_depend_on_the_batch(qtype, dtype, kernels, monkeypatch):
+    # The C kernel sums each row in one order whatever the call (so GGUFLinear calls it
+    # as it is); the reference GEMM orders its sums by the call's shape, so in
+    # deterministic mode its calls are ROW_TILE rows. Either way a row is bit-identical
+    # alone or among 64 (or 100) rows.
+    monkeypatch.setenv("FUSEGEN_KERNELS", kernels)
     gguf = pytest.importorskip("gguf")
     rng = np.random.default_rng(1)
     out_features, in_features = 96, 256

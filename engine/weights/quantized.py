@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from fusegen.engine.weights.linear import Linear, row_tiled
-from fusegen.kernels.quant_linear import SUPPORTED, quant_linear
+from fusegen.kernels import use_native
+from fusegen.kernels.quant_linear import SUPPORTED, has_kernel, quant_linear
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,11 +113,11 @@ class GGUFLinear(Linear):
         return kept
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.row_tile is not None:
-            # quant_linear picks its path (the C kernel up to its row limit, the
-            # reference's tiled GEMM past it) and with it the order it sums over `in`
-            # by the call's row count: exactly `row_tile` rows per call make a row's
-            # result independent of the rows it is batched with.
+        if self.row_tile is not None and not (use_native(x) and has_kernel(self.qtype, x.dtype)):
+            # The C kernel sums each row in one order whatever the call's row count
+            # (64-row calls past that), so it is batch-invariant as it is; the reference
+            # (torch's GEMM) orders its sums by the call's shape: exactly `row_tile` rows
+            # per call make a row's result independent of the rows batched with it.
             return row_tiled(x, self._matmul, self.out_features, self.bias, self.row_tile)
         out = quant_linear(x, self.blocks, self.qtype, self.out_features, self.in_features)
         if self.bias is not None:
