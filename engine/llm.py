@@ -54,9 +54,7 @@ class LLM:
                 self._closed = True
                 self._cond.notify_all()
             raise
-        self.tokenizer = self.engine.tokenizer
-        # Chat templates stop writing text longer than a prompt can be.
-        self.tokenizer.prompt_limit = self.engine.prompt_limit
+        self.tokenizer = self.engine.tokenizer  # its prompt limit set by the engine
 
     @property
     def max_model_len(self) -> int:

@@ -26,7 +26,7 @@ import json
 import math
 
 from fusegen.engine.sampling_params import SamplingParams
-from fusegen.jobs.formats import MAX_JSON_DEPTH
+from fusegen.jobs.formats import MAX_JSON_DEPTH, JsonTooDeep, load_json
 
 # Every SamplingParams field a job sets, job-wide or per row, in --help order.
 SAMPLING_FIELDS = (
@@ -88,13 +88,11 @@ def read_json(text: str | bytes, max_depth: int | None = MAX_DEPTH):
     json.loads reads without exhausting the stack) and ValueError for text that is no
     JSON (json's message)."""
     try:
-        value = json.loads(text)
+        return json.loads(text) if max_depth is None else load_json(text, max_depth)
+    except JsonTooDeep:
+        raise TooDeep(max_depth) from None
     except RecursionError:  # json.loads recurses once per level
-        raise TooDeep(max_depth or MAX_DEPTH) from None
-    problem = max_depth is not None and nesting_problem(value, max_depth)
-    if problem:
-        raise problem
-    return value
+        raise TooDeep(MAX_DEPTH) from None
 
 
 def lone_surrogate(value) -> tuple[str, str, int] | None:
