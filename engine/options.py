@@ -169,13 +169,6 @@ class EngineOptions:
                 f"quantization={self.quantization!r}: fusegen does not run that yet; it runs "
                 "quantization='gguf' (a GGUF file's blocks kept as stored, on CPUs) and "
                 "quantization='dequantize' or None (every weight expanded as it loads)")
-        if self.quantization == "gguf" and (self.tensor_parallel_size
-                                            * self.pipeline_parallel_size > 1):
-            raise EngineConfigError(
-                f"quantization='gguf' with tensor_parallel_size={self.tensor_parallel_size}, "
-                f"pipeline_parallel_size={self.pipeline_parallel_size}: kept GGUF blocks run "
-                "in one process only for now; use a device group with "
-                "quantization='dequantize', or one process with quantization='gguf'")
 
     def _check_seed(self) -> None:
         _check_int(self, "seed", 0)
