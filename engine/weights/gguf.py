@@ -68,9 +68,10 @@ def load_gguf_state_dict(path, cfg: ModelConfig, dtype: torch.dtype,
     """Every weight under its Hugging Face name as a `LazyTensor` in `dtype`, checked
     name by name and shape by shape against the config; nothing is read or dequantized
     until the loader uses a tensor, so layers load (or stream) one at a time.
-    `keep_blocks` (quantization="gguf"): each 2-D block-quantized tensor whose value
-    transform only reorders rows also carries `.blocks`, a `BlockSource` of its raw
-    blocks in Hugging Face row order (weights/quantized.py picks which to keep)."""
+    `keep_blocks` (the blocks kept: quantization="gguf", or None on a CPU): each 2-D
+    block-quantized tensor whose value transform only reorders rows also carries
+    `.compressed`, a `CompressedSource` of its raw blocks in Hugging Face row order
+    (weights/quantized.py picks which to keep)."""
     reader, state = GGUFFile.open(path), _checked_tensors(path, cfg)
     arch = reader.require("general.architecture")
     out = {}
@@ -79,7 +80,7 @@ def load_gguf_state_dict(path, cfg: ModelConfig, dtype: torch.dtype,
         out[hf_name] = LazyTensor(info.shape, dtype,
                                   functools.partial(reader.read, info, dtype, transform))
         if keep_blocks and len(info.shape) == 2 and info.qtype not in _TORCH_TYPES:
-            out[hf_name].blocks = reader.block_source(info, transform)
+            out[hf_name].compressed = reader.block_source(info, transform)
     return out
 
 
@@ -225,18 +226,19 @@ class GGUFFile:
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(dtype)
 
     def block_source(self, info: TensorInfo, transform=None):
-        """`info`'s raw blocks as a `BlockSource` (weights/quantized.py), or None where
-        `transform` changes values rather than moving whole rows (its blocks would not
-        hold the Hugging Face weight)."""
-        from fusegen.engine.weights.quantized import BlockSource
+        """`info`'s raw blocks as a `CompressedSource` (weights/quantized.py), or None
+        where `transform` changes values rather than moving whole rows (its blocks would
+        not hold the Hugging Face weight)."""
+        from fusegen.engine.weights.quantized import CompressedSource
 
         order = None
         if transform is not None:
             order = _row_order(transform, info.shape[0])
             if order is None:
                 return None
-        return BlockSource(int(info.qtype), info.shape, info.nbytes,
-                           functools.partial(self.blocks, info, order))
+        read = functools.partial(_as_components, functools.partial(self.blocks, info, order))
+        return CompressedSource("gguf", (int(info.qtype),), info.shape, info.nbytes,
+                                info.name, read)
 
     def blocks(self, info: TensorInfo, order: torch.Tensor | None = None) -> torch.Tensor:
         """A 2-D tensor's blocks as stored: uint8 [out, row_bytes], a view of the memory
@@ -254,6 +256,10 @@ class GGUFFile:
                 f"{self.path}: tensor {info.name!r} has type {info.qtype.name}, which fusegen "
                 f"cannot dequantize; supported: {', '.join(t.name for t in SUPPORTED_TYPES)}. "
                 "Convert the file with llama.cpp's llama-quantize to one of these")
+
+
+def _as_components(blocks) -> dict[str, torch.Tensor]:
+    return {"blocks": blocks()}
 
 
 def _split_paths(path: Path) -> list[Path]:
