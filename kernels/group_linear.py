@@ -1,0 +1,283 @@
+"""A linear layer whose weight stays group-quantized (int8 / int4, docs/quantization.md):
+x @ W.T with W expanded only inside the product.
+
+Shapes (G = in_features // group_size):
+  x        [..., in_features] fp32 or bf16 (fp16: the reference only), taken as rows [T, in]
+  qweight  uint8 [out, in] (int8 codes 0..255) or [out, in / 2] (int4: two codes a byte,
+           in runs of 32 channels byte k holds channel k low and channel k + 16 high)
+  scales   fp16 [out, G]
+  zeros    uint8 [out, G], or None: symmetric, the zero point is 128 (int8) / 8 (int4)
+  returns  [..., out] in x.dtype
+
+  weight[o, i] = (q[o, i] - zero[o, i // g]) * scale[o, i // g]   (exact in fp32)
+
+On CPUs the C kernel (kernels/csrc/quant_group.c) multiplies up to MAX_KERNEL_ROWS rows
+of x a call, expanding the codes in registers (few rows) or into a thread's scratch (many),
+fp32 x against the fp32 weights, bf16 x against the weights as bf16 rounds them; larger T
+runs in calls of 64 rows, and every output element is summed in one order, so a row's
+result is the same whatever its batch and the thread count. Every other device, and
+FUSEGEN_KERNELS=reference, take the reference: a tile of output rows dequantized to fp32
+and multiplied with torch in fp32 (never a dense copy of the whole layer).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from fusegen.kernels import use_native
+
+BITS = (4, 8)
+GROUP_SIZES = (32, 64, 128)
+SYMMETRIC_ZERO = {8: 128, 4: 8}  # the code range's middle
+MAX_CODE = {8: 255, 4: 15}
+RUN = 32  # int4 codes are packed in runs of 32 channels (16 bytes)
+# Rows of x per kernel call (the C entry points refuse more), as quant_linear's.
+MAX_KERNEL_ROWS = 64
+REFERENCE_TILE_ROWS = 256  # output rows dequantized at a time by the reference
+_NATIVE = {torch.float32: ("quant_group_f32", 1), torch.bfloat16: ("quant_group_bf16", 2)}
+_FP16_MAX = 65504.0
+
+
+def check(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
+          group_size: int, out_features: int, in_features: int,
+          x: torch.Tensor | None = None) -> None:
+    """ValueError naming the bad option, tensor, shape or dtype; None for a valid call."""
+    _check_format(bits, group_size, in_features)
+    if x is not None and (x.dim() == 0 or x.shape[-1] != in_features):
+        raise ValueError(f"x {list(x.shape)} does not end in in_features={in_features}")
+    if x is not None and x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"x is {x.dtype}; group_linear takes float32, bfloat16 or float16 x")
+    groups = in_features // group_size
+    expected = [("qweight", qweight, torch.uint8, (out_features, in_features * bits // 8)),
+                ("scales", scales, torch.float16, (out_features, groups))]
+    if zeros is not None:
+        expected.append(("zeros", zeros, torch.uint8, (out_features, groups)))
+    for name, tensor, dtype, shape in expected:
+        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise ValueError(
+                f"int{bits} {name} for a {out_features} x {in_features} weight in groups of "
+                f"{group_size} is {dtype} {list(shape)}; got {tensor.dtype} "
+                f"{list(tensor.shape)}")
+
+
+@functools.lru_cache(maxsize=None)
+def _check_format(bits: int, group_size: int, in_features: int) -> None:
+    # cached: a decode step checks every linear's call
+    if bits not in BITS:
+        raise ValueError(f"bits={bits}: group quantization is int8 or int4 (bits 8 or 4)")
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size={group_size}: must be one of {GROUP_SIZES}")
+    if in_features <= 0 or in_features % group_size:
+        raise ValueError(f"in_features={in_features} is not a positive multiple of "
+                         f"group_size={group_size}")
+
+
+def group_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                 zeros: torch.Tensor | None, bits: int, group_size: int, out_features: int,
+                 in_features: int) -> torch.Tensor:
+    """Dispatcher: the C kernel where this build has one for (bits, x.dtype), else the
+    reference. x [..., in_features] is taken as rows [T, in_features]."""
+    check(qweight, scales, zeros, bits, group_size, out_features, in_features, x)
+    if x.dim() != 2:
+        rows = group_linear(x.reshape(-1, in_features), qweight, scales, zeros, bits,
+                            group_size, out_features, in_features)
+        return rows.view(*x.shape[:-1], out_features)
+    if x.shape[0] and x.dtype in _NATIVE and use_native(x) and has_kernel(bits, x.dtype):
+        out = _group_linear_native(x, qweight, scales, zeros, bits, group_size, out_features,
+                                   in_features)
+        if out is not None:
+            return out
+    return group_linear_reference(x, qweight, scales, zeros, bits, group_size, out_features,
+                                  in_features)
+
+
+@functools.cache
+def has_kernel(bits: int, dtype: torch.dtype) -> bool:
+    """Whether this machine's build has the C kernel for `bits` with `dtype` rows of x
+    (False under FUSEGEN_KERNELS=reference only through the dispatcher's use_native)."""
+    if bits not in BITS or dtype not in _NATIVE:
+        return False
+    lib = _library()
+    return lib is not None and bool(lib.quant_group_available(bits) & _NATIVE[dtype][1])
+
+
+@functools.cache
+def _kernel(dtype: torch.dtype):
+    return getattr(_library(), _NATIVE[dtype][0])
+
+
+@functools.cache
+def _library():
+    from fusegen.kernels import native
+
+    lib = native.library()
+    if lib is None or not hasattr(lib, "quant_group_available"):
+        return None
+    # native.library() gives the int result only to the names it knows return one
+    for name in ("quant_group_available", "quant_group_f32", "quant_group_bf16",
+                 "quant_group_dequantize_f32"):
+        getattr(lib, name).restype = ctypes.c_int
+    return lib
+
+
+def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t if t is None or t.is_contiguous() else t.contiguous()
+
+
+def _group_linear_native(x, qweight, scales, zeros, bits, group_size, out_features,
+                         in_features, plain=False):
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    qweight, scales, zeros = _contiguous(qweight), _contiguous(scales), _contiguous(zeros)
+    zeros_ptr = None if zeros is None else zeros.data_ptr()
+    out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
+    kernel, threads = _kernel(x.dtype), torch.get_num_threads()
+    # MAX_KERNEL_ROWS rows a call: each call reads the codes once more and keeps its rows
+    # of x in L2; a row's sums never depend on the call it came in
+    for first in range(0, x.shape[0], MAX_KERNEL_ROWS):
+        rows = min(MAX_KERNEL_ROWS, x.shape[0] - first)
+        status = kernel(bits, group_size, x[first].data_ptr(), rows, x.stride(0),
+                        qweight.data_ptr(), scales.data_ptr(), zeros_ptr, out_features,
+                        in_features, out[first].data_ptr(), out_features, threads, int(plain))
+        if status != 0:
+            return None
+    return out
+
+
+def group_linear_native(x, qweight, scales, zeros, bits, group_size, out_features,
+                        in_features, plain: bool = False) -> torch.Tensor:
+    """The C kernel alone (tests); `plain` takes its plain-C expansion and product instead
+    of the vectorised ones. RuntimeError where it declines the call."""
+    check(qweight, scales, zeros, bits, group_size, out_features, in_features, x)
+    assert x.dim() == 2, "rows [T, in_features]"
+    if x.shape[0] == 0:
+        return torch.empty(0, out_features, dtype=x.dtype)
+    out = _group_linear_native(x, qweight, scales, zeros, bits, group_size, out_features,
+                               in_features, plain)
+    if out is None:
+        raise RuntimeError(f"no C kernel for int{bits} with {x.dtype} x and "
+                           f"{x.shape[0]} rows in this build")
+    return out
+
+
+def dequantize_native(qweight, scales, zeros, bits, group_size, in_features,
+                      plain: bool = False) -> torch.Tensor:
+    """[rows, in_features] fp32 by the C kernel's expansion (`plain`: its plain-C form)."""
+    rows = qweight.shape[0]
+    check(qweight, scales, zeros, bits, group_size, rows, in_features)
+    qweight, scales, zeros = _contiguous(qweight), _contiguous(scales), _contiguous(zeros)
+    out = torch.empty(rows, in_features)
+    status = _library().quant_group_dequantize_f32(
+        bits, group_size, qweight.data_ptr(), scales.data_ptr(),
+        None if zeros is None else zeros.data_ptr(), rows, in_features, out.data_ptr(),
+        torch.get_num_threads(), int(plain))
+    if status != 0:
+        raise RuntimeError(f"no C expansion of int{bits} codes in this build")
+    return out
+
+
+# ---- the torch side: codes <-> values --------------------------------------------------
+
+def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """uint8 [rows, in / 2] -> codes uint8 [rows, in] in channel order."""
+    rows = qweight.shape[0]
+    runs = qweight.reshape(rows, -1, RUN // 2)  # [rows, in / 32, 16]
+    return torch.stack([runs & 0xF, runs >> 4], dim=2).reshape(rows, -1)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """codes uint8 [rows, in] (0..15, in a multiple of 32) -> uint8 [rows, in / 2]."""
+    rows = codes.shape[0]
+    runs = codes.reshape(rows, -1, 2, RUN // 2)  # [rows, in / 32, low | high, 16]
+    return (runs[:, :, 0] | runs[:, :, 1] << 4).reshape(rows, -1)
+
+
+def dequantize_group(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                     bits: int, group_size: int, in_features: int) -> torch.Tensor:
+    """The weight fp32 [rows, in_features]: (q - zero) * scale per group, exact in fp32
+    (an 8-bit difference times an fp16 scale fits fp32's 24-bit significand)."""
+    rows = qweight.shape[0]
+    check(qweight, scales, zeros, bits, group_size, rows, in_features)
+    codes = unpack_int4(qweight) if bits == 4 else qweight
+    groups = in_features // group_size
+    q = codes.reshape(rows, groups, group_size).float()
+    zero = (zeros.float() if zeros is not None
+            else torch.full((rows, groups), float(SYMMETRIC_ZERO[bits])))
+    return ((q - zero[:, :, None]) * scales.float()[:, :, None]).reshape(rows, in_features)
+
+
+def quantize_group(weight: torch.Tensor, bits: int, group_size: int, symmetric: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """weight [out, in] (any float dtype, computed in fp32) -> (qweight, scales, zeros or
+    None), round to nearest (half to even, torch.round), per group of `group_size` channels:
+
+      symmetric:  scale = max|w| / 127 (int8) or / 7 (int4), stored as fp16;
+                  q = clamp(round(w / scale), -127..127 | -7..7) + 128 | 8
+      asymmetric: lo = min(min w, 0), hi = max(max w, 0) (the range holds zero, so the
+                  zero point is a code); scale = (hi - lo) / 255 (int8) or / 15 (int4) as
+                  fp16; zero = clamp(round(-lo / scale), 0, 255 | 15);
+                  q = clamp(round(w / scale) + zero, 0, 255 | 15)
+
+    Codes divide by the fp16 scale as stored. A group whose scale is 0 in fp16 (all zero,
+    or too small for fp16) gets scale 0, zero point 0 (asymmetric) and every code equal to
+    its zero point: it dequantizes to zeros. dequantize_group(quantize_group(w)) == w
+    exactly when each group of w is n * s for an fp16 s and integers n spanning the whole
+    code range (symmetric: max |n| = 127 | 7; asymmetric: max n - min n = 255 | 15 with
+    min n <= 0 <= max n), since then every step above is exact in fp32."""
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"weight to quantize is {weight.dtype} {list(weight.shape)}; "
+                         f"expected a float [out_features, in_features] matrix")
+    out_features, in_features = weight.shape
+    _check_format(bits, group_size, in_features)
+    w = weight.detach().float().reshape(out_features, in_features // group_size, group_size)
+    if not torch.isfinite(w).all():
+        row = int(torch.nonzero(~torch.isfinite(w))[0, 0])
+        raise ValueError(f"weight row {row} holds inf or NaN; cannot quantize it")
+    top = MAX_CODE[bits]
+    if symmetric:
+        steps, zero = top // 2, torch.full((out_features, w.shape[1]), SYMMETRIC_ZERO[bits])
+        scale = _fp16_scale(w.abs().amax(dim=2) / steps, bits, group_size)
+        sf = scale.float()[:, :, None]
+        q = torch.round(w / sf).clamp(-steps, steps) + zero[:, :, None]
+        zeros = None
+    else:
+        lo = w.amin(dim=2).clamp(max=0.0)
+        hi = w.amax(dim=2).clamp(min=0.0)
+        scale = _fp16_scale((hi - lo) / top, bits, group_size)
+        sf = scale.float()
+        zero = torch.where(sf > 0, torch.round(-lo / sf), 0.0).clamp(0, top)
+        sf = sf[:, :, None]
+        q = (torch.round(w / sf) + zero[:, :, None]).clamp(0, top)
+        zeros = zero.to(torch.uint8)
+    q = torch.where(sf > 0, q, zero[:, :, None].float())  # scale 0: the zero point
+    codes = q.to(torch.uint8).reshape(out_features, in_features)
+    qweight = pack_int4(codes) if bits == 4 else codes
+    return qweight, scale, zeros
+
+
+def _fp16_scale(scale: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    if (scale > _FP16_MAX).any():
+        row, group = (int(i) for i in torch.nonzero(scale > _FP16_MAX)[0])
+        raise ValueError(
+            f"weight row {row}, channels {group * group_size}..{(group + 1) * group_size - 1}: "
+            f"its int{bits} scale {float(scale[row, group]):.6g} exceeds fp16's {_FP16_MAX:g}; "
+            f"such a weight cannot be kept group-quantized")
+    return scale.to(torch.float16)
+
+
+def group_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                           zeros: torch.Tensor | None, bits: int, group_size: int,
+                           out_features: int, in_features: int) -> torch.Tensor:
+    """Dequantize REFERENCE_TILE_ROWS output rows at a time to fp32, multiply in fp32,
+    round to x.dtype."""
+    check(qweight, scales, zeros, bits, group_size, out_features, in_features, x)
+    xf = x.float()
+    out = torch.empty(*x.shape[:-1], out_features, dtype=torch.float32)
+    for first in range(0, out_features, REFERENCE_TILE_ROWS):
+        tile = slice(first, min(first + REFERENCE_TILE_ROWS, out_features))
+        w = dequantize_group(qweight[tile], scales[tile],
+                             None if zeros is None else zeros[tile], bits, group_size,
+                             in_features)  # [tile, in]
+        out[..., tile] = xf @ w.T
+    return out.to(x.dtype)

@@ -1,0 +1,205 @@
+"""x @ W.T on a group-quantized int8 / int4 weight (kernels/group_linear.py,
+kernels/csrc/quant_group.c, layout in docs/quantization.md): the format's round trip,
+the reference (dequantize a tile, fp32 product) and the C kernel against it for every
+(bits, symmetric, group_size, dtype) over odd shapes, row counts and thread counts."""
+import pytest
+import torch
+
+from fusegen.kernels import group_linear as gl
+from fusegen.kernels import native, use_native
+
+FORMATS = [(bits, sym, g) for bits in (8, 4) for sym in (True, False) for g in (32, 64, 128)]
+FORMAT_IDS = [f"int{b}-{'sym' if s else 'asym'}-g{g}" for b, s, g in FORMATS]
+
+
+def make_weight(bits, symmetric, group_size, out_features, in_features, seed=0):
+    """Random codes over the whole code range (0 included for asymmetric groups), random
+    zero points and fp16 scales of about 0.01: (qweight, scales, zeros | None)."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = in_features // group_size
+    top = gl.MAX_CODE[bits]
+    codes = torch.randint(0 if not symmetric else 1, top + 1, (out_features, in_features),
+                          generator=gen, dtype=torch.uint8)
+    scales = (torch.rand(out_features, groups, generator=gen) * 0.02 + 1e-3).half()
+    zeros = None if symmetric else torch.randint(0, top + 1, (out_features, groups),
+                                                 generator=gen, dtype=torch.uint8)
+    qweight = gl.pack_int4(codes) if bits == 4 else codes
+    return qweight, scales, zeros
+
+
+def assert_close(got, ref, x, w):
+    """fp32: within 1e-5 of sum |x| |w| (the sum's own rounding scale, summed in another
+    order than torch's); bf16: within 1e-2 of the row's largest |value| (one bf16 rounding
+    of each result) and 2^-8 of sum |x| |w| (the kernel multiplies each weight as bf16
+    rounds it, as a model dequantized to bf16 holds it)."""
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    scale = x.float().abs() @ w.abs().T
+    if got.dtype == torch.float32:
+        bound = 1e-5 * scale + 1e-6
+    else:
+        bound = 1e-2 * ref.float().abs().amax(dim=1, keepdim=True) + 2 ** -8 * scale
+    assert ((got.float() - ref.float()).abs() <= bound).all()
+
+
+# ---- the format ---------------------------------------------------------------------
+
+def test_int4_nibble_order_is_gguf_q4_0():
+    """In each run of 32 channels byte k holds channel k (low nibble) and k + 16 (high)."""
+    codes = torch.arange(64, dtype=torch.uint8).remainder(16).reshape(1, 64)
+    codes[0, 40] = 3
+    packed = gl.pack_int4(codes)
+    assert packed.shape == (1, 32)
+    assert packed[0, 0].item() == 0x00 and packed[0, 1].item() == 0x11
+    for run in range(2):
+        for k in range(16):
+            byte = packed[0, 16 * run + k].item()
+            assert byte & 0xF == codes[0, 32 * run + k] and byte >> 4 == codes[0, 32 * run + k + 16]
+    assert torch.equal(gl.unpack_int4(packed), codes)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_dequantize_is_code_minus_zero_times_scale(bits):
+    qweight, scales, zeros = make_weight(bits, False, 32, 3, 64)
+    codes = gl.unpack_int4(qweight) if bits == 4 else qweight
+    w = gl.dequantize_group(qweight, scales, zeros, bits, 32, 64)
+    for o, i in [(0, 0), (1, 31), (2, 32), (2, 63)]:
+        expected = (float(codes[o, i]) - float(zeros[o, i // 32])) * float(scales[o, i // 32])
+        assert w[o, i].item() == expected
+    w_sym = gl.dequantize_group(qweight, scales, None, bits, 32, 64)
+    mid = gl.SYMMETRIC_ZERO[bits]
+    assert w_sym[1, 40].item() == (float(codes[1, 40]) - mid) * float(scales[1, 1])
+
+
+@pytest.mark.parametrize("bits,symmetric,group_size", FORMATS, ids=FORMAT_IDS)
+def test_quantize_dequantize_round_trip_exact_on_grid(bits, symmetric, group_size):
+    """Values n * s (s fp16, integers n spanning the code range) come back bit for bit,
+    with the same codes and scales."""
+    gen = torch.Generator().manual_seed(bits + group_size)
+    out_features, in_features = 6, 2 * group_size
+    groups = in_features // group_size
+    top = gl.MAX_CODE[bits]
+    s = (torch.rand(out_features, groups, generator=gen) * 0.05 + 1e-3).half()
+    if symmetric:
+        steps = top // 2
+        n = torch.randint(-steps, steps + 1, (out_features, groups, group_size), generator=gen)
+        n[:, :, 0] = steps * torch.where(torch.rand(out_features, groups, generator=gen) < 0.5,
+                                         -1, 1)  # the extreme, either sign
+    else:
+        zero = torch.randint(0, top + 1, (out_features, groups, 1), generator=gen)
+        n = torch.randint(0, top + 1, (out_features, groups, group_size), generator=gen) - zero
+        n[:, :, 0], n[:, :, 1] = -zero[:, :, 0], top - zero[:, :, 0]  # codes 0 and top
+    w = (n.float() * s.float()[:, :, None]).reshape(out_features, in_features)
+    qweight, scales, zeros = gl.quantize_group(w, bits, group_size, symmetric)
+    assert torch.equal(scales, s)
+    assert (zeros is None) == symmetric
+    back = gl.dequantize_group(qweight, scales, zeros, bits, group_size, in_features)
+    assert torch.equal(back, w)
+    again = gl.quantize_group(back, bits, group_size, symmetric)
+    assert torch.equal(again[0], qweight)
+
+
+def test_quantize_rounding_rules():
+    # int8 symmetric: scale max|w| / 127 in fp16, codes round(w / scale) + 128
+    w = torch.zeros(1, 32)
+    w[0, :4] = torch.tensor([1.27, -0.5, 0.015, 0.025])
+    qweight, scales, zeros = gl.quantize_group(w, 8, 32, True)
+    s = torch.tensor(1.27 / 127).half()
+    assert zeros is None and scales[0, 0] == s
+    expected = torch.round(w[0, :4] / s.float()) + 128
+    assert qweight[0, :4].tolist() == expected.tolist() and qweight[0, 4] == 128
+    # asymmetric int4, a group of positive values only: the range still holds 0 (zero 0)
+    w = torch.linspace(1.0, 3.0, 32).reshape(1, 32)
+    qweight, scales, zeros = gl.quantize_group(w, 4, 32, False)
+    assert zeros[0, 0] == 0 and scales[0, 0] == torch.tensor(3.0 / 15).half()
+    assert gl.unpack_int4(qweight)[0, -1] == 15
+    # all-zero groups: scale 0, codes at the zero point, zeros back
+    for bits, symmetric in [(8, True), (4, True), (8, False), (4, False)]:
+        qweight, scales, zeros = gl.quantize_group(torch.zeros(2, 64), bits, 32, symmetric)
+        codes = gl.unpack_int4(qweight) if bits == 4 else qweight
+        assert (scales == 0).all()
+        mid = gl.SYMMETRIC_ZERO[bits] if symmetric else 0
+        assert (codes == mid).all() and (zeros is None or (zeros == 0).all())
+        assert torch.equal(gl.dequantize_group(qweight, scales, zeros, bits, 32, 64),
+                           torch.zeros(2, 64))
+
+
+def test_quantize_errors_name_the_problem():
+    with pytest.raises(ValueError, match="group_size=48: must be one of"):
+        gl.quantize_group(torch.randn(2, 96), 8, 48, True)
+    with pytest.raises(ValueError, match="bits=3"):
+        gl.quantize_group(torch.randn(2, 64), 3, 32, True)
+    with pytest.raises(ValueError, match="in_features=40 is not a positive multiple"):
+        gl.quantize_group(torch.randn(2, 40), 8, 32, True)
+    with pytest.raises(ValueError, match="expected a float"):
+        gl.quantize_group(torch.ones(64, dtype=torch.int32), 8, 32, True)
+    bad = torch.randn(3, 64)
+    bad[2, 5] = float("nan")
+    with pytest.raises(ValueError, match="weight row 2 holds inf or NaN"):
+        gl.quantize_group(bad, 4, 32, False)
+    big = torch.zeros(2, 64)
+    big[1, 40] = 1e8
+    with pytest.raises(ValueError, match=r"weight row 1, channels 32..63: .*exceeds fp16"):
+        gl.quantize_group(big, 8, 32, True)
+
+
+def test_check_errors_name_the_tensor():
+    qweight, scales, zeros = make_weight(4, False, 32, 5, 64)
+    x = torch.randn(2, 64)
+    call = dict(bits=4, group_size=32, out_features=5, in_features=64)
+
+    def run(**changes):
+        args = dict(qweight=qweight, scales=scales, zeros=zeros, **call)
+        args.update(changes)
+        return gl.group_linear(changes.pop("x", x), **args)
+
+    with pytest.raises(ValueError, match="bits=2"):
+        run(bits=2)
+    with pytest.raises(ValueError, match="group_size=16"):
+        run(group_size=16)
+    with pytest.raises(ValueError, match=r"in_features=96 is not a positive multiple of "
+                                         r"group_size=64"):
+        run(in_features=96, group_size=64)
+    with pytest.raises(ValueError, match=r"int4 qweight .* is torch.uint8 \[5, 32\]; got "
+                                         r"torch.uint8 \[5, 64\]"):
+        run(qweight=torch.zeros(5, 64, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"int4 scales .* is torch.float16 \[5, 2\]; got "
+                                         r"torch.float32 \[5, 2\]"):
+        run(scales=scales.float())
+    with pytest.raises(ValueError, match=r"int4 zeros .* is torch.uint8 \[5, 2\]; got "
+                                         r"torch.uint8 \[5, 1\]"):
+        run(zeros=zeros[:, :1])
+    with pytest.raises(ValueError, match=r"x \[2, 32\] does not end in in_features=64"):
+        gl.group_linear(torch.randn(2, 32), qweight, scales, zeros, **call)
+    with pytest.raises(ValueError, match="x is torch.float64"):
+        gl.group_linear(x.double(), qweight, scales, zeros, **call)
+    with pytest.raises(ValueError, match=r"int8 qweight .* \[5, 64\]; got torch.uint8 \[5, 32\]"):
+        gl.dequantize_group(qweight, scales, zeros, 8, 32, 64)
+    assert not gl.has_kernel(3, torch.float32) and not gl.has_kernel(4, torch.float16)
+
+
+# ---- the reference --------------------------------------------------------------------
+
+@pytest.mark.parametrize("bits,symmetric", [(8, True), (4, False)])
+def test_reference_is_dequantize_then_matmul(bits, symmetric):
+    """Tiled over output rows, each tile's product one fp32 mm; bf16 and fp16 x rounded
+    once at the end; 0 rows give [0, out]; leading dimensions are kept."""
+    qweight, scales, zeros = make_weight(bits, symmetric, 64, 600, 128)
+    w = gl.dequantize_group(qweight, scales, zeros, bits, 64, 128)
+    x = torch.randn(7, 128, generator=torch.Generator().manual_seed(1))
+    got = gl.group_linear_reference(x, qweight, scales, zeros, bits, 64, 600, 128)
+    for first in range(0, 600, gl.REFERENCE_TILE_ROWS):
+        tile = slice(first, first + gl.REFERENCE_TILE_ROWS)
+        assert torch.equal(got[:, tile], x @ w[tile].T)
+    for dtype in (torch.bfloat16, torch.float16):
+        xd = x.to(dtype)
+        assert torch.equal(gl.group_linear_reference(xd, qweight, scales, zeros, bits, 64, 600,
+                                                     128), (xd.float() @ w.T).to(dtype))
+    assert torch.equal(gl.group_linear(x.half(), qweight, scales, zeros, bits, 64, 600, 128),
+                       (x.half().float() @ w.T).half())  # fp16: the reference serves it
+    empty = gl.group_linear(x[:0], qweight, scales, zeros, bits, 64, 600, 128)
+    assert empty.shape == (0, 600) and empty.dtype == torch.float32
+    x3 = x[:6].reshape(2, 3, 128)
+    got3 = gl.group_linear(x3, qweight, scales, zeros, bits, 64, 600, 128)
+    assert got3.shape == (2, 3, 600)
+    assert torch.equal(got3.reshape(6, 600),
+                       gl.group_linear(x[:6], qweight, scales, zeros, bits, 64, 600, 128))
