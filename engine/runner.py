@@ -3,6 +3,7 @@ KV block pools, the sampler's generators) and turns a scheduled batch into sampl
 tokens."""
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ from fusegen.engine.weights.loader import fuse, load_state_dict
 from fusegen.engine.models import get_architecture
 from fusegen.engine.models.decoder import AttentionMetadata
 from fusegen.engine.models.rope import cos_sin_tables
-from fusegen.engine.memory.offload import WeightStreamer
+from fusegen.engine.memory.offload import DiskPart, Stream, WeightStreamer
 from fusegen.engine.memory.plan import LOGITS_CHUNK, activation_bytes
 from fusegen.engine.weights.linear import ROW_TILE
 from fusegen.engine.weights.packed import can_pack, pack_linear, pack_linears
@@ -35,6 +36,11 @@ def _checkpoint_tensors(config: EngineConfig, dtype: torch.dtype) -> dict:
         return load_gguf_state_dict(config.model, config.model_config, dtype,
                                     keep_blocks=config.options.quantization == "gguf")
     return load_state_dict(config.model, config.model_config, config.options.allow_pickle)
+
+
+def _component(source, name: str) -> torch.Tensor:
+    """Component `name` of a compressed source, read now (a disk-tier layer's copy)."""
+    return source.load()[name]
 
 
 @dataclass(slots=True)
@@ -183,35 +189,76 @@ class ModelRunner:
     # -- placement --------------------------------------------------------------
 
     def _place_layers(self, state) -> None:
-        streamed: dict[int, dict[str, list[torch.Tensor]]] = {}
+        """Each layer of `layer_range` in its planned tier. A linear kept compressed
+        (quantization="gguf"; weights/quantized.py) is placed, counted and streamed as
+        its components (uint8 codes, fp16 scales) in their own dtypes; the rest dense in
+        the run's dtype."""
+        streamed: dict[int, dict[str, Stream]] = {}
         for i, tier in zip(self.layer_range, self.plan.layer_tiers):
             layer = self.model.layers[i]
-            sources = self._layer_sources(state, i)
+            kept, sources = self._layer_parts(state, i)
             if tier == "device":
-                # quantization="gguf": the linears kept as blocks become GGUFLinears
-                # (weights/quantized.py); the plan refuses it when layers would stream
-                kept, sources = split_kept(sources) if self._keeps_blocks else ({}, sources)
-                blocks = keep_blocks(layer, kept, self.device)
+                compressed = self._keep_compressed(layer, kept, self.device)
                 weights = fuse(sources, self.device, self.dtype)
                 layer.set_weights(weights)
-                self._account("device", "weights", *blocks.values(), *weights.values())
-            elif tier == "host":
-                weights = fuse(sources, "cpu", self.dtype)
-                if self._pin:
-                    weights = {n: t.pin_memory() for n, t in weights.items()}
-                streamed[i] = {n: [t] for n, t in weights.items()}
-                self._account("host", "weights", *weights.values())
-            else:  # disk: memory-mapped checkpoint tensors, converted while copied
-                streamed[i] = sources
-                self.memory["disk"]["weights"] += sum(
-                    t.numel() for parts in sources.values() for t in parts
-                ) * self.dtype.itemsize
+                self._account("device", "weights", *compressed.values(), *weights.values())
+            else:  # its tensors stream into staging slots before each use
+                self._keep_compressed(layer, kept, None)
+                streamed[i] = self._streams(sources, kept, tier)
+                self.memory[tier]["weights"] += sum(s.nbytes for s in streamed[i].values())
         if streamed:
             self.model.streamer = WeightStreamer(self.model.layers, streamed,
-                                                 self.plan.num_staging_slots, self.device,
-                                                 self.dtype)
-            for slot in self.model.streamer.slots:
-                self._account("device", "staging", *slot.values())
+                                                 self.plan.num_staging_slots, self.device)
+            self._account("device", "staging", *self.model.streamer.buffers)
+
+    def _layer_parts(self, state, index: int) -> tuple[dict, dict]:
+        """Layer `index`'s sources as (the parameters kept compressed: CompressedSource
+        parts, the rest: tensor parts); a rank narrows both to its slice."""
+        sources = self._layer_sources(state, index)
+        return split_kept(sources) if self._keeps_blocks else ({}, sources)
+
+    def _keep_compressed(self, layer, kept: dict, device) -> dict[str, torch.Tensor]:
+        """Swap `layer`'s Linears in `kept` for compressed ones: holding their components
+        on `device` (returned by name, "qkv.blocks"), or, `device` None, empty shells a
+        staging slot fills per step."""
+        if not kept:
+            return {}
+        if device is None:
+            from fusegen.engine.weights.quantized import compress_shell
+
+            compress_shell(layer, kept)
+            return {}
+        return keep_blocks(layer, kept, device)
+
+    def _streams(self, sources: dict, kept: dict, tier: str) -> dict[str, Stream]:
+        """A streamed layer's tensors by name. Host tier: copies in host memory (pinned
+        on CUDA), dense ones already in the run's dtype; disk tier: the checkpoint's
+        tensors (dense ones converted while copied) and the compressed components read
+        from the file's memory map at each copy."""
+        if tier == "host":
+            weights = fuse(sources, "cpu", self.dtype)  # a copy already
+            streams = {n: Stream([t.pin_memory() if self._pin else t], self.dtype)
+                       for n, t in weights.items()}
+        else:
+            streams = {n: Stream(list(parts), self.dtype) for n, parts in sources.items()}
+        for param, parts in kept.items():
+            owner, components = param.rpartition(".")[0], parts[0].components()
+            if tier == "host":
+                loaded = [part.load() for part in parts]
+                columns = {name: [self._host_copy(c[name]) for c in loaded]
+                           for name in components}
+            else:
+                columns = {name: [DiskPart(part.components()[name][1],
+                                           functools.partial(_component, part, name))
+                                  for part in parts] for name in components}
+            streams |= {f"{owner}.{name}": Stream(columns[name], dtype)
+                        for name, (dtype, _) in components.items()}
+        return streams
+
+    def _host_copy(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` copied into host memory this runner owns (pinned on CUDA), never a view
+        of the checkpoint's memory map."""
+        return t.pin_memory() if self._pin else t.clone(memory_format=torch.contiguous_format)
 
     @property
     def _keeps_blocks(self) -> bool:

@@ -1,7 +1,9 @@
 """Streaming decoder layers that do not stay on the device.
 
 A ring of `num_slots` device staging slots, each the size of one layer, serves the
-streamed layers in order: load k (of an endless sequence over the streamed layers,
+streamed layers in order (a layer of a quantized model streams as its compressed
+components, each in its own dtype, so a slot holds the compressed bytes and the
+layer's compressed linears are pointed at them, `CompressedLinear.set_weight`): load k (of an endless sequence over the streamed layers,
 step after step) fills slot k % num_slots. Loads run ahead of compute by up to
 `num_slots - 1` layers and cross step boundaries, so the first streamed layers of
 the next step load while the current step finishes. A slot is refilled only after
@@ -15,27 +17,73 @@ step: the slots are allocated once.
 """
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
 
+@dataclass(frozen=True, slots=True)
+class Stream:
+    """One tensor of a streamed layer, by its name in the layer ("qkv.weight", or a
+    compressed linear's component "qkv.blocks", "qkv.scales"): `parts` stacked along
+    dim 0 give it, in `dtype` (a dense weight: the run's dtype, converted while copied;
+    a compressed component: its own, uint8 codes or fp16 scales). A part is a tensor
+    (host memory, a memory map) or a `DiskPart`, read afresh at every copy."""
+    parts: list
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (sum(p.shape[0] for p in self.parts), *self.parts[0].shape[1:])
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class DiskPart:
+    """A part read only when copied: `read()` gives its tensor (a compressed weight's
+    component from the file's memory map), `shape` known without reading."""
+    shape: tuple[int, ...]
+    read: object  # () -> torch.Tensor
+
+
+def slot_layout(streams: dict[str, Stream]) -> dict[str, tuple[int, Stream]]:
+    """Where each of a layer's tensors lies in a staging slot's bytes: name -> (byte
+    offset, stream). Wider elements first, so every offset is a multiple of its
+    tensor's element size with no padding (sizes are powers of two): a slot of the
+    layer's exact bytes holds it."""
+    order = sorted(streams, key=lambda name: -streams[name].dtype.itemsize)  # stable
+    layout, offset = {}, 0
+    for name in order:
+        layout[name] = (offset, streams[name])
+        offset += streams[name].nbytes
+    return layout
+
+
 class WeightStreamer:
-    def __init__(self, layers, sources: dict[int, dict[str, list[torch.Tensor]]],
-                 num_slots: int, device: torch.device, dtype: torch.dtype):
-        # sources: layer index -> parameter name ("qkv.weight", as in the architecture's
-        # weight map) -> tensors stacked along dim 0 (pinned host or memory-mapped disk).
+    def __init__(self, layers, sources: dict[int, dict[str, Stream]], num_slots: int,
+                 device: torch.device):
+        # sources: streamed layer index -> its tensors by name (pinned host or
+        # memory-mapped disk parts). A slot is one byte buffer of the largest streamed
+        # layer's bytes (allocated once); each layer reads it through its own views, so
+        # layers whose compressed types differ (a GGUF mix) share the slots.
         self.layers = layers
         self.sources = sources
         self.order = sorted(sources)  # streamed layer indices, in compute order
         self.position = {layer: i for i, layer in enumerate(self.order)}
         self.device = device
         self.num_slots = num_slots
-        template = sources[self.order[0]]
-        self.slots = [{name: torch.empty((sum(t.shape[0] for t in parts), *parts[0].shape[1:]),
-                                         dtype=dtype, device=device)
-                       for name, parts in template.items()} for _ in range(num_slots)]
+        self.layer_bytes = {i: sum(s.nbytes for s in sources[i].values()) for i in self.order}
+        self.buffers = [torch.empty(max(self.layer_bytes.values()), dtype=torch.uint8,
+                                    device=device) for _ in range(num_slots)]
+        # per slot, per streamed layer: its tensors as views of the slot's bytes
+        self.views = [{i: _views(buffer, slot_layout(sources[i])) for i in self.order}
+                      for buffer in self.buffers]
         self.is_cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if self.is_cuda else None
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="fusegen-weights")
@@ -59,7 +107,14 @@ class WeightStreamer:
 
     @property
     def slot_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.slots[0].values())
+        """One staging slot's bytes: the largest streamed layer's (compressed
+        components at their own widths)."""
+        return self.buffers[0].numel()
+
+    @property
+    def step_bytes(self) -> int:
+        """What one pass over the streamed layers copies."""
+        return sum(self.layer_bytes.values())
 
     def _issue(self) -> None:
         k = self.next_load
@@ -69,7 +124,7 @@ class WeightStreamer:
                                                self.compute_done[k % self.num_slots])
 
     def _load(self, layer: int, slot: int, after):
-        target = self.slots[slot]
+        target = self.views[slot][layer]
         if self.is_cuda:
             with torch.cuda.stream(self.copy_stream):
                 if after is not None:
@@ -82,13 +137,14 @@ class WeightStreamer:
         return None
 
     def _copy(self, layer: int, target: dict[str, torch.Tensor]) -> None:
-        for name, parts in self.sources[layer].items():
+        for name, stream in self.sources[layer].items():
             offset = 0
-            for part in parts:
+            for part in stream.parts:
                 rows = part.shape[0]
-                target[name][offset:offset + rows].copy_(part, non_blocking=self.is_cuda)
+                source = part.read() if isinstance(part, DiskPart) else part
+                target[name][offset:offset + rows].copy_(source, non_blocking=self.is_cuda)
                 offset += rows
-        self.bytes_copied += self.slot_bytes
+        self.bytes_copied += self.layer_bytes[layer]
         self.num_loads += 1
 
     def acquire(self, layer: int) -> None:
@@ -106,7 +162,7 @@ class WeightStreamer:
         done = future.result()
         if done is not None:
             torch.cuda.current_stream(self.device).wait_event(done)
-        self.layers[layer].set_weights(self.slots[k % self.num_slots])
+        self.layers[layer].set_weights(self.views[k % self.num_slots][layer])
 
     def release(self, layer: int) -> None:
         """The layer's compute is issued: its slot may be refilled once it finishes."""
@@ -125,7 +181,8 @@ class WeightStreamer:
         (between steps): the transfer rate the decode steps are bound by."""
         for future in self.pending.values():
             future.result()
-        layer, scratch = self.order[0], self.slots[0]  # the ring restarts afterwards
+        layer = max(self.order, key=self.layer_bytes.get)  # the ring restarts afterwards
+        scratch, nbytes = self.views[0][layer], self.layer_bytes[layer]
         self._copy(layer, scratch)  # warm: page cache, pinned buffers
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
@@ -134,11 +191,17 @@ class WeightStreamer:
             self._copy(layer, scratch)
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
-        rate = repeats * self.slot_bytes / (time.perf_counter() - start)
+        rate = repeats * nbytes / (time.perf_counter() - start)
         self.num_loads -= repeats + 1
-        self.bytes_copied -= (repeats + 1) * self.slot_bytes
+        self.bytes_copied -= (repeats + 1) * nbytes
         self.reset()
         return rate
 
     def close(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _views(buffer: torch.Tensor, layout: dict[str, tuple[int, Stream]]) -> dict[str, torch.Tensor]:
+    """A layer's tensors as views of a slot's bytes (no copy, no allocation per step)."""
+    return {name: buffer[offset:offset + stream.nbytes].view(stream.dtype).view(stream.shape)
+            for name, (offset, stream) in layout.items()}
