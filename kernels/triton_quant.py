@@ -75,9 +75,13 @@ def _config(num_rows: int, out_features: int) -> tuple[int, int, int]:
     return block_m, block_n, warps
 
 
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def _check_x(x: torch.Tensor, in_features: int, what: str) -> torch.Tensor:
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"{what}: x is {x.dtype}; the kernel takes float32, float16 or bfloat16")
+        raise ValueError(f"{what}: x is {_name(x.dtype)}; the kernel takes float32, float16 or bfloat16")
     if x.dim() != 2 or x.shape[1] != in_features:
         raise ValueError(f"{what}: x {list(x.shape)} is not rows [M, in_features={in_features}]")
     return x if x.stride(1) == 1 else x.contiguous()
@@ -102,8 +106,8 @@ def check_group(qweight, scales, zeros, bits: int, group_size: int, out_features
     for name, (tensor, dtype, shape) in want.items():
         if tensor.dtype != dtype or tuple(tensor.shape) != shape:
             raise ValueError(f"int{bits} {name} for a {out_features} x {in_features} weight "
-                             f"(group {group_size}) is {dtype} {list(shape)}; got "
-                             f"{tensor.dtype} {list(tensor.shape)}")
+                             f"(group {group_size}) is {_name(dtype)} {list(shape)}; got "
+                             f"{_name(tensor.dtype)} {list(tensor.shape)}")
 
 
 @triton.jit
