@@ -1,11 +1,149 @@
 """`fusegen quantize`: a checkpoint (or GGUF file) written as fusegen's group-quantized
-int8 / int4 checkpoint (docs/quantization.md)."""
+int8 / int4 checkpoint (docs/quantization.md). The calibration prompts of method awq
+are read here (Parquet, JSON lines or plain text); the engine does the rest
+(engine/weights/quantize.py)."""
 from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
 
 import click
 
+_FORMATS = (".parquet", ".jsonl", ".txt")
+
 
 @click.command()
-def quantize():
-    """Write a group-quantized int8 / int4 copy of a checkpoint (in progress)."""
-    raise click.UsageError("fusegen quantize is not finished yet")
+@click.option("--model", "model", required=True,
+              help="Source: a checkpoint directory (config.json, *.safetensors, tokenizer) "
+              "of any architecture fusegen runs, or a .gguf file (dequantized first).")
+@click.option("--bits", type=click.Choice(["8", "4"]), required=True,
+              help="Code width: int8 or int4.")
+@click.option("--group-size", type=click.Choice(["32", "64", "128"]), default="128",
+              show_default=True, help="Input channels sharing one scale (and zero point).")
+@click.option("--symmetric/--asymmetric", default=False, show_default=True,
+              help="Symmetric groups store no zero points.")
+@click.option("--method", type=click.Choice(["rtn", "awq"]), default="rtn", show_default=True,
+              help="rtn: round to nearest; awq: activation-aware scales searched on "
+              "--calibration prompts, folded into the norms before quantizing.")
+@click.option("--calibration", type=click.Path(path_type=Path),
+              help="Calibration prompts for --method awq: a .parquet or .jsonl file (the "
+              "--calibration-column) or a .txt file (one prompt a line).")
+@click.option("--calibration-column", default="prompt", show_default=True,
+              help="The column (or JSON key) holding the calibration prompts.")
+@click.option("--calibration-rows", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Calibration prompts read at most (the first ones; each cut to 512 tokens).")
+@click.option("--output", required=True, type=click.Path(path_type=Path),
+              help="Directory to write (made under a temporary name, renamed when complete).")
+@click.option("--overwrite/--no-overwrite", default=False,
+              help="Replace an existing --output directory.")
+def quantize(model, bits, group_size, symmetric, method, calibration, calibration_column,
+             calibration_rows, output, overwrite):
+    """Write a group-quantized int8 / int4 copy of a checkpoint: every decoder-layer
+    linear as codes and scales, everything else as the source holds it."""
+    from fusegen.engine.weights.quantize import QuantizeError, QuantizeSpec, quantize_checkpoint
+
+    try:
+        spec = QuantizeSpec(int(bits), int(group_size), symmetric, method)
+        if method == "awq" and calibration is None:
+            raise QuantizeError("--method awq needs calibration prompts: pass --calibration "
+                                "FILE (.parquet, .jsonl or .txt)", "calibration")
+        if method == "rtn" and calibration is not None:
+            raise QuantizeError("--calibration is used only by --method awq", "calibration")
+        prompts = None if calibration is None else \
+            read_prompts(calibration, calibration_column, calibration_rows)
+        report = quantize_checkpoint(model, output, spec, prompts=prompts, overwrite=overwrite)
+    except QuantizeError as exc:
+        raise click.BadParameter(str(exc), param_hint=f"'--{exc.option}'") from None
+    for (layer, group), (alpha, error, rtn) in sorted(report.searches.items()):
+        click.echo(f"awq layer {layer} {group}: alpha {alpha:.2f}, output error "
+                   f"{error:.4g} (round-to-nearest {rtn:.4g})")
+    click.echo(f"quantized {report.num_quantized} tensors to int{bits} (group {group_size}, "
+               f"{'symmetric' if symmetric else 'asymmetric'}, {method}); copied "
+               f"{report.num_copied}; weights {_size(report.bytes_before)} -> "
+               f"{_size(report.bytes_after)} in {report.num_files} file(s); wrote {output}")
+
+
+def read_prompts(path: Path, column: str, max_rows: int) -> list[str]:
+    """The first `max_rows` non-empty prompts of a calibration file; QuantizeError
+    (--calibration) for a missing file, an unknown format, a missing column, a value
+    that is not text, or no prompts at all."""
+    from fusegen.engine.weights.quantize import QuantizeError
+
+    if not path.is_file():
+        raise QuantizeError(f"{path}: no such calibration file", "calibration")
+    suffix = path.suffix.lower()
+    if suffix not in _FORMATS:
+        raise QuantizeError(f"{path}: calibration files are .parquet, .jsonl or .txt, not "
+                            f"{suffix or 'a file without a suffix'}", "calibration")
+    values = {".parquet": _parquet_values, ".jsonl": _jsonl_values,
+              ".txt": _text_values}[suffix](path, column)
+    prompts = []
+    for where, value in values:
+        if value is None or value == "":
+            continue
+        if not isinstance(value, str):
+            raise QuantizeError(f"{path}: {where}: {column!r} holds "
+                                f"{type(value).__name__}, not text", "calibration")
+        prompts.append(value)
+        if len(prompts) == max_rows:
+            break
+    if not prompts:
+        raise QuantizeError(f"{path}: no calibration prompts (no non-empty "
+                            f"{'lines' if suffix == '.txt' else repr(column) + ' values'})",
+                            "calibration")
+    return prompts
+
+
+def _parquet_values(path: Path, column: str):
+    import pyarrow.parquet as pq
+
+    from fusegen.engine.weights.quantize import QuantizeError
+
+    try:
+        file = pq.ParquetFile(path)
+    except Exception as exc:  # noqa: BLE001 - any failure is the file's
+        raise QuantizeError(f"{path}: not a readable Parquet file ({exc})",
+                            "calibration") from None
+    names = file.schema_arrow.names
+    if column not in names:
+        raise QuantizeError(f"{path}: no column {column!r} (columns: {', '.join(names)}); "
+                            "name it with --calibration-column", "calibration-column")
+    row = 0
+    for batch in file.iter_batches(batch_size=256, columns=[column]):
+        for value in batch.column(0).to_pylist():
+            yield f"row {row}", value
+            row += 1
+
+
+def _jsonl_values(path: Path, column: str):
+    from fusegen.engine.weights.quantize import QuantizeError
+    from fusegen.jobs.formats import load_json
+
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = load_json(line)
+            except (ValueError, json.JSONDecodeError) as exc:
+                raise QuantizeError(f"{path}: line {line_no} is not JSON ({exc})",
+                                    "calibration") from None
+            if not isinstance(record, dict) or column not in record:
+                raise QuantizeError(f"{path}: line {line_no} has no key {column!r}; name the "
+                                    "prompt's key with --calibration-column",
+                                    "calibration-column")
+            yield f"line {line_no}", record[column]
+
+
+def _text_values(path: Path, column: str):
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            yield f"line {line_no}", line.rstrip("\r\n")
+
+
+def _size(num_bytes: int) -> str:
+    if num_bytes < 1024:
+        return f"{num_bytes} B"
+    exponent = min(3, int(math.log(num_bytes, 1024)))
+    return f"{num_bytes / 1024 ** exponent:.1f} {('KiB', 'MiB', 'GiB')[exponent - 1]}"

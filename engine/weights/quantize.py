@@ -1,0 +1,521 @@
+"""A checkpoint written as fusegen's group-quantized int8 / int4 checkpoint
+(docs/quantization.md has the format; `fusegen quantize` is the command).
+
+The decoder layers' linears (attention q/k/v/o, gate/up/down, every MoE expert's) become
+`NAME.qweight` / `NAME.scales` (/ `NAME.zeros`); every other tensor is copied as the
+source holds it. The source is streamed a tensor at a time into safetensors files
+written here (the header first, from the planned shapes, then each tensor's bytes), so
+the model is never in memory twice; the directory is written under a temporary name
+and renamed when complete.
+
+AWQ (`method="awq"`): the calibration prompts run through fusegen's engine in fp32; each
+linear's input is recorded (mean |x| per input channel, and a sample of rows). For each
+group of linears sharing an input - q/k/v after the input norm, gate/up after the MLP's
+norm, o after v and down after up - a per-channel scale s = mean|x|^alpha is searched
+over 20 alphas in [0, 1] for the least output error of the quantized weight on the
+recorded rows (alpha 0 is round-to-nearest itself, so the chosen error is never above
+RTN's). s multiplies the weight's columns before quantizing and 1/s is folded into what
+makes the input (the norm's weight, v's or up's rows), which leaves the fp32 model's
+outputs unchanged.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from fusegen.engine.errors import ModelLoadError
+from fusegen.engine.models import get_architecture
+from fusegen.engine.models.config import ModelConfig
+from fusegen.engine.weights.gguf_names import is_gguf
+
+BITS = (8, 4)
+GROUP_SIZES = (32, 64, 128)
+METHODS = ("rtn", "awq")
+MAX_SHARD_BYTES = 2 << 30  # a larger checkpoint is written in shards of at most this
+QUANTIZED_PARAMS = ("qkv.weight", "o.weight", "gate_up.weight", "down.weight")
+# Files copied beside the weights: the tokenizer's and the generation defaults.
+_COPIED_PREFIXES = ("tokenizer", "special_tokens_map", "added_tokens", "vocab", "merges",
+                    "chat_template", "generation_config")
+_NUM_ALPHAS = 20
+_SAMPLE_ROWS = 512  # calibration rows kept per linear for the error of each alpha
+_MAX_PROMPT_TOKENS = 512  # a longer calibration prompt is cut to its first tokens
+
+
+class QuantizeError(ValueError):
+    """A bad input, with the option (`--bits`, `--model`, ...) it comes from."""
+
+    def __init__(self, message: str, option: str):
+        super().__init__(message)
+        self.option = option
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizeSpec:
+    bits: int  # 8 or 4: code width
+    group_size: int  # input channels sharing one scale (and zero point)
+    symmetric: bool  # no zero points: codes centred on the range's middle
+    method: str = "rtn"  # rtn: round to nearest; awq: activation-aware scales first
+
+    def __post_init__(self):
+        if self.bits not in BITS:
+            raise QuantizeError(f"bits must be 8 or 4, got {self.bits!r}", "bits")
+        if self.group_size not in GROUP_SIZES:
+            raise QuantizeError(f"group size must be 32, 64 or 128, got {self.group_size!r}",
+                                "group-size")
+        if self.method not in METHODS:
+            raise QuantizeError(f"method must be rtn or awq, got {self.method!r}", "method")
+
+    def config_entry(self) -> dict:
+        return {"quant_method": "fusegen", "bits": self.bits, "group_size": self.group_size,
+                "symmetric": self.symmetric, "method": self.method}
+
+
+@dataclass(slots=True)
+class Report:
+    """What a run did, for the command to print."""
+    output: Path
+    num_quantized: int = 0  # source tensors written as codes
+    num_copied: int = 0  # source tensors written as they are (or folded)
+    bytes_before: int = 0  # the source tensors written, in the source's dtypes
+    bytes_after: int = 0  # what the output's weight files hold
+    num_files: int = 0
+    # AWQ: per (layer, group) the alpha chosen, its error and RTN's (alpha 0)
+    searches: dict[tuple[int, str], tuple[float, float, float]] = field(default_factory=dict)
+
+
+# -- the source ------------------------------------------------------------------
+
+@dataclass(slots=True)
+class Source:
+    """A checkpoint's tensors under Hugging Face names, none read yet."""
+    path: Path
+    cfg: ModelConfig
+    tensors: dict[str, torch.Tensor]  # memory-mapped views, or a GGUF file's LazyTensors
+    write_metadata: Callable[[Path, dict], None]  # (out dir, quantization entry)
+    out_dtype: torch.dtype | None = None  # None: each tensor's own; a GGUF file: bf16
+
+    def read(self, name: str) -> torch.Tensor:
+        tensor = self.tensors[name]
+        return tensor.load() if hasattr(tensor, "load") else tensor
+
+    def nbytes(self, name: str) -> int:
+        tensor = self.tensors[name]
+        return tensor.numel() * (self.out_dtype or tensor.dtype).itemsize
+
+
+def open_source(path) -> Source:
+    """A checkpoint directory (safetensors) or a GGUF file; QuantizeError (--model)
+    when it is neither or does not match its config."""
+    path = Path(path)
+    try:
+        if is_gguf(path):
+            return _gguf_source(path)
+        if not path.is_dir():
+            raise QuantizeError(f"{path}: no such checkpoint directory or .gguf file", "model")
+        return _dir_source(path)
+    except ModelLoadError as exc:
+        raise QuantizeError(str(exc), "model") from None
+
+
+def _dir_source(path: Path) -> Source:
+    from fusegen.engine.weights.loader import load_state_dict
+
+    cfg = ModelConfig.from_dir(path)
+    raw = json.loads((path / "config.json").read_text())
+    tensors = load_state_dict(path, cfg)  # checked against config.json; a tied head left out
+
+    def write_metadata(out: Path, entry: dict) -> None:
+        _write_json(out / "config.json", _with_entry(raw, entry))
+        for file in sorted(path.iterdir()):
+            if file.is_file() and file.name.startswith(_COPIED_PREFIXES):
+                shutil.copy2(file, out / file.name)
+
+    return Source(path, cfg, tensors, write_metadata)
+
+
+def _gguf_source(path: Path) -> Source:
+    if not path.is_file():
+        raise QuantizeError(f"{path}: no such GGUF file", "model")
+    from fusegen.engine.weights import gguf_export
+    from fusegen.engine.weights.gguf import GGUFFile, gguf_model_config, load_gguf_state_dict
+    from fusegen.engine.weights.gguf_names import hf_config
+
+    reader = GGUFFile.open(path)
+    cfg = gguf_model_config(path)
+    tensors = load_gguf_state_dict(path, cfg, torch.float32)  # dequantized when read
+
+    def write_metadata(out: Path, entry: dict) -> None:
+        raw = hf_config(reader.metadata, reader.tensors, str(path))
+        _write_json(out / "config.json", _with_entry({
+            **raw, "model_type": get_architecture(cfg.architecture).model_type,
+            "dtype": "bfloat16", "torch_dtype": "bfloat16"}, entry))
+        _write_json(out / "generation_config.json",
+                    {k: raw[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                     if raw.get(k) is not None})
+        gguf_export._write_tokenizer(reader.metadata, str(path), out,
+                                     cfg.max_position_embeddings)
+
+    return Source(path, cfg, tensors, write_metadata, out_dtype=torch.bfloat16)
+
+
+def _with_entry(config: dict, entry: dict | None) -> dict:
+    return config if entry is None else {**config, "quantization_config": entry}
+
+
+def quantized_tensors(cfg: ModelConfig) -> dict[str, int]:
+    """The checkpoint names of the linears quantized, with their input width: every
+    layer's tensors that go into q/k/v, o, gate/up and down (MoE experts included)."""
+    arch = get_architecture(cfg.architecture)
+    names = {}
+    for i in range(cfg.num_layers):
+        prefix = arch.layer_prefix.format(i)
+        for name, shape, param in arch.layer_tensors(cfg):
+            if param in QUANTIZED_PARAMS:
+                names[prefix + name] = shape[1]
+    return names
+
+
+def check_group_size(cfg: ModelConfig, group_size: int) -> None:
+    for name, in_features in quantized_tensors(cfg).items():
+        if in_features % group_size:
+            raise QuantizeError(f"tensor {name!r} has {in_features} input features, not a "
+                                f"multiple of the group size {group_size}; choose a group "
+                                "size that divides it", "group-size")
+
+
+# -- AWQ: calibration and the scales search ----------------------------------------
+
+class _Recorder(torch.nn.Module):
+    """Wraps a layer's linear for the calibration pass (a Linear's `__call__` is its
+    `forward`, so module hooks never fire): mean |x| per input channel over every row,
+    and every `stride`-th row kept."""
+
+    def __init__(self, inner, stride: int):
+        super().__init__()
+        self.inner, self.stride = inner, stride
+        self.sum_abs, self.count, self.rows, self.seen = None, 0, [], 0
+
+    def forward(self, x):
+        rows = x.reshape(-1, x.shape[-1]).float()  # [T, in]
+        total = rows.abs().sum(0)
+        self.sum_abs = total if self.sum_abs is None else self.sum_abs + total
+        self.count += rows.shape[0]
+        first = -self.seen % self.stride  # the next kept row's index in this call
+        self.rows.append(rows[first::self.stride].clone())
+        self.seen += rows.shape[0]
+        return self.inner(x)
+
+    __call__ = forward
+
+    def set_weight(self, name, tensor):  # a streamed layer's weights arrive through here
+        self.inner.set_weight(name, tensor)
+
+    def activations(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """mean |x| [in], kept rows [n, in]."""
+        return self.sum_abs / self.count, torch.cat(self.rows)
+
+
+def calibrate(source: Source, prompts: list[str]) -> dict[tuple[int, str], tuple]:
+    """(layer, "qkv" | "o" | "gate_up" | "down") -> (mean |x| [in], rows [n, in]) of each
+    dense linear's input over the prompts, run through fusegen's engine in fp32 on the
+    CPU. MoE experts are not recorded (their MLPs are quantized round-to-nearest)."""
+    from fusegen.engine.llm import LLM
+    from fusegen.engine.sampling_params import SamplingParams
+    from fusegen.engine.models.moe import ExpertLinear
+
+    max_len = min(source.cfg.max_position_embeddings, _MAX_PROMPT_TOKENS + 1)
+    with LLM(str(source.path), dtype="float32", device="cpu", max_model_len=max_len,
+             enable_prefix_caching=False) as llm:
+        ids = [t[:max_len - 1] for t in llm.tokenizer.encode_batch(prompts) if t]
+        stride = max(1, math.ceil(sum(map(len, ids)) / _SAMPLE_ROWS))
+        recorders = {}
+        for i, layer in enumerate(llm.engine.runner.model.layers):
+            for attr in ("qkv", "o", "gate_up", "down"):
+                inner = getattr(layer, attr)
+                if isinstance(inner, ExpertLinear):
+                    continue
+                recorders[i, attr] = _Recorder(inner, stride)
+                setattr(layer, attr, recorders[i, attr])
+        llm.generate(ids, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+    return {key: rec.activations() for key, rec in recorders.items() if rec.count}
+
+
+def _search(w: torch.Tensor, mean_abs: torch.Tensor, x: torch.Tensor, spec: QuantizeSpec
+            ) -> tuple[torch.Tensor, float, float, float]:
+    """w [out, in], mean_abs [in], x [n, in] -> (s [in], alpha, its error, RTN's error):
+    the alpha whose s = mean_abs^alpha (normalised to a geometric mean of 1 between its
+    extremes) gives the least mean squared error of x @ w.T against
+    (x / s) @ dequantize(quantize(w * s)).T."""
+    from fusegen.kernels.group_linear import dequantize_group, quantize_group
+
+    reference = x @ w.t()
+    best = None
+    for k in range(_NUM_ALPHAS):
+        alpha = k / (_NUM_ALPHAS - 1)
+        s = mean_abs.clamp(min=1e-4) ** alpha
+        s = s / (s.max() * s.min()).sqrt()
+        qweight, scales, zeros = quantize_group(w * s, spec.bits, spec.group_size,
+                                                spec.symmetric)
+        dense = dequantize_group(qweight, scales, zeros, spec.bits, spec.group_size,
+                                 w.shape[1])
+        error = (reference - (x / s) @ dense.float().t()).pow(2).mean().item()
+        if k == 0:
+            rtn = error
+        if best is None or error < best[2]:
+            best = (s, alpha, error)
+    return (*best, rtn)
+
+
+@dataclass(slots=True)
+class LayerScales:
+    """One layer's AWQ scales, each over its linear's input channels: q/k/v's and
+    gate/up's [h], o's [H * D], down's [I]; None where not scaled."""
+    qkv: torch.Tensor | None = None
+    o: torch.Tensor | None = None
+    gate_up: torch.Tensor | None = None
+    down: torch.Tensor | None = None
+
+
+def search_scales(source: Source, activations: dict, spec: QuantizeSpec, report: Report
+                  ) -> dict[int, LayerScales]:
+    """Each layer's scales from its recorded inputs; o only where v has a row per o
+    input channel (as many kv heads as query heads)."""
+    cfg, arch = source.cfg, get_architecture(source.cfg.architecture)
+    scales = {}
+    for i in range(cfg.num_layers):
+        fused = _fused_weights(source, arch, i)
+        layer = LayerScales()
+        for group in ("qkv", "o", "gate_up", "down"):
+            if (i, group) not in activations or group + ".weight" not in fused:
+                continue
+            if group == "o" and cfg.num_kv_heads != cfg.num_heads:
+                continue
+            mean_abs, rows = activations[i, group]
+            s, alpha, error, rtn = _search(fused[group + ".weight"], mean_abs, rows, spec)
+            setattr(layer, group, s)
+            report.searches[i, group] = (alpha, error, rtn)
+        scales[i] = layer
+    return scales
+
+
+def _fused_weights(source: Source, arch, index: int) -> dict[str, torch.Tensor]:
+    """Layer `index`'s dense linears as the engine fuses them (q/k/v into qkv), fp32."""
+    prefix = arch.layer_prefix.format(index)
+    # MoE experts are quantized round-to-nearest: only their attention is scaled
+    scaled = QUANTIZED_PARAMS[:2] if source.cfg.num_experts else QUANTIZED_PARAMS
+    parts: dict[str, list] = {}
+    for name, _, param in arch.layer_tensors(source.cfg):
+        if param in scaled:
+            parts.setdefault(param, []).append(source.read(prefix + name).float())
+    return {param: torch.cat(p) for param, p in parts.items()}
+
+
+def fold(source: Source, scales: dict[int, LayerScales]) -> Callable:
+    """(name, fp32 tensor) -> the tensor with the scales folded in: s into the scaled
+    linears' columns, 1/s into the norms and into v's and up's rows (and biases). A
+    Gemma norm, applied as (1 + w), becomes (1 + w) / s - 1."""
+    from fusegen.engine.models.gemma import GemmaFamily
+
+    cfg, arch = source.cfg, get_architecture(source.cfg.architecture)
+    specs = arch.layer_tensors(cfg)
+    params = {param for _, _, param in specs}
+    mlp_norm = "pre_mlp_norm" if "pre_mlp_norm" in params else "post_norm"
+    gemma = isinstance(arch, GemmaFamily)
+    offsets, used = {}, {}  # each tensor's first row in its fused parameter
+    for name, shape, param in specs:
+        offsets[name] = used.get(param, 0)
+        used[param] = offsets[name] + shape[0]
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    fused_rows = {"qkv": (q + kv, q + 2 * kv), "gate_up": (cfg.intermediate_size,
+                                                          2 * cfg.intermediate_size)}
+    by_name = {arch.layer_prefix.format(i) + name: (i, name, param)
+               for i in range(cfg.num_layers) for name, _, param in specs}
+
+    def divide_rows(t, start: int, rows: tuple[int, int], s):
+        # the rows of this tensor inside the fused range `rows`, divided by s's entries
+        lo, hi = max(rows[0], start), min(rows[1], start + t.shape[0])
+        if lo < hi:
+            t[lo - start:hi - start] /= s[lo - rows[0]:hi - rows[0]].unsqueeze(-1) \
+                if t.dim() == 2 else s[lo - rows[0]:hi - rows[0]]
+        return t
+
+    def apply(name: str, t: torch.Tensor) -> torch.Tensor:
+        if name not in by_name or by_name[name][0] not in scales:
+            return t
+        i, local, param = by_name[name]
+        layer = scales[i]
+        group, _, kind = param.partition(".")
+        norm_scale = {"input_norm": layer.qkv, mlp_norm: layer.gate_up}.get(param)
+        if norm_scale is not None:
+            return (1 + t) / norm_scale - 1 if gemma else t / norm_scale
+        inner = {"qkv": layer.o, "gate_up": layer.down}.get(group)
+        if inner is not None:
+            t = divide_rows(t, offsets[local], fused_rows[group], inner)
+        column = getattr(layer, group, None) if kind == "weight" else None
+        return t * column if column is not None else t
+
+    return apply
+
+
+# -- writing ---------------------------------------------------------------------
+
+_ST_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+             torch.uint8: "U8", torch.int8: "I8", torch.int32: "I32", torch.int64: "I64",
+             torch.float64: "F64", torch.int16: "I16", torch.bool: "BOOL"}
+
+
+def _planned(name: str, source: Source, spec: QuantizeSpec | None, quantized: dict
+             ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """The output tensors one source tensor becomes: (name, shape, dtype)."""
+    tensor = source.tensors[name]
+    if spec is None or name not in quantized:
+        return [(name, tuple(tensor.shape), source.out_dtype or tensor.dtype)]
+    out, inp = tensor.shape
+    base = name.removesuffix(".weight")
+    groups = (out, inp // spec.group_size)
+    planned = [(base + ".qweight", (out, inp if spec.bits == 8 else inp // 2), torch.uint8),
+               (base + ".scales", groups, torch.float16)]
+    return planned + ([] if spec.symmetric else [(base + ".zeros", groups, torch.uint8)])
+
+
+def _produce(name: str, source: Source, spec: QuantizeSpec | None, quantized: dict,
+             transform: Callable | None) -> list[torch.Tensor]:
+    """One source tensor's output tensors, in `_planned`'s order."""
+    tensor = source.read(name)
+    if transform is not None:  # on a copy: the source's views stay as the file holds them
+        tensor = transform(name, tensor.to(torch.float32, copy=True))
+    if spec is None or name not in quantized:
+        return [tensor.to(source.out_dtype or source.tensors[name].dtype)]
+    from fusegen.kernels.group_linear import quantize_group
+
+    try:
+        qweight, scales, zeros = quantize_group(tensor, spec.bits, spec.group_size,
+                                                spec.symmetric)
+    except ValueError as exc:  # inf / NaN, or a scale past fp16
+        raise QuantizeError(f"tensor {name!r}: {exc}", "model") from None
+    return [qweight, scales] + ([] if zeros is None else [zeros])
+
+
+def _write_shard(path: Path, planned: list[tuple[str, tuple, torch.dtype]],
+                 tensors: Iterator[torch.Tensor]) -> int:
+    """A safetensors file: its header from the planned shapes, then each tensor's bytes
+    as `tensors` yields it (checked against the plan). Returns the bytes written."""
+    header, offset = {}, 0
+    for name, shape, dtype in planned:
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _ST_NAMES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    header["__metadata__"] = {"format": "pt"}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for (name, shape, dtype), tensor in zip(planned, tensors, strict=True):
+            if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+                raise RuntimeError(f"{name}: produced {tuple(tensor.shape)} {tensor.dtype}, "
+                                   f"planned {shape} {dtype}")
+            f.write(tensor.contiguous().view(-1).view(torch.uint8).numpy().data)
+    return 8 + len(text) + offset
+
+
+def _write_weights(out: Path, source: Source, spec: QuantizeSpec | None,
+                   transform: Callable | None, max_shard_bytes: int, report: Report) -> None:
+    from fusegen.engine.weights.gguf_export import shard_plan
+
+    quantized = quantized_tensors(source.cfg) if spec is not None else {}
+    plans = {name: _planned(name, source, spec, quantized) for name in source.tensors}
+    sizes = {name: sum(math.prod(s) * d.itemsize for _, s, d in plan)
+             for name, plan in plans.items()}
+    shards = shard_plan(sizes, max_shard_bytes)
+    files = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+              for k in range(1, len(shards) + 1)])
+    for names, file in zip(shards, files):
+        planned = [entry for name in names for entry in plans[name]]
+        produced = (t for name in names
+                    for t in _produce(name, source, spec, quantized, transform))
+        report.bytes_after += _write_shard(out / file, planned, produced)
+    if len(shards) > 1:
+        weight_map = {entry[0]: file for names, file in zip(shards, files)
+                      for name in names for entry in plans[name]}
+        _write_json(out / "model.safetensors.index.json",
+                    {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map})
+    report.num_files = len(files)
+    report.num_quantized = len(quantized)
+    report.num_copied = len(plans) - len(quantized)
+    report.bytes_before = sum(source.nbytes(name) for name in source.tensors)
+
+
+def quantize_checkpoint(model, output, spec: QuantizeSpec, *,
+                        prompts: list[str] | None = None, overwrite: bool = False,
+                        max_shard_bytes: int = MAX_SHARD_BYTES, dense: bool = False
+                        ) -> Report:
+    """Write `model` (a checkpoint directory or .gguf file) quantized by `spec` into the
+    directory `output`; `prompts`: the calibration prompts of method awq. `dense`: the
+    weights written unquantized, with the AWQ scales folded in (the folded model, to
+    check that folding leaves its outputs as they were). QuantizeError, naming the
+    option, for a bad input; nothing is written at `output` then, nor when interrupted."""
+    output = Path(output)
+    source = open_source(model)
+    check_group_size(source.cfg, spec.group_size)
+    if spec.method == "awq" and not prompts:
+        raise QuantizeError("method awq needs calibration prompts (--calibration)",
+                            "calibration")
+    if spec.method == "rtn" and prompts:
+        raise QuantizeError("calibration prompts are used only by method awq (--method awq)",
+                            "calibration")
+    _check_output(output, source.path, overwrite)
+    report = Report(output)
+    transform = None
+    if spec.method == "awq":
+        scales = search_scales(source, calibrate(source, prompts), spec, report)
+        transform = fold(source, scales)
+    staging = output.with_name(f".{output.name}.partial-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        source.write_metadata(staging, None if dense else spec.config_entry())
+        _write_weights(staging, source, None if dense else spec, transform, max_shard_bytes,
+                       report)
+        _replace(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return report
+
+
+def _check_output(output: Path, source: Path, overwrite: bool) -> None:
+    resolved, src = output.resolve(), source.resolve()
+    if resolved == src or resolved in src.parents:
+        raise QuantizeError(f"{output}: the output would replace the source model "
+                            f"{source}; choose another directory", "output")
+    if output.exists() and not overwrite:
+        raise QuantizeError(f"{output} already exists; pass --overwrite to replace it",
+                            "output")
+    if output.exists() and not output.is_dir():
+        raise QuantizeError(f"{output} exists and is not a directory", "output")
+
+
+def _replace(staging: Path, output: Path) -> None:
+    """`staging` renamed to `output`; an existing `output` moved aside first and
+    removed only once the new one is in place."""
+    old = None
+    if output.exists():
+        old = output.with_name(f".{output.name}.old-{os.getpid()}")
+        output.rename(old)
+    staging.rename(output)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def _write_json(file: Path, obj: dict) -> None:
+    file.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
