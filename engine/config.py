@@ -8,7 +8,7 @@ import psutil
 import torch
 
 from fusegen.engine.errors import EngineConfigError
-from fusegen.engine.memory.placement import PlacementPlan, format_bytes
+from fusegen.engine.memory.placement import PlacementPlan
 from fusegen.engine.memory.plan import FreeMemory, ModelShape, plan_engine
 from fusegen.engine.models import get_architecture
 from fusegen.engine.models.config import ModelConfig
@@ -149,14 +149,6 @@ class EngineConfig:
         path = resolve_model(str(model), options.revision)
         inputs = PlanInputs.gather(path, options)
         plan = plan_engine(options, inputs.shape, inputs.free)
-        if options.quantization == "gguf" and plan.placement.streamed_layers:
-            layers = plan.placement.layer_tiers
-            raise EngineConfigError(
-                f"quantization='gguf' keeps every layer resident, but device_memory "
-                f"{options.device_memory!r} holds {layers.count('device')} of the model's "
-                f"{len(layers)} layers (of {format_bytes(plan.placement.sizes.layer_bytes)} "
-                "each) and would stream the rest; raise device_memory or use "
-                "quantization='dequantize'")
         return cls(path, str(model), inputs.model_config, options, inputs.device,
                    inputs.dtype, inputs.shape, plan.placement, plan.max_num_seqs,
                    plan.max_num_batched_tokens, plan.max_model_len)
