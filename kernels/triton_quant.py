@@ -33,6 +33,8 @@ import os
 import torch
 
 from fusegen.kernels import _triton_available
+from fusegen.kernels.group_linear import SYMMETRIC_ZERO, dequantize_group
+from fusegen.kernels.group_linear import check as check_group
 from fusegen.kernels.quant_linear import SUPPORTED, check, dequantize_rows
 
 try:
@@ -44,7 +46,6 @@ except ImportError:  # no Triton on this platform: the references still serve
 # The reduction tile along in_features, one for every M (see the header): a multiple of
 # 32 (int4's packed runs, GGUF's 32-value blocks) and half a K-quant super-block.
 _BLOCK_K = 128
-GROUP_SIZES = (32, 64, 128)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _FP8_MIN_SCALE = 1e-12  # an all-zero row or weight channel: codes 0, scale tiny, not 0/0
 _REFERENCE_TILE_ROWS = 256  # output rows the fp8 fallback dequantizes at a time
@@ -88,27 +89,6 @@ def _check_x(x: torch.Tensor, in_features: int, what: str) -> torch.Tensor:
 
 
 # -- fusegen group int4 / int8 ---------------------------------------------------------
-
-def check_group(qweight, scales, zeros, bits: int, group_size: int, out_features: int,
-                in_features: int) -> None:
-    """ValueError naming the tensor and the expected dtype/shape unless the tensors are
-    docs/quantization.md's group layout for an out_features x in_features weight."""
-    if bits not in (4, 8):
-        raise ValueError(f"bits={bits}: group quantization has 4 or 8 bits")
-    if group_size not in GROUP_SIZES or in_features % group_size:
-        raise ValueError(f"group_size={group_size} must be one of {GROUP_SIZES} and divide "
-                         f"in_features={in_features}")
-    groups = in_features // group_size
-    want = {"qweight": (qweight, torch.uint8, (out_features, in_features * bits // 8)),
-            "scales": (scales, torch.float16, (out_features, groups))}
-    if zeros is not None:
-        want["zeros"] = (zeros, torch.uint8, (out_features, groups))
-    for name, (tensor, dtype, shape) in want.items():
-        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
-            raise ValueError(f"int{bits} {name} for a {out_features} x {in_features} weight "
-                             f"(group {group_size}) is {_name(dtype)} {list(shape)}; got "
-                             f"{_name(tensor.dtype)} {list(tensor.shape)}")
-
 
 @triton.jit
 def _group_linear_kernel(x_ptr, q_ptr, scales_ptr, zeros_ptr, out_ptr, M, N, K,
@@ -180,7 +160,7 @@ def _group_linear_kernel(x_ptr, q_ptr, scales_ptr, zeros_ptr, out_ptr, M, N, K,
 def group_linear_triton(x, qweight, scales, zeros, bits: int, group_size: int,
                         out_features: int, in_features: int) -> torch.Tensor:
     """x [M, in] @ W.T for W in fusegen's group int4/int8 (zeros None: symmetric)."""
-    check_group(qweight, scales, zeros, bits, group_size, out_features, in_features)
+    check_group(qweight, scales, zeros, bits, group_size, out_features, in_features, x)
     x = _check_x(x, in_features, f"int{bits} group linear")
     out = torch.empty(x.shape[0], out_features, dtype=x.dtype, device=x.device)
     if x.shape[0] == 0:
@@ -192,33 +172,18 @@ def group_linear_triton(x, qweight, scales, zeros, bits: int, group_size: int,
         (zeros if zeros is not None else scales).contiguous(), out,
         x.shape[0], out_features, in_features, x.stride(0), out.stride(0),
         BITS=bits, GROUP=group_size, HAS_ZEROS=zeros is not None,
-        ZERO_POINT=128.0 if bits == 8 else 8.0,  # symmetric: the code range's middle
+        ZERO_POINT=float(SYMMETRIC_ZERO[bits]),
         IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=_BLOCK_K, num_warps=warps)
     return out
-
-
-def dequantize_group_reference(qweight, scales, zeros, bits: int, group_size: int,
-                               out_features: int, in_features: int) -> torch.Tensor:
-    """The group layout -> dense fp32 [out, in]: (q - zero) * scale, in fp32."""
-    check_group(qweight, scales, zeros, bits, group_size, out_features, in_features)
-    if bits == 4:  # [out, runs, 16] bytes -> [out, runs, 2, 16]: low nibbles, then high
-        runs = qweight.reshape(out_features, -1, 16)
-        q = torch.stack([runs & 0xF, runs >> 4], dim=2).reshape(out_features, in_features)
-    else:
-        q = qweight
-    zero = (zeros.float() if zeros is not None
-            else torch.full_like(scales, 128.0 if bits == 8 else 8.0, dtype=torch.float32))
-    zero = zero.repeat_interleave(group_size, dim=1)
-    return (q.float() - zero) * scales.float().repeat_interleave(group_size, dim=1)
 
 
 def group_linear_reference(x, qweight, scales, zeros, bits: int, group_size: int,
                            out_features: int, in_features: int) -> torch.Tensor:
     """The kernel's arithmetic in torch: the weight in fp32, rounded to x's dtype, the
     product summed in fp32, rounded to x's dtype."""
-    w = dequantize_group_reference(qweight, scales, zeros, bits, group_size, out_features,
-                                   in_features)
+    check_group(qweight, scales, zeros, bits, group_size, out_features, in_features, x)
+    w = dequantize_group(qweight, scales, zeros, bits, group_size, in_features).to(x.device)
     return (x.float() @ w.to(x.dtype).float().T).to(x.dtype)
 
 

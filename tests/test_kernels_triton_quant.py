@@ -2,7 +2,8 @@
 interpreter on CPU (compiled on CUDA where there is a GPU): each equals its torch
 reference within one rounding of the output dtype, over odd row counts, 0 rows and
 every GGUF block type; a row's result is bit-identical alone and inside batches of each
-M bucket; the references equal an element-by-element reading of the formats."""
+M bucket; group_linear.dequantize_group (the group reference's dequantizer) equals an
+element-by-element reading of docs/quantization.md."""
 import os
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from fusegen.kernels import quant_linear as ql
+from fusegen.kernels.group_linear import dequantize_group
 from fusegen.kernels import triton_quant as tq
 from fusegen.kernels.testing import triton_on
 
@@ -103,7 +105,7 @@ def _x(rows, in_features, dtype, device, seed=1):
 def test_group_reference_reads_the_layout(bits, symmetric, group_size):
     qweight, scales, zeros = make_group(bits, symmetric, 5, 128, group_size)
     want = dequantize_by_element(qweight, scales, zeros, bits, group_size, 128)
-    got = tq.dequantize_group_reference(qweight, scales, zeros, bits, group_size, 5, 128)
+    got = dequantize_group(qweight, scales, zeros, bits, group_size, 128)
     assert torch.equal(got, want)
 
 
@@ -121,8 +123,7 @@ def test_group_kernel_matches_reference(shape, bits, symmetric, dtype, device):
     got = triton_on(device, tq.group_linear_triton)(
         x, *args, bits, group_size, out_features, in_features)
     ref = tq.group_linear_reference(x, *args, bits, group_size, out_features, in_features)
-    w = tq.dequantize_group_reference(qweight, scales, zeros, bits, group_size,
-                                      out_features, in_features).to(dtype).float()
+    w = dequantize_group(qweight, scales, zeros, bits, group_size, in_features).to(dtype).float()
     assert_within_rounding(got.cpu(), ref.cpu(), x.cpu(), w)
 
 
@@ -156,20 +157,22 @@ def test_group_bad_inputs_are_named():
     qweight, scales, zeros = make_group(4, False, 16, 128, 64)
     x = torch.randn(2, 128)
     call = tq.group_linear_triton
-    with pytest.raises(ValueError, match=r"int4 qweight .* uint8 \[16, 64\]; got uint8 \[16, 128\]"):
+    with pytest.raises(ValueError, match=r"int4 qweight .*uint8 \[16, 64\]; got torch.uint8 \[16, 128\]"):
         call(x, torch.zeros(16, 128, dtype=torch.uint8), scales, zeros, 4, 64, 16, 128)
-    with pytest.raises(ValueError, match=r"int4 scales .* float16 \[16, 2\]; got float32"):
+    with pytest.raises(ValueError, match=r"int4 scales .*float16 \[16, 2\]; got torch.float32"):
         call(x, qweight, scales.float(), zeros, 4, 64, 16, 128)
-    with pytest.raises(ValueError, match=r"int4 zeros .* uint8 \[16, 2\]; got uint8 \[16, 4\]"):
+    with pytest.raises(ValueError, match=r"int4 zeros .*uint8 \[16, 2\]; got torch.uint8 \[16, 4\]"):
         call(x, qweight, scales, torch.zeros(16, 4, dtype=torch.uint8), 4, 64, 16, 128)
     with pytest.raises(ValueError, match="bits=3"):
         call(x, qweight, scales, zeros, 3, 64, 16, 128)
     with pytest.raises(ValueError, match="group_size=48"):
         call(x, qweight, scales, zeros, 4, 48, 16, 128)
-    with pytest.raises(ValueError, match=r"x \[2, 96\] is not rows \[M, in_features=128\]"):
+    with pytest.raises(ValueError, match=r"x \[2, 96\] does not end in in_features=128"):
         call(torch.randn(2, 96), qweight, scales, zeros, 4, 64, 16, 128)
-    with pytest.raises(ValueError, match="x is int32"):
+    with pytest.raises(ValueError, match="x is torch.int32"):
         call(x.int(), qweight, scales, zeros, 4, 64, 16, 128)
+    with pytest.raises(ValueError, match=r"x \[2, 1, 128\] is not rows \[M, in_features=128\]"):
+        call(x[:, None], qweight, scales, zeros, 4, 64, 16, 128)
 
 
 # -- GGUF blocks ---------------------------------------------------------------------
