@@ -44,14 +44,14 @@ def _generate(path, **options):
 @pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
 def test_llama_kept_generates_like_dequantized(llama_dir, tmp_path, qtype, deterministic):
     path = write_gguf(llama_dir, tmp_path / "tiny.gguf", qtype=qtype)
-    want, dense, _ = _generate(path, deterministic=deterministic)
+    want, dense, _ = _generate(path, quantization="dequantize", deterministic=deterministic)
     got, kept, _ = _generate(path, quantization="gguf", deterministic=deterministic)
     assert got == want
     for layer in kept.model.layers:
         assert all(type(getattr(layer, name)) is GGUFLinear for name in LLAMA_PARTS)
         assert layer.qkv.row_tile == (ROW_TILE if deterministic else None)
-    assert not isinstance(kept.model.lm_head, GGUFLinear)  # the head is dequantized
-    assert not any(isinstance(m, GGUFLinear) for m in dense.model.modules())  # the default
+    assert isinstance(kept.model.lm_head, GGUFLinear)  # the head too (weights/quantized_fixed.py)
+    assert not any(isinstance(m, GGUFLinear) for m in dense.model.modules())
 
 
 @pytest.mark.parametrize("arch, tokenizer, qtype", [("qwen2", "bpe", Q.Q4_0),
@@ -63,7 +63,7 @@ def test_other_architectures_kept_generate_like_dequantized(arch, tokenizer, qty
     hf_dir = make_hf_checkpoint(tmp_path / "hf", arch, tokenizer, seed=5)
     path = write_gguf(hf_dir, tmp_path / f"{arch}.gguf", qtype=qtype, arch=arch,
                       tokenizer="gpt2" if tokenizer == "bpe" else "llama")
-    want, _, _ = _generate(path)
+    want, _, _ = _generate(path, quantization="dequantize")
     got, kept, _ = _generate(path, quantization="gguf")
     assert got == want
     qkv = kept.model.layers[0].qkv
@@ -104,7 +104,7 @@ def test_resident_bytes_are_the_blocks(llama_dir, tmp_path):
     # fixed tensors plus those layers.
     path = write_gguf(llama_dir, tmp_path / "tiny.gguf", qtype=Q.Q4_0)
     file = GGUFFile.open(path)
-    _, dense, dense_report = _generate(path)
+    _, dense, dense_report = _generate(path, quantization="dequantize")
     _, kept, report = _generate(path, quantization="gguf")
     hidden = kept.config.model_config.hidden_size
     for i, layer in enumerate(kept.model.layers):
@@ -115,8 +115,7 @@ def test_resident_bytes_are_the_blocks(llama_dir, tmp_path):
     layer_bytes = sum(getattr(kept.model.layers[0], p).nbytes for p in LLAMA_PARTS) \
         + 2 * hidden * 4  # two fp32 norms
     assert kept.plan.sizes.layer_bytes == layer_bytes
-    fixed = kept.model.fixed_nbytes + (kept.model.lm_head.nbytes if
-                                       kept.config.model_config.tie_word_embeddings else 0)
+    fixed = kept.model.fixed_nbytes  # the embedding's blocks, the tied head counted once
     num_layers = len(kept.model.layers)
     assert report["device"]["weights"] == fixed + num_layers * layer_bytes
     assert kept.plan.device_bytes["weights"] == kept.plan.sizes.fixed_bytes \
@@ -132,7 +131,7 @@ def test_mixed_types_keep_what_the_kernel_takes(llama_dir, tmp_path):
     # F16 (no blocks) likewise; o and gate_up keep theirs. Same tokens either way.
     path = write_gguf(llama_dir, tmp_path / "mixed.gguf", qtype=Q.Q4_0,
                       types={"attn_q": Q.Q8_0, "ffn_down": Q.F16})
-    want, _, _ = _generate(path)
+    want, _, _ = _generate(path, quantization="dequantize")
     got, kept, _ = _generate(path, quantization="gguf")
     assert got == want
     layer = kept.model.layers[0]
@@ -192,46 +191,6 @@ def test_deterministic_rows_do_not_depend_on_the_batch(qtype, dtype, kernels, mo
         kept.set_weight("weight", torch.zeros(1))
 
 
-def test_bad_options_are_refused_before_loading(llama_dir, tmp_path):
-    path = write_gguf(llama_dir, tmp_path / "tiny.gguf", qtype=Q.Q8_0)
-    with pytest.raises(EngineConfigError) as info:
-        LLM(str(path), quantization="int4")
-    assert str(info.value) == (
-        "quantization='int4': fusegen does not run that yet; it runs quantization='gguf' (a "
-        "GGUF file's blocks kept as stored, on CPUs) and quantization='dequantize' or None "
-        "(every weight expanded as it loads)")
-    with pytest.raises(EngineConfigError) as info:
-        LLM(str(llama_dir), quantization="gguf")
-    assert str(info.value) == (
-        f"quantization='gguf' on {llama_dir} (device cpu): it keeps the blocks of a GGUF "
-        "file, and this model is not one; pass a .gguf file, or leave quantization out to "
-        "run this checkpoint at its own width")
-    with pytest.raises(EngineConfigError) as info:
-        LLM(str(path), quantization="gguf", device="cuda:0")
-    assert str(info.value) == (
-        "quantization='gguf' on device cuda:0: kept GGUF blocks run on CPUs only for now (no "
-        f"GPU kernel yet); pass device='cpu', or quantization='dequantize' to run {path} on "
-        "cuda:0 with its weights expanded as they load")
-    # a budget that would stream layers: refused (kept blocks do not stream yet)
-    limits = dict(dtype="float32", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=64)
-    sizes = EngineConfig.build(path, EngineOptions(quantization="gguf", **limits)
-                               ).placement.sizes
-    budget = minimum_device_budget(sizes)
-    with pytest.raises(EngineConfigError) as info:
-        LLM(str(path), quantization="gguf", device_memory=budget, **limits)
-    assert str(info.value) == (
-        f"quantization='gguf' keeps every layer resident, but device_memory {budget} holds 0 "
-        f"of the model's 3 layers (of {format_bytes(sizes.layer_bytes)} each) and would "
-        "stream the rest; raise device_memory or use quantization='dequantize'")
-    dense = minimum_device_budget(EngineConfig.build(path, EngineOptions(**limits))
-                                  .placement.sizes)
-    with LLM(str(path), device_memory=dense, **limits) as llm:  # dequantized, it streams
-        assert llm.memory_report()["layers"]["device"] == 0
-    # the default, and "dequantize", load as before
-    assert EngineOptions().quantization is None
-    assert EngineOptions.from_kwargs({"quantization": "dequantize"}).quantization == "dequantize"
-
-
 def test_jobs_take_the_option_and_keep_old_fingerprints():
     from fusegen.jobs.errors import JobError
     from fusegen.jobs.flags import engine_flags
@@ -244,8 +203,8 @@ def test_jobs_take_the_option_and_keep_old_fingerprints():
     assert spec(quantization="gguf").output_config()["quantization"] == "gguf"
     assert spec(quantization="gguf").engine_kwargs()["quantization"] == "gguf"  # to LLM(...)
     assert spec(quantization="dequantize").output_config()["quantization"] == "dequantize"
-    with pytest.raises(JobError, match="quantization='fp8': fusegen does not run"):
-        spec(quantization="fp8")
+    with pytest.raises(JobError, match="quantization='awq': fusegen does not run"):
+        spec(quantization="awq")
     assert len(engine_flags(("quantization",))) == 1  # --quantization on `fusegen run`
 
 
@@ -257,7 +216,7 @@ def test_smollm2_q4_1_kept_generates_like_dequantized():
                  "is blue."]
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     results = {}
-    for quantization in (None, "gguf"):
+    for quantization in ("dequantize", "gguf"):
         with LLM(str(path), quantization=quantization, dtype="float32", max_model_len=256,
                  num_kv_blocks=64, max_num_seqs=8) as llm:
             prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}])
@@ -281,14 +240,14 @@ def test_gemma3_q4_k_m_kept_generates_like_dequantized():
                for q in ("What is the capital of France?", "Write a haiku about the sea.")]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     results = {}
-    for quantization in (None, "gguf"):
+    for quantization in ("dequantize", "gguf"):
         with LLM(str(path), quantization=quantization, dtype="float32", max_model_len=128,
                  num_kv_blocks=32, max_num_seqs=4) as llm:
             outs = llm.generate(prompts, params, use_tqdm=False)
             runner = llm.engine.runner
             results[quantization] = [o.token_ids for o in outs]
             resident = llm.memory_report()["device"]["weights"]
-    assert results["gguf"] == results[None]
+    assert results["gguf"] == results["dequantize"]
     kinds = {layer.down.qtype for layer in runner.model.layers}
     assert len(kinds) > 1  # the mix kept as it is: no layer requantized
     assert runner.plan.device_bytes["weights"] >= resident
