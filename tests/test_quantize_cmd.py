@@ -1,0 +1,356 @@
+"""`fusegen quantize` (jobs/quantize_cmd.py, engine/weights/quantize.py): what it writes
+(codes equal to quantize_group's, the config entry, untouched tensors byte for byte,
+tied embeddings, MoE experts, a GGUF source, shards), AWQ (its search never above
+round-to-nearest, its folding leaving the fp32 model's logits as they were), and each
+bad argument's error."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors import safe_open
+
+from checkpoints import load_hf, make_hf_checkpoint
+from fusegen.engine.weights import quantize as qz
+from fusegen.engine.weights.loader import load_state_dict, weight_files
+from fusegen.engine.models.config import ModelConfig
+from fusegen.jobs.cli import main
+from fusegen.kernels.group_linear import dequantize_group, quantize_group
+
+PROMPTS = ["The quick brown fox jumps over the lazy dog, again and again and again.",
+           "Hello world, this is a test of the calibration pass.",
+           "1 2 3 4 5 6 7 8 9 10 11 12", "Bonjour tout le monde"]
+MOE = {"mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+       "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                         norm_topk_prob=True)}
+LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                   "down_proj", "qkv_proj", "gate_up_proj", "w1", "w2", "w3")
+
+
+@pytest.fixture(scope="module")
+def wide_dir(tmp_path_factory):
+    """Llama with 128 hidden and 256 intermediate channels: every group size divides."""
+    return make_hf_checkpoint(tmp_path_factory.mktemp("wide"), "llama", hidden_size=128,
+                              intermediate_size=256)
+
+
+def run_cli(*args):
+    return CliRunner().invoke(main, ["quantize", *map(str, args)])
+
+
+def read_all(directory: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for path in weight_files(directory):
+        with safe_open(str(path), "pt") as f:
+            tensors |= {name: f.get_tensor(name) for name in f.keys()}
+    return tensors
+
+
+def source_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    return load_state_dict(directory, ModelConfig.from_dir(directory))
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+
+
+def is_linear(name: str) -> bool:
+    return ".layers." in name and name.endswith(".weight") and \
+        name.rsplit(".", 2)[-2] in LINEAR_SUFFIXES
+
+
+def check_quantized(source: dict, written: dict, bits: int, group_size: int,
+                    symmetric: bool, cast=None) -> int:
+    """Every source linear written as quantize_group's codes (whose dequantized weight
+    is dequantize_group's), every other tensor byte for byte (or as `cast` makes it);
+    nothing else written. Returns the linears counted."""
+    expected, count = set(), 0
+    for name, tensor in source.items():
+        if not is_linear(name):
+            want = tensor if cast is None else cast(tensor)
+            assert same_bytes(written[name], want), name
+            expected.add(name)
+            continue
+        base = name.removesuffix(".weight")
+        ref = quantize_group(tensor.float(), bits, group_size, symmetric)
+        got = (written[base + ".qweight"], written[base + ".scales"],
+               written.get(base + ".zeros"))
+        assert (got[2] is None) == symmetric, base
+        for a, b in zip(got, ref):
+            assert b is None or same_bytes(a, b), base
+        in_features = tensor.shape[1]
+        assert torch.equal(dequantize_group(*got, bits, group_size, in_features),
+                           dequantize_group(*ref, bits, group_size, in_features))
+        expected |= {base + ".qweight", base + ".scales"} | (set() if symmetric else
+                                                             {base + ".zeros"})
+        count += 1
+    assert set(written) == expected
+    return count
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_round_trip(wide_dir, tmp_path, bits, symmetric, group_size):
+    out = tmp_path / "q"
+    result = run_cli("--model", wide_dir, "--bits", bits, "--group-size", group_size,
+                     "--symmetric" if symmetric else "--asymmetric", "--output", out)
+    assert result.exit_code == 0, result.output
+    assert check_quantized(source_tensors(wide_dir), read_all(out), bits, group_size,
+                           symmetric) == 14  # 2 layers x q, k, v, o, gate, up, down
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"] == {
+        "quant_method": "fusegen", "bits": bits, "group_size": group_size,
+        "symmetric": symmetric, "method": "rtn"}
+    source_config = json.loads((wide_dir / "config.json").read_text())
+    assert {k: v for k, v in config.items() if k != "quantization_config"} == source_config
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (out / name).read_bytes() == (wide_dir / name).read_bytes()
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+        "tokenizer_config.json"]
+    assert f"quantized 14 tensors to int{bits} (group {group_size}" in result.output
+    assert [p.name for p in tmp_path.iterdir()] == ["q"]  # no staging directory left
+
+
+def test_tied_embeddings_written_once(qwen2_dir, tmp_path):
+    out = tmp_path / "q"
+    qz.quantize_checkpoint(qwen2_dir, out, qz.QuantizeSpec(8, 32, True))
+    written = read_all(out)
+    assert not any(name.startswith("lm_head") for name in written)
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+    source = source_tensors(qwen2_dir)
+    assert same_bytes(written["model.embed_tokens.weight"], source["model.embed_tokens.weight"])
+    # Qwen2's q/k/v biases stay dense beside the codes
+    assert same_bytes(written["model.layers.0.self_attn.q_proj.bias"],
+                      source["model.layers.0.self_attn.q_proj.bias"])
+    check_quantized(source, written, 8, 32, True)
+
+
+@pytest.mark.parametrize("arch,num_linears", [("qwen3_moe", 2 * (4 + 3 * 4)),
+                                              ("mixtral", 2 * (4 + 3 * 4)),
+                                              ("phi3", 2 * 4)])
+def test_moe_experts_and_fused_tensors(tmp_path, arch, num_linears):
+    src = make_hf_checkpoint(tmp_path / "src", arch, **MOE.get(arch, {}))
+    report = qz.quantize_checkpoint(src, tmp_path / "q", qz.QuantizeSpec(4, 64, False))
+    written = read_all(tmp_path / "q")
+    assert check_quantized(source_tensors(src), written, 4, 64, False) == num_linears
+    assert report.num_quantized == num_linears
+    router = {"qwen3_moe": "model.layers.1.mlp.gate.weight",
+              "mixtral": "model.layers.1.block_sparse_moe.gate.weight"}.get(arch)
+    if router:  # the router stays dense
+        assert router in written and written[router].dtype == torch.float32
+
+
+def test_gguf_source(llama_dir, tmp_path):
+    from gguf_checkpoints import Q, write_gguf
+
+    from fusegen.engine.weights.gguf import gguf_model_config, load_gguf_state_dict
+
+    path = write_gguf(llama_dir, tmp_path / "tiny.gguf", qtype=Q.Q8_0)
+    out = tmp_path / "q"
+    result = run_cli("--model", path, "--bits", 8, "--group-size", 32, "--output", out)
+    assert result.exit_code == 0, result.output
+    state = load_gguf_state_dict(path, gguf_model_config(path), torch.float32)
+    source = {name: t.load() for name, t in state.items()}
+    check_quantized(source, read_all(out), 8, 32, False, cast=lambda t: t.to(torch.bfloat16))
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["quantization_config"]["bits"] == 8 and config["torch_dtype"] == "bfloat16"
+    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= \
+        {p.name for p in out.iterdir()}
+
+
+def test_large_output_sharded_with_index(wide_dir, tmp_path):
+    out = tmp_path / "q"
+    report = qz.quantize_checkpoint(wide_dir, out, qz.QuantizeSpec(4, 32, True),
+                                    max_shard_bytes=100_000)
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert report.num_files == len(files) > 2
+    assert files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    written = read_all(out)
+    assert set(index["weight_map"]) == set(written)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size()
+                                                  for t in written.values())
+    check_quantized(source_tensors(wide_dir), written, 4, 32, True)
+
+
+def test_interrupted_run_leaves_nothing(wide_dir, tmp_path, monkeypatch):
+    out = tmp_path / "q"
+    qz.quantize_checkpoint(wide_dir, out, qz.QuantizeSpec(8, 32, True))
+    before = (out / "model.safetensors").read_bytes()
+    calls = []
+
+    def fail(*args):  # the second shard's write is interrupted
+        if calls:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return real(*args)
+
+    real = qz._write_shard
+    monkeypatch.setattr(qz, "_write_shard", fail)
+    with pytest.raises(KeyboardInterrupt):
+        qz.quantize_checkpoint(wide_dir, out, qz.QuantizeSpec(4, 32, True), overwrite=True,
+                               max_shard_bytes=100_000)
+    assert (out / "model.safetensors").read_bytes() == before  # the old one untouched
+    assert [p.name for p in tmp_path.iterdir()] == ["q"]
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt):
+        qz.quantize_checkpoint(wide_dir, tmp_path / "new", qz.QuantizeSpec(4, 32, True),
+                               max_shard_bytes=100_000)
+    assert [p.name for p in tmp_path.iterdir()] == ["q"]
+
+
+# -- AWQ ------------------------------------------------------------------------------
+
+def down_error(dense_dir: Path, quantized_dir: Path, layer: int, spec) -> float:
+    """Mean squared error of layer `layer`'s down projection on its calibration rows (run
+    through `dense_dir`): x @ w.T against x @ dequantized.T, w from `dense_dir` and the
+    codes from `quantized_dir`."""
+    _, rows = qz.calibrate(qz.open_source(dense_dir), PROMPTS)[layer, "down"]
+    base = f"model.layers.{layer}.mlp.down_proj"
+    w = read_all(dense_dir)[base + ".weight"].float()
+    codes = read_all(quantized_dir)
+    dense = dequantize_group(codes[base + ".qweight"], codes[base + ".scales"],
+                             codes.get(base + ".zeros"), spec.bits, spec.group_size,
+                             w.shape[1])
+    return (rows @ w.t() - rows @ dense.t()).pow(2).mean().item()
+
+
+def test_awq_error_not_above_round_to_nearest(wide_dir, tmp_path):
+    spec = qz.QuantizeSpec(4, 32, False, "awq")
+    calibration = tmp_path / "prompts.txt"
+    calibration.write_text("\n".join(PROMPTS) + "\n")
+    result = run_cli("--model", wide_dir, "--bits", 4, "--group-size", 32, "--method", "awq",
+                     "--calibration", calibration, "--output", tmp_path / "awq")
+    assert result.exit_code == 0, result.output
+    assert "awq layer 0 qkv: alpha" in result.output
+    report = qz.quantize_checkpoint(wide_dir, tmp_path / "awq2", spec, prompts=PROMPTS)
+    # Llama here has 2 kv heads for 4 query heads: o is not scaled (v's rows are shared)
+    assert set(report.searches) == {(i, g) for i in (0, 1) for g in ("qkv", "gate_up", "down")}
+    for alpha, error, rtn in report.searches.values():
+        assert error <= rtn and 0.0 <= alpha <= 1.0
+    assert any(error < rtn for _, error, rtn in report.searches.values())
+    # Recomputed from the files: the down projections' output error on the calibration
+    # rows, AWQ's (the folded model's weight and inputs, x / s) against round-to-nearest's.
+    qz.quantize_checkpoint(wide_dir, tmp_path / "fold", spec, prompts=PROMPTS, dense=True)
+    qz.quantize_checkpoint(wide_dir, tmp_path / "rtn", qz.QuantizeSpec(4, 32, False))
+    for i in (0, 1):
+        awq_error = down_error(tmp_path / "fold", tmp_path / "awq2", i, spec)
+        rtn_error = down_error(wide_dir, tmp_path / "rtn", i, spec)
+        assert awq_error < rtn_error
+        assert awq_error == pytest.approx(report.searches[i, "down"][1], rel=1e-3)
+        assert rtn_error == pytest.approx(report.searches[i, "down"][2], rel=1e-3)
+
+
+@pytest.mark.parametrize("arch,overrides", [
+    ("llama", {}),
+    ("qwen2", {"num_key_value_heads": 4}),  # o scaled through v's rows and bias
+    ("gemma3", {"num_key_value_heads": 4}),  # norms applied as (1 + w)
+    ("phi3", {}),  # q/k/v and gate/up in one tensor each
+    ("qwen3_moe", {}),  # attention scaled, experts round-to-nearest
+])
+def test_awq_folding_keeps_fp32_logits(tmp_path, arch, overrides):
+    src = make_hf_checkpoint(tmp_path / "src", arch, **MOE.get(arch, {}), **overrides)
+    spec = qz.QuantizeSpec(4, 32, False, "awq")
+    report = qz.quantize_checkpoint(src, tmp_path / "fold", spec, prompts=PROMPTS, dense=True)
+    groups = {g for _, g in report.searches}
+    assert groups == ({"qkv"} if arch == "qwen3_moe" else
+                      {"qkv", "gate_up", "down", "o"} if overrides else
+                      {"qkv", "gate_up", "down"})
+    assert "quantization_config" not in json.loads((tmp_path / "fold" / "config.json").read_text())
+    folded, source = read_all(tmp_path / "fold"), source_tensors(src)
+    assert any(not torch.equal(folded[name], source[name])  # scales were folded in
+               for name in source if name.endswith("layernorm.weight"))
+    ids = torch.tensor([[3, 17, 55, 101, 7, 9, 200, 12, 40, 41]])
+    with torch.no_grad():
+        want = load_hf(src)(ids).logits
+        got = load_hf(tmp_path / "fold")(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+# -- errors ---------------------------------------------------------------------------
+
+def assert_usage_error(result, *parts, out: Path):
+    assert result.exit_code == 2, result.output
+    for part in parts:
+        assert part in result.output, result.output
+    assert not out.exists()
+    assert not list(out.parent.glob(f".{out.name}.*"))
+
+
+def test_bad_arguments(llama_dir, wide_dir, tmp_path):
+    out = tmp_path / "q"
+    base = ("--model", wide_dir, "--bits", 4, "--output", out)
+    assert_usage_error(run_cli("--model", wide_dir, "--bits", 3, "--output", out),
+                       "--bits", "'3' is not one of '8', '4'", out=out)
+    assert_usage_error(run_cli(*base, "--group-size", 48), "--group-size",
+                       "'48' is not one of '32', '64', '128'", out=out)
+    assert_usage_error(run_cli("--model", llama_dir, "--bits", 4, "--group-size", 128,
+                               "--output", out),
+                       "'--group-size'", "tensor 'model.layers.0.self_attn.q_proj.weight' "
+                       "has 64 input features, not a multiple of the group size 128", out=out)
+    assert_usage_error(run_cli("--model", tmp_path / "nowhere", "--bits", 4, "--output", out),
+                       "'--model'", "nowhere: no such checkpoint directory or .gguf file",
+                       out=out)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert_usage_error(run_cli("--model", empty, "--bits", 4, "--output", out), "'--model'",
+                       "config.json: not found", out=out)
+    assert_usage_error(run_cli(*base, "--method", "awq"), "'--calibration'",
+                       "--method awq needs calibration prompts", out=out)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    assert_usage_error(run_cli(*base, "--calibration", prompts), "'--calibration'",
+                       "--calibration is used only by --method awq", out=out)
+    awq = (*base, "--method", "awq", "--calibration")
+    assert_usage_error(run_cli(*awq, tmp_path / "missing.jsonl"), "'--calibration'",
+                       "missing.jsonl: no such calibration file", out=out)
+    blank = tmp_path / "blank.txt"
+    blank.write_text("\n\n")
+    assert_usage_error(run_cli(*awq, blank), "blank.txt: no calibration prompts", out=out)
+    csv = tmp_path / "p.csv"
+    csv.write_text("prompt\nhello\n")
+    assert_usage_error(run_cli(*awq, csv), "calibration files are .parquet, .jsonl or .txt",
+                       out=out)
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text('{"prompt": "hi"}\n{"text": "hello"}\n')
+    assert_usage_error(run_cli(*awq, jsonl, "--calibration-column", "text"),
+                       "'--calibration-column'", "p.jsonl: line 1 has no key 'text'", out=out)
+    jsonl.write_text('{"prompt": 5}\n')
+    assert_usage_error(run_cli(*awq, jsonl), "p.jsonl: line 1: 'prompt' holds int, not text",
+                       out=out)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    parquet = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"text": ["a", "b"]}), parquet)
+    assert_usage_error(run_cli(*awq, parquet), "'--calibration-column'",
+                       "p.parquet: no column 'prompt' (columns: text)", out=out)
+    pq.write_table(pa.table({"prompt": pa.array([None, ""], pa.string())}), parquet)
+    assert_usage_error(run_cli(*awq, parquet), "p.parquet: no calibration prompts", out=out)
+    out.mkdir()
+    result = run_cli(*base)
+    assert result.exit_code == 2 and "already exists; pass --overwrite" in result.output
+    assert list(out.iterdir()) == []
+    result = run_cli("--model", wide_dir, "--bits", 4, "--output", wide_dir, "--overwrite")
+    assert result.exit_code == 2 and "the output would replace the source model" in result.output
+    assert (wide_dir / "model.safetensors").is_file()
+
+
+def test_calibration_files_read(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from fusegen.jobs.quantize_cmd import read_prompts
+
+    pq.write_table(pa.table({"prompt": ["a", None, "", "b", "c"], "x": [1, 2, 3, 4, 5]}),
+                   tmp_path / "p.parquet")
+    assert read_prompts(tmp_path / "p.parquet", "prompt", 2) == ["a", "b"]
+    (tmp_path / "p.jsonl").write_text('{"q": "one"}\n\n{"q": "two"}\n')
+    assert read_prompts(tmp_path / "p.jsonl", "q", 64) == ["one", "two"]
+    (tmp_path / "p.txt").write_text("first line\r\n\nsecond\n")
+    assert read_prompts(tmp_path / "p.txt", "ignored", 64) == ["first line", "second"]
