@@ -332,7 +332,11 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if weight.dim() != 2 or not weight.is_floating_point():
         raise ValueError(f"quantize_fp8 takes a float weight [out, in]; got {weight.dtype} "
                          f"{list(weight.shape)}")
-    scale = (weight.float().abs().amax(dim=1) / FP8_MAX).clamp_min(_FP8_MIN_SCALE)
+    amax = weight.float().abs().amax(dim=1)
+    if not torch.isfinite(amax).all():
+        row = int(torch.nonzero(~torch.isfinite(amax))[0, 0])
+        raise ValueError(f"quantize_fp8: weight row {row} holds inf or NaN; cannot quantize it")
+    scale = (amax / FP8_MAX).clamp_min(_FP8_MIN_SCALE)
     codes = (weight.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX)
     return codes.to(torch.float8_e4m3fn), scale
 
