@@ -67,6 +67,11 @@ _SIGNATURES = {
     "quant_gguf_available": [_I],
     **{f"quant_gguf_{t}": [_I, _P, _L, _L, _P, _L, _L, _P, _L, _I, _I] for t in ("f32", "bf16")},
     "quant_gguf_dequantize_f32": [_I, _P, _L, _L, _P, _I, _I],
+    # csrc/quant_group.c (int results; kernels/group_linear.py sets them)
+    "quant_group_available": [_I],
+    **{f"quant_group_{t}": [_I, _I, _P, _L, _L, _P, _P, _P, _L, _L, _P, _L, _I, _I]
+       for t in ("f32", "bf16")},
+    "quant_group_dequantize_f32": [_I, _I, _P, _P, _P, _L, _L, _P, _I, _I],
 }
 
 

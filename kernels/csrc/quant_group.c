@@ -1,0 +1,608 @@
+/* Products against a group-quantized weight (docs/quantization.md): out [T, N] =
+ * x [T, K] W^T for decode-sized T (at most MAX_ROWS rows; the caller splits larger calls),
+ * W [N, K] kept as its codes:
+ *
+ *   W[o, i] = (q[o, i] - zero[o, i / g]) * scale[o, i / g],  g = 32, 64 or 128
+ *
+ * q: uint8 codes, int8 one a byte [N, K]; int4 two a byte [N, K / 2], in runs of 32
+ * channels (16 bytes) byte k holding channel k in its low nibble and k + 16 in its high
+ * (GGUF Q4_0's order). scale: fp16 [N, K / g]; zero: uint8 [N, K / g], or none (symmetric:
+ * 128 for int8, 8 for int4). A weight is exact in fp32 (a difference of at most 9 bits
+ * times an 11-bit scale), so every expansion below gives the same fp32 value, the value
+ * torch's dequantize gives.
+ *
+ * How: threads split the output rows in groups of NR. Calls of more than DIRECT_ROWS rows
+ * (prefill) expand a group's NR weight rows into the thread's scratch (fp32, or bf16 for
+ * the bf16 product), once per call, and a micro-kernel multiplies MR rows of x at a time
+ * with them, MR x NR vectors of fp32 sums in registers. Calls of up to DIRECT_ROWS rows
+ * (decode) expand each run of 32 channels of the NR rows in registers and multiply it at
+ * once: the codes are read once, nothing goes through memory. With AVX-512 an int4 run
+ * takes a table lookup (vpermps for fp32, vpermw for bf16) of the group's 16 values, an
+ * int8 run a widening, a conversion and an FMA per 16 values; AVX2 and plain C expand into
+ * the scratch (the plain-C form is the reference expansion and the only one elsewhere).
+ *
+ * bf16 x: with AVX512_BF16 the weights are rounded to bf16 (nearest even, the values a
+ * model dequantized to bf16 holds) and multiplied pairwise by vdpbf16ps (exact products,
+ * fp32 sums); elsewhere x is widened to fp32 and multiplied with the weights rounded to
+ * bf16 precision (the same exact products). Either way the sums are rounded once to bf16.
+ *
+ * Every output element is summed in one order, whatever T, the thread count, the path
+ * (direct or scratch, vector or plain-C expansion) or the element's place in the batch:
+ * lane-wise over K in steps of the vector width (products of channel pairs for
+ * vdpbf16ps), then the lanes. A row's result is therefore independent of its batch.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Sums keep the order written (the lanes of each vector last, in a fixed order), so an
+ * element's value cannot depend on which inlined copy of a kernel computed it;
+ * multiply-adds still contract (fp-contract is its own flag). */
+#pragma GCC optimize("no-associative-math")
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define HAS_AVX512 1
+#else
+#define HAS_AVX512 0
+#endif
+#if !HAS_AVX512 && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAS_AVX2 1
+#else
+#define HAS_AVX2 0
+#endif
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+#if HAS_AVX512 && defined(__AVX512BF16__)
+#define HAS_BF16DOT 1 /* bf16 x: weights as bf16, pairs multiplied by vdpbf16ps */
+#else
+#define HAS_BF16DOT 0
+#endif
+
+#define MAX_ROWS 64
+#define RUN 32 /* channels a step: one int4 run, one vdpbf16ps */
+
+#if HAS_AVX512
+#define VL 16 /* floats per vector */
+#define NR 4  /* weight rows per group */
+#define MR 6  /* x rows per micro-kernel call: 24 sums + 4 weight vectors in 32 zmm */
+#define DIRECT_ROWS 4 /* calls of up to this many rows expand in registers */
+#else
+#if defined(__AVX__) || defined(__aarch64__)
+#define VL 8  /* a ymm, or a pair of NEON registers */
+#else
+#define VL 4  /* baseline x86-64: one xmm */
+#endif
+#define NR 2  /* 16 ymm (AVX2): 8 sums, 2 weight vectors, the x vector */
+#define MR 4
+#define DIRECT_ROWS 0
+#endif
+typedef float vf __attribute__((vector_size(VL * 4)));
+
+/* how the product multiplies: fp32 x and weights; bf16 x widened to fp32 against weights
+ * rounded to bf16 precision; bf16 x and bf16 weights by vdpbf16ps */
+enum { F32 = 0, F32_ROUNDED = 1, BF16 = 2 };
+
+typedef struct {
+    int bits, group;     /* 4 or 8; 32, 64 or 128 */
+    const uint8_t *q;    /* codes, row_bytes a row */
+    const uint8_t *s;    /* fp16 scales, groups a row */
+    const uint8_t *z;    /* zero points, groups a row; 0: symmetric */
+    int64_t k, groups, row_bytes;
+} layout_t;
+
+static inline float fp16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, man = h & 0x3ff;
+    uint32_t u;
+    if (e == 0x1f) {
+        u = sign | 0x7f800000u | man << 13;
+    } else if (e == 0) { /* zero or subnormal: man x 2^-24 */
+        const float f = (float)man * (1.0f / 16777216.0f);
+        return sign ? -f : f;
+    } else {
+        u = sign | (e + 112) << 23 | man << 13;
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+
+static inline float scale_of(const layout_t *L, int64_t o, int64_t g) {
+    return fp16(L->s + 2 * (o * L->groups + g));
+}
+
+static inline int zero_of(const layout_t *L, int64_t o, int64_t g) {
+    return L->z ? L->z[o * L->groups + g] : (L->bits == 8 ? 128 : 8);
+}
+
+static inline uint16_t to_bf16(float f) { /* nearest even, as torch rounds; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)(u >> 16 | 0x40);
+    return (uint16_t)((u + 0x7fff + (u >> 16 & 1)) >> 16);
+}
+
+/* ---- plain-C expansion of weight row o into y[k] (fp32) ------------------------------ */
+
+static void row_plain(const layout_t *L, int64_t o, float *y) {
+    const uint8_t *q = L->q + o * L->row_bytes;
+    for (int64_t g = 0; g < L->groups; g++) {
+        const float s = scale_of(L, o, g);
+        const int z = zero_of(L, o, g);
+        if (L->bits == 8) {
+            for (int j = 0; j < L->group; j++) y[j] = (float)(q[j] - z) * s;
+            q += L->group;
+        } else { /* low nibbles, then high: one loop each, the form a compiler vectorises */
+            for (int r = 0; r < L->group; r += RUN, q += RUN / 2) {
+                for (int j = 0; j < 16; j++) y[r + j] = (float)((q[j] & 0xf) - z) * s;
+                for (int j = 0; j < 16; j++) y[r + 16 + j] = (float)((q[j] >> 4) - z) * s;
+            }
+        }
+        y += L->group;
+    }
+}
+
+/* ---- AVX-512 expansion: one run of 32 channels ----------------------------------------- */
+#if HAS_AVX512
+/* a (row, group)'s constants: int4, its 16 values (fp32 and, duplicated to 32 words, bf16);
+ * int8, the scale and -zero * scale (exact: 8 bits times 11) */
+typedef struct {
+    __m512 lut, s, c;
+    __m512i lutw;
+} gconst_t;
+
+static inline __attribute__((always_inline)) gconst_t
+group_consts(const layout_t *L, int64_t o, int64_t g, const int BITS, const int WORDS) {
+    gconst_t k;
+    const float s = scale_of(L, o, g);
+    const int z = zero_of(L, o, g);
+    if (BITS == 4) {
+        const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        k.lut = _mm512_mul_ps(_mm512_sub_ps(codes, _mm512_set1_ps((float)z)), _mm512_set1_ps(s));
+#if HAS_BF16DOT
+        if (WORDS)
+            k.lutw = _mm512_broadcast_i64x4((__m256i)_mm512_cvtneps_pbh(k.lut));
+#endif
+    } else {
+        k.s = _mm512_set1_ps(s);
+        k.c = _mm512_set1_ps(-(float)z * s);
+    }
+    (void)WORDS;
+    return k;
+}
+
+/* channels [i, i + 32) of a row (q its codes) as fp32: w[0] the first 16, w[1] the rest */
+static inline __attribute__((always_inline)) void
+run_f32(const uint8_t *q, int64_t i, const gconst_t *k, const int BITS, __m512 w[2]) {
+    if (BITS == 4) { /* vpermps takes the low 4 bits of each index: the low nibble */
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + i / 2)));
+        w[0] = _mm512_permutexvar_ps(b, k->lut);
+        w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), k->lut);
+    } else {
+        for (int h = 0; h < 2; h++) {
+            const __m128i b = _mm_loadu_si128((const __m128i *)(q + i + 16 * h));
+            w[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)), k->s, k->c);
+        }
+    }
+}
+
+#if HAS_BF16DOT
+/* the same 32 channels as bf16, nearest even */
+static inline __attribute__((always_inline)) __m512bh
+run_bf16(const uint8_t *q, int64_t i, const gconst_t *k, const int BITS) {
+    if (BITS == 4) {
+        /* the run's 16 bytes in both halves as words; the upper half shifted to its high
+         * nibbles; vpermw takes the low 5 bits of each index, and the table repeats its 16
+         * values, so a byte's high nibble in the lower half does not matter */
+        const long long four = 0x0004000400040004;
+        const __m512i shifts = _mm512_set_epi64(four, four, four, four, 0, 0, 0, 0);
+        const __m128i v = _mm_loadu_si128((const __m128i *)(q + i / 2));
+        const __m512i idx = _mm512_srlv_epi16(
+            _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(v)), shifts);
+        return (__m512bh)_mm512_permutexvar_epi16(idx, k->lutw);
+    }
+    __m512 w[2];
+    run_f32(q, i, k, BITS, w);
+    return _mm512_cvtne2ps_pbh(w[1], w[0]);
+}
+#endif
+
+static inline __attribute__((always_inline)) void
+row_bits(const layout_t *L, int64_t o, float *y, const int BITS) {
+    const uint8_t *q = L->q + o * L->row_bytes;
+    for (int64_t g = 0, i = 0; g < L->groups; g++) {
+        const gconst_t k = group_consts(L, o, g, BITS, 0);
+        for (const int64_t end = i + L->group; i < end; i += RUN) {
+            __m512 w[2];
+            run_f32(q, i, &k, BITS, w);
+            _mm512_storeu_ps(y + i, w[0]);
+            _mm512_storeu_ps(y + i + 16, w[1]);
+        }
+    }
+}
+
+static void row_avx512(const layout_t *L, int64_t o, float *y) {
+    if (L->bits == 4)
+        row_bits(L, o, y, 4);
+    else
+        row_bits(L, o, y, 8);
+}
+#define row_vector row_avx512
+#endif
+
+/* ---- AVX2 expansion ----------------------------------------------------------------- */
+#if HAS_AVX2
+/* 8 codes (the low 8 bytes of b) -> q s + c */
+static inline __m256 eight(__m128i b, __m256 s, __m256 c) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), s, c);
+}
+
+static void row_avx2(const layout_t *L, int64_t o, float *y) {
+    const uint8_t *q = L->q + o * L->row_bytes;
+    const __m128i mask = _mm_set1_epi8(0xf);
+    for (int64_t g = 0; g < L->groups; g++) {
+        const float s = scale_of(L, o, g);
+        const __m256 sv = _mm256_set1_ps(s), cv = _mm256_set1_ps(-(float)zero_of(L, o, g) * s);
+        for (int r = 0; r < L->group; r += RUN, y += RUN) {
+            if (L->bits == 8) {
+                for (int h = 0; h < 2; h++, q += 16) {
+                    const __m128i b = _mm_loadu_si128((const __m128i *)q);
+                    _mm256_storeu_ps(y + 16 * h, eight(b, sv, cv));
+                    _mm256_storeu_ps(y + 16 * h + 8, eight(_mm_srli_si128(b, 8), sv, cv));
+                }
+            } else {
+                const __m128i b = _mm_loadu_si128((const __m128i *)q);
+                const __m128i lo = _mm_and_si128(b, mask);
+                const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+                _mm256_storeu_ps(y, eight(lo, sv, cv));
+                _mm256_storeu_ps(y + 8, eight(_mm_srli_si128(lo, 8), sv, cv));
+                _mm256_storeu_ps(y + 16, eight(hi, sv, cv));
+                _mm256_storeu_ps(y + 24, eight(_mm_srli_si128(hi, 8), sv, cv));
+                q += 16;
+            }
+        }
+    }
+}
+#define row_vector row_avx2
+#endif
+
+typedef void (*row_fn)(const layout_t *, int64_t, float *);
+
+static row_fn expander(int plain) {
+#if HAS_AVX512 || HAS_AVX2
+    return plain ? row_plain : row_vector;
+#else
+    (void)plain;
+    return row_plain;
+#endif
+}
+
+/* 1 fp32 x, 2 bf16 x, 4 AVX-512 expansion, 8 bf16 x by vdpbf16ps; 0 for other bits */
+int quant_group_available(int bits) {
+    if (bits != 4 && bits != 8) return 0;
+    return 1 | 2 | (HAS_AVX512 ? 4 : 0) | (HAS_BF16DOT ? 8 : 0);
+}
+
+/* ---- the product ---------------------------------------------------------------------- */
+
+static inline vf loadv(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline vf fmav(vf c, vf a, vf b) { /* c + a b, one rounding, on every path */
+#if HAS_AVX512
+    return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#else
+    return c + a * b; /* contracted to an FMA where the target has one (fp-contract) */
+#endif
+}
+
+/* One x row's NR sums, each vector's lanes added (in one fixed order per element), stored
+ * as fp32 or rounded to bf16: columns [0, ncols) of `out`. */
+static inline __attribute__((always_inline)) void
+store_sums(const vf c[NR], void *out, int ncols, const int TO_BF16) {
+    float s[NR];
+#if HAS_AVX512
+    /* NR == 4: halves added, then three hadds give the four sums in one xmm */
+    __m256 t[4];
+    for (int j = 0; j < 4; j++) {
+        const __m512 v = (__m512)c[j];
+        t[j] = _mm256_add_ps(_mm512_castps512_ps256(v),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    }
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(t[0], t[1]), _mm256_hadd_ps(t[2], t[3]));
+    const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+#if HAS_BF16DOT
+    if (TO_BF16) { /* vcvtneps2bf16: nearest even, as to_bf16 */
+        _mm_mask_storeu_epi16(out, (__mmask8)((1u << ncols) - 1), (__m128i)_mm_cvtneps_pbh(sums));
+        return;
+    }
+#endif
+    _mm_storeu_ps(s, sums);
+#else
+    for (int j = 0; j < NR; j++) {
+        s[j] = 0.0f;
+        for (int l = 0; l < VL; l++) s[j] += c[j][l];
+    }
+#endif
+    for (int j = 0; j < ncols; j++) {
+        if (TO_BF16)
+            ((uint16_t *)out)[j] = to_bf16(s[j]);
+        else
+            ((float *)out)[j] = s[j];
+    }
+}
+
+/* out rows [0, R) x columns [0, ncols) = x rows . the NR expanded weight rows (k apart in
+ * `w`: fp32, or bf16 for MODE BF16). x and out fp32, or bf16 for MODE BF16. */
+static inline __attribute__((always_inline)) void
+micro(const void *x, int64_t ldx, const void *w, int64_t k, void *out, int64_t ldo, int ncols,
+      const int R, const int MODE) {
+    vf c[MR][NR];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < NR; j++) c[r][j] = (vf){0};
+#if HAS_BF16DOT
+    if (MODE == BF16) {
+        const uint16_t *xb = x, *wb = w;
+        for (int64_t i = 0; i < k; i += RUN) {
+            __m512bh wv[NR];
+            for (int j = 0; j < NR; j++) wv[j] = (__m512bh)_mm512_loadu_si512(wb + j * k + i);
+            for (int r = 0; r < R; r++) {
+                const __m512bh a = (__m512bh)_mm512_loadu_si512(xb + r * ldx + i);
+                for (int j = 0; j < NR; j++)
+                    c[r][j] = (vf)_mm512_dpbf16_ps((__m512)c[r][j], a, wv[j]);
+            }
+        }
+    } else
+#endif
+    {
+        const float *xf = x, *wf = w;
+        for (int64_t i = 0; i < k; i += VL) {
+            vf wv[NR];
+            for (int j = 0; j < NR; j++) wv[j] = loadv(wf + j * k + i);
+            for (int r = 0; r < R; r++) {
+                const vf a = loadv(xf + r * ldx + i);
+                for (int j = 0; j < NR; j++) c[r][j] = fmav(c[r][j], a, wv[j]);
+            }
+        }
+    }
+    const int64_t es = MODE == BF16 ? 2 : 4;
+    for (int r = 0; r < R; r++)
+        store_sums(c[r], (char *)out + r * ldo * es, ncols, MODE == BF16);
+}
+
+static inline __attribute__((always_inline)) void
+rows_against(const void *x, int64_t rows, int64_t ldx, const void *w, int64_t k, void *out,
+             int64_t ldo, int ncols, const int MODE) {
+    const int64_t es = MODE == BF16 ? 2 : 4;
+    for (int64_t r0 = 0; r0 < rows; r0 += MR) {
+        const char *xr = (const char *)x + r0 * ldx * es;
+        char *o = (char *)out + r0 * ldo * es;
+#define MICRO(RR) micro(xr, ldx, w, k, o, ldo, ncols, RR, MODE)
+        switch (rows - r0 < MR ? (int)(rows - r0) : MR) {
+#if MR > 4
+        case 6: MICRO(6); break;
+        case 5: MICRO(5); break;
+#endif
+        case 4: MICRO(4); break;
+        case 3: MICRO(3); break;
+        case 2: MICRO(2); break;
+        default: MICRO(1); break;
+        }
+#undef MICRO
+    }
+}
+
+/* Rows [first, first + ncols) expanded into `scratch` (NR rows k apart): fp32, rounded to
+ * bf16 precision for F32_ROUNDED, or bf16 for BF16 (through `tmp`, one fp32 row). */
+static inline __attribute__((always_inline)) void
+expand_group(const layout_t *L, row_fn expand, int64_t first, int ncols, void *scratch,
+             float *tmp, const int MODE) {
+    const int64_t k = L->k;
+    for (int j = 0; j < ncols; j++) {
+#if HAS_BF16DOT
+        if (MODE == BF16) {
+            uint16_t *dst = (uint16_t *)scratch + j * k;
+            expand(L, first + j, tmp);
+            for (int64_t i = 0; i < k; i += RUN)
+                _mm512_storeu_si512(dst + i, (__m512i)_mm512_cvtne2ps_pbh(
+                                                 _mm512_loadu_ps(tmp + i + 16),
+                                                 _mm512_loadu_ps(tmp + i)));
+            continue;
+        }
+#endif
+        float *dst = (float *)scratch + j * k;
+        expand(L, first + j, dst);
+        if (MODE == F32_ROUNDED) /* finite weights: nearest even to 8 significant bits */
+            for (int64_t i = 0; i < k; i++) {
+                uint32_t u;
+                memcpy(&u, dst + i, 4);
+                u = (u + 0x7fff + (u >> 16 & 1)) & 0xffff0000u;
+                memcpy(dst + i, &u, 4);
+            }
+    }
+    (void)tmp;
+}
+
+#if HAS_AVX512
+/* Decode: R (<= DIRECT_ROWS) rows of x against weight rows [first, first + ncols), each run
+ * of 32 channels of the NR rows expanded in registers and multiplied at once. The same
+ * sums in the same order as expand_group + micro. */
+static inline __attribute__((always_inline)) void
+direct(const layout_t *L, int64_t first, int ncols, const void *x, int64_t ldx, void *out,
+       int64_t ldo, const int R, const int BITS, const int MODE) {
+    vf c[DIRECT_ROWS][NR];
+    const uint8_t *q[NR];
+    int64_t o[NR];
+    for (int j = 0; j < NR; j++) { /* a last group's missing rows repeat its last row */
+        o[j] = first + (j < ncols ? j : ncols - 1);
+        q[j] = L->q + o[j] * L->row_bytes;
+        for (int r = 0; r < R; r++) c[r][j] = (vf){0};
+    }
+    for (int64_t g = 0, i = 0; g < L->groups; g++) {
+        gconst_t k[NR];
+        for (int j = 0; j < NR; j++) k[j] = group_consts(L, o[j], g, BITS, MODE == BF16);
+        for (const int64_t end = i + L->group; i < end; i += RUN) {
+#if HAS_BF16DOT
+            if (MODE == BF16) {
+                __m512bh a[DIRECT_ROWS];
+                for (int r = 0; r < R; r++)
+                    a[r] = (__m512bh)_mm512_loadu_si512((const uint16_t *)x + r * ldx + i);
+                for (int j = 0; j < NR; j++) {
+                    const __m512bh w = run_bf16(q[j], i, &k[j], BITS);
+                    for (int r = 0; r < R; r++)
+                        c[r][j] = (vf)_mm512_dpbf16_ps((__m512)c[r][j], a[r], w);
+                }
+                continue;
+            }
+#endif
+            for (int j = 0; j < NR; j++) {
+                __m512 w[2];
+                run_f32(q[j], i, &k[j], BITS, w);
+                for (int r = 0; r < R; r++) {
+                    const float *xr = (const float *)x + r * ldx + i;
+                    c[r][j] = fmav(c[r][j], loadv(xr), (vf)w[0]);
+                    c[r][j] = fmav(c[r][j], loadv(xr + 16), (vf)w[1]);
+                }
+            }
+        }
+    }
+    const int64_t es = MODE == BF16 ? 2 : 4;
+    for (int r = 0; r < R; r++)
+        store_sums(c[r], (char *)out + r * ldo * es, ncols, MODE == BF16);
+}
+
+static inline __attribute__((always_inline)) void
+direct_rows(const layout_t *L, int64_t first, int ncols, const void *x, int64_t rows,
+            int64_t ldx, void *out, int64_t ldo, const int MODE) {
+#define DIRECT(RR, B) direct(L, first, ncols, x, ldx, out, ldo, RR, B, MODE)
+#define BOTH(RR) (L->bits == 4 ? DIRECT(RR, 4) : DIRECT(RR, 8))
+    switch (rows) {
+    case 4: BOTH(4); break;
+    case 3: BOTH(3); break;
+    case 2: BOTH(2); break;
+    default: BOTH(1); break;
+    }
+#undef BOTH
+#undef DIRECT
+}
+#endif
+
+/* x [rows, k] (row stride ldx; fp32, or bf16 for MODE BF16) against the codes -> out (row
+ * stride ldo, x's dtype). */
+static inline __attribute__((always_inline)) int
+product(const layout_t *L, const void *x, int64_t rows, int64_t ldx, int64_t n, void *out,
+        int64_t ldo, int num_threads, int plain, const int MODE) {
+    const row_fn expand = expander(plain);
+    const int64_t k = L->k, groups = (n + NR - 1) / NR;
+    const int64_t es = MODE == BF16 ? 2 : 4, scratch_bytes = (NR * k * es + 63) / 64 * 64;
+    const int64_t tmp_bytes = (k * 4 + 63) / 64 * 64;
+    const int in_registers = !plain && rows <= DIRECT_ROWS && MODE != F32_ROUNDED;
+    int failed = 0;
+    _Pragma("omp parallel num_threads(num_threads) reduction(|:failed)")
+    {
+        /* NR expanded rows (zeroed: a last group's unused rows hold finite values), and
+         * for bf16 one fp32 row */
+        char *scratch = 0;
+        if (!in_registers) {
+            scratch = aligned_alloc(64, scratch_bytes + (MODE == BF16 ? tmp_bytes : 0));
+            if (!scratch)
+                failed = 1;
+            else
+                memset(scratch, 0, scratch_bytes);
+        }
+        _Pragma("omp for schedule(static)")
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t first = g * NR;
+            const int ncols = n - first < NR ? (int)(n - first) : NR;
+            char *o = (char *)out + first * es;
+#if HAS_AVX512
+            if (in_registers) {
+                direct_rows(L, first, ncols, x, rows, ldx, o, ldo, MODE);
+                continue;
+            }
+#endif
+            if (!scratch) continue;
+            expand_group(L, expand, first, ncols, scratch, (float *)(scratch + scratch_bytes),
+                         MODE);
+            rows_against(x, rows, ldx, scratch, k, o, ldo, ncols, MODE);
+        }
+        free(scratch);
+    }
+    return failed ? -1 : 0;
+}
+
+static int make_layout(layout_t *L, int bits, int group, const uint8_t *q, const uint16_t *s,
+                       const uint8_t *z, int64_t k) {
+    if ((bits != 4 && bits != 8) || (group != 32 && group != 64 && group != 128) || k <= 0 ||
+        k % group)
+        return -1;
+    *L = (layout_t){bits, group, q, (const uint8_t *)s, z, k, k / group, k * bits / 8};
+    return 0;
+}
+
+/* x [rows, k] fp32 (row stride ldx) . W^T -> out [rows, n] (row stride ldo); W the codes
+ * q, scales s and zero points z (0: symmetric) of n rows. plain: the plain-C expansion
+ * through the scratch (tests). Returns -1 for bits other than 4 / 8, a group size other
+ * than 32 / 64 / 128, k not whole groups, rows > MAX_ROWS or no memory. */
+int quant_group_f32(int bits, int group, const float *x, int64_t rows, int64_t ldx,
+                    const uint8_t *q, const uint16_t *s, const uint8_t *z, int64_t n, int64_t k,
+                    float *out, int64_t ldo, int num_threads, int plain) {
+    layout_t L;
+    if (make_layout(&L, bits, group, q, s, z, k) || rows > MAX_ROWS) return -1;
+    if (rows <= 0 || n <= 0) return 0;
+    return product(&L, x, rows, ldx, n, out, ldo, num_threads, plain, F32);
+}
+
+/* As quant_group_f32 for bf16 x and out, the sums rounded once to bf16; the weights as
+ * bf16 rounds them (vdpbf16ps with AVX512_BF16, else x widened to fp32). */
+int quant_group_bf16(int bits, int group, const uint16_t *x, int64_t rows, int64_t ldx,
+                     const uint8_t *q, const uint16_t *s, const uint8_t *z, int64_t n,
+                     int64_t k, uint16_t *out, int64_t ldo, int num_threads, int plain) {
+    layout_t L;
+    if (make_layout(&L, bits, group, q, s, z, k) || rows > MAX_ROWS) return -1;
+    if (rows <= 0 || n <= 0) return 0;
+#if HAS_BF16DOT
+    return product(&L, x, rows, ldx, n, out, ldo, num_threads, plain, BF16);
+#else
+    float *xf = malloc((size_t)rows * k * 4), *of = malloc((size_t)rows * n * 4);
+    int status = -1;
+    if (xf && of) {
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t i = 0; i < k; i++) {
+                const uint32_t u = (uint32_t)x[r * ldx + i] << 16;
+                memcpy(xf + r * k + i, &u, 4);
+            }
+        status = product(&L, xf, rows, k, n, of, n, num_threads, plain, F32_ROUNDED);
+        if (status == 0)
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t j = 0; j < n; j++) out[r * ldo + j] = to_bf16(of[r * n + j]);
+    }
+    free(xf);
+    free(of);
+    return status;
+#endif
+}
+
+/* The codes of n rows expanded to fp32 out [n, k] (plain: the plain-C expansion).
+ * Returns -1 where quant_group_f32 would for the format. */
+int quant_group_dequantize_f32(int bits, int group, const uint8_t *q, const uint16_t *s,
+                               const uint8_t *z, int64_t n, int64_t k, float *out,
+                               int num_threads, int plain) {
+    layout_t L;
+    if (make_layout(&L, bits, group, q, s, z, k)) return -1;
+    const row_fn expand = expander(plain);
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static)")
+    for (int64_t j = 0; j < n; j++) expand(&L, j, out + j * k);
+    return 0;
+}
