@@ -4,6 +4,8 @@
 #   suite     the whole suite, pytest -n 16 (the device-group tests apart, -n 4)
 #   tests     the CUDA-relevant tests, pytest -n 16 (the device-group tests apart, -n 4:
 #             each runs two or more CPU ranks, and 16 at once time out)
+#   quant     compressed-weight kernels checked and timed (tests/gpu/quant_bench.py: Triton
+#             int4/int8 and GGUF, fp8 _scaled_mm, beside bf16 F.linear; T_QUANT s, 150)
 #   profile   decode steps eagerly and with CUDA graphs (tests/gpu/decode_profile.py)
 #   benchB    fusegen beside transformers' static batch of 64, 64 requests
 #   bench1k   fusegen alone on gpu-8b-1k (1000 in / 1000 out), $REQ_1K requests (256)
@@ -63,6 +65,11 @@ if stage tests; then
   echo "device-group tests rc=$?"; grep -cE " PASSED " $OUT/tests.log
   grep -E " (FAILED|ERROR) " $OUT/tests.log | sed 's/.* \(FAILED\|ERROR\) //' | cut -c1-150 | sort -u | head -40
   grep -E "^E  |^====" $OUT/failures.log 2>/dev/null | cut -c1-220 | head -60
+fi
+if stage quant; then
+  timeout "${T_QUANT:-150}" python3 tests/gpu/quant_bench.py $OUT > $OUT/quant.log 2>&1
+  echo "quant rc=$?"; grep -E "^check|^invariance" $OUT/quant.log | grep -vE " ok$" | cut -c1-300
+  sed -n '/^layer /,$p' $OUT/quant.log | tail -40
 fi
 CKPT=$(python3 -c "
 from fusegen.jobs.bench.presets import PRESETS
