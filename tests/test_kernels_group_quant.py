@@ -203,3 +203,135 @@ def test_reference_is_dequantize_then_matmul(bits, symmetric):
     assert got3.shape == (2, 3, 600)
     assert torch.equal(got3.reshape(6, 600),
                        gl.group_linear(x[:6], qweight, scales, zeros, bits, 64, 600, 128))
+
+
+# ---- the C kernel -----------------------------------------------------------------------
+
+needs_library = pytest.mark.skipif(native.library() is None, reason="no C compiler here")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture
+def restore_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@needs_library
+@pytest.mark.parametrize("bits,symmetric,group_size", FORMATS, ids=FORMAT_IDS)
+def test_kernel_equals_reference(bits, symmetric, group_size, restore_threads):
+    """Odd shapes (one output row, out not a multiple of the 4-row groups or the threads, in
+    one group), decode calls (expanded in registers) and prefill calls (through scratch),
+    1-3 threads. The plain-C expansion gives the vector path's result bit for bit: both
+    expand to the same exact fp32 (or bf16-rounded) weights, and the product after them is
+    one code path, so the sums are the same in the same order."""
+    assert gl.has_kernel(bits, torch.float32) and gl.has_kernel(bits, torch.bfloat16)
+    gen = torch.Generator().manual_seed(bits * group_size)
+    g = group_size
+    for n, k in [(1, g), (7, 3 * g), (37, 2 * g)]:
+        qweight, scales, zeros = make_weight(bits, symmetric, g, n, k, seed=n)
+        w = gl.dequantize_group(qweight, scales, zeros, bits, g, k)
+        for rows, threads in [(1, 1), (3, 2), (5, 3), (64, 2)]:
+            torch.set_num_threads(threads)
+            x = torch.randn(rows, k, generator=gen)
+            for dtype in DTYPES:
+                xd = x.to(dtype)
+                got = gl.group_linear_native(xd, qweight, scales, zeros, bits, g, n, k)
+                ref = gl.group_linear_reference(xd, qweight, scales, zeros, bits, g, n, k)
+                assert_close(got, ref, xd, w)
+                assert torch.equal(got, gl.group_linear_native(xd, qweight, scales, zeros, bits,
+                                                               g, n, k, plain=True))
+
+
+@needs_library
+@pytest.mark.parametrize("bits,symmetric,group_size", [(8, True, 32), (8, False, 128),
+                                                       (4, True, 64), (4, False, 32)])
+def test_expansion_is_dequantize_group(bits, symmetric, group_size):
+    qweight, scales, zeros = make_weight(bits, symmetric, group_size, 9, 4 * group_size)
+    expected = gl.dequantize_group(qweight, scales, zeros, bits, group_size, 4 * group_size)
+    for plain in (False, True):
+        assert torch.equal(gl.dequantize_native(qweight, scales, zeros, bits, group_size,
+                                                4 * group_size, plain=plain), expected)
+
+
+@needs_library
+@pytest.mark.parametrize("bits,symmetric", [(8, False), (4, True), (4, False)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kernel_is_batch_and_thread_invariant(bits, symmetric, dtype, restore_threads):
+    """Row r's result is the same bits alone (a decode call, expanded in registers), in a
+    batch of 13 (through scratch), in the second 64-row call of 130 rows, whatever the
+    thread count (the engine's deterministic mode relies on it)."""
+    n, k = 37, 192
+    qweight, scales, zeros = make_weight(bits, symmetric, 64, n, k)
+    x = torch.randn(130, k, generator=torch.Generator().manual_seed(3)).to(dtype)
+    call = (qweight, scales, zeros, bits, 64, n, k)
+    torch.set_num_threads(1)
+    alone = torch.cat([gl.group_linear(x[i:i + 1], *call) for i in range(130)])
+    for threads in (1, 2, 3):
+        torch.set_num_threads(threads)
+        assert torch.equal(gl.group_linear(x, *call), alone)
+        assert torch.equal(gl.group_linear(x[60:73], *call), alone[60:73])
+        assert torch.equal(gl.group_linear(x[:3], *call), alone[:3])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", [0, 1, 63, 64, 65, 130])
+def test_dispatcher(dtype, rows, monkeypatch):
+    """Every row count gives the reference's answer (several 64-row calls past 64);
+    FUSEGEN_KERNELS=reference gives the reference itself."""
+    qweight, scales, zeros = make_weight(4, False, 32, 33, 64)
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    call = (qweight, scales, zeros, 4, 32, 33, 64)
+    ref = gl.group_linear_reference(x, *call)
+    got = gl.group_linear(x, *call)
+    assert got.shape == (rows, 33) and got.dtype == dtype
+    assert_close(got, ref, x, gl.dequantize_group(qweight, scales, zeros, 4, 32, 64))
+    if use_native(x) and rows:
+        assert torch.equal(got, torch.cat([gl.group_linear_native(x[i:i + 64], *call)
+                                           for i in range(0, rows, 64)]))
+    monkeypatch.setenv("FUSEGEN_KERNELS", "reference")
+    assert torch.equal(gl.group_linear(x, *call), ref)
+
+
+@needs_library
+@pytest.mark.parametrize("flags", [["-mavx2", "-mfma", "-mf16c"], []], ids=["avx2", "baseline"])
+def test_other_cpus_builds(flags, tmp_path):
+    """The AVX2 build and the baseline x86-64 build (plain C, GCC vector products; the
+    form other CPUs compile) of quant_group.c, compiled here, against the reference: both
+    dtypes, decode and prefill calls, plain and vector expansions bit for bit."""
+    import ctypes
+    import platform
+    import subprocess
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64 instruction-set builds")
+    source = native._SOURCES[0].with_name("quant_group.c")
+    target = tmp_path / "quant_group.so"
+    subprocess.run([native._compiler(), "-O3", *flags, "-fopenmp", "-ffast-math", "-fPIC",
+                    "-std=gnu11", "-shared", str(source), "-o", str(target), "-lm"], check=True)
+    lib = ctypes.CDLL(str(target))
+    for name in ("quant_group_available", "quant_group_f32", "quant_group_bf16"):
+        getattr(lib, name).argtypes = native._SIGNATURES[name]
+        getattr(lib, name).restype = ctypes.c_int
+    assert lib.quant_group_available(4) == 3 and lib.quant_group_available(8) == 3
+    gen = torch.Generator().manual_seed(5)
+    for bits, symmetric, g in [(8, False, 64), (4, True, 32), (4, False, 128)]:
+        n, k = 13, 256
+        qweight, scales, zeros = make_weight(bits, symmetric, g, n, k)
+        w = gl.dequantize_group(qweight, scales, zeros, bits, g, k)
+        for rows in (1, 9):
+            for dtype, kernel in [(torch.float32, lib.quant_group_f32),
+                                  (torch.bfloat16, lib.quant_group_bf16)]:
+                x = torch.randn(rows, k, generator=gen).to(dtype)
+                results = []
+                for plain in (0, 1):
+                    out = torch.empty(rows, n, dtype=dtype)
+                    assert kernel(bits, g, x.data_ptr(), rows, k, qweight.data_ptr(),
+                                  scales.data_ptr(), None if zeros is None else zeros.data_ptr(),
+                                  n, k, out.data_ptr(), n, 2, plain) == 0
+                    results.append(out)
+                assert torch.equal(results[0], results[1])
+                assert_close(results[0],
+                             gl.group_linear_reference(x, qweight, scales, zeros, bits, g, n, k),
+                             x, w)
