@@ -53,6 +53,16 @@ _ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "determ
                    "offload mode.")
 @click.option("--vllm-timeout", type=click.FloatRange(min=0, min_open=True), default=3600,
               show_default=True, help="Seconds vLLM's run may take, its start included.")
+@click.option("--llamacpp", "llamacpp", metavar="[DIR]", is_flag=False, flag_value="",
+              help="Also run llama.cpp on the same GGUF file (--model FILE.gguf, or the chat "
+                   "preset's smollm2) and the same requests, from its tools folder DIR "
+                   "(default: $FUSEGEN_LLAMACPP or ~/.cache/fusegen-peers/llamacpp/build/bin; "
+                   "../shared/peers/llamacpp-setup.sh builds it): llama-server with one slot "
+                   "per sequence fusegen runs at once and continuous batching, else "
+                   "llama-batched-bench for a fixed-length workload; fusegen's thread count. "
+                   "If it fails, its row says why and the rest of the bench goes on.")
+@click.option("--llamacpp-timeout", type=click.FloatRange(min=0, min_open=True), default=3600,
+              show_default=True, help="Seconds llama.cpp's run may take, its load included.")
 @with_flags(engine_flags(_ENGINE_FLAGS))
 @click.option("--deterministic-too", is_flag=True,
               help="Run fusegen a second time in deterministic (batch-invariant) mode, "
@@ -73,15 +83,16 @@ _ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "determ
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write every figure, the machine and the versions to this JSON file.")
 def bench(preset_name, model_name, revision, num_requests, layers, hf_batch_size, dtype, device, seed, skip_hf,
-          skip_hf_static, skip_hf_continuous, vllm_python, vllm_timeout, deterministic_too,
-          structured, prefix_caching, cache_dir, json_path, **engine):
+          skip_hf_static, skip_hf_continuous, vllm_python, vllm_timeout, llamacpp,
+          llamacpp_timeout, deterministic_too, structured, prefix_caching, cache_dir, json_path,
+          **engine):
     """Benchmark fusegen against transformers and vLLM on a seeded workload.
 
     Builds (once, cached) a random model of the preset's shape, or loads a real one
     (--model; the chat preset: SmolLM2-135M-Instruct), and draws requests (random prompt
     ids, or the chat preset's chat-templated prompts) and output budgets, then runs the
     same requests through fusegen,
-    vLLM (with --vllm-python), transformers `generate` in static batches and
+    vLLM (with --vllm-python), llama.cpp (with --llamacpp, on a GGUF file), transformers `generate` in static batches and
     transformers' continuous batching, and prints throughput, model FLOP/s and the
     ratios, beside the matmul FLOP/s and memory bandwidth measured in the same run.
     """
@@ -100,7 +111,9 @@ def bench(preset_name, model_name, revision, num_requests, layers, hf_batch_size
                              hf_continuous=not (skip_hf or skip_hf_continuous),
                              engine_options=options, deterministic_too=deterministic_too,
                              structured=structured, prefix_caching=prefix_caching,
-                             vllm_python=vllm_python, vllm_timeout=vllm_timeout)
+                             vllm_python=vllm_python, vllm_timeout=vllm_timeout,
+                             llamacpp=_llamacpp_dir(llamacpp),
+                             llamacpp_timeout=llamacpp_timeout)
     except (ValueError, EngineConfigError) as exc:
         raise click.UsageError(str(exc)) from None
     report = run_benchmark(config, _progress_printer())
@@ -113,6 +126,15 @@ def bench(preset_name, model_name, revision, num_requests, layers, hf_batch_size
         click.echo("error: an engine's output token counts differ from the budgets asked; "
                    "its figures are not comparable", err=True)
         sys.exit(1)
+
+
+def _llamacpp_dir(value: str | None) -> Path | None:
+    """--llamacpp's folder; given bare, the default one."""
+    if value is None:
+        return None
+    from fusegen.jobs.bench.llamacpp_runner import default_bin_dir
+
+    return Path(value) if value else default_bin_dir()
 
 
 def _real_model(name: str | None, revision: str | None, layers: int | None):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,6 +46,10 @@ class BenchConfig:
     prefix_caching: str = "on"  # fusegen's; "both": on, then again off
     vllm_python: str | None = None  # vLLM's interpreter (its own environment); None: no vLLM row
     vllm_timeout: float = 3600.0  # seconds for vLLM's whole run, its start included
+    # llama.cpp's tools folder (llama-server, llama-batched-bench); None: no llama.cpp row.
+    # Runs on the model's own GGUF file, so the model must be one.
+    llamacpp: Path | None = None
+    llamacpp_timeout: float = 3600.0  # seconds for llama.cpp's whole run, its load included
 
     def __post_init__(self):
         if self.prefix_caching not in ("on", "off", "both"):
@@ -84,6 +89,8 @@ class BenchConfig:
             raise ValueError(f"--hf-batch-size must be at least 1; got {self.preset.hf_batch_size}")
         if self.vllm_timeout <= 0:
             raise ValueError(f"--vllm-timeout must be positive; got {self.vllm_timeout}")
+        if self.llamacpp is not None:
+            self._check_llamacpp()
         longest = self.preset.shared_prefix_len + self.preset.prompt_len.high \
             + self.preset.output_len.high
         if self.model is not None and longest > self.shape.max_position_embeddings:
@@ -92,6 +99,21 @@ class BenchConfig:
                 f"{self.model.source} has max_position_embeddings "
                 f"{self.shape.max_position_embeddings}; run a preset with shorter requests, "
                 "or a model with a longer context")
+
+    def _check_llamacpp(self) -> None:
+        from fusegen.jobs.bench.llamacpp_runner import choose_tool
+
+        if self.model is None or not self.model.gguf:
+            what = (f"preset {self.preset.name} runs a random safetensors checkpoint"
+                    if self.model is None else f"--model {self.model.source} is not a GGUF file")
+            raise ValueError(f"--llamacpp runs llama.cpp on the model's GGUF file, but {what}; "
+                             "pass --model FILE.gguf (or smollm2)")
+        if self.llamacpp_timeout <= 0:
+            raise ValueError(f"--llamacpp-timeout must be positive; got {self.llamacpp_timeout}")
+        self.llamacpp = Path(self.llamacpp).expanduser()
+        fixed = self.preset.shared_prefix_len == 0 and all(
+            d.low == d.high for d in (self.preset.prompt_len, self.preset.output_len))
+        choose_tool(self.llamacpp, fixed)  # ValueError naming the folder and the setup script
 
     @property
     def shape(self) -> ModelShape:
@@ -141,19 +163,17 @@ def run_benchmark(config: BenchConfig, progress: Progress = lambda _: None) -> d
     ceiling = on_a_passing_thread(measure_ceiling, config.device, dtypes,
                                   quick=preset.quick_ceiling)
 
-    from fusegen.jobs.bench.fusegen_runner import run_fusegen
-
     budgets = _offload_budgets(config, model_dir, requests, progress) if preset.offload else {}
     engine_options = {k: v for k, v in budgets.items() if not k.startswith("_")}
     progress(f"fusegen: loading the model ({config.dtype} on {config.device})")
-    results = [run_fusegen(model_dir, requests, warmup, dtype=config.dtype, device=config.device,
+    results = [_fusegen(model_dir, requests, warmup, dtype=config.dtype, device=config.device,
                            engine_options={**config.engine_options, **engine_options},
                            progress=progress)]
     _done(results[-1], progress)
     if config.deterministic_too:
         _free_memory(config.device)
         progress("fusegen: again in deterministic (batch-invariant) mode")
-        results.append(run_fusegen(
+        results.append(_fusegen(
             model_dir, requests, warmup, dtype=config.dtype, device=config.device,
             engine_options={**config.engine_options, **engine_options, "deterministic": True},
             progress=progress, name="fusegen_deterministic", label="fusegen deterministic"))
@@ -163,7 +183,7 @@ def run_benchmark(config: BenchConfig, progress: Progress = lambda _: None) -> d
 
         _free_memory(config.device)
         progress("fusegen: again with every other request constrained by a JSON schema")
-        results.append(run_fusegen(
+        results.append(_fusegen(
             model_dir, requests, warmup, dtype=config.dtype, device=config.device,
             engine_options={**config.engine_options, **engine_options}, progress=progress,
             name="fusegen_structured_half", label="fusegen, half JSON schema",
@@ -175,6 +195,8 @@ def run_benchmark(config: BenchConfig, progress: Progress = lambda _: None) -> d
             {**engine_options, "enable_prefix_caching": False},
             name="fusegen_no_prefix_cache", label="fusegen, no prefix cache"))
     _free_memory(config.device)  # fusegen's weights and KV pool, before vLLM and transformers
+    results += _run_llamacpp(config, model, requests, warmup, ceiling.num_threads,
+                             results[0], progress)
     hf_on = config.hf_static or config.hf_continuous
     needs_dir = hf_on or (config.vllm_python is not None and not preset.offload)
     hf_dir = baseline_dir(model, config.dtype, config.cache_dir, progress) if needs_dir \
@@ -198,11 +220,9 @@ def run_benchmark(config: BenchConfig, progress: Progress = lambda _: None) -> d
 def _fusegen_again(config: BenchConfig, run: tuple, progress: Progress, what: str,
                    engine_options: dict, **kwargs) -> EngineResult:
     """fusegen once more on the same (model_dir, requests, warmup), `what` told apart."""
-    from fusegen.jobs.bench.fusegen_runner import run_fusegen
-
     _free_memory(config.device)
     progress(f"fusegen: again {what}")
-    result = run_fusegen(*run, dtype=config.dtype, device=config.device, progress=progress,
+    result = _fusegen(*run, dtype=config.dtype, device=config.device, progress=progress,
                          engine_options={**config.engine_options, **engine_options}, **kwargs)
     _done(result, progress)
     return result
@@ -228,6 +248,58 @@ def _time_hf_gguf_load(config: BenchConfig, model: BenchModel, progress: Progres
     _free_memory(config.device)
     progress(f"transformers: GGUF load took {seconds:.2f}s")
     return {"transformers_s": seconds}
+
+
+def _fusegen(*args, **kwargs) -> EngineResult:
+    """run_fusegen, with the process's peak RSS over its load and run (the high-water
+    mark reset before it; Linux), None where it cannot be read."""
+    from fusegen.jobs.bench.fusegen_runner import run_fusegen
+
+    measured = _reset_peak_rss()
+    result = run_fusegen(*args, **kwargs)
+    result.peak_rss_bytes = _peak_rss() if measured else None
+    return result
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            found = re.search(r"^VmHWM:\s+(\d+) kB", f.read(), re.MULTILINE)
+    except OSError:
+        return None
+    return int(found[1]) * 1024 if found else None
+
+
+def _run_llamacpp(config: BenchConfig, model: BenchModel, requests, warmup, threads: int,
+                  fusegen: EngineResult, progress: Progress) -> list[EngineResult]:
+    """llama.cpp on the same GGUF file, with fusegen's threads and as many sequences at
+    once as fusegen ran (its max_num_seqs)."""
+    if config.llamacpp is None:
+        return []
+    from fusegen.jobs.bench.llamacpp_runner import run_llamacpp
+
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    log_path = Path(config.cache_dir) / "bench" / "logs" / f"llamacpp-{config.preset.name}-{stamp}.log"
+    slots = fusegen.extra.get("max_num_seqs") or config.engine_options.get("max_num_seqs") \
+        or len(requests)
+    result = run_llamacpp(config.llamacpp, model.path, requests, warmup, threads=threads,
+                          slots=slots, prefix_caching=config.prefix_caching != "off",
+                          log_path=log_path, timeout_s=config.llamacpp_timeout,
+                          progress=progress)
+    if result.skipped is None:
+        _done(result, progress)
+    else:
+        progress(f"llama.cpp: {result.skipped}")
+    return [result]
 
 
 def _run_vllm(config: BenchConfig, model_dir: Path, requests, warmup,

@@ -52,6 +52,8 @@ def _ratios(fusegen: EngineResult, baseline: EngineResult) -> dict:
     for name in _RATES:
         base = getattr(baseline, name)
         out[name] = getattr(fusegen, name) / base if base > 0 else None
+    if fusegen.peak_rss_bytes and baseline.peak_rss_bytes:
+        out["peak_rss_bytes"] = fusegen.peak_rss_bytes / baseline.peak_rss_bytes  # < 1: less
     return out
 
 
@@ -102,7 +104,7 @@ def format_report(report: dict) -> str:
         f"({work['output_dist']}, mean {work['output_len']['mean']})",
         "",
         f"{'engine':<28}{'time s':>9}{'req/s':>9}{'out tok/s':>11}{'total tok/s':>13}"
-        f"{'model FLOP/s':>16}{'MFU':>8}{'fusegen x':>11}",
+        f"{'model FLOP/s':>16}{'MFU':>8}{'peak RSS':>11}{'fusegen x':>11}",
     ]
     for name, r in report["results"].items():
         if "skipped" in r:
@@ -113,9 +115,12 @@ def format_report(report: dict) -> str:
         lines.append(
             f"{r['label']:<28}{r['elapsed_s']:>9.2f}{_num(r['requests_per_s'], 2):>9}"
             f"{_num(r['output_tokens_per_s']):>11}{_num(r['total_tokens_per_s']):>13}"
-            f"{_flops(r['flops_per_s']):>16}{r['mfu']:>8.1%}"
+            f"{_flops(r['flops_per_s']):>16}{r['mfu']:>8.1%}{_mb(r.get('peak_rss_bytes')):>11}"
             f"{(f'{ratio:.2f}x' if ratio else '-'):>11}{mark}")
     lines += ["", _ceiling_line(ceil)]
+    if "llamacpp" in report["results"]:
+        lines.append(_llamacpp_line(report["results"]["llamacpp"], report["ratios"],
+                                    cfg["engine_options"].get("quantization"), cfg["dtype"]))
     structured = report["results"].get("fusegen_structured_half", {})
     if "num_constrained" in structured:
         lines.append(f"structured: {structured['num_structured_valid']} of "
@@ -150,6 +155,28 @@ def format_report(report: dict) -> str:
             f"({util['num_steps']} steps x {util['weight_bytes'] / 1e6:,.1f} MB of weights + KV "
             f"reads over the measured bandwidth)")
     return "\n".join(lines)
+
+
+def _mb(value: int | None) -> str:
+    return "-" if not value else f"{value / 1e6:,.0f} MB"
+
+
+def _llamacpp_line(peer: dict, ratios: dict, quantization: str | None, dtype: str) -> str:
+    """How llama.cpp ran, and fusegen against it: output rate and peak RSS."""
+    if "skipped" in peer:
+        return f"llama.cpp: {peer['skipped']}"
+    how = (f"{peer['slots']} slots, continuous batching, the same prompt ids"
+           if peer["tool"] == "llama-server" else
+           f"batches of {peer['slots']} (its own prompt ids, the same lengths)")
+    weights = ("kept as the file's blocks" if quantization == "gguf"
+               else f"dequantized into {dtype}")
+    ratio = ratios.get("llamacpp", {})
+    rate, rss = ratio.get("output_tokens_per_s"), ratio.get("peak_rss_bytes")
+    versus = (f"; fusegen ({weights}) {rate:.2f}x its output tok/s" if rate else "") + \
+        (f" at {rss:.2f}x its peak RSS" if rss else "")
+    return (f"llama.cpp {peer.get('version') or ''}: {peer['tool']}, {how}, "
+            f"{peer['threads']} threads: {_num(peer['output_tokens_per_s'])} out tok/s, "
+            f"{peer['elapsed_s']:.2f} s, peak RSS {_mb(peer.get('peak_rss_bytes'))}{versus}")
 
 
 def _graphs_line(graphs: dict, fusegen: dict) -> str:

@@ -16,6 +16,9 @@ class EngineResult:
     budgets_met: bool = False  # every request produced exactly its budget
     model_flops: int = 0  # jobs.bench.flops over `counts`
     extra: dict = field(default_factory=dict)  # engine-specific figures (steps, padding, ...)
+    # The engine's peak resident memory over its load and run (a child's ru_maxrss, or
+    # fusegen's process high-water mark reset before its load); None: not measured.
+    peak_rss_bytes: int | None = None
     skipped: str | None = None  # why it did not run
 
     @property
@@ -66,5 +69,6 @@ class EngineResult:
             "total_tokens_per_s": self.total_tokens_per_s,
             "model_flops": self.model_flops,
             "flops_per_s": self.flops_per_s,
+            "peak_rss_bytes": self.peak_rss_bytes,
             **self.extra,
         }
