@@ -354,3 +354,4 @@ def test_calibration_files_read(tmp_path):
     assert read_prompts(tmp_path / "p.jsonl", "q", 64) == ["one", "two"]
     (tmp_path / "p.txt").write_text("first line\r\n\nsecond\n")
     assert read_prompts(tmp_path / "p.txt", "ignored", 64) == ["first line", "second"]
+

@@ -231,8 +231,9 @@ def calibrate(source: Source, prompts: list[str]) -> dict[tuple[int, str], tuple
     from fusegen.engine.models.moe import ExpertLinear
 
     max_len = min(source.cfg.max_position_embeddings, _MAX_PROMPT_TOKENS + 1)
+    # dequantize: a GGUF file's weights expanded to fp32, the values the search quantizes
     with LLM(str(source.path), dtype="float32", device="cpu", max_model_len=max_len,
-             enable_prefix_caching=False) as llm:
+             enable_prefix_caching=False, quantization="dequantize") as llm:
         ids = [t[:max_len - 1] for t in llm.tokenizer.encode_batch(prompts) if t]
         stride = max(1, math.ceil(sum(map(len, ids)) / _SAMPLE_ROWS))
         recorders = {}
@@ -261,11 +262,16 @@ def _search(w: torch.Tensor, mean_abs: torch.Tensor, x: torch.Tensor, spec: Quan
         alpha = k / (_NUM_ALPHAS - 1)
         s = mean_abs.clamp(min=1e-4) ** alpha
         s = s / (s.max() * s.min()).sqrt()
-        qweight, scales, zeros = quantize_group(w * s, spec.bits, spec.group_size,
-                                                spec.symmetric)
+        try:
+            qweight, scales, zeros = quantize_group(w * s, spec.bits, spec.group_size,
+                                                    spec.symmetric)
+        except ValueError:  # a scale past fp16's range: not this alpha (RTN's own: raised)
+            if k == 0:
+                raise
+            continue
         dense = dequantize_group(qweight, scales, zeros, spec.bits, spec.group_size,
                                  w.shape[1])
-        error = (reference - (x / s) @ dense.float().t()).pow(2).mean().item()
+        error = (reference - (x / s) @ dense.t()).pow(2).mean().item()
         if k == 0:
             rtn = error
         if best is None or error < best[2]:
@@ -298,7 +304,10 @@ def search_scales(source: Source, activations: dict, spec: QuantizeSpec, report:
             if group == "o" and cfg.num_kv_heads != cfg.num_heads:
                 continue
             mean_abs, rows = activations[i, group]
-            s, alpha, error, rtn = _search(fused[group + ".weight"], mean_abs, rows, spec)
+            try:
+                s, alpha, error, rtn = _search(fused[group + ".weight"], mean_abs, rows, spec)
+            except ValueError as exc:  # inf / NaN, or a scale past fp16
+                raise QuantizeError(f"layer {i}'s {group} weight: {exc}", "model") from None
             setattr(layer, group, s)
             report.searches[i, group] = (alpha, error, rtn)
         scales[i] = layer
