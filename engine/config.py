@@ -73,11 +73,12 @@ class PlanInputs:
     dtype: torch.dtype
     shape: ModelShape
     free: FreeMemory
+    quantization: str = "dequantize"  # the form the weights run in (resolve_quantization)
 
     @classmethod
     def gather(cls, model, options: EngineOptions) -> "PlanInputs":
         device = default_device() if options.device == "auto" else options.device
-        check_quantization(options.quantization, model, device)
+        quantization = resolve_quantization(options.quantization, model, device)
         model_config = read_model_config(model)
         dtype = resolve_dtype(options.dtype, device)
         # A head tied to the embedding is packed as a copy on CPUs (weights/packed.py).
@@ -87,41 +88,141 @@ class PlanInputs:
         if tp * pp > 1:  # the plan is one rank's: every rank gets the same KV blocks
             return cls(model_config, device, dtype,
                        rank_shape(model_config, dtype, tp, pp, packed_head),
-                       group_free_memory(device, tp * pp))
+                       group_free_memory(device, tp * pp), quantization)
         shape = model_shape(model_config, dtype, packed_head=packed_head)
-        if options.quantization == "gguf":
-            shape = dataclasses.replace(shape, layer_bytes=max(
-                gguf_layer_bytes(model, model_config, dtype)))
-        return cls(model_config, device, dtype, shape, free_memory(device))
+        if quantization in COMPRESSED:
+            shape = dataclasses.replace(shape, layer_bytes=max(compressed_layer_bytes(
+                model, model_config, dtype, quantization, options, device)))
+        return cls(model_config, device, dtype, shape, free_memory(device), quantization)
 
 
-def check_quantization(quantization: str | None, model, device: str) -> None:
-    """quantization="gguf" asks for a GGUF file's blocks kept on a CPU: refused, before
-    anything loads, for a checkpoint directory or a GPU (no GPU kernel yet)."""
-    if quantization != "gguf":
-        return
-    if not is_gguf(model):
-        raise EngineConfigError(
-            f"quantization='gguf' on {model} (device {device}): it keeps the blocks of a "
-            "GGUF file, and this model is not one; pass a .gguf file, or leave quantization "
-            "out to run this checkpoint at its own width")
-    if device != "cpu":
-        raise EngineConfigError(
-            f"quantization='gguf' on device {device}: kept GGUF blocks run on CPUs only for "
-            "now (no GPU kernel yet); pass device='cpu', or quantization='dequantize' to "
-            f"run {model} on {device} with its weights expanded as they load")
+# The resolved forms whose decoder linears stay compressed (weights/quantized.py).
+COMPRESSED = ("gguf", "int8", "int4")
+FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada and Hopper on
 
 
-def gguf_layer_bytes(model, cfg: ModelConfig, dtype: torch.dtype) -> list[int]:
-    """Each decoder layer's weight bytes with quantization="gguf": its kept linears'
-    blocks, its other weights dense in `dtype` (from the tensor table; nothing read)."""
-    from fusegen.engine.weights.gguf import load_gguf_state_dict  # the gguf package
-    from fusegen.engine.weights.quantized import layer_nbytes
+def resolve_quantization(quantization: str | None, model, device: str) -> str:
+    """The form a run keeps its weights in, from the option and the model, checked before
+    anything loads: "dequantize" (every weight expanded as it loads), "gguf" (a GGUF
+    file's blocks), "int8" / "int4" (fusegen's group codes: the checkpoint's own, or a
+    16-bit checkpoint quantized on load), "fp8". None: the checkpoint's own form, where
+    it runs on `device` (a GGUF file's blocks on a CPU; dequantized on a GPU until the
+    GPU GGUF kernels are wired)."""
+    from fusegen.engine.weights.groupquant import checkpoint_format
 
-    state = load_gguf_state_dict(model, cfg, dtype, keep_blocks=True)
+    gguf = is_gguf(model)
+    own = None if gguf else checkpoint_format(model)
+    if quantization is None:
+        if own is not None:
+            return own.name
+        return "gguf" if gguf and device == "cpu" else "dequantize"
+    if quantization == "dequantize":
+        return quantization
+    where = f"quantization={quantization!r} on {model} (device {device})"
+    runs = _runs_here(model, device, gguf, own)
+    if quantization == "gguf":
+        if not gguf:
+            raise EngineConfigError(
+                f"{where}: it keeps the blocks of a GGUF file, and this model is not one; "
+                f"{runs}")
+        if device != "cpu":
+            raise EngineConfigError(f"{where}: kept GGUF blocks run on CPUs only for now (no "
+                                    f"GPU kernel wired yet); {runs}")
+        return quantization
+    if quantization in ("int8", "int4"):
+        if gguf:
+            raise EngineConfigError(
+                f"{where}: a GGUF file is already quantized in its own types; {runs}")
+        if own is not None and own.name != quantization:
+            raise EngineConfigError(f"{where}: the checkpoint is quantized to {own.name} "
+                                    f"already; {runs}")
+        return quantization
+    if quantization == "fp8":
+        if not device.startswith("cuda"):
+            raise EngineConfigError(f"{where}: FP8 weights need a CUDA GPU of compute "
+                                    f"capability 8.9 or later; {runs}")
+        if gguf or own is not None:
+            raise EngineConfigError(f"{where}: FP8 quantizes a 16-bit checkpoint on load, "
+                                    f"and this one is quantized already; {runs}")
+        if not torch.cuda.is_available():
+            raise EngineConfigError(f"{where}: no CUDA GPU is visible to this process; "
+                                    f"{runs}")
+        capability = torch.cuda.get_device_capability(torch.device(device.split(",")[0]))
+        if capability < FP8_CAPABILITY:
+            raise EngineConfigError(
+                f"{where}: FP8 weights need compute capability 8.9 or later; this GPU has "
+                f"{capability[0]}.{capability[1]}; {runs}")
+        return quantization
+    raise EngineConfigError(f"quantization={quantization!r}: not a form fusegen runs; "
+                            f"{runs}")  # EngineOptions refuses it first
+
+
+def _runs_here(model, device: str, gguf: bool, own) -> str:
+    """What quantization runs `model` on `device`: the end of a refusal."""
+    if gguf:
+        forms = ["None (its blocks kept where a kernel takes them)" if device == "cpu" else
+                 "None", "'dequantize'"] + (["'gguf'"] if device == "cpu" else [])
+    elif own is not None:
+        forms = [f"None or {own.name!r} (its {own.name} codes as stored)", "'dequantize'"]
+    else:
+        forms = ["None or 'dequantize' (its own width)", "'int8'", "'int4'"] + (
+            ["'fp8' (compute capability 8.9 or later)"] if device.startswith("cuda") else [])
+    return f"on {device} this model runs with quantization={', '.join(forms)}"
+
+
+def compressed_layer_bytes(model, cfg: ModelConfig, dtype: torch.dtype, quantization: str,
+                           options: EngineOptions, device: str) -> list[int]:
+    """Each decoder layer's weight bytes with its linears kept compressed: their
+    components, the other weights dense in `dtype` (from the tensor tables; nothing
+    read). Explicit quantization="gguf" on a file with a layer linear in a type no kernel
+    takes is refused here, naming the tensor."""
+    from fusegen.engine.weights.loader import checkpoint_tensors
+    from fusegen.engine.weights.quantized import can_keep, layer_nbytes
+
+    state = checkpoint_tensors(model, cfg, dtype, quantization, options.allow_pickle)
     arch = get_architecture(cfg.architecture)
-    return [layer_nbytes(arch.layer_sources(state, i, cfg), dtype.itemsize)
-            for i in range(cfg.num_layers)]
+    sizes = []
+    for i in range(cfg.num_layers):
+        sources = arch.layer_sources(state, i, cfg)
+        if options.quantization == "gguf":
+            _check_kernels(sources, model, device)
+        if quantization in ("int8", "int4"):
+            _check_groups(sources, model, device, quantization)
+        sizes.append(layer_nbytes(sources, dtype.itemsize))
+    return sizes
+
+
+def _check_groups(sources: dict, model, device: str, quantization: str) -> None:
+    """Quantized on load: each linear's input channels must fill whole groups."""
+    for parts in sources.values():
+        for part in parts:
+            source = getattr(part, "compressed", None)
+            if source is not None and source.shape[1] % source.params[1]:
+                raise EngineConfigError(
+                    f"quantization={quantization!r} on {model} (device {device}): tensor "
+                    f"{source.name!r} has {source.shape[1]} input channels, not a multiple of "
+                    f"the on-load group size {source.params[1]}; pass "
+                    "quantization='dequantize', or quantize it with `fusegen quantize` and a "
+                    "group size that divides it")
+
+
+def _check_kernels(sources: dict, model, device: str) -> None:
+    from fusegen.kernels.quant_linear import SUPPORTED
+
+    for param, parts in sources.items():
+        for part in parts:
+            source = getattr(part, "compressed", None)
+            if param.endswith(".weight") and source is not None \
+                    and source.params[0] not in SUPPORTED:
+                from gguf import GGMLQuantizationType
+
+                raise EngineConfigError(
+                    f"quantization='gguf' on {model} (device {device}): tensor "
+                    f"{source.name!r} is {GGMLQuantizationType(source.params[0]).name}, which "
+                    f"no kernel on {device} multiplies as blocks (kept: "
+                    f"{', '.join(SUPPORTED.values())}); leave quantization out to keep the "
+                    "blocks it can and dequantize the rest, or pass "
+                    "quantization='dequantize'")
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +240,9 @@ class EngineConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    # the form the weights run in: "dequantize", "gguf", "int8", "int4" or "fp8", the
+    # option resolved against the model and device (`resolve_quantization`)
+    quantization: str = "dequantize"
 
     @classmethod
     def build(cls, model, options: EngineOptions | None = None) -> "EngineConfig":
@@ -151,7 +255,7 @@ class EngineConfig:
         plan = plan_engine(options, inputs.shape, inputs.free)
         return cls(path, str(model), inputs.model_config, options, inputs.device,
                    inputs.dtype, inputs.shape, plan.placement, plan.max_num_seqs,
-                   plan.max_num_batched_tokens, plan.max_model_len)
+                   plan.max_num_batched_tokens, plan.max_model_len, inputs.quantization)
 
     @property
     def block_size(self) -> int:

@@ -15,8 +15,9 @@ from fusegen.engine.errors import EngineConfigError
 from fusegen.engine.memory.placement import parse_bytes
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# None: dequantize (for now); engine/config.py checks "gguf" against the model and device
-QUANTIZATIONS = (None, "dequantize", "gguf")
+# vLLM's `quantization=` keyword: None (the checkpoint's own form), and the forms fusegen
+# runs; engine/config.py checks each against the model and device before anything loads.
+QUANTIZATIONS = (None, "dequantize", "gguf", "int8", "int4", "fp8")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
@@ -100,12 +101,19 @@ class EngineOptions:
         None, "Tokenizer to use instead of the model's: a checkpoint directory holding "
         "tokenizer.json, a .gguf file, or a hub id (org/name).", unset="the model's",
         affects_output=True)
-    # Kept blocks are summed in another order than dense weights: part of a job's identity.
+    # Compressed weights are summed in another order than dense ones: part of a job's
+    # identity. A job's unset value stays "dequantize" (jobs/spec.py), as its outputs
+    # were made before None kept a GGUF file's blocks.
     quantization: str | None = option(
-        None, "Weights of a GGUF file: gguf keeps the decoder layers' linears as the file's "
-        "quantized blocks, expanded only inside each product (CPU only, every layer resident; "
-        "the embedding, norms and head are dequantized); dequantize expands every weight to "
-        "the run's dtype as it loads.", unset="dequantize", affects_output=True)
+        None, "Form the weights run in. None: the checkpoint's own (a fusegen int8/int4 "
+        "checkpoint runs compressed; a GGUF file keeps its decoder linears' blocks on CPUs "
+        "where a kernel takes their type, dequantizing the rest; a GPU dequantizes GGUF); "
+        "dequantize: every weight expanded to the run's dtype as it loads; gguf: a GGUF "
+        "file's blocks (CPU); int8 / int4: fusegen's group codes (a 16-bit checkpoint is "
+        "quantized on load: round to nearest, symmetric, groups of 128 input channels); "
+        "fp8: quantized on load to FP8 (CUDA, compute capability 8.9+). The embedding, "
+        "norms and head stay dense.", unset="the checkpoint's own form; a job: dequantize",
+        affects_output=True)
 
     # Another split sums the row-parallel matmuls in another order: part of a job's identity.
     tensor_parallel_size: int = option(
@@ -166,9 +174,12 @@ class EngineOptions:
     def _check_quantization(self) -> None:
         if self.quantization not in QUANTIZATIONS:
             raise EngineConfigError(
-                f"quantization={self.quantization!r}: fusegen does not run that yet; it runs "
-                "quantization='gguf' (a GGUF file's blocks kept as stored, on CPUs) and "
-                "quantization='dequantize' or None (every weight expanded as it loads)")
+                f"quantization={self.quantization!r}: fusegen does not run that; it runs "
+                "None (the checkpoint's own form), 'dequantize' (every weight expanded as it "
+                "loads), 'gguf' (a GGUF file's blocks, on CPUs), 'int8' / 'int4' (fusegen's "
+                "group codes: its quantized checkpoints, or a 16-bit one quantized on load) "
+                "and 'fp8' (CUDA GPUs of compute capability 8.9+); a checkpoint in another "
+                "format converts with `fusegen quantize`")
 
     def _check_seed(self) -> None:
         _check_int(self, "seed", 0)

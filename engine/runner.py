@@ -10,10 +10,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fusegen.engine.config import EngineConfig
+from fusegen.engine.config import COMPRESSED, EngineConfig
 from fusegen.engine.host import keep_freed_memory, zeros_lazy
-from fusegen.engine.weights.gguf_names import is_gguf
-from fusegen.engine.weights.loader import fuse, load_state_dict
+from fusegen.engine.weights.loader import checkpoint_tensors, fuse
 from fusegen.engine.models import get_architecture
 from fusegen.engine.models.decoder import AttentionMetadata
 from fusegen.engine.models.rope import cos_sin_tables
@@ -28,14 +27,10 @@ from fusegen.engine.scheduler import ScheduledBatch
 
 
 def _checkpoint_tensors(config: EngineConfig, dtype: torch.dtype) -> dict:
-    """Every weight under its Hugging Face name, none read yet: memory-mapped
-    safetensors, or a GGUF file's tensors, each dequantized into `dtype` when used."""
-    if is_gguf(config.model):
-        from fusegen.engine.weights.gguf import load_gguf_state_dict  # the gguf package
-
-        return load_gguf_state_dict(config.model, config.model_config, dtype,
-                                    keep_blocks=config.options.quantization == "gguf")
-    return load_state_dict(config.model, config.model_config, config.options.allow_pickle)
+    """Every weight under its Hugging Face name, none read yet (weights/loader.py): the
+    entries kept compressed in `config.quantization`'s form carry it as `.compressed`."""
+    return checkpoint_tensors(config.model, config.model_config, dtype, config.quantization,
+                              config.options.allow_pickle)
 
 
 def _component(source, name: str) -> torch.Tensor:
@@ -262,7 +257,9 @@ class ModelRunner:
 
     @property
     def _keeps_blocks(self) -> bool:
-        return self.config.options.quantization == "gguf"
+        """Whether the decoder linears with a compressed source stay compressed (GGUF
+        blocks, int8 / int4 group codes: `EngineConfig.quantization`)."""
+        return self.config.quantization in COMPRESSED
 
     def _pack_weights(self) -> None:
         """Resident weights packed once for oneDNN (engine/weights/packed.py); streamed

@@ -85,6 +85,10 @@ _OPTIONS = [
             type=click.Choice(["auto", "bar", "log", "none"])),
     # The engine's settings, from their one list (the job's --seed is the rows' own).
     *engine_flags(exclude=("seed",), defaults=_DEFAULTS),
+    click.option("--dequantize", is_flag=True, default=False,
+                 help="Expand every weight to the run's dtype as it loads: --quantization "
+                 "dequantize (a job's default for GGUF files; a fusegen int8/int4 checkpoint "
+                 "otherwise runs compressed)."),
 ]
 
 
@@ -111,6 +115,7 @@ def run(job_file, storage_option, **flags):
                 for item in storage_option:
                     _set_job_option(options, item)
                 flags["storage_options"] = options
+            _dequantize_flag(flags)
             spec = build_spec(file_values, flags)
             setup_logging()
             from fusegen.jobs import runner
@@ -124,6 +129,16 @@ def run(job_file, storage_option, **flags):
     except KeyboardInterrupt as exc:
         _stopped(exc, spec, job_file, file_values.get("overwrite") if spec else None)
     click.echo(result.summary())
+
+
+def _dequantize_flag(flags: dict) -> None:
+    """--dequantize is --quantization dequantize; with another --quantization, an error."""
+    if not flags.pop("dequantize", False):
+        return
+    if flags.get("quantization") not in (None, "dequantize"):
+        raise JobError(f"--dequantize and --quantization {flags['quantization']} both given; "
+                       "pass one")
+    flags["quantization"] = "dequantize"
 
 
 def _stopped(exc: KeyboardInterrupt, spec, job_file, file_overwrite) -> None:

@@ -10,6 +10,7 @@ from fusegen.engine.errors import EngineConfigError
 from fusegen.engine.options import NAMES as ENGINE_OPTIONS
 from fusegen.engine.options import OUTPUT_NAMES, EngineOptions
 from fusegen.engine.sampling_params import SamplingParams
+from fusegen.engine.weights.gguf_names import is_gguf
 from fusegen.jobs.errors import JobError
 from fusegen.jobs.params import (ENGINE_SAMPLING_FIELDS, RESPONSE_FORMAT, SAMPLING_FIELDS,
                                  ParamError, check_declared, coerce)
@@ -186,8 +187,14 @@ class JobSpec(EngineOptions):
         return SamplingParams(**values)
 
     def engine_kwargs(self) -> dict:
-        """The engine's options, for `LLM(model, **...)` (the seed is the rows' own)."""
-        return {name: getattr(self, name) for name in ENGINE_OPTIONS if name != "seed"}
+        """The engine's options, for `LLM(model, **...)` (the seed is the rows' own). A
+        job's unset quantization is "dequantize" for a GGUF file, the form its outputs
+        were made in before the engine's None kept the file's blocks: the same fingerprint
+        (unset, it is left out) makes the same tokens."""
+        kwargs = {name: getattr(self, name) for name in ENGINE_OPTIONS if name != "seed"}
+        if kwargs["quantization"] is None and is_gguf(self.model):
+            kwargs["quantization"] = "dequantize"
+        return kwargs
 
     def output_config(self) -> dict:
         """The fields an output depends on: a rerun with a different value is a new job.

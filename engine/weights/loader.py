@@ -18,6 +18,9 @@ import torch
 from fusegen.engine.errors import ModelLoadError
 from fusegen.engine.models import get_architecture
 from fusegen.engine.models.config import ModelConfig
+from fusegen.engine.weights.groupquant import (COMPONENT_SUFFIXES, checkpoint_format,
+                                               on_load_format, quantize_on_load,
+                                               read_group_checkpoint)
 
 _PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth")
 # Buffers some exporters write that carry no weights.
@@ -76,6 +79,17 @@ def _safetensors_views(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         dtype = _ST_DTYPES[info["dtype"]]
         start, end = info["data_offsets"]
         count = (end - start) // dtype.itemsize
+        numel = 1
+        for size in info["shape"]:
+            numel *= size
+        if end - start != numel * dtype.itemsize or start > end:
+            raise ModelLoadError(
+                f"{path}: tensor {name!r} is {info['dtype']} {info['shape']} ({numel * dtype.itemsize} "
+                f"bytes) but the header gives it bytes {start}..{end}; the file is damaged")
+        if base + end > len(mapped):
+            raise ModelLoadError(
+                f"{path}: truncated: tensor {name!r} ends at byte {base + end}, past the end "
+                f"of the file ({len(mapped)} bytes); download or write it again")
         flat = torch.frombuffer(mapped, dtype=dtype, count=count, offset=base + start) \
             if count else torch.empty(0, dtype=dtype)
         yield name, flat.view(info["shape"])
@@ -149,12 +163,18 @@ def load_state_dict(model_dir: str | Path, cfg: ModelConfig,
                     allow_pickle: bool = False) -> dict[str, torch.Tensor]:
     """Every weight as a memory-mapped CPU tensor in the checkpoint's own dtype,
     checked name by name and shape by shape against the config. Nothing is read
-    into memory until a tensor is used."""
+    into memory until a tensor is used. A fusegen group-quantized checkpoint's linears
+    (weights/groupquant.py) are lazy entries carrying their codes as `.compressed`."""
     model_dir = Path(model_dir)
     expected = expected_shapes(cfg)
     state: dict[str, torch.Tensor] = {}
+    fmt = checkpoint_format(model_dir)
+    components: dict[str, tuple[Path, torch.Tensor]] = {}
     for name, path, tensor in iter_tensors(weight_files(model_dir, allow_pickle)):
         if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if fmt is not None and name.endswith(COMPONENT_SUFFIXES):
+            components[name] = (path, tensor)  # a quantized linear's codes
             continue
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied: the embedding serves as the head
@@ -166,10 +186,40 @@ def load_state_dict(model_dir: str | Path, cfg: ModelConfig,
                 f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, but config.json "
                 f"implies {expected[name]}; the config does not match the weights")
         state[name] = tensor
+    if fmt is not None:
+        for name, entry in read_group_checkpoint(components, expected, fmt, model_dir).items():
+            if name in state:
+                raise ModelLoadError(f"{model_dir}: {name!r} is stored both dense and "
+                                     "quantized; the checkpoint holds one of them")
+            state[name] = entry
     missing = [n for n in expected if n not in state]
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise ModelLoadError(f"{model_dir}: weights missing for {', '.join(missing[:3])}{more}")
+    return state
+
+
+def checkpoint_tensors(model, cfg: ModelConfig, dtype: torch.dtype, quantization: str,
+                       allow_pickle: bool = False) -> dict[str, torch.Tensor]:
+    """Every weight under its Hugging Face name, none read yet: memory-mapped safetensors
+    or a GGUF file's tensors, each converted into `dtype` when used. `quantization` (the
+    resolved form, `EngineConfig.quantization`) decides which entries also carry their
+    compressed form as `.compressed`: a GGUF file's block-quantized tensors under "gguf";
+    a fusegen-quantized checkpoint's linears always; a 16-bit checkpoint's decoder
+    linears under "int8" / "int4" (quantized on load, weights/groupquant.py)."""
+    from fusegen.engine.weights.gguf_names import is_gguf
+
+    if is_gguf(model):
+        from fusegen.engine.weights.gguf import load_gguf_state_dict  # the gguf package
+
+        return load_gguf_state_dict(model, cfg, dtype, keep_blocks=quantization == "gguf")
+    state = load_state_dict(model, cfg, allow_pickle)
+    if quantization in ("int8", "int4") and checkpoint_format(Path(model)) is None:
+        arch = get_architecture(cfg.architecture)
+        layer_tensors = {arch.layer_prefix.format(i) + name: param
+                         for i in range(cfg.num_layers)
+                         for name, _, param in arch.layer_tensors(cfg)}
+        quantize_on_load(state, layer_tensors, on_load_format(quantization))
     return state
 
 
