@@ -9,6 +9,7 @@ _COMMANDS = {
     "run": "fusegen.jobs.run_cmd:run",
     "demo": "fusegen.jobs.demo:demo",
     "bench": "fusegen.jobs.bench_cmd:bench",
+    "perplexity": "fusegen.jobs.bench.perplexity:perplexity",
     "quantize": "fusegen.jobs.quantize_cmd:quantize",
     "workflow": "fusegen.workflows.cli:workflow",
 }
