@@ -300,6 +300,12 @@ def test_bad_arguments(llama_dir, wide_dir, tmp_path):
     empty.mkdir()
     assert_usage_error(run_cli("--model", empty, "--bits", 4, "--output", out), "'--model'",
                        "config.json: not found", out=out)
+    quantized = tmp_path / "quantized"
+    qz.quantize_checkpoint(wide_dir, quantized, qz.QuantizeSpec(8, 32, True))
+    assert_usage_error(run_cli("--model", quantized, "--bits", 4, "--output", out), "'--model'",
+                       "quantized: already quantized (config.json's quantization_config is "
+                       '{"quant_method": "fusegen", "bits": 8, "group_size": 32, "symmetric": '
+                       'true, "method": "rtn"}); quantize the 16-bit checkpoint', out=out)
     assert_usage_error(run_cli(*base, "--method", "awq"), "'--calibration'",
                        "--method awq needs calibration prompts", out=out)
     prompts = tmp_path / "p.txt"

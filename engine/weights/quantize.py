@@ -129,6 +129,10 @@ def _dir_source(path: Path) -> Source:
 
     cfg = ModelConfig.from_dir(path)
     raw = json.loads((path / "config.json").read_text())
+    if raw.get("quantization_config") is not None:
+        raise QuantizeError(f"{path}: already quantized (config.json's quantization_config "
+                            f"is {json.dumps(raw['quantization_config'])}); quantize the "
+                            "16-bit checkpoint it was made from", "model")
     tensors = load_state_dict(path, cfg)  # checked against config.json; a tied head left out
 
     def write_metadata(out: Path, entry: dict) -> None:
