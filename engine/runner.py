@@ -175,7 +175,9 @@ class ModelRunner:
         return self.arch.layer_sources(state, index, self.config.model_config)
 
     def _pack_head(self) -> None:
-        self.model.lm_head = pack_linear(self.model.lm_head, LOGITS_CHUNK)
+        # a head kept as its GGUF blocks (weights/quantized_fixed.py) stays as it is
+        if self.model.lm_head.weight is not None:
+            self.model.lm_head = pack_linear(self.model.lm_head, LOGITS_CHUNK)
 
     @property
     def _pin(self) -> bool:

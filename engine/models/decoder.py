@@ -128,7 +128,9 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed = empty_param()  # [V, h]
+        self.embed = empty_param()  # [V, h]; empty where the table stays as its blocks
+        # weights.quantized_fixed.GGUFEmbedding where it does (quantization="gguf")
+        self.embed_blocks = None
         self.layers = nn.ModuleList(self.layer_cls(cfg, i) for i in range(cfg.num_layers))
         self.norm = empty_param()  # [h]
         self.lm_head = Linear()  # [V, h]; the embedding itself when tied
@@ -173,6 +175,8 @@ class CausalLM(nn.Module):
         """The embedding's rows [T, h]; a tensor-parallel rank, holding a slice of the
         vocabulary, replaces it with a lookup that sums the ranks' rows
         (engine/parallel)."""
+        if self.embed_blocks is not None:
+            return self.embed_blocks(input_ids)
         return F.embedding(input_ids, self.embed)
 
     def logits(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -193,13 +197,45 @@ class CausalLM(nn.Module):
 
     def load_fixed(self, sources: dict[str, list[torch.Tensor]], device, dtype) -> None:
         """The tensors every step needs: embedding, final norm, LM head. A checkpoint
-        tensor already on `device` in `dtype` is used as it is (memory-mapped)."""
-        set_weights(self, {name: parts[0].to(device, dtype) for name, parts in sources.items()})
-        if self.cfg.tie_word_embeddings:
+        tensor already on `device` in `dtype` is used as it is (memory-mapped). The
+        embedding and an untied head that a GGUF file stores as blocks the CPU kernel
+        takes stay as those blocks (`_keep_fixed_blocks`)."""
+        kept = self._keep_fixed_blocks(sources, device, dtype)
+        set_weights(self, {name: parts[0].to(device, dtype) for name, parts in sources.items()
+                           if name not in kept})
+        if self.cfg.tie_word_embeddings and self.embed_blocks is None:
             self.lm_head.set_weight("weight", self.embed.data)
+
+    def _keep_fixed_blocks(self, sources, device, dtype) -> set[str]:
+        """Keep "embed" (and the head tied to it) and an untied "lm_head.weight" as their
+        blocks where the sources carry them (quantization="gguf") and the kernel serves
+        the run (weights/quantized_fixed.py); the names kept. A tensor-parallel rank's
+        lookup and head (vocabulary slices, engine/parallel) stay dense."""
+        from fusegen.engine.weights import quantized_fixed as qf
+
+        if type(self.lm_head) is not Linear or "lookup" in vars(self):
+            return set()
+        kept = set()
+        h = self.cfg.hidden_size
+        embed = qf.fixed_blocks(sources["embed"][0], device, dtype)
+        if embed is not None:
+            blocks = qf.load_blocks(embed, device)
+            self.embed_blocks = qf.GGUFEmbedding(blocks, embed.params[0], h, dtype)
+            kept.add("embed")
+            if self.cfg.tie_word_embeddings:
+                self.lm_head = qf.head_from_blocks(self.lm_head, blocks, embed.params[0], h)
+        head = sources.get("lm_head.weight")
+        head = None if head is None else qf.fixed_blocks(head[0], device, dtype)
+        if head is not None and not self.cfg.tie_word_embeddings:
+            self.lm_head = qf.head_from_blocks(self.lm_head, qf.load_blocks(head, device),
+                                               head.params[0], h)
+            kept.add("lm_head.weight")
+        return kept
 
     @property
     def fixed_nbytes(self) -> int:
         # A tied head is the embedding: counted once.
+        embed = self.embed_blocks.nbytes if self.embed_blocks is not None else \
+            self.embed.numel() * self.embed.element_size()
         head = 0 if self.cfg.tie_word_embeddings else self.lm_head.nbytes
-        return sum(t.numel() * t.element_size() for t in (self.embed, self.norm)) + head
+        return embed + self.norm.numel() * self.norm.element_size() + head
