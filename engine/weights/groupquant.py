@@ -98,29 +98,36 @@ def read_group_checkpoint(tensors: dict[str, tuple[Path, torch.Tensor]],
         if shape is None or len(shape) != 2:
             raise ModelLoadError(f"{path}: tensor {qname!r} quantizes {weight!r}, which is no "
                                  "linear weight of this architecture with this config.json")
+        if shape[1] % fmt.group_size:
+            raise ModelLoadError(f"{path}: tensor {qname!r}: {weight!r} has {shape[1]} input "
+                                 f"channels, not a multiple of the group size "
+                                 f"{fmt.group_size}")
+        kind = (f"int{fmt.bits} {'symmetric' if fmt.symmetric else 'asymmetric'} in groups "
+                f"of {fmt.group_size} (config.json's quantization_config)")
         parts = {}
         for name, (dtype, want) in component_shapes("group", fmt.params, shape).items():
-            if f"{base}.{name}" not in tensors:
-                raise ModelLoadError(
-                    f"{model_dir}: tensor {base}.{name!r} is missing; {qname!r} is int{fmt.bits} "
-                    f"{'symmetric' if fmt.symmetric else 'asymmetric'} in groups of "
-                    f"{fmt.group_size} and needs it (the checkpoint is incomplete)")
-            file, tensor = tensors.pop(f"{base}.{name}")
+            component = f"{base}.{name}"
+            if component not in tensors:
+                raise ModelLoadError(f"{model_dir}: tensor {component!r} is missing; "
+                                     f"{weight!r} is stored {kind}, which needs it")
+            file, tensor = tensors.pop(component)
             if tensor.dtype != dtype or tuple(tensor.shape) != want:
                 raise ModelLoadError(
-                    f"{file}: tensor {base}.{name!r} is {_dtype(tensor.dtype)} "
-                    f"{list(tensor.shape)}; the {list(shape)} weight {weight!r} as int{fmt.bits} "
-                    f"in groups of {fmt.group_size} needs {_dtype(dtype)} {list(want)}")
+                    f"{file}: tensor {component!r} is {_dtype(tensor.dtype)} "
+                    f"{list(tensor.shape)}; the {list(shape)} weight {weight!r} stored {kind} "
+                    f"needs {_dtype(dtype)} {list(want)}")
             parts[name] = tensor
-        if shape[1] % fmt.group_size:
-            raise ModelLoadError(f"{path}: {weight!r} has {shape[1]} input channels, not a "
-                                 f"multiple of the group size {fmt.group_size}")
+        if fmt.symmetric and f"{base}.zeros" in tensors:
+            raise ModelLoadError(
+                f"{tensors[base + '.zeros'][0]}: tensor {base + '.zeros'!r} holds zero points, "
+                f"but the checkpoint is {kind}, which stores none; config.json and the "
+                "weights disagree")
         out[weight] = compressed_entry(shape, fmt.params, weight, partial(dict, parts))
     stray = sorted(n for n in tensors if n.endswith(COMPONENT_SUFFIXES))
     if stray:
-        raise ModelLoadError(f"{tensors[stray[0]][0]}: tensor {stray[0]!r} belongs to no "
-                             f"{stray[0].rpartition('.')[0]}.qweight; the checkpoint is "
-                             "incomplete")
+        base = stray[0].rpartition(".")[0]
+        raise ModelLoadError(f"{tensors[stray[0]][0]}: tensor {stray[0]!r} has no "
+                             f"{base + '.qweight'!r} beside it; the checkpoint is incomplete")
     return out
 
 
