@@ -86,9 +86,12 @@ class PlanInputs:
                        and can_pack(dtype))
         tp, pp = options.tensor_parallel_size, options.pipeline_parallel_size
         if tp * pp > 1:  # the plan is one rank's: every rank gets the same KV blocks
-            return cls(model_config, device, dtype,
-                       rank_shape(model_config, dtype, tp, pp, packed_head),
-                       group_free_memory(device, tp * pp), quantization)
+            shape = rank_shape(model_config, dtype, tp, pp, packed_head)
+            if quantization in COMPRESSED:  # a rank's slice of each layer, compressed
+                shape = dataclasses.replace(shape, layer_bytes=max(compressed_layer_bytes(
+                    model, model_config, dtype, quantization, options, device, tp)))
+            return cls(model_config, device, dtype, shape, group_free_memory(device, tp * pp),
+                       quantization)
         shape = model_shape(model_config, dtype, packed_head=packed_head)
         if quantization in COMPRESSED:
             shape = dataclasses.replace(shape, layer_bytes=max(compressed_layer_bytes(
@@ -171,11 +174,13 @@ def _runs_here(model, device: str, gguf: bool, own) -> str:
 
 
 def compressed_layer_bytes(model, cfg: ModelConfig, dtype: torch.dtype, quantization: str,
-                           options: EngineOptions, device: str) -> list[int]:
+                           options: EngineOptions, device: str, tp: int = 1) -> list[int]:
     """Each decoder layer's weight bytes with its linears kept compressed: their
     components, the other weights dense in `dtype` (from the tensor tables; nothing
-    read). Explicit quantization="gguf" on a file with a layer linear in a type no kernel
-    takes is refused here, naming the tensor."""
+    read); with `tp` > 1 one rank's slice (a split inside a block is refused,
+    engine/parallel/shard.py). Explicit quantization="gguf" on a file with a layer
+    linear in a type no kernel takes is refused here, naming the tensor."""
+    from fusegen.engine.parallel.shard import rank_layer_nbytes
     from fusegen.engine.weights.loader import checkpoint_tensors
     from fusegen.engine.weights.quantized import can_keep, layer_nbytes
 
@@ -188,7 +193,8 @@ def compressed_layer_bytes(model, cfg: ModelConfig, dtype: torch.dtype, quantiza
             _check_kernels(sources, model, device)
         if quantization in ("int8", "int4"):
             _check_groups(sources, model, device, quantization)
-        sizes.append(layer_nbytes(sources, dtype.itemsize))
+        sizes.append(layer_nbytes(sources, dtype.itemsize) if tp == 1 else
+                     rank_layer_nbytes(cfg, sources, tp, dtype.itemsize, i))
     return sizes
 
 

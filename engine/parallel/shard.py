@@ -11,13 +11,18 @@ tensors stay unread until the loader copies them):
 - MoE experts: each expert's gate/up and down split like the dense MLP; router whole;
 - embedding and LM head: split by vocabulary rows (`vocab_range`);
 - norms (and per-head q/k norms) whole.
+A weight kept compressed (weights/quantized.py) is narrowed the same way as a
+`CompressedSource`: rows are whole weight rows; input columns only in whole blocks
+(GGUF's) or groups, so a split inside one is refused before loading (`shard_kept`).
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
+from fusegen.engine.errors import EngineConfigError
 from fusegen.engine.models.config import ModelConfig
 
 
@@ -47,11 +52,13 @@ def kv_heads(cfg: ModelConfig, tp: int, tp_rank: int) -> range:
     return range(head, head + 1)
 
 
-def shard_layer_sources(cfg: ModelConfig, sources: dict[str, list[torch.Tensor]],
-                        tp_rank: int, tp: int) -> dict[str, list[torch.Tensor]]:
+def shard_layer_sources(cfg: ModelConfig, sources: dict[str, list], tp_rank: int,
+                        tp: int) -> dict[str, list]:
     """One layer's parameter sources (Architecture.layer_sources of the whole model:
-    per parameter, the tensors that stacked along dim 0 give it) narrowed to the rank's
-    slice, so that stacking them gives the rank's parameter."""
+    per parameter, the parts that stacked along dim 0 give it) narrowed to the rank's
+    slice, so that stacking them gives the rank's parameter. A part is a tensor or a
+    compressed weight (weights/quantized.CompressedSource): only `shape` and `narrow`
+    are used, so nothing is read here."""
     if tp == 1:
         return sources
     d, heads = cfg.head_dim, cfg.num_heads // tp
@@ -67,7 +74,8 @@ def shard_layer_sources(cfg: ModelConfig, sources: dict[str, list[torch.Tensor]]
             out[name] = [q.narrow(0, *q_rows), k.narrow(0, *kv_rows), v.narrow(0, *kv_rows)]
         elif owner == "gate_up":
             if len(parts) == 1:  # gate and up shipped as one tensor (Phi-3)
-                parts = list(parts[0].chunk(2, dim=0))
+                half = parts[0].shape[0] // 2
+                parts = _split_fused(parts, [half, half])
             out[name] = [_rows(p, tp_rank, tp) for p in parts]  # every gate and up part
         elif name == "o.weight":
             out[name] = [p.narrow(1, *q_rows) for p in parts]
@@ -78,18 +86,92 @@ def shard_layer_sources(cfg: ModelConfig, sources: dict[str, list[torch.Tensor]]
     return out
 
 
-def _split_fused(parts: list[torch.Tensor], sizes: list[int]) -> list[torch.Tensor]:
-    """q, k, v as three tensors, whether shipped apart or as one (Phi-3's qkv_proj)."""
-    return list(parts) if len(parts) == len(sizes) else list(parts[0].split(sizes, dim=0))
+def _split_fused(parts: list, sizes: list[int]) -> list:
+    """q, k, v as three parts, whether shipped apart or as one (Phi-3's qkv_proj)."""
+    if len(parts) == len(sizes):
+        return list(parts)
+    if isinstance(parts[0], torch.Tensor):  # one read of a lazy tensor, not one a part
+        return list(parts[0].split(sizes, dim=0))
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [parts[0].narrow(0, start, size) for start, size in zip(starts, sizes)]
 
 
-def _rows(t: torch.Tensor, tp_rank: int, tp: int, dim: int = 0) -> torch.Tensor:
+def _rows(t, tp_rank: int, tp: int, dim: int = 0):
     size = t.shape[dim] // tp
     return t.narrow(dim, tp_rank * size, size)
 
 
-def shard_fixed_sources(cfg: ModelConfig, sources: dict[str, list[torch.Tensor]],
-                        tp_rank: int, tp: int) -> dict[str, list[torch.Tensor]]:
+# The parameters split by input columns: a compressed one only in whole blocks.
+_COLUMN_SPLIT = ("o.weight", "down.weight")
+
+
+def shard_kept(cfg: ModelConfig, kept: dict[str, list], tp_rank: int, tp: int,
+               index: int) -> dict[str, list]:
+    """A layer's compressed parameters (`split_kept`'s first half) narrowed to the
+    rank's slice. o and down split by input columns, which a compressed weight holds
+    in blocks (GGUF's) or groups: a split inside one is refused, naming the layer, the
+    block and tensor_parallel_size, before anything is read."""
+    for name in _COLUMN_SPLIT:
+        if tp > 1 and name in kept:
+            part = kept[name][0]
+            block, columns = block_columns(part), part.shape[1] // tp
+            if columns % block:
+                raise EngineConfigError(
+                    f"tensor_parallel_size {tp} cannot split layer {index}'s {name} "
+                    f"({part.name}): it is kept compressed ({_describe(part)}) in blocks of "
+                    f"{block} input columns, and each rank would take {columns} of its "
+                    f"{part.shape[1]}, which cuts a block; use a tensor_parallel_size that "
+                    f"leaves each rank a multiple of {block} columns, or "
+                    "quantization='dequantize'")
+    return shard_layer_sources(cfg, kept, tp_rank, tp)
+
+
+def block_columns(source) -> int:
+    """Input columns per block of a compressed weight: a GGUF type's block, or the
+    group size."""
+    if source.format == "gguf":
+        from fusegen.kernels.quant_linear import BLOCK_SIZES
+
+        return BLOCK_SIZES[source.params[0]][0]
+    return source.params[1]
+
+
+def _describe(source) -> str:
+    if source.format == "gguf":
+        from gguf import GGMLQuantizationType
+
+        return f"GGUF {GGMLQuantizationType(source.params[0]).name}"
+    bits, group_size, symmetric = source.params
+    return f"int{bits}, groups of {group_size}{'' if symmetric else ', asymmetric'}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Extent:
+    """A dense tensor's shape alone, narrowed as the tensor would be (bytes counted,
+    nothing read)."""
+    shape: tuple[int, ...]
+
+    def narrow(self, dim: int, start: int, length: int) -> "_Extent":
+        return _Extent(self.shape[:dim] + (length,) + self.shape[dim + 1:])
+
+
+def rank_layer_nbytes(cfg: ModelConfig, sources: dict[str, list], tp: int, itemsize: int,
+                      index: int) -> int:
+    """Layer `index`'s weight bytes on one rank of a tp-way split (every rank holds as
+    many): its compressed parameters' components, the rest dense at `itemsize` bytes a
+    value. Refuses a split inside a compressed weight's blocks (`shard_kept`)."""
+    from fusegen.engine.weights.quantized import split_kept
+
+    kept, dense = split_kept(sources)
+    kept = shard_kept(cfg, kept, 0, tp, index)
+    dense = shard_layer_sources(cfg, {name: [_Extent(tuple(t.shape)) for t in parts]
+                                      for name, parts in dense.items()}, 0, tp)
+    return (sum(part.nbytes for parts in kept.values() for part in parts)
+            + sum(math.prod(e.shape) for parts in dense.values() for e in parts) * itemsize)
+
+
+def shard_fixed_sources(cfg: ModelConfig, sources: dict[str, list], tp_rank: int,
+                        tp: int) -> dict[str, list]:
     """The embedding and an untied head narrowed to the rank's vocabulary rows."""
     if tp == 1:
         return sources

@@ -28,12 +28,14 @@ import torch
 import torch.distributed as dist
 
 from fusegen.engine.memory.plan import LOGITS_CHUNK
-from fusegen.engine.parallel.layers import TPGroup, VocabParallelHead, parallelize
+from fusegen.engine.parallel.layers import (RowParallelLinear, TPGroup, VocabParallelHead,
+                                            parallelize)
 from fusegen.engine.parallel.plan import RankInfo
 from fusegen.engine.parallel.shard import (rank_model_config, shard_fixed_sources,
-                                           shard_layer_sources, vocab_range)
+                                           shard_kept, shard_layer_sources, vocab_range)
 from fusegen.engine.runner import ModelRunner, StepInputs
 from fusegen.engine.weights.packed import pack_linear
+from fusegen.engine.weights.quantized import split_kept
 from fusegen.kernels.argmax import argmax
 
 ADDRESS_ENV, AUTHKEY_ENV = "FUSEGEN_GROUP_ADDRESS", "FUSEGEN_GROUP_AUTHKEY"
@@ -73,6 +75,29 @@ class ShardRunner(ModelRunner):
         full = self.config.model_config
         return shard_layer_sources(full, self.arch.layer_sources(state, index, full),
                                    self.info.tp_rank, self.info.tp_size)
+
+    def _layer_parts(self, state, index: int) -> tuple[dict, dict]:
+        # which parameters stay compressed is decided over the whole weights (as the
+        # plan decided), then both halves are narrowed to the rank's slice
+        full, rank, tp = self.config.model_config, self.info.tp_rank, self.info.tp_size
+        sources = self.arch.layer_sources(state, index, full)
+        kept, dense = split_kept(sources) if self._keeps_blocks else ({}, sources)
+        return (shard_kept(full, kept, rank, tp, index),
+                shard_layer_sources(full, dense, rank, tp))
+
+    def _keep_compressed(self, layer, kept: dict, device) -> dict[str, torch.Tensor]:
+        # o and down are row-parallel wrappers: their inner Linear is the one kept
+        # compressed, under the wrapper's names ("o.blocks" -> layer.o.inner.blocks)
+        inner = {p: parts for p, parts in kept.items()
+                 if isinstance(layer.get_submodule(p.rpartition(".")[0]), RowParallelLinear)}
+        out = super()._keep_compressed(layer, {p: kept[p] for p in kept if p not in inner},
+                                       device)
+        for param, parts in inner.items():
+            owner = param.rpartition(".")[0]
+            tensors = super()._keep_compressed(layer.get_submodule(owner),
+                                               {"inner.weight": parts}, device)
+            out |= {f"{owner}.{name.removeprefix('inner.')}": t for name, t in tensors.items()}
+        return out
 
     def _pack_head(self) -> None:
         head = self.model.lm_head
