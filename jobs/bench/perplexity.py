@@ -4,8 +4,9 @@ The text (a file, a folder's .txt / .md files in path order, or the built-in
 `stdlib-docs` set) is tokenized once, without special tokens, and read in windows of
 `window` tokens, each starting `stride` after the one before (transformers' sliding-window
 recipe): a window's tokens past the previous window's end are scored, each given every
-token of the window before it, so every token but the first is scored once and all
-but the first window's have at least window - stride tokens of context. Each window is
+token of the window before it. With stride < window every token but the first is
+scored once, all but the first window's with at least window - stride tokens of context
+(with stride == window each window's first token has none, and goes unscored). Each window is
 a prompt with prompt_logprobs=0 (the engine's log-softmax of the raw logits at each
 position, engine/logprobs.py), so any model and quantization= value fusegen runs can
 be measured, and every window runs in the same batch.
@@ -68,7 +69,7 @@ def plan_windows(num_tokens: int, window: int, stride: int) -> list[Window]:
 class PerplexityResult:
     num_tokens: int  # the text's tokens (after --max-tokens)
     num_windows: int
-    num_scored: int  # tokens scored: num_tokens - 1
+    num_scored: int  # tokens scored: num_tokens - 1 with stride < window
     total_nll: float  # nats, summed over the scored tokens
     window: int
     stride: int
@@ -210,7 +211,8 @@ def perplexity(text, model_name, window, stride, max_tokens, dtype, device, outp
             "model": model_name, "model_path": str(model), "text": sources,
             "text_sha256": hashlib.sha256(body.encode()).hexdigest(), "dtype": dtype,
             "device": device, "engine_options": options,
-            "config_dtype": str(llm.config.dtype).removeprefix("torch."),
+            "config_dtype": str(llm.config.torch_dtype).removeprefix("torch."),
+            "quantization": getattr(llm.config, "quantization", None),
             "python": sys.version.split()[0]}
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
@@ -231,8 +233,7 @@ def _model_path(name: str) -> Path:
 
 def format_result(result: PerplexityResult) -> str:
     about = result.about
-    quant = about.get("engine_options", {}).get("quantization") or "none"
-    return (f"perplexity of {about.get('model')} (quantization {quant}, "
+    return (f"perplexity of {about.get('model')} (weights: {about.get('quantization')}, "
             f"{about.get('config_dtype')}) over {'; '.join(about.get('text', []))[:200]}\n"
             f"  tokens {result.num_tokens:,}, windows {result.num_windows:,} of {result.window} "
             f"(stride {result.stride}), scored {result.num_scored:,}\n"
