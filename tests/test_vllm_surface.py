@@ -230,9 +230,11 @@ REFUSED = [
     (dict(trust_remote_code=True), "trust_remote_code=True: fusegen does not support "
      "trust_remote_code; fusegen runs its own code for each architecture it supports, never "
      "code from a checkpoint; leave it out"),
-    (dict(quantization="awq"), "quantization='awq': fusegen does not run that yet; it runs "
-     "quantization='gguf' (a GGUF file's blocks kept as stored, on CPUs) and "
-     "quantization='dequantize' or None (every weight expanded as it loads)"),
+    (dict(quantization="awq"), "quantization='awq': fusegen does not run that; it runs None "
+     "(the checkpoint's own form), 'dequantize' (every weight expanded as it loads), 'gguf' (a "
+     "GGUF file's blocks, on CPUs), 'int8' / 'int4' (fusegen's group codes: its quantized "
+     "checkpoints, or a 16-bit one quantized on load) and 'fp8' (CUDA GPUs of compute "
+     "capability 8.9+); a checkpoint in another format converts with `fusegen quantize`"),
     (dict(enable_lora=True), "enable_lora=True: fusegen does not support enable_lora; merge "
      "the adapter into the weights (peft's merge_and_unload) and load the merged checkpoint"),
     (dict(tensor_parallel_size=0), "tensor_parallel_size must be an integer >= 1, got 0"),
