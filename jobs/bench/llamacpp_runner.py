@@ -250,7 +250,7 @@ def _post(url: str, body: dict, deadline: float) -> dict:
         raise PeerError("it did not finish within --llamacpp-timeout")
     try:
         with _OPENER.open(request, timeout=timeout) as answer:
-            return json.loads(answer.read())
+            body = json.loads(answer.read())
     except urllib.error.HTTPError as exc:
         raise PeerError(f"/completion answered HTTP {exc.code}: "
                         f"{exc.read()[:_TAIL_CHARS].decode(errors='replace')}") from None
@@ -258,6 +258,10 @@ def _post(url: str, body: dict, deadline: float) -> dict:
         raise PeerError("it did not finish within --llamacpp-timeout") from None
     except (urllib.error.URLError, OSError, ValueError) as exc:
         raise PeerError(f"/completion failed: {exc}") from None
+    if not isinstance(body, dict) or not {"tokens_predicted", "stop_type"} <= body.keys():
+        raise PeerError(f"/completion answered without tokens_predicted and stop_type: "
+                        f"{json.dumps(body)[:_TAIL_CHARS]}")
+    return body
 
 
 def _free_port() -> int:
