@@ -100,7 +100,7 @@ class PlanInputs:
 
 
 # The resolved forms whose decoder linears stay compressed (weights/quantized.py).
-COMPRESSED = ("gguf", "int8", "int4")
+COMPRESSED = ("gguf", "int8", "int4", "fp8")
 FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada and Hopper on
 
 

@@ -209,3 +209,42 @@ def test_dequantize_flag(int4_dir, tmp_path):
     assert "--dequantize and --quantization int4 both given; pass one" in result.output
     assert "--dequantize" in CliRunner().invoke(run, ["--help"]).output
 
+
+
+def test_fp8_sources_build_what_from_linear_builds(hf_dir):
+    # quantization="fp8" (CUDA only at the engine): each decoder linear's "fp8" source,
+    # fused and kept, holds exactly FP8Linear.from_linear's codes and scales of the fused
+    # dense weight; checked here on the CPU, where FP8Linear runs its torch fallback
+    import torch
+
+    from fusegen.engine.models import get_architecture
+    from fusegen.engine.models.config import ModelConfig
+    from fusegen.engine.weights.fp8 import FP8Linear
+    from fusegen.engine.weights.linear import Linear
+    from fusegen.engine.weights.loader import checkpoint_tensors, fuse
+    from fusegen.engine.weights.quantized import keep_blocks, layer_nbytes, split_kept
+
+    cfg = ModelConfig.from_dir(str(hf_dir))
+    arch = get_architecture(cfg.architecture)
+    state = checkpoint_tensors(hf_dir, cfg, torch.float32, "fp8")
+    sources = arch.layer_sources(state, 0, cfg)
+    kept, dense = split_kept(sources)
+    assert sorted(kept) == ["down.weight", "gate_up.weight", "o.weight", "qkv.weight"]
+    layer = arch.build_model(cfg).layers[0]
+    components = keep_blocks(layer, kept, "cpu")
+    values = {"weight_fp8": 1, "weight_scale": 4}  # bytes a value
+    assert layer_nbytes(sources, 4) == sum(t.numel() * values[n.rpartition(".")[2]]
+                                           for n, t in components.items()) \
+        + sum(t.numel() for parts in dense.values() for t in parts) * 4
+    weights = fuse({p: sources[p] for p in kept}, "cpu", torch.float32)
+    x = torch.randn(3, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    for param, weight in weights.items():
+        module = getattr(layer, param.removesuffix(".weight"))
+        assert type(module) is FP8Linear
+        dense_linear = Linear()
+        dense_linear.weight = weight
+        want = FP8Linear.from_linear(dense_linear)
+        assert torch.equal(module.weight_fp8.view(torch.uint8), want.weight_fp8.view(torch.uint8))
+        assert torch.equal(module.weight_scale, want.weight_scale)
+        if param != "down.weight":
+            assert torch.equal(module(x[:, :module.in_features]), want(x[:, :module.in_features]))

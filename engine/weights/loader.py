@@ -11,6 +11,7 @@ import json
 import mmap
 import re
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -19,8 +20,8 @@ from fusegen.engine.errors import ModelLoadError
 from fusegen.engine.models import get_architecture
 from fusegen.engine.models.config import ModelConfig
 from fusegen.engine.weights.groupquant import (COMPONENT_SUFFIXES, checkpoint_format,
-                                               on_load_format, quantize_on_load,
-                                               read_group_checkpoint)
+                                               on_load_format, quantizable,
+                                               quantize_on_load, read_group_checkpoint)
 
 _PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth")
 # Buffers some exporters write that carry no weights.
@@ -214,13 +215,40 @@ def checkpoint_tensors(model, cfg: ModelConfig, dtype: torch.dtype, quantization
 
         return load_gguf_state_dict(model, cfg, dtype, keep_blocks=quantization == "gguf")
     state = load_state_dict(model, cfg, allow_pickle)
-    if quantization in ("int8", "int4") and checkpoint_format(Path(model)) is None:
+    if quantization in ("int8", "int4", "fp8") and checkpoint_format(Path(model)) is None:
         arch = get_architecture(cfg.architecture)
         layer_tensors = {arch.layer_prefix.format(i) + name: param
                          for i in range(cfg.num_layers)
                          for name, _, param in arch.layer_tensors(cfg)}
-        quantize_on_load(state, layer_tensors, on_load_format(quantization))
+        if quantization == "fp8":
+            fp8_on_load(state, layer_tensors, dtype, experts=bool(cfg.num_experts))
+        else:
+            quantize_on_load(state, layer_tensors, on_load_format(quantization))
     return state
+
+
+def fp8_on_load(state: dict[str, torch.Tensor], layer_tensors: dict[str, str],
+                dtype: torch.dtype, experts: bool) -> None:
+    """quantization="fp8": each decoder-layer linear weight of a 16-bit checkpoint gets an
+    "fp8" `.compressed` source, its e4m3 codes and per-row scales made (as
+    `FP8Linear.from_linear` makes them) from the weight in the run's `dtype` when read.
+    MoE experts stay dense (no FP8 expert linear)."""
+    from fusegen.engine.weights.quantized import CompressedSource
+
+    for name, param in layer_tensors.items():
+        tensor = state[name]
+        if not quantizable(param, tuple(tensor.shape)) or (
+                experts and param in ("gate_up.weight", "down.weight")):
+            continue
+        tensor.compressed = CompressedSource.of("fp8", (), tuple(tensor.shape), name,
+                                                partial(_fp8_parts, tensor, dtype))
+
+
+def _fp8_parts(tensor: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    from fusegen.kernels.triton_quant import quantize_fp8
+
+    codes, scale = quantize_fp8(tensor.to(dtype))
+    return {"weight_fp8": codes, "weight_scale": scale}
 
 
 def fuse(sources: dict[str, list[torch.Tensor]], device, dtype) -> dict[str, torch.Tensor]:

@@ -28,7 +28,7 @@ from fusegen.engine.weights.linear import Linear, row_tiled
 from fusegen.kernels import use_native
 from fusegen.kernels.quant_linear import BLOCK_SIZES, SUPPORTED, has_kernel, quant_linear
 
-FORMATS = ("gguf", "group")
+FORMATS = ("gguf", "group", "fp8")
 GROUP_BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
 # int4 codes are packed two to a byte in runs of this many input channels
@@ -59,11 +59,16 @@ def component_shapes(format: str, params: tuple, shape: tuple[int, int]
         if not symmetric:
             shapes["zeros"] = (torch.uint8, (out, inp // group_size))
         return shapes
+    if format == "fp8":  # quantized on load (weights/fp8.py): e4m3 codes, a scale a row
+        return {"weight_fp8": (torch.float8_e4m3fn, (out, inp)),
+                "weight_scale": (torch.float32, (out,))}
     raise ValueError(f"compressed format {format!r}; fusegen keeps {', '.join(FORMATS)}")
 
 
 def _block_values(format: str, params: tuple) -> int:
     """Input channels per block: the unit a weight's columns are split in."""
+    if format == "fp8":
+        return 1  # one scale per output row: any columns
     return _gguf_block(params[0])[0] if format == "gguf" else params[1]
 
 
@@ -103,7 +108,8 @@ class CompressedSource:
         if self.window is None:
             return parts
         row, rows, col, cols = self.window
-        return {name: t[row:row + rows, _columns(self.format, self.params, name, col, cols)]
+        return {name: t[row:row + rows] if t.dim() == 1 else
+                t[row:row + rows, _columns(self.format, self.params, name, col, cols)]
                 for name, t in parts.items()}
 
     def narrow(self, dim: int, start: int, length: int) -> "CompressedSource":
@@ -135,6 +141,8 @@ def _columns(format: str, params: tuple, component: str, start: int, length: int
     if format == "gguf":
         block, block_bytes = _gguf_block(params[0])
         return slice(start // block * block_bytes, (start + length) // block * block_bytes)
+    if format == "fp8":
+        return slice(start, start + length)
     bits, group_size, _ = params
     per = (1 if bits == 8 else 2) if component == "qweight" else group_size
     return slice(start // per, (start + length) // per)
@@ -184,7 +192,8 @@ def can_keep(param: str, parts: list[CompressedSource]) -> bool:
     first = parts[0]
     if first.format == "gguf":
         return kept_as_blocks(param, [(p.params[0], p.shape) for p in parts])
-    return (first.format == "group" and first.params[0] in GROUP_BITS
+    return (first.format in ("group", "fp8")
+            and (first.format == "fp8" or first.params[0] in GROUP_BITS)
             and len({p.shape[1] for p in parts}) == 1)
 
 
@@ -244,6 +253,10 @@ def linear_class(format: str, linear: Linear) -> type["CompressedLinear"]:
         from fusegen.engine.weights.groupquant import GroupQuantExpertLinear, GroupQuantLinear
 
         return GroupQuantExpertLinear if expert else GroupQuantLinear
+    if format == "fp8" and not expert:
+        from fusegen.engine.weights.fp8 import FP8Linear
+
+        return FP8Linear
     if format == "gguf" and not expert:
         return GGUFLinear
     raise ValueError(f"no compressed {'expert ' if expert else ''}linear for format "
