@@ -25,10 +25,13 @@ class LLM:
         (`org/name`, resolved through the Hugging Face cache, downloaded when missing and
         the machine can; `revision=` pins it). `options`: the fields of `EngineOptions`
         (listed below), or vLLM's `gpu_memory_utilization` (read as `device_memory`) and
-        `tensor_parallel_size=1`; `quantization` is fusegen's own option (None /
-        "dequantize", or "gguf" to keep a GGUF file's blocks on a CPU); a name fusegen does
-        not support (`trust_remote_code=True`, `enable_lora`, any other) is an error that
-        names it."""
+        `tensor_parallel_size=1`; `quantization` takes vLLM's keyword: None (the
+        checkpoint's own form: a fusegen int8/int4 checkpoint runs compressed, a .gguf
+        file keeps its blocks on a CPU), "dequantize", "gguf", "int8" / "int4" (a 16-bit
+        checkpoint quantized on load: round to nearest, symmetric, groups of 128) or "fp8"
+        (CUDA, capability 8.9+), each checked against the model and the device before
+        anything loads; a name fusegen does not support (`trust_remote_code=True`,
+        `enable_lora`, any other) is an error that names it."""
         self._cond = threading.Condition()
         self._inbox: deque = deque()
         self._futures: dict[int, Future] = {}

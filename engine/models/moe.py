@@ -36,7 +36,9 @@ class ExpertLinear(Linear):
     through expert `expert`'s matrix. In deterministic mode every call is `row_tile`
     rows (as `Linear`'s), so a token's result does not depend on which other tokens
     share its expert this step. Never packed for oneDNN (`pack_linears` packs plain
-    `Linear`s only)."""
+    `Linear`s only). Its int8 / int4 form, with the same contract (components handed
+    over as [E * out, ...], `forward(x, expert)`), is weights/groupquant.py's
+    `GroupQuantExpertLinear`."""
 
     def __init__(self, num_experts: int):
         super().__init__(bias=False)
