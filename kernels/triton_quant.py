@@ -16,15 +16,18 @@ channels in tiles of BLOCK_K, expands the weight tile to fp32 exactly as the ref
 does, rounds it to x's dtype (as a model dequantized to that dtype holds it; fp32 x keeps
 fp32 and multiplies in IEEE fp32, not TF32) and accumulates tl.dot in fp32.
 
-Batch invariance (deterministic mode): an output element is sum over k-tiles, in
-ascending order, of that tile's dot product, and BLOCK_K is one constant
-(_BLOCK_K, whatever M): the tiles and their order along in_features are the same for
-a row alone and for that row in a batch of 300. BLOCK_M and BLOCK_N (chosen by M and
-out_features) only decide which outputs a program computes, never how one is summed.
-Under the interpreter that makes a row's result bit-identical alone or batched (tested);
-on a GPU it also needs the tensor-core instruction to sum a k-tile alike for every
-BLOCK_M (mma.sync and wgmma are not documented to): tests/gpu/quant_bench.py checks it
-on the device and prints the outcome.
+Batch invariance (deterministic mode): an output element is the sum over k-tiles, in
+ascending order, of that tile's dot product, and BLOCK_K is one constant (_BLOCK_K,
+whatever M), so the tiles and their order along in_features are the same for a row
+alone and inside any batch. That is not enough on a GPU: the tensor-core instruction
+that sums a k-tile must be the same too. Measured on an H200 (Triton 3.6, int4 [4096 ->
+14336], 2026-11-26): every config with BLOCK_M 16 or 32 (mma.sync) gives the same bits,
+every config with BLOCK_M 64 or 128 (wgmma) gives the same bits, and the two families
+differ in 240 of 256 rows; BLOCK_N, num_warps and num_stages changed nothing. So
+`batch_invariant=True` (the default) keeps BLOCK_M <= 32 for every M, and a row's result
+is bit-identical alone or batched (under the interpreter and on the GPU; tests and
+tests/gpu/quant_bench.py check both). `batch_invariant=False` lets M > 64 take
+BLOCK_M 128 (wgmma): faster prefill, rows then depend on which bucket their call fell in.
 """
 from __future__ import annotations
 
@@ -61,19 +64,23 @@ def has_triton_quant(device: str | torch.device = "cuda") -> bool:
     return torch.device(device).type == "cuda" and torch.cuda.is_available()
 
 
-def _config(num_rows: int, out_features: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) for a call: decode rows take a small BLOCK_M and
-    narrow BLOCK_N (many programs over few rows), prefill larger tiles. BLOCK_N halves
-    until the grid has some 256 programs, so a narrow layer still fills the GPU."""
+def _config(num_rows: int, out_features: int, batch_invariant: bool) -> dict:
+    """The launch parameters of a call (measured on an H200 over int4 / int8 at
+    [4096 -> 14336] and [14336 -> 4096]): decode rows a 16-row tile, 32 outputs wide (a
+    narrow layer still gets enough programs), four stages of loads in flight; more rows
+    wider tiles, BLOCK_N halved until the grid has 128 programs. BLOCK_M stays <= 32
+    when `batch_invariant` (see the header). BLOCK_K is _BLOCK_K always. `config=` on
+    the launchers overrides this (tests, tests/gpu/quant_bench.py)."""
     if num_rows <= 16:
-        block_m, block_n, warps = 16, 64, 4
-    elif num_rows <= 64:
-        block_m, block_n, warps = 32, 64, 4
+        block_m, block_n, warps, stages = 16, 32, 4, 4
+    elif num_rows <= 64 or batch_invariant:
+        block_m, block_n, warps, stages = 32, 128, 4, 3
     else:
-        block_m, block_n, warps = 64, 128, 8
-    while block_n > 32 and triton.cdiv(num_rows, block_m) * triton.cdiv(out_features, block_n) < 256:
+        block_m, block_n, warps, stages = 128, 128, 8, 3
+    while block_n > 32 and triton.cdiv(num_rows, block_m) * triton.cdiv(out_features, block_n) < 128:
         block_n //= 2
-    return block_m, block_n, warps
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": _BLOCK_K, "num_warps": warps,
+            "num_stages": stages}
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -89,6 +96,26 @@ def _check_x(x: torch.Tensor, in_features: int, what: str) -> torch.Tensor:
 
 
 # -- fusegen group int4 / int8 ---------------------------------------------------------
+
+@triton.jit
+def _group_scale_zero(s_rows, z_rows, g, g_tile, n_mask, w_mask, ONE_GROUP: tl.constexpr,
+                      HAS_ZEROS: tl.constexpr, ZERO_POINT: tl.constexpr):
+    """fp32 scales and zero points of a weight tile: [1, BN] where one group covers the
+    whole k-tile (ONE_GROUP, group g_tile), else gathered per element [BK, BN] (group g)."""
+    if ONE_GROUP:
+        s = tl.load(s_rows + g_tile, mask=n_mask, other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            z = tl.load(z_rows + g_tile, mask=n_mask, other=0).to(tl.float32)
+        else:
+            z = tl.full(s.shape, ZERO_POINT, tl.float32)
+    else:
+        s = tl.load(s_rows + g, mask=w_mask, other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            z = tl.load(z_rows + g, mask=w_mask, other=0).to(tl.float32)
+        else:
+            z = tl.full(s.shape, ZERO_POINT, tl.float32)
+    return s, z
+
 
 @triton.jit
 def _group_linear_kernel(x_ptr, q_ptr, scales_ptr, zeros_ptr, out_ptr, M, N, K,
@@ -115,11 +142,8 @@ def _group_linear_kernel(x_ptr, q_ptr, scales_ptr, zeros_ptr, out_ptr, M, N, K,
             k_mask = ch[:, None] < K
             w_mask = k_mask & n_mask
             q = tl.load(q_rows + ch[:, None], mask=w_mask, other=0).to(tl.float32)
-            g = ch[:, None] // GROUP
-            s = tl.load(s_rows + g, mask=w_mask, other=0.0).to(tl.float32)
-            z = ZERO_POINT
-            if HAS_ZEROS:
-                z = tl.load(z_rows + g, mask=w_mask, other=0).to(tl.float32)
+            s, z = _group_scale_zero(s_rows, z_rows, ch[:, None] // GROUP, k0 // GROUP,
+                                     n_mask, w_mask, GROUP % BLOCK_K == 0, HAS_ZEROS, ZERO_POINT)
             w = ((q - z) * s).to(dtype)  # [BK, BN]
             xt = tl.load(x_rows + ch[None, :], mask=m_mask & (ch[None, :] < K), other=0.0)
             if IEEE:
@@ -137,11 +161,9 @@ def _group_linear_kernel(x_ptr, q_ptr, scales_ptr, zeros_ptr, out_ptr, M, N, K,
             k_mask = ch_lo[:, None] < K
             w_mask = k_mask & n_mask
             b = tl.load(q_rows + (k0 // 2 + j)[:, None], mask=w_mask, other=0)
-            g = ch_lo[:, None] // GROUP  # a byte's two channels share their group
-            s = tl.load(s_rows + g, mask=w_mask, other=0.0).to(tl.float32)
-            z = ZERO_POINT
-            if HAS_ZEROS:
-                z = tl.load(z_rows + g, mask=w_mask, other=0).to(tl.float32)
+            # a byte's two channels share their group
+            s, z = _group_scale_zero(s_rows, z_rows, ch_lo[:, None] // GROUP, k0 // GROUP,
+                                     n_mask, w_mask, GROUP % BLOCK_K == 0, HAS_ZEROS, ZERO_POINT)
             w_lo = (((b & 0xF).to(tl.float32) - z) * s).to(dtype)
             w_hi = (((b >> 4).to(tl.float32) - z) * s).to(dtype)
             x_mask = m_mask & (ch_lo[None, :] < K)
@@ -158,23 +180,23 @@ def _group_linear_kernel(x_ptr, q_ptr, scales_ptr, zeros_ptr, out_ptr, M, N, K,
 
 
 def group_linear_triton(x, qweight, scales, zeros, bits: int, group_size: int,
-                        out_features: int, in_features: int) -> torch.Tensor:
+                        out_features: int, in_features: int, batch_invariant: bool = True,
+                        config: dict | None = None) -> torch.Tensor:
     """x [M, in] @ W.T for W in fusegen's group int4/int8 (zeros None: symmetric)."""
     check_group(qweight, scales, zeros, bits, group_size, out_features, in_features, x)
     x = _check_x(x, in_features, f"int{bits} group linear")
     out = torch.empty(x.shape[0], out_features, dtype=x.dtype, device=x.device)
     if x.shape[0] == 0:
         return out
-    block_m, block_n, warps = _config(x.shape[0], out_features)
-    grid = (triton.cdiv(x.shape[0], block_m), triton.cdiv(out_features, block_n))
+    cfg = config or _config(x.shape[0], out_features, batch_invariant)
+    grid = (triton.cdiv(x.shape[0], cfg["BLOCK_M"]), triton.cdiv(out_features, cfg["BLOCK_N"]))
     _group_linear_kernel[grid](
         x, qweight.contiguous(), scales.contiguous(),
         (zeros if zeros is not None else scales).contiguous(), out,
         x.shape[0], out_features, in_features, x.stride(0), out.stride(0),
         BITS=bits, GROUP=group_size, HAS_ZEROS=zeros is not None,
         ZERO_POINT=float(SYMMETRIC_ZERO[bits]),
-        IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=_BLOCK_K, num_warps=warps)
+        IEEE=x.dtype == torch.float32, **cfg)
     return out
 
 
@@ -183,7 +205,9 @@ def group_linear_reference(x, qweight, scales, zeros, bits: int, group_size: int
     """The kernel's arithmetic in torch: the weight in fp32, rounded to x's dtype, the
     product summed in fp32, rounded to x's dtype."""
     check_group(qweight, scales, zeros, bits, group_size, out_features, in_features, x)
-    w = dequantize_group(qweight, scales, zeros, bits, group_size, in_features).to(x.device)
+    # on the CPU: group_linear's dequantize_group makes the symmetric zero points there
+    w = dequantize_group(qweight.cpu(), scales.cpu(), None if zeros is None else zeros.cpu(),
+                         bits, group_size, in_features).to(x.device)
     return (x.float() @ w.to(x.dtype).float().T).to(x.dtype)
 
 
@@ -298,7 +322,8 @@ def _gguf_linear_kernel(x_ptr, blocks_ptr, out_ptr, M, N, K, row_bytes, stride_x
     tl.store(out, acc.to(dtype), mask=m_mask & n_mask)
 
 
-def gguf_linear_triton(x, blocks, qtype: int, out_features: int, in_features: int
+def gguf_linear_triton(x, blocks, qtype: int, out_features: int, in_features: int,
+                       batch_invariant: bool = True, config: dict | None = None
                        ) -> torch.Tensor:
     """x [M, in] @ W.T for W as GGUF blocks uint8 [out, row_bytes] of type `qtype`."""
     row_bytes = check(blocks, qtype, out_features, in_features)
@@ -306,12 +331,12 @@ def gguf_linear_triton(x, blocks, qtype: int, out_features: int, in_features: in
     out = torch.empty(x.shape[0], out_features, dtype=x.dtype, device=x.device)
     if x.shape[0] == 0:
         return out
-    block_m, block_n, warps = _config(x.shape[0], out_features)
-    grid = (triton.cdiv(x.shape[0], block_m), triton.cdiv(out_features, block_n))
+    cfg = config or _config(x.shape[0], out_features, batch_invariant)
+    grid = (triton.cdiv(x.shape[0], cfg["BLOCK_M"]), triton.cdiv(out_features, cfg["BLOCK_N"]))
     _gguf_linear_kernel[grid](
         x, blocks.contiguous(), out, x.shape[0], out_features, in_features, row_bytes,
         x.stride(0), out.stride(0), QTYPE=int(qtype), IEEE=x.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_BLOCK_K, num_warps=warps)
+        **cfg)
     return out
 
 
@@ -326,6 +351,13 @@ def gguf_linear_reference(x, blocks, qtype: int, out_features: int, in_features:
 
 # -- FP8 (e4m3) weights ----------------------------------------------------------------
 
+def _fp8_scale(amax: torch.Tensor) -> torch.Tensor:
+    # amax / 448 by a tensor: CUDA divides a tensor by a Python number as a product with
+    # its reciprocal (an ulp off at times), which would make the GPU's codes differ from
+    # the CPU's where a value lands on a tie between two e4m3 values
+    return (amax / torch.full_like(amax, FP8_MAX)).clamp_min(_FP8_MIN_SCALE)
+
+
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense weight [out, in] -> (float8_e4m3fn codes [out, in], fp32 scales [out]) with
     weight ~= codes * scale[:, None]; each output channel's largest |value| maps to 448."""
@@ -336,7 +368,7 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if not torch.isfinite(amax).all():
         row = int(torch.nonzero(~torch.isfinite(amax))[0, 0])
         raise ValueError(f"quantize_fp8: weight row {row} holds inf or NaN; cannot quantize it")
-    scale = (amax / FP8_MAX).clamp_min(_FP8_MIN_SCALE)
+    scale = _fp8_scale(amax)
     codes = (weight.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX)
     return codes.to(torch.float8_e4m3fn), scale
 
@@ -347,7 +379,7 @@ def quantize_fp8_rows(x: torch.Tensor, per_tensor: bool = False):
     amax = x.float().abs().amax(dim=1, keepdim=True)
     if per_tensor:
         amax = amax.amax().expand_as(amax).contiguous()
-    scale = (amax / FP8_MAX).clamp_min(_FP8_MIN_SCALE)
+    scale = _fp8_scale(amax)
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
