@@ -16,10 +16,13 @@
  * the bf16 product), once per call, and a micro-kernel multiplies MR rows of x at a time
  * with them, MR x NR vectors of fp32 sums in registers. Calls of up to DIRECT_ROWS rows
  * (decode) expand each run of 32 channels of the NR rows in registers and multiply it at
- * once: the codes are read once, nothing goes through memory. With AVX-512 an int4 run
- * takes a table lookup (vpermps for fp32, vpermw for bf16) of the group's 16 values, an
- * int8 run a widening, a conversion and an FMA per 16 values; AVX2 and plain C expand into
- * the scratch (the plain-C form is the reference expansion and the only one elsewhere).
+ * once: the codes are read once, nothing goes through memory. With AVX-512 the scales and
+ * zero points of 16 groups are converted at once; an int4 run is a table lookup of its
+ * group's 16 values (vpermps for fp32, vpermw for bf16, indexed by the nibbles shifted in
+ * place), an int8 run a widening, a conversion and an FMA per 16 values. AVX2 and plain C
+ * expand into the scratch (the plain-C form is the reference expansion and the only one
+ * elsewhere). The bf16 product takes an int4 run's channels in the order its bytes'
+ * nibbles fall out of four shifts (PERM4), and x is permuted to match once per call.
  *
  * bf16 x: with AVX512_BF16 the weights are rounded to bf16 (nearest even, the values a
  * model dequantized to bf16 holds) and multiplied pairwise by vdpbf16ps (exact products,
@@ -159,21 +162,32 @@ typedef struct {
     __m512i lutw;
 } gconst_t;
 
+/* groups [g0, g0 + count) of row o (count <= 16): their scales and -zero * scale */
+static inline void group_block(const layout_t *L, int64_t o, int64_t g0, int count, float *s,
+                               float *c) {
+    const __mmask16 m = (__mmask16)((1u << count) - 1);
+    const int64_t at = o * L->groups + g0;
+    const __m512 sv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, L->s + 2 * at));
+    const __m512 zv = L->z ? _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                 _mm_maskz_loadu_epi8(m, L->z + at)))
+                           : _mm512_set1_ps(L->bits == 8 ? 128.0f : 8.0f);
+    _mm512_storeu_ps(s, sv);
+    _mm512_storeu_ps(c, _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(zv, sv)));
+}
+
 static inline __attribute__((always_inline)) gconst_t
-group_consts(const layout_t *L, int64_t o, int64_t g, const int BITS, const int WORDS) {
+group_consts(float s, float c, const int BITS, const int WORDS) {
     gconst_t k;
-    const float s = scale_of(L, o, g);
-    const int z = zero_of(L, o, g);
-    if (BITS == 4) {
+    if (BITS == 4) { /* q s - zero s: both terms and the sum exact */
         const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        k.lut = _mm512_mul_ps(_mm512_sub_ps(codes, _mm512_set1_ps((float)z)), _mm512_set1_ps(s));
+        k.lut = _mm512_fmadd_ps(codes, _mm512_set1_ps(s), _mm512_set1_ps(c));
 #if HAS_BF16DOT
-        if (WORDS)
-            k.lutw = _mm512_broadcast_i64x4((__m256i)_mm512_cvtneps_pbh(k.lut));
+        if (WORDS) /* the 16 values twice */
+            k.lutw = (__m512i)_mm512_cvtne2ps_pbh(k.lut, k.lut);
 #endif
     } else {
         k.s = _mm512_set1_ps(s);
-        k.c = _mm512_set1_ps(-(float)z * s);
+        k.c = _mm512_set1_ps(c);
     }
     (void)WORDS;
     return k;
@@ -195,36 +209,72 @@ run_f32(const uint8_t *q, int64_t i, const gconst_t *k, const int BITS, __m512 w
 }
 
 #if HAS_BF16DOT
-/* the same 32 channels as bf16, nearest even */
+/* The bf16 product takes each int4 run's channels in the order four shifts of its 16 bytes
+ * give them (word p of the vector: channel PERM4[p]); x is permuted to match, once per
+ * call, and the sums run in that order on every path. */
+static const uint16_t PERM4[32] = {0,  2,  4,  6,  8,  10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
+                                   1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+
+static inline __m512i perm4(void) { return _mm512_loadu_si512(PERM4); }
+
+/* the same 32 channels as bf16, nearest even; int4 in PERM4's order */
 static inline __attribute__((always_inline)) __m512bh
 run_bf16(const uint8_t *q, int64_t i, const gconst_t *k, const int BITS) {
     if (BITS == 4) {
-        /* the run's 16 bytes in both halves as words; the upper half shifted to its high
-         * nibbles; vpermw takes the low 5 bits of each index, and the table repeats its 16
-         * values, so a byte's high nibble in the lower half does not matter */
-        const long long four = 0x0004000400040004;
-        const __m512i shifts = _mm512_set_epi64(four, four, four, four, 0, 0, 0, 0);
-        const __m128i v = _mm_loadu_si128((const __m128i *)(q + i / 2));
-        const __m512i idx = _mm512_srlv_epi16(
-            _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(v)), shifts);
-        return (__m512bh)_mm512_permutexvar_epi16(idx, k->lutw);
+        /* the run's 16 bytes in each 128-bit lane, as 8 words (bytes 2m, 2m + 1); lane L's
+         * words shifted by 4L bring byte 2m's low and high nibble, then byte 2m + 1's, to
+         * the bottom; vpermw takes the low 5 bits of each index and the table repeats its
+         * 16 values, so the bits above a nibble do not matter */
+        const __m512i shifts = _mm512_set_epi64(
+            0x000c000c000c000c, 0x000c000c000c000c, 0x0008000800080008, 0x0008000800080008,
+            0x0004000400040004, 0x0004000400040004, 0, 0);
+        const __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(q + i / 2)));
+        return (__m512bh)_mm512_permutexvar_epi16(_mm512_srlv_epi16(v, shifts), k->lutw);
     }
     __m512 w[2];
     run_f32(q, i, k, BITS, w);
     return _mm512_cvtne2ps_pbh(w[1], w[0]);
+}
+
+/* row o as bf16 into y (int4 runs in PERM4's order) */
+static inline __attribute__((always_inline)) void
+row_bf16_bits(const layout_t *L, int64_t o, uint16_t *y, const int BITS) {
+    const uint8_t *q = L->q + o * L->row_bytes;
+    float s[16], c[16];
+    for (int64_t g0 = 0, i = 0; g0 < L->groups; g0 += 16) {
+        const int count = L->groups - g0 < 16 ? (int)(L->groups - g0) : 16;
+        group_block(L, o, g0, count, s, c);
+        for (int g = 0; g < count; g++) {
+            const gconst_t k = group_consts(s[g], c[g], BITS, 1);
+            for (const int64_t end = i + L->group; i < end; i += RUN)
+                _mm512_storeu_si512(y + i, (__m512i)run_bf16(q, i, &k, BITS));
+        }
+    }
+}
+
+static void row_bf16(const layout_t *L, int64_t o, uint16_t *y) {
+    if (L->bits == 4)
+        row_bf16_bits(L, o, y, 4);
+    else
+        row_bf16_bits(L, o, y, 8);
 }
 #endif
 
 static inline __attribute__((always_inline)) void
 row_bits(const layout_t *L, int64_t o, float *y, const int BITS) {
     const uint8_t *q = L->q + o * L->row_bytes;
-    for (int64_t g = 0, i = 0; g < L->groups; g++) {
-        const gconst_t k = group_consts(L, o, g, BITS, 0);
-        for (const int64_t end = i + L->group; i < end; i += RUN) {
-            __m512 w[2];
-            run_f32(q, i, &k, BITS, w);
-            _mm512_storeu_ps(y + i, w[0]);
-            _mm512_storeu_ps(y + i + 16, w[1]);
+    float s[16], c[16];
+    for (int64_t g0 = 0, i = 0; g0 < L->groups; g0 += 16) {
+        const int count = L->groups - g0 < 16 ? (int)(L->groups - g0) : 16;
+        group_block(L, o, g0, count, s, c);
+        for (int g = 0; g < count; g++) {
+            const gconst_t k = group_consts(s[g], c[g], BITS, 0);
+            for (const int64_t end = i + L->group; i < end; i += RUN) {
+                __m512 w[2];
+                run_f32(q, i, &k, BITS, w);
+                _mm512_storeu_ps(y + i, w[0]);
+                _mm512_storeu_ps(y + i + 16, w[1]);
+            }
         }
     }
 }
@@ -413,11 +463,17 @@ expand_group(const layout_t *L, row_fn expand, int64_t first, int ncols, void *s
 #if HAS_BF16DOT
         if (MODE == BF16) {
             uint16_t *dst = (uint16_t *)scratch + j * k;
-            expand(L, first + j, tmp);
-            for (int64_t i = 0; i < k; i += RUN)
-                _mm512_storeu_si512(dst + i, (__m512i)_mm512_cvtne2ps_pbh(
-                                                 _mm512_loadu_ps(tmp + i + 16),
-                                                 _mm512_loadu_ps(tmp + i)));
+            if (expand != row_plain) {
+                row_bf16(L, first + j, dst);
+                continue;
+            }
+            expand(L, first + j, tmp); /* channel order: rounded, then int4 permuted */
+            for (int64_t i = 0; i < k; i += RUN) {
+                const __m512i w = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(tmp + i + 16),
+                                                               _mm512_loadu_ps(tmp + i));
+                _mm512_storeu_si512(dst + i, L->bits == 4 ? _mm512_permutexvar_epi16(perm4(), w)
+                                                          : w);
+            }
             continue;
         }
 #endif
@@ -449,9 +505,13 @@ direct(const layout_t *L, int64_t first, int ncols, const void *x, int64_t ldx, 
         q[j] = L->q + o[j] * L->row_bytes;
         for (int r = 0; r < R; r++) c[r][j] = (vf){0};
     }
-    for (int64_t g = 0, i = 0; g < L->groups; g++) {
+    float s[NR][16], cz[NR][16];
+    for (int64_t g0 = 0, i = 0; g0 < L->groups; g0 += 16) {
+      const int count = L->groups - g0 < 16 ? (int)(L->groups - g0) : 16;
+      for (int j = 0; j < NR; j++) group_block(L, o[j], g0, count, s[j], cz[j]);
+      for (int g = 0; g < count; g++) {
         gconst_t k[NR];
-        for (int j = 0; j < NR; j++) k[j] = group_consts(L, o[j], g, BITS, MODE == BF16);
+        for (int j = 0; j < NR; j++) k[j] = group_consts(s[j][g], cz[j][g], BITS, MODE == BF16);
         for (const int64_t end = i + L->group; i < end; i += RUN) {
 #if HAS_BF16DOT
             if (MODE == BF16) {
@@ -476,6 +536,7 @@ direct(const layout_t *L, int64_t first, int ncols, const void *x, int64_t ldx, 
                 }
             }
         }
+      }
     }
     const int64_t es = MODE == BF16 ? 2 : 4;
     for (int r = 0; r < R; r++)
@@ -498,23 +559,77 @@ direct_rows(const layout_t *L, int64_t first, int ncols, const void *x, int64_t 
 }
 #endif
 
-/* x [rows, k] (row stride ldx; fp32, or bf16 for MODE BF16) against the codes -> out (row
- * stride ldo, x's dtype). */
-static inline __attribute__((always_inline)) int
-product(const layout_t *L, const void *x, int64_t rows, int64_t ldx, int64_t n, void *out,
-        int64_t ldo, int num_threads, int plain, const int MODE) {
-    const row_fn expand = expander(plain);
-    const int64_t k = L->k, groups = (n + NR - 1) / NR;
-    const int64_t es = MODE == BF16 ? 2 : 4, scratch_bytes = (NR * k * es + 63) / 64 * 64;
-    const int64_t tmp_bytes = (k * 4 + 63) / 64 * 64;
-    const int in_registers = !plain && rows <= DIRECT_ROWS && MODE != F32_ROUNDED;
+/* One call's operands, as each group of NR output rows needs them. */
+typedef struct {
+    const layout_t *L;
+    row_fn expand;     /* into scratch */
+    const void *x;     /* [rows, k], row stride ldx; fp32, or bf16 for MODE BF16 */
+    void *out;         /* [rows, n], row stride ldo; x's dtype */
+    int64_t rows, ldx, n, ldo;
+    int in_registers;  /* decode: expand in registers, no scratch */
+} call_t;
+
+/* output rows [g NR, g NR + NR) of the call; `scratch`: NR expanded rows, then one fp32 row */
+static inline __attribute__((always_inline)) void
+one_group(const call_t *c, int64_t g, char *scratch, int64_t scratch_bytes, const int MODE) {
+    const int64_t first = g * NR, es = MODE == BF16 ? 2 : 4;
+    const int ncols = c->n - first < NR ? (int)(c->n - first) : NR;
+    char *o = (char *)c->out + first * es;
+#if HAS_AVX512
+    if (c->in_registers) {
+        direct_rows(c->L, first, ncols, c->x, c->rows, c->ldx, o, c->ldo, MODE);
+        return;
+    }
+#endif
+    expand_group(c->L, c->expand, first, ncols, scratch, (float *)(scratch + scratch_bytes),
+                 MODE);
+    rows_against(c->x, c->rows, c->ldx, scratch, c->L->k, o, c->ldo, ncols, MODE);
+}
+
+/* one function per mode: the parallel region's body is compiled apart from its caller, and
+ * the mode must be a constant inside the loops */
+typedef void (*group_fn)(const call_t *, int64_t, char *, int64_t);
+static void group_f32(const call_t *c, int64_t g, char *scratch, int64_t bytes) {
+    one_group(c, g, scratch, bytes, F32);
+}
+static void group_f32_rounded(const call_t *c, int64_t g, char *scratch, int64_t bytes) {
+    one_group(c, g, scratch, bytes, F32_ROUNDED);
+}
+#if HAS_BF16DOT
+static void group_bf16(const call_t *c, int64_t g, char *scratch, int64_t bytes) {
+    one_group(c, g, scratch, bytes, BF16);
+}
+#endif
+
+/* x [rows, k] against the codes -> out, threads splitting the groups of NR output rows. */
+static int product(const layout_t *L, const void *x, int64_t rows, int64_t ldx, int64_t n,
+                   void *out, int64_t ldo, int num_threads, int plain, const int MODE) {
+    call_t c = {L, expander(plain), x, out, rows, ldx, n, ldo,
+                      !plain && rows <= DIRECT_ROWS && MODE != F32_ROUNDED};
+    group_fn task = MODE == F32 ? group_f32 : group_f32_rounded;
+#if HAS_BF16DOT
+    if (MODE == BF16) task = group_bf16;
+#endif
+    const int64_t k = L->k, groups = (n + NR - 1) / NR, es = MODE == BF16 ? 2 : 4;
+    const int64_t scratch_bytes = (NR * k * es + 63) / 64 * 64, tmp_bytes = (k * 4 + 63) / 64 * 64;
     int failed = 0;
+#if HAS_BF16DOT
+    uint16_t *xp = 0; /* int4: x in PERM4's order */
+    if (MODE == BF16 && L->bits == 4) {
+        if (!(xp = malloc((size_t)rows * k * 2))) return -1;
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t i = 0; i < k; i += RUN)
+                _mm512_storeu_si512(xp + r * k + i, _mm512_permutexvar_epi16(
+                    perm4(), _mm512_loadu_si512((const uint16_t *)x + r * ldx + i)));
+        c.x = xp, c.ldx = k;
+    }
+#endif
     _Pragma("omp parallel num_threads(num_threads) reduction(|:failed)")
     {
         /* NR expanded rows (zeroed: a last group's unused rows hold finite values), and
          * for bf16 one fp32 row */
         char *scratch = 0;
-        if (!in_registers) {
+        if (!c.in_registers) {
             scratch = aligned_alloc(64, scratch_bytes + (MODE == BF16 ? tmp_bytes : 0));
             if (!scratch)
                 failed = 1;
@@ -522,23 +637,13 @@ product(const layout_t *L, const void *x, int64_t rows, int64_t ldx, int64_t n, 
                 memset(scratch, 0, scratch_bytes);
         }
         _Pragma("omp for schedule(static)")
-        for (int64_t g = 0; g < groups; g++) {
-            const int64_t first = g * NR;
-            const int ncols = n - first < NR ? (int)(n - first) : NR;
-            char *o = (char *)out + first * es;
-#if HAS_AVX512
-            if (in_registers) {
-                direct_rows(L, first, ncols, x, rows, ldx, o, ldo, MODE);
-                continue;
-            }
-#endif
-            if (!scratch) continue;
-            expand_group(L, expand, first, ncols, scratch, (float *)(scratch + scratch_bytes),
-                         MODE);
-            rows_against(x, rows, ldx, scratch, k, o, ldo, ncols, MODE);
-        }
+        for (int64_t g = 0; g < groups; g++)
+            if (scratch || c.in_registers) task(&c, g, scratch, scratch_bytes);
         free(scratch);
     }
+#if HAS_BF16DOT
+    free(xp);
+#endif
     return failed ? -1 : 0;
 }
 
