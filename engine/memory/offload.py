@@ -1,19 +1,25 @@
 """Streaming decoder layers that do not stay on the device.
 
 A ring of `num_slots` device staging slots, each the size of one layer, serves the
-streamed layers in order (a layer of a quantized model streams as its compressed
-components, each in its own dtype, so a slot holds the compressed bytes and the
-layer's compressed linears are pointed at them, `CompressedLinear.set_weight`): load k (of an endless sequence over the streamed layers,
+streamed layers in order: load k (of an endless sequence over the streamed layers,
 step after step) fills slot k % num_slots. Loads run ahead of compute by up to
 `num_slots - 1` layers and cross step boundaries, so the first streamed layers of
 the next step load while the current step finishes. A slot is refilled only after
 the layer computed from it has finished.
 
+A layer of a quantized model streams as its compressed components, each in its own
+dtype (uint8 codes, fp16 scales), beside its dense tensors in the run's dtype: a slot
+is one byte buffer of the largest streamed layer's bytes, which each layer reads
+through views of its own shapes, and its compressed linears are pointed at those
+views each step (`CompressedLinear.set_weight`).
+
 Copies run on a background thread, which keeps them off the compute thread: on CPU
 the copy itself overlaps compute on the other cores; on CUDA the thread issues
 non-blocking copies on a separate stream and records an event that the compute
-stream waits on, so the host never blocks on a transfer. Nothing is allocated per
-step: the slots are allocated once.
+stream waits on, so the host never blocks on a transfer. The slots are allocated
+once; per step only a disk-tier part that is not a plain view of the file (a GGUF
+weight whose rows are reordered, a weight quantized on load) is read into a temporary
+on the copy thread.
 """
 from __future__ import annotations
 
