@@ -1,10 +1,12 @@
 """Compressed weights through the memory pool (issue 29): a quantized model's layers that
-do not stay on the device stream as their compressed components (GGUF blocks, uint8),
-from host memory or the file's memory map, into staging slots sized for them; greedy
-tokens equal the all-resident compressed run, and the plan, the slots and the memory
-report count the compressed bytes exactly."""
+do not stay on the device stream as their compressed components (GGUF blocks, uint8;
+int4 codes, fp16 scales and uint8 zero points), from host memory or the file's memory
+map, into staging slots sized for them; greedy tokens equal the all-resident compressed
+run, and the plan, the slots and the memory report count the compressed bytes exactly."""
 import pytest
 import torch
+
+from safetensors import safe_open
 
 from checkpoints import make_hf_checkpoint
 from gguf_checkpoints import Q, write_gguf
@@ -12,36 +14,50 @@ from fusegen.engine import LLM, SamplingParams
 from fusegen.engine.config import EngineConfig
 from fusegen.engine.memory.placement import budget_for_resident_layers, minimum_device_budget
 from fusegen.engine.options import EngineOptions
+from fusegen.engine.weights.groupquant import GroupQuantLinear
 from fusegen.engine.weights.gguf import GGUFFile
+from fusegen.engine.weights.quantize import QuantizeSpec, quantize_checkpoint
 from fusegen.engine.weights.quantized import GGUFLinear
 
 PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog.", "1 2 3 4 5 6 7 8 9 10",
            " leading spaces\nand a newline"]
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-OPTIONS = dict(dtype="float32", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64,
-               quantization="gguf")
+OPTIONS = dict(device="cpu", dtype="float32", max_model_len=128, max_num_seqs=8,
+               max_num_batched_tokens=64)
 NUM_LAYERS = 6
 LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 HIDDEN = 64  # make_hf_checkpoint's hidden size: each layer's two norms, fp32
 
 
 @pytest.fixture(scope="module")
-def gguf_path(tmp_path_factory):
+def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("streaming")
     hf_dir = make_hf_checkpoint(root / "hf", "llama", "bpe", seed=7,
                                 num_hidden_layers=NUM_LAYERS, max_position_embeddings=128)
-    # Q4_1 blocks, but layer 0's down in Q8_0: layer 0 is the largest, the streamed
-    # layers after it all one smaller size
-    return write_gguf(hf_dir, root / "tiny.gguf", qtype=Q.Q4_1,
+    # GGUF: Q4_1 blocks, but layer 0's down in Q8_0: layer 0 is the largest, the layers
+    # after it all one smaller size. int4: asymmetric groups of 32 (three components).
+    gguf = write_gguf(hf_dir, root / "tiny.gguf", qtype=Q.Q4_1,
                       types={"blk.0.ffn_down": Q.Q8_0})
+    quantize_checkpoint(hf_dir, root / "int4", QuantizeSpec(bits=4, group_size=32,
+                                                            symmetric=False))
+    return {"gguf": gguf, "int4": root / "int4"}
 
 
-def layer_bytes(path) -> list[int]:
-    """Each layer's bytes as the file stores its linears (their blocks), and its two
-    norms in fp32: from the tensor table alone."""
-    tensors = GGUFFile.open(path).tensors
-    return [sum(tensors[f"blk.{i}.{name}.weight"].nbytes for name in LINEARS) + 2 * HIDDEN * 4
-            for i in range(NUM_LAYERS)]
+def layer_bytes(kind: str, path) -> list[int]:
+    """Each layer's bytes as the file stores them, from its tensor table alone: GGUF
+    linears' blocks and two fp32 norms; the int4 checkpoint's codes, scales, zero
+    points and fp32 norms."""
+    if kind == "gguf":
+        tensors = GGUFFile.open(path).tensors
+        return [sum(tensors[f"blk.{i}.{name}.weight"].nbytes for name in LINEARS)
+                + 2 * HIDDEN * 4 for i in range(NUM_LAYERS)]
+    sizes = [0] * NUM_LAYERS
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        for name in f.keys():
+            if name.startswith("model.layers."):
+                tensor = f.get_tensor(name)
+                sizes[int(name.split(".")[2])] += tensor.numel() * tensor.element_size()
+    return sizes
 
 
 def _run(path, **options):
@@ -52,61 +68,71 @@ def _run(path, **options):
 
 
 @pytest.fixture(scope="module")
-def reference(gguf_path):
-    outs, runner, report, _ = _run(gguf_path)
-    assert report["layers"] == {"device": NUM_LAYERS, "host": 0, "disk": 0}
-    # the embedding, final norm and head, as this run holds them
-    fixed = report["device"]["weights"] - sum(layer_bytes(gguf_path))
-    return outs, runner.plan.sizes, fixed
+def reference(models):
+    out = {}
+    for kind, path in models.items():
+        outs, runner, report, _ = _run(path)
+        assert runner.config.quantization == kind
+        assert report["layers"] == {"device": NUM_LAYERS, "host": 0, "disk": 0}
+        # the embedding, final norm and head, as this run holds them
+        fixed = report["device"]["weights"] - sum(layer_bytes(kind, path))
+        out[kind] = outs, runner.plan.sizes, fixed
+    return out
 
 
-def test_plan_counts_compressed_bytes(gguf_path, reference):
-    _, sizes, _ = reference
-    per_layer = layer_bytes(gguf_path)
-    assert per_layer[0] > per_layer[1] and len(set(per_layer[1:])) == 1
-    assert sizes.layer_bytes == max(per_layer)  # the largest layer's blocks
-    assert f"streamed 0/{NUM_LAYERS} layers" in EngineConfig.build(
-        gguf_path, EngineOptions(**OPTIONS)).placement.table()
-    # at one budget the blocks keep more layers on the device than dense weights do:
-    # the smallest budget the dequantized model runs in streams its every layer
-    dense = dict(OPTIONS, quantization="dequantize")
-    budget = minimum_device_budget(EngineConfig.build(gguf_path, EngineOptions(**dense))
-                                   .placement.sizes)
-    tiers = {q: EngineConfig.build(gguf_path, EngineOptions(**dict(OPTIONS, quantization=q),
-                                                             device_memory=budget, host_memory=0)
-                                   ).placement.layer_tiers for q in ("gguf", "dequantize")}
-    assert tiers["dequantize"] == ["disk"] * NUM_LAYERS
-    assert tiers["gguf"] == ["device"] * NUM_LAYERS
+def test_plan_counts_compressed_bytes(models, reference):
+    for kind, path in models.items():
+        per_layer, sizes = layer_bytes(kind, path), reference[kind][1]
+        if kind == "gguf":
+            assert per_layer[0] > per_layer[1] and len(set(per_layer[1:])) == 1
+        assert sizes.layer_bytes == max(per_layer)  # the largest layer's components
+        assert f"streamed 0/{NUM_LAYERS} layers" in EngineConfig.build(
+            path, EngineOptions(**OPTIONS)).placement.table()
+        # at one budget the compressed layers stay on the device, the dense ones not:
+        # the smallest budget the dequantized model runs in streams its every layer
+        dense = EngineOptions(**OPTIONS, quantization="dequantize")
+        budget = minimum_device_budget(EngineConfig.build(path, dense).placement.sizes)
+        tiers = {q: EngineConfig.build(path, EngineOptions(
+            **OPTIONS, quantization=q, device_memory=budget, host_memory=0)
+        ).placement.layer_tiers for q in (kind, "dequantize")}
+        assert tiers["dequantize"] == ["disk"] * NUM_LAYERS
+        assert tiers[kind] == ["device"] * NUM_LAYERS
 
 
-@pytest.mark.parametrize("resident, tier", [(2, "host"), (3, "disk"), (0, "disk")])
-def test_streamed_compressed_layers_generate_like_resident(gguf_path, reference, resident,
-                                                           tier):
-    want, sizes, fixed = reference
+@pytest.mark.parametrize("kind, resident, tier", [
+    ("gguf", 2, "host"), ("gguf", 3, "disk"), ("gguf", 0, "disk"), ("int4", 2, "host"),
+    ("int4", 0, "disk")])
+def test_streamed_compressed_layers_generate_like_resident(models, reference, kind,
+                                                           resident, tier):
+    want, sizes, fixed = reference[kind]
     kv = sizes.min_kv_blocks * sizes.kv_block_bytes  # no KV share beyond one request's
     budget = budget_for_resident_layers(sizes, resident, kv_reserve=kv)
     host = "1GiB" if tier == "host" else 0
-    got, runner, report, stats = _run(gguf_path, device_memory=budget, host_memory=host,
+    got, runner, report, stats = _run(models[kind], device_memory=budget, host_memory=host,
                                       kv_cache_memory=kv)
     assert got == want
     tiers = runner.plan.layer_tiers
     assert tiers == ["device"] * resident + [tier] * (NUM_LAYERS - resident)
-    per_layer = layer_bytes(gguf_path)
+    per_layer = layer_bytes(kind, models[kind])
     streamed = range(resident, NUM_LAYERS)
-    # every layer's linears are compressed: the resident ones holding their blocks,
-    # the streamed ones shells pointed at a staging slot's bytes each step
+    # every layer's linears are compressed: the resident ones holding their
+    # components, the streamed ones shells pointed at a staging slot's bytes each step
     streamer = runner.model.streamer
     slots = {b.untyped_storage().data_ptr() for b in streamer.buffers}
+    linear, codes = (GGUFLinear, "blocks") if kind == "gguf" else (GroupQuantLinear, "qweight")
     for i in range(NUM_LAYERS):
         layer = runner.model.layers[i]
-        assert all(type(m) is GGUFLinear for m in (layer.qkv, layer.o, layer.gate_up,
-                                                   layer.down))
-        on_slot = layer.qkv.blocks.untyped_storage().data_ptr() in slots
+        assert all(type(m) is linear for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        on_slot = getattr(layer.qkv, codes).untyped_storage().data_ptr() in slots
         assert on_slot == (i in streamed)
     view = streamer.views[0][streamed[0]]
-    assert view["qkv.blocks"].dtype == torch.uint8 and view["input_norm"].dtype == torch.float32
+    assert view[f"qkv.{codes}"].dtype == torch.uint8
+    assert view["input_norm"].dtype == torch.float32
+    if kind == "int4":
+        assert view["qkv.scales"].dtype == torch.float16
+        assert view["qkv.zeros"].dtype == torch.uint8
     # exact accounting: a slot is the largest streamed layer's bytes, the tier holds
-    # the streamed layers' blocks and norms, the device the resident ones'
+    # the streamed layers' components and norms, the device the resident ones'
     largest = max(per_layer[i] for i in streamed)
     assert streamer.slot_bytes == largest
     assert report["device"]["staging"] == 2 * largest
