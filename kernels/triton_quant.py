@@ -68,13 +68,15 @@ def _config(num_rows: int, out_features: int, batch_invariant: bool) -> dict:
     """The launch parameters of a call (measured on an H200 over int4 / int8 at
     [4096 -> 14336] and [14336 -> 4096]): decode rows a 16-row tile, 32 outputs wide (a
     narrow layer still gets enough programs), four stages of loads in flight; more rows
-    wider tiles, BLOCK_N halved until the grid has 128 programs. BLOCK_M stays <= 32
-    when `batch_invariant` (see the header). BLOCK_K is _BLOCK_K always. `config=` on
-    the launchers overrides this (tests, tests/gpu/quant_bench.py)."""
+    32-row tiles 64 wide (BLOCK_N 16 and more warps or stages measured no faster), and
+    without `batch_invariant` 128 x 128 tiles past 64 rows; BLOCK_N is halved until the
+    grid has 128 programs. BLOCK_M stays <= 32 when `batch_invariant` (see the header).
+    BLOCK_K is _BLOCK_K always. `config=` on the launchers overrides this (tests,
+    tests/gpu/quant_bench.py)."""
     if num_rows <= 16:
         block_m, block_n, warps, stages = 16, 32, 4, 4
     elif num_rows <= 64 or batch_invariant:
-        block_m, block_n, warps, stages = 32, 128, 4, 3
+        block_m, block_n, warps, stages = 32, 64, 4, 3
     else:
         block_m, block_n, warps, stages = 128, 128, 8, 3
     while block_n > 32 and triton.cdiv(num_rows, block_m) * triton.cdiv(out_features, block_n) < 128:
@@ -383,6 +385,39 @@ def quantize_fp8_rows(x: torch.Tensor, per_tensor: bool = False):
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
+@triton.jit
+def _fp8_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, BLOCK: tl.constexpr):
+    """One row of x: its largest |value| / 448 as the scale (IEEE division, as torch's
+    division by a tensor), then x / scale clamped to +-448 and rounded to e4m3."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    amax = tl.zeros((BLOCK,), tl.float32)
+    for k0 in range(0, K, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.math.div_rn(tl.max(amax, 0), 448.0), 1e-12)  # FP8_MAX, _FP8_MIN_SCALE
+    tl.store(scale_ptr + row, scale)
+    for k0 in range(0, K, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
+        tl.store(q_ptr + row * K + offs, q.to(tl.float8e4nv), mask=offs < K)
+
+
+def quantize_fp8_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_fp8_rows(x) in one Triton launch, one program per row: the same scales
+    and (on the GPU, whose conversion rounds to nearest even) the same codes."""
+    x = _check_x(x, x.shape[-1], "fp8 row quantization")
+    codes = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
+    if x.shape[0]:
+        block = min(triton.next_power_of_2(x.shape[1]), 2048)
+        _fp8_rows_kernel[(x.shape[0],)](x, codes, scale, x.shape[1], x.stride(0), BLOCK=block,
+                                        num_warps=4)
+    return codes, scale
+
+
 def has_fp8_units(device: torch.device | str) -> bool:
     """A CUDA device of capability 8.9 or later (Ada, Hopper, Blackwell)."""
     device = torch.device(device)
@@ -417,7 +452,10 @@ def fp8_linear(x, weight_fp8, weight_scale, bias=None, per_tensor: bool = False
     x = _check_x(x, weight_fp8.shape[1], "fp8 linear")
     if not has_fp8_units(x.device) or x.shape[0] == 0:
         return fp8_linear_reference(x, weight_fp8, weight_scale, bias, per_tensor)
-    x_fp8, x_scale = quantize_fp8_rows(x, per_tensor)
+    if per_tensor or not _triton_available():
+        x_fp8, x_scale = quantize_fp8_rows(x, per_tensor)
+    else:  # one launch, not torch's nine small ones (a decode step's whole GEMM is ~25 us)
+        x_fp8, x_scale = quantize_fp8_rows_triton(x)
     # rowwise scaling: scale_a [M, 1], scale_b [1, N], bf16 out; weight column-major
     out = torch._scaled_mm(x_fp8, weight_fp8.t(), scale_a=x_scale,
                            scale_b=weight_scale.view(1, -1), out_dtype=torch.bfloat16)

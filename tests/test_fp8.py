@@ -204,3 +204,28 @@ def test_scaled_mm_matches_the_fallback(rows):
     assert torch.equal(on_gpu.weight_fp8.cpu().view(torch.uint8), on_cpu.weight_fp8.view(torch.uint8))
     torch.testing.assert_close(on_gpu(x.cuda()[:, :128]).cpu(), on_cpu(x[:, :128]),
                                rtol=2 ** -7, atol=2e-2)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not tq.has_fp8_units("cuda"), reason="needs a GPU with FP8 units"))])
+def test_row_quantization_kernel_matches_torch(device):
+    pytest.importorskip("triton")
+    from fusegen.kernels.testing import triton_on
+
+    x = torch.randn(5, 2500, generator=_gen(19)).bfloat16().to(device)  # two k-tiles, a tail
+    x[2] = 0.0
+    codes, scale = triton_on(device, tq.quantize_fp8_rows_triton)(x)
+    want_codes, want_scale = tq.quantize_fp8_rows(x)
+    assert torch.equal(scale, want_scale)
+    got, want = codes.float().cpu(), want_codes.float().cpu()
+    if device == "cpu":
+        # Triton's interpreter converts to e4m3 its own way: ties away from zero, and a
+        # value that rounds up into the next binade to half of it (126.9 -> 64, not 128).
+        # Its codes are at most one e4m3 step (2^-3 of the value) from torch's, or that
+        # half; the GPU converts to nearest even and matches exactly.
+        step = (got - want).abs() <= 2 ** -3 * want.abs()
+        assert (step | (got * 2 == want)).all()
+    else:
+        assert torch.equal(got, want)
+    empty_codes, empty_scale = triton_on(device, tq.quantize_fp8_rows_triton)(x[:0])
+    assert empty_codes.shape == (0, 2500) and empty_scale.shape == (0, 1)

@@ -16,7 +16,8 @@
    MLP shapes [4096 -> 14336] and [14336 -> 4096]: median of 50 calls, each timed with
    torch.cuda.Event after a 256 MiB write that evicts the weights from L2 and a
    torch.cuda._sleep that lets the host queue the call before the GPU reaches it (so a
-   time is the kernel's, launch overhead excluded, weights read from HBM as in decode).
+   time is the GPU's, host launch overhead excluded as in a CUDA graph, weights read
+   from HBM as in decode).
 Prints a table and writes $OUT_DIR/quant_bench.json. About 60-90 s on an H100, most of it
 Triton compiling one kernel per (kernel, M bucket, BLOCK_N).
 """
@@ -44,7 +45,7 @@ ULP = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10, torch.float32: 2 ** -23
 
 def _flush_and_sleep(scratch: torch.Tensor) -> None:
     scratch.zero_()
-    torch.cuda._sleep(200_000)  # ~0.1 ms of GPU time: the host queues the timed call meanwhile
+    torch.cuda._sleep(1_000_000)  # ~0.5 ms of GPU time: the host queues the timed call meanwhile
 
 
 def median_ms(fn, scratch) -> float:
