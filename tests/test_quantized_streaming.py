@@ -5,7 +5,6 @@ map, into staging slots sized for them; greedy tokens equal the all-resident com
 run, and the plan, the slots and the memory report count the compressed bytes exactly."""
 import pytest
 import torch
-
 from safetensors import safe_open
 
 from checkpoints import make_hf_checkpoint
@@ -14,7 +13,7 @@ from fusegen.engine import LLM, SamplingParams
 from fusegen.engine.config import EngineConfig
 from fusegen.engine.memory.placement import budget_for_resident_layers, minimum_device_budget
 from fusegen.engine.options import EngineOptions
-from fusegen.engine.weights.groupquant import GroupQuantLinear
+from fusegen.engine.weights.groupquant import GroupQuantExpertLinear, GroupQuantLinear
 from fusegen.engine.weights.gguf import GGUFFile
 from fusegen.engine.weights.quantize import QuantizeSpec, quantize_checkpoint
 from fusegen.engine.weights.quantized import GGUFLinear
@@ -38,15 +37,19 @@ def models(tmp_path_factory):
     # after it all one smaller size. int4: asymmetric groups of 32 (three components).
     gguf = write_gguf(hf_dir, root / "tiny.gguf", qtype=Q.Q4_1,
                       types={"blk.0.ffn_down": Q.Q8_0})
-    quantize_checkpoint(hf_dir, root / "int4", QuantizeSpec(bits=4, group_size=32,
-                                                            symmetric=False))
-    return {"gguf": gguf, "int4": root / "int4"}
+    spec = QuantizeSpec(bits=4, group_size=32, symmetric=False)
+    quantize_checkpoint(hf_dir, root / "int4", spec)
+    # a mixture of experts: every expert's gate/up and down in int4, the router dense
+    moe_dir = make_hf_checkpoint(root / "moe", "mixtral", "bpe", seed=9,
+                                 num_hidden_layers=NUM_LAYERS, max_position_embeddings=128)
+    quantize_checkpoint(moe_dir, root / "moe-int4", spec)
+    return {"gguf": gguf, "int4": root / "int4", "moe": root / "moe-int4"}
 
 
 def layer_bytes(kind: str, path) -> list[int]:
     """Each layer's bytes as the file stores them, from its tensor table alone: GGUF
-    linears' blocks and two fp32 norms; the int4 checkpoint's codes, scales, zero
-    points and fp32 norms."""
+    linears' blocks and two fp32 norms; an int4 checkpoint's codes, scales, zero
+    points and fp32 norms (and router)."""
     if kind == "gguf":
         tensors = GGUFFile.open(path).tensors
         return [sum(tensors[f"blk.{i}.{name}.weight"].nbytes for name in LINEARS)
@@ -72,7 +75,7 @@ def reference(models):
     out = {}
     for kind, path in models.items():
         outs, runner, report, _ = _run(path)
-        assert runner.config.quantization == kind
+        assert runner.config.quantization == ("gguf" if kind == "gguf" else "int4")
         assert report["layers"] == {"device": NUM_LAYERS, "host": 0, "disk": 0}
         # the embedding, final norm and head, as this run holds them
         fixed = report["device"]["weights"] - sum(layer_bytes(kind, path))
@@ -94,14 +97,14 @@ def test_plan_counts_compressed_bytes(models, reference):
         budget = minimum_device_budget(EngineConfig.build(path, dense).placement.sizes)
         tiers = {q: EngineConfig.build(path, EngineOptions(
             **OPTIONS, quantization=q, device_memory=budget, host_memory=0)
-        ).placement.layer_tiers for q in (kind, "dequantize")}
+        ).placement.layer_tiers for q in (None, "dequantize")}
         assert tiers["dequantize"] == ["disk"] * NUM_LAYERS
-        assert tiers[kind] == ["device"] * NUM_LAYERS
+        assert tiers[None] == ["device"] * NUM_LAYERS
 
 
 @pytest.mark.parametrize("kind, resident, tier", [
     ("gguf", 2, "host"), ("gguf", 3, "disk"), ("gguf", 0, "disk"), ("int4", 2, "host"),
-    ("int4", 0, "disk")])
+    ("int4", 0, "disk"), ("moe", 1, "host"), ("moe", 0, "disk")])
 def test_streamed_compressed_layers_generate_like_resident(models, reference, kind,
                                                            resident, tier):
     want, sizes, fixed = reference[kind]
@@ -120,15 +123,17 @@ def test_streamed_compressed_layers_generate_like_resident(models, reference, ki
     streamer = runner.model.streamer
     slots = {b.untyped_storage().data_ptr() for b in streamer.buffers}
     linear, codes = (GGUFLinear, "blocks") if kind == "gguf" else (GroupQuantLinear, "qweight")
+    mlp = GroupQuantExpertLinear if kind == "moe" else linear  # every expert's, stacked
     for i in range(NUM_LAYERS):
         layer = runner.model.layers[i]
-        assert all(type(m) is linear for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        assert type(layer.qkv) is linear and type(layer.o) is linear
+        assert type(layer.gate_up) is mlp and type(layer.down) is mlp
         on_slot = getattr(layer.qkv, codes).untyped_storage().data_ptr() in slots
         assert on_slot == (i in streamed)
     view = streamer.views[0][streamed[0]]
     assert view[f"qkv.{codes}"].dtype == torch.uint8
     assert view["input_norm"].dtype == torch.float32
-    if kind == "int4":
+    if kind != "gguf":
         assert view["qkv.scales"].dtype == torch.float16
         assert view["qkv.zeros"].dtype == torch.uint8
     # exact accounting: a slot is the largest streamed layer's bytes, the tier holds
