@@ -151,6 +151,8 @@ def group_linear_native(x, qweight, scales, zeros, bits, group_size, out_feature
     of the vectorised ones. RuntimeError where it declines the call."""
     check(qweight, scales, zeros, bits, group_size, out_features, in_features, x)
     assert x.dim() == 2, "rows [T, in_features]"
+    if not has_kernel(bits, x.dtype):
+        raise RuntimeError(f"no C kernel for int{bits} with {x.dtype} x in this build")
     if x.shape[0] == 0:
         return torch.empty(0, out_features, dtype=x.dtype)
     out = _group_linear_native(x, qweight, scales, zeros, bits, group_size, out_features,

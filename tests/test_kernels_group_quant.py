@@ -44,17 +44,29 @@ def assert_close(got, ref, x, w):
 # ---- the format ---------------------------------------------------------------------
 
 def test_int4_nibble_order_is_gguf_q4_0():
-    """In each run of 32 channels byte k holds channel k (low nibble) and k + 16 (high)."""
-    codes = torch.arange(64, dtype=torch.uint8).remainder(16).reshape(1, 64)
-    codes[0, 40] = 3
+    """In each run of 32 channels byte k holds channel k (low nibble) and k + 16 (high): a
+    symmetric int4 weight in groups of 32 is GGUF Q4_0 (d = scale, codes minus 8), so gguf's
+    own dequantize of the same bytes gives the same weight."""
+    import numpy as np
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    codes = (torch.arange(64) * 7 + torch.arange(64) // 16).remainder(16).to(torch.uint8)
+    codes = codes.reshape(1, 64)
     packed = gl.pack_int4(codes)
     assert packed.shape == (1, 32)
-    assert packed[0, 0].item() == 0x00 and packed[0, 1].item() == 0x11
     for run in range(2):
         for k in range(16):
             byte = packed[0, 16 * run + k].item()
             assert byte & 0xF == codes[0, 32 * run + k] and byte >> 4 == codes[0, 32 * run + k + 16]
     assert torch.equal(gl.unpack_int4(packed), codes)
+
+    qweight, scales, _ = make_weight(4, True, 32, 3, 128, seed=2)
+    blocks = np.concatenate([scales.numpy().reshape(3, 4, 1).view(np.uint8),
+                             qweight.numpy().reshape(3, 4, 16)], axis=2)  # [d, q[16]] x 4
+    expected = dequantize(blocks.reshape(3, -1), GGMLQuantizationType.Q4_0).reshape(3, 128)
+    assert torch.equal(gl.dequantize_group(qweight, scales, None, 4, 32, 128),
+                       torch.from_numpy(np.ascontiguousarray(expected, dtype=np.float32)))
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -175,6 +187,8 @@ def test_check_errors_name_the_tensor():
     with pytest.raises(ValueError, match=r"int8 qweight .* \[5, 64\]; got torch.uint8 \[5, 32\]"):
         gl.dequantize_group(qweight, scales, zeros, 8, 32, 64)
     assert not gl.has_kernel(3, torch.float32) and not gl.has_kernel(4, torch.float16)
+    with pytest.raises(RuntimeError, match="no C kernel for int4 with torch.float16 x"):
+        gl.group_linear_native(x.half(), qweight, scales, zeros, **call)
 
 
 # ---- the reference --------------------------------------------------------------------
