@@ -205,7 +205,7 @@ def dequantize_group(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     groups = in_features // group_size
     q = codes.reshape(rows, groups, group_size).float()
     zero = (zeros.float() if zeros is not None
-            else torch.full((rows, groups), float(SYMMETRIC_ZERO[bits])))
+            else torch.full((rows, groups), float(SYMMETRIC_ZERO[bits]), device=scales.device))
     return ((q - zero[:, :, None]) * scales.float()[:, :, None]).reshape(rows, in_features)
 
 
@@ -238,7 +238,8 @@ def quantize_group(weight: torch.Tensor, bits: int, group_size: int, symmetric: 
         raise ValueError(f"weight row {row} holds inf or NaN; cannot quantize it")
     top = MAX_CODE[bits]
     if symmetric:
-        steps, zero = top // 2, torch.full((out_features, w.shape[1]), SYMMETRIC_ZERO[bits])
+        steps = top // 2
+        zero = torch.full((out_features, w.shape[1]), SYMMETRIC_ZERO[bits], device=w.device)
         scale = _fp16_scale(w.abs().amax(dim=2) / steps, bits, group_size)
         sf = scale.float()[:, :, None]
         q = torch.round(w / sf).clamp(-steps, steps) + zero[:, :, None]
@@ -275,7 +276,7 @@ def group_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch
     round to x.dtype."""
     check(qweight, scales, zeros, bits, group_size, out_features, in_features, x)
     xf = x.float()
-    out = torch.empty(*x.shape[:-1], out_features, dtype=torch.float32)
+    out = torch.empty(*x.shape[:-1], out_features, dtype=torch.float32, device=x.device)
     for first in range(0, out_features, REFERENCE_TILE_ROWS):
         tile = slice(first, min(first + REFERENCE_TILE_ROWS, out_features))
         w = dequantize_group(qweight[tile], scales[tile],
