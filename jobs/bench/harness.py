@@ -167,8 +167,8 @@ def run_benchmark(config: BenchConfig, progress: Progress = lambda _: None) -> d
     engine_options = {k: v for k, v in budgets.items() if not k.startswith("_")}
     progress(f"fusegen: loading the model ({config.dtype} on {config.device})")
     results = [_fusegen(model_dir, requests, warmup, dtype=config.dtype, device=config.device,
-                           engine_options={**config.engine_options, **engine_options},
-                           progress=progress)]
+                        engine_options={**config.engine_options, **engine_options},
+                        progress=progress)]
     _done(results[-1], progress)
     if config.deterministic_too:
         _free_memory(config.device)
@@ -223,7 +223,7 @@ def _fusegen_again(config: BenchConfig, run: tuple, progress: Progress, what: st
     _free_memory(config.device)
     progress(f"fusegen: again {what}")
     result = _fusegen(*run, dtype=config.dtype, device=config.device, progress=progress,
-                         engine_options={**config.engine_options, **engine_options}, **kwargs)
+                      engine_options={**config.engine_options, **engine_options}, **kwargs)
     _done(result, progress)
     return result
 
