@@ -361,3 +361,30 @@ def test_calibration_files_read(tmp_path):
     (tmp_path / "p.txt").write_text("first line\r\n\nsecond\n")
     assert read_prompts(tmp_path / "p.txt", "ignored", 64) == ["first line", "second"]
 
+
+
+# -- running what it wrote ----------------------------------------------------------
+
+@pytest.mark.parametrize("arch,bits,symmetric,method", [
+    ("wide", 8, True, "rtn"), ("wide", 4, False, "rtn"), ("wide", 4, True, "awq"),
+    ("qwen3_moe", 4, False, "awq"), ("gemma3", 4, False, "awq")])
+def test_written_checkpoint_runs_as_dequantized(wide_dir, tmp_path, arch, bits, symmetric,
+                                                method):
+    """fusegen runs the written checkpoint compressed and gives the greedy fp32 tokens of
+    the same checkpoint dequantized as it loads."""
+    from fusegen import LLM, SamplingParams
+
+    src = wide_dir if arch == "wide" else make_hf_checkpoint(tmp_path / "src", arch,
+                                                             **MOE.get(arch, {}))
+    out = tmp_path / "q"
+    qz.quantize_checkpoint(src, out, qz.QuantizeSpec(bits, 32, symmetric, method),
+                           prompts=PROMPTS if method == "awq" else None)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = ["Hello world", "The quick brown fox", "1 2 3"]
+    tokens = {}
+    for form in (None, "dequantize"):
+        with LLM(str(out), dtype="float32", device="cpu", quantization=form) as llm:
+            linear = type(llm.engine.runner.model.layers[0].qkv).__name__
+            assert (linear == "GroupQuantLinear") == (form is None), linear
+            tokens[form] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert tokens[None] == tokens["dequantize"]
