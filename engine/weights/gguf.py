@@ -27,11 +27,11 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
-from torch.utils._pytree import tree_map_only
 
 from fusegen.engine.errors import ModelLoadError
 from fusegen.engine.models import get_architecture
 from fusegen.engine.weights.gguf_names import gguf_tensor_names, hf_config, value_transform
+from fusegen.engine.weights.loader import LazyTensor
 
 if TYPE_CHECKING:
     from fusegen.engine.models.config import ModelConfig
@@ -130,28 +130,6 @@ def _unused_hint(name: str) -> str:
         return ("; it holds llama.cpp's precomputed rope scaling (Llama 3.1 and later), "
                 "which fusegen reads only from a Hugging Face checkpoint's config.json")
     return ""
-
-
-class LazyTensor(torch.Tensor):
-    """A tensor of a GGUF file, read and dequantized only when a torch op uses it (the
-    loader's `.to(...)`, a streaming copy into a staging slot); shape and dtype are
-    known without reading. Each use reads afresh, so a disk-tier layer costs no host
-    memory between steps. It lives on the meta device: `.to(device)` always copies,
-    never hands the lazy tensor itself to a model."""
-
-    @staticmethod
-    def __new__(cls, shape: tuple[int, ...], dtype: torch.dtype, load):
-        tensor = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device="meta")
-        tensor.load = load  # () -> the tensor's values, a real tensor in `dtype`
-        return tensor
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        args, kwargs = tree_map_only(LazyTensor, lambda t: t.load(), (args, kwargs or {}))
-        return func(*args, **kwargs)
-
-    def __repr__(self) -> str:
-        return f"LazyTensor(shape={tuple(self.shape)}, dtype={self.dtype})"
 
 
 @dataclass(frozen=True, slots=True)

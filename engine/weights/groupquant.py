@@ -138,7 +138,7 @@ def _dtype(dtype: torch.dtype) -> str:
 def compressed_entry(shape: tuple[int, int], params: tuple, name: str, read) -> torch.Tensor:
     """A state-dict entry for a group-quantized weight: a lazy tensor of the dense
     weight (fp32, dequantized when used) carrying its source as `.compressed`."""
-    from fusegen.engine.weights.gguf import LazyTensor
+    from fusegen.engine.weights.loader import LazyTensor
 
     source = CompressedSource.of("group", params, shape, name, read)
     entry = LazyTensor(tuple(shape), torch.float32, partial(_dequantized, source))
@@ -194,6 +194,13 @@ def _kernel():
     return group_linear
 
 
+@functools.cache
+def _triton():
+    from fusegen.kernels import triton_quant
+
+    return triton_quant
+
+
 class GroupQuantLinear(CompressedLinear):
     """W held as fusegen's group-quantized codes: `qweight` uint8 [out, in] (int8) or
     [out, in / 2] (int4), `scales` fp16 [out, G], `zeros` uint8 [out, G] or None
@@ -212,10 +219,17 @@ class GroupQuantLinear(CompressedLinear):
         return out
 
     def _batch_invariant(self, x: torch.Tensor) -> bool:
+        if x.is_cuda:  # the Triton kernel's batch-invariant tiles (kernels/triton_quant.py)
+            return _triton().has_triton_quant(x.device)
         return use_native(x) and _kernel().has_kernel(self.params[0], x.dtype)
 
     def _product(self, x, qweight, scales, zeros, out_features: int) -> torch.Tensor:
         bits, group_size, _ = self.params
+        if x.is_cuda and _triton().has_triton_quant(x.device):
+            # deterministic mode keeps the tiles whose sums do not depend on the batch
+            return _triton().group_linear_triton(x, qweight, scales, zeros, bits, group_size,
+                                                 out_features, self.in_features,
+                                                 batch_invariant=self.row_tile is not None)
         return _kernel().group_linear(x, qweight, scales, zeros, bits, group_size,
                                       out_features, self.in_features)
 
