@@ -43,15 +43,19 @@ def _children() -> list[psutil.Process]:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """Tiny llamas (hidden 64, 4 heads of 16, 2 KV heads, intermediate 128): a GGUF file
-    in Q8_0 blocks (of 32 columns), and an int4 checkpoint in asymmetric groups of 32
-    (codes, fp16 scales and zero points) with four layers."""
+    in Q8_0 blocks (of 32 columns), an int4 checkpoint in asymmetric groups of 32
+    (codes, fp16 scales and zero points) with four layers, and a Mixtral in int4."""
     root = tmp_path_factory.mktemp("quantized_parallel")
     hf_dir = make_hf_checkpoint(root / "hf", "llama", "bpe", seed=3)
     deep = make_hf_checkpoint(root / "deep", "llama", "bpe", seed=5, num_hidden_layers=4,
                               max_position_embeddings=128)
-    int4 = root / "int4"
-    quantize_checkpoint(deep, int4, QuantizeSpec(bits=4, group_size=32, symmetric=False))
-    return {"gguf": write_gguf(hf_dir, root / "tiny.gguf", qtype=Q.Q8_0), "int4": int4}
+    spec = QuantizeSpec(bits=4, group_size=32, symmetric=False)
+    quantize_checkpoint(deep, root / "int4", spec)
+    # a mixture of experts (8 experts of intermediate 128) in int4: its experts' slices
+    moe = make_hf_checkpoint(root / "moe", "mixtral", "bpe", seed=9)
+    quantize_checkpoint(moe, root / "moe-int4", spec)
+    return {"gguf": write_gguf(hf_dir, root / "tiny.gguf", qtype=Q.Q8_0),
+            "int4": root / "int4", "moe": root / "moe-int4"}
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +131,12 @@ def test_gguf_ranks_and_stages_give_single_process_tokens(models, reference):
             assert llm.placement.sizes.layer_bytes == layer_bytes  # the rank's, compressed
             ranks = llm.memory_report()["ranks"]
         assert sorted(ranks) == [0, 1]
+    assert _children() == []
+
+
+def test_moe_ranks_split_every_expert_compressed(models, reference):
+    with LLM(str(models["moe"]), tensor_parallel_size=2, **LIMITS) as llm:
+        assert tokens(llm) == reference["moe"]
     assert _children() == []
 
 
