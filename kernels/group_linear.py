@@ -237,17 +237,20 @@ def quantize_group(weight: torch.Tensor, bits: int, group_size: int, symmetric: 
         row = int(torch.nonzero(~torch.isfinite(w))[0, 0])
         raise ValueError(f"weight row {row} holds inf or NaN; cannot quantize it")
     top = MAX_CODE[bits]
+    # divisions by tensors, not Python numbers: CUDA multiplies by a scalar divisor's
+    # reciprocal, which would give other scales (and codes) than the CPU's on some values
     if symmetric:
         steps = top // 2
         zero = torch.full((out_features, w.shape[1]), SYMMETRIC_ZERO[bits], device=w.device)
-        scale = _fp16_scale(w.abs().amax(dim=2) / steps, bits, group_size)
+        amax = w.abs().amax(dim=2)
+        scale = _fp16_scale(amax / torch.full_like(amax, steps), bits, group_size)
         sf = scale.float()[:, :, None]
         q = torch.round(w / sf).clamp(-steps, steps) + zero[:, :, None]
         zeros = None
     else:
         lo = w.amin(dim=2).clamp(max=0.0)
         hi = w.amax(dim=2).clamp(min=0.0)
-        scale = _fp16_scale((hi - lo) / top, bits, group_size)
+        scale = _fp16_scale((hi - lo) / torch.full_like(lo, top), bits, group_size)
         sf = scale.float()
         zero = torch.where(sf > 0, torch.round(-lo / sf), 0.0).clamp(0, top)
         sf = sf[:, :, None]
