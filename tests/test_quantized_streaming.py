@@ -11,7 +11,8 @@ from checkpoints import make_hf_checkpoint
 from gguf_checkpoints import Q, write_gguf
 from fusegen.engine import LLM, SamplingParams
 from fusegen.engine.config import EngineConfig
-from fusegen.engine.memory.placement import budget_for_resident_layers, minimum_device_budget
+from fusegen.engine.memory.placement import (budget_for_resident_layers, format_bytes,
+                                             minimum_device_budget)
 from fusegen.engine.options import EngineOptions
 from fusegen.engine.weights.groupquant import GroupQuantExpertLinear, GroupQuantLinear
 from fusegen.engine.weights.gguf import GGUFFile
@@ -89,12 +90,17 @@ def test_plan_counts_compressed_bytes(models, reference):
         if kind == "gguf":
             assert per_layer[0] > per_layer[1] and len(set(per_layer[1:])) == 1
         assert sizes.layer_bytes == max(per_layer)  # the largest layer's components
-        assert f"streamed 0/{NUM_LAYERS} layers" in EngineConfig.build(
-            path, EngineOptions(**OPTIONS)).placement.table()
+        dense = EngineConfig.build(path, EngineOptions(**OPTIONS, quantization="dequantize")
+                                   ).placement.sizes
+        assert dense.dense_layer_bytes is None and sizes.dense_layer_bytes == dense.layer_bytes
+        table = EngineConfig.build(path, EngineOptions(**OPTIONS)).placement.table()
+        assert table.endswith(f"layer {format_bytes(sizes.layer_bytes)}, KV block "
+                              f"{format_bytes(sizes.kv_block_bytes)}, streamed 0/{NUM_LAYERS} "
+                              f"layers, compressed ({format_bytes(dense.layer_bytes)} a layer "
+                              "dense)")
         # at one budget the compressed layers stay on the device, the dense ones not:
         # the smallest budget the dequantized model runs in streams its every layer
-        dense = EngineOptions(**OPTIONS, quantization="dequantize")
-        budget = minimum_device_budget(EngineConfig.build(path, dense).placement.sizes)
+        budget = minimum_device_budget(dense)
         tiers = {q: EngineConfig.build(path, EngineOptions(
             **OPTIONS, quantization=q, device_memory=budget, host_memory=0)
         ).placement.layer_tiers for q in (None, "dequantize")}

@@ -73,6 +73,9 @@ class ModelSizes:
     kv_block_bytes: int  # one KV block across all layers
     min_kv_blocks: int  # one request at full context
     activation_bytes: int  # reserve for one step's activations and logits
+    # a compressed model's (quantized linears kept as their codes: layer_bytes counts
+    # those) layer as dense weights would be, for the table; None when not compressed
+    dense_layer_bytes: int | None = None
 
 
 @dataclass(slots=True)
@@ -111,8 +114,11 @@ class PlacementPlan:
         ]
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-        lines.append(f"layer {format_bytes(s.layer_bytes)}, KV block {format_bytes(s.kv_block_bytes)}"
-                     f", streamed {len(self.streamed_layers)}/{s.num_layers} layers")
+        compressed = ("" if s.dense_layer_bytes is None else
+                      f", compressed ({format_bytes(s.dense_layer_bytes)} a layer dense)")
+        lines.append(f"layer {format_bytes(s.layer_bytes)}, KV block "
+                     f"{format_bytes(s.kv_block_bytes)}, streamed "
+                     f"{len(self.streamed_layers)}/{s.num_layers} layers{compressed}")
         return "\n".join(lines)
 
 

@@ -34,9 +34,9 @@ class ModelShape:
     vocab_size: int
     max_position_embeddings: int
     dtype_bytes: int  # of the run's dtype
-    # one layer's weight bytes when they are not layer_params * dtype_bytes: GGUF
-    # blocks kept compressed (quantization="gguf"; the largest layer's, where types
-    # differ between layers)
+    # one layer's weight bytes when they are not layer_params * dtype_bytes: linears
+    # kept compressed (GGUF blocks, int8 / int4 groups: their components; the largest
+    # layer's, where types differ between layers; a tensor-parallel rank's slice)
     layer_bytes: int | None = None
 
 
@@ -105,7 +105,8 @@ def model_sizes(options, shape: ModelShape, limits: tuple[int, int],
         fixed_bytes=shape.fixed_params * elem,
         kv_block_bytes=shape.num_layers * options.block_size * shape.kv_width * elem,
         min_kv_blocks=-(-max_model_len // options.block_size),
-        activation_bytes=activation_bytes(shape, max_num_batched_tokens, max_num_seqs))
+        activation_bytes=activation_bytes(shape, max_num_batched_tokens, max_num_seqs),
+        dense_layer_bytes=None if shape.layer_bytes is None else shape.layer_params * elem)
 
 
 def activation_bytes(shape: ModelShape, num_tokens: int, num_sampled: int) -> int:
