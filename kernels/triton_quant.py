@@ -32,6 +32,7 @@ BLOCK_M 128 (wgmma): faster prefill, rows then depend on which bucket their call
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -52,6 +53,9 @@ _BLOCK_K = 128
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _FP8_MIN_SCALE = 1e-12  # an all-zero row or weight channel: codes 0, scale tiny, not 0/0
 _REFERENCE_TILE_ROWS = 256  # output rows the fp8 fallback dequantizes at a time
+# The Triton row quantizer ran in the interpreter but not yet on a GPU when written: a
+# Triton that fails to compile it turns it off (with a warning) rather than fp8_linear.
+_ROW_KERNEL = {"usable": True}
 
 
 def has_triton_quant(device: str | torch.device = "cuda") -> bool:
@@ -452,10 +456,18 @@ def fp8_linear(x, weight_fp8, weight_scale, bias=None, per_tensor: bool = False
     x = _check_x(x, weight_fp8.shape[1], "fp8 linear")
     if not has_fp8_units(x.device) or x.shape[0] == 0:
         return fp8_linear_reference(x, weight_fp8, weight_scale, bias, per_tensor)
-    if per_tensor or not _triton_available():
+    x_fp8 = None
+    if not per_tensor and _ROW_KERNEL["usable"] and _triton_available():
+        # one launch, not torch's nine small ones (the whole GEMM of a decode step is tens
+        # of microseconds)
+        try:
+            x_fp8, x_scale = quantize_fp8_rows_triton(x)
+        except Exception as exc:  # noqa: BLE001 - a Triton build that cannot compile it
+            _ROW_KERNEL["usable"] = False
+            warnings.warn(f"fp8_linear: the Triton row quantizer failed ({exc!r:.300}); "
+                          "quantizing x with torch from now on", RuntimeWarning)
+    if x_fp8 is None:
         x_fp8, x_scale = quantize_fp8_rows(x, per_tensor)
-    else:  # one launch, not torch's nine small ones (a decode step's whole GEMM is ~25 us)
-        x_fp8, x_scale = quantize_fp8_rows_triton(x)
     # rowwise scaling: scale_a [M, 1], scale_b [1, N], bf16 out; weight column-major
     out = torch._scaled_mm(x_fp8, weight_fp8.t(), scale_a=x_scale,
                            scale_b=weight_scale.view(1, -1), out_dtype=torch.bfloat16)

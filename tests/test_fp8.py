@@ -229,3 +229,24 @@ def test_row_quantization_kernel_matches_torch(device):
         assert torch.equal(got, want)
     empty_codes, empty_scale = triton_on(device, tq.quantize_fp8_rows_triton)(x[:0])
     assert empty_codes.shape == (0, 2500) and empty_scale.shape == (0, 1)
+
+
+def test_scaled_mm_path_survives_a_row_kernel_that_fails(monkeypatch):
+    # The GPU path with _scaled_mm and the Triton row quantizer stood in for on the CPU:
+    # a row quantizer that raises is turned off with a warning, and x quantized by torch.
+    def row_kernel(x):
+        raise RuntimeError("compile failed")
+
+    def scaled_mm(a, b, scale_a, scale_b, out_dtype):
+        return ((a.float() @ b.float()) * scale_a * scale_b).to(out_dtype)
+
+    monkeypatch.setattr(tq, "has_fp8_units", lambda device: True)
+    monkeypatch.setattr(tq, "quantize_fp8_rows_triton", row_kernel)
+    monkeypatch.setattr(tq, "_ROW_KERNEL", {"usable": True})
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    weight_fp8, scale = tq.quantize_fp8(torch.randn(16, 64, generator=_gen(20)))
+    x = torch.randn(3, 64, generator=_gen(21)).bfloat16()
+    with pytest.warns(RuntimeWarning, match="Triton row quantizer failed"):
+        out = tq.fp8_linear(x, weight_fp8, scale)
+    assert tq._ROW_KERNEL == {"usable": False}
+    torch.testing.assert_close(out, tq.fp8_linear_reference(x, weight_fp8, scale))
