@@ -46,10 +46,10 @@ def quantize(model, bits, group_size, symmetric, method, calibration, calibratio
     try:
         spec = QuantizeSpec(int(bits), int(group_size), symmetric, method)
         if method == "awq" and calibration is None:
-            raise QuantizeError("--method awq needs calibration prompts: pass --calibration "
-                                "FILE (.parquet, .jsonl or .txt)", "calibration")
+            raise _bad("--method awq needs calibration prompts: pass --calibration FILE "
+                       "(.parquet, .jsonl or .txt)")
         if method == "rtn" and calibration is not None:
-            raise QuantizeError("--calibration is used only by --method awq", "calibration")
+            raise _bad("--calibration is used only by --method awq")
         prompts = None if calibration is None else \
             read_prompts(calibration, calibration_column, calibration_rows)
         report = quantize_checkpoint(model, output, spec, prompts=prompts, overwrite=overwrite)
@@ -65,50 +65,51 @@ def quantize(model, bits, group_size, symmetric, method, calibration, calibratio
 
 
 def read_prompts(path: Path, column: str, max_rows: int) -> list[str]:
-    """The first `max_rows` non-empty prompts of a calibration file; QuantizeError
-    (--calibration) for a missing file, an unknown format, a missing column, a value
-    that is not text, or no prompts at all."""
-    from fusegen.engine.weights.quantize import QuantizeError
-
+    """The first `max_rows` non-empty prompts of a calibration file; a usage error
+    naming --calibration (or --calibration-column) for a missing file, an unknown
+    format, a missing column, a value that is not text, or no prompts at all."""
     if not path.is_file():
-        raise QuantizeError(f"{path}: no such calibration file", "calibration")
+        raise _bad(f"{path}: no such calibration file")
     suffix = path.suffix.lower()
     if suffix not in _FORMATS:
-        raise QuantizeError(f"{path}: calibration files are .parquet, .jsonl or .txt, not "
-                            f"{suffix or 'a file without a suffix'}", "calibration")
+        raise _bad(f"{path}: calibration files are .parquet, .jsonl or .txt, not "
+                   f"{suffix or 'a file without a suffix'}")
     values = {".parquet": _parquet_values, ".jsonl": _jsonl_values,
               ".txt": _text_values}[suffix](path, column)
+    try:
+        prompts = _first_prompts(values, max_rows, path)
+    except UnicodeDecodeError as exc:
+        raise _bad(f"{path}: not UTF-8 text ({exc})") from None
+    if not prompts:
+        raise _bad(f"{path}: no calibration prompts (no non-empty "
+                   f"{'lines' if suffix == '.txt' else repr(column) + ' values'})")
+    return prompts
+
+
+def _first_prompts(values, max_rows: int, path: Path) -> list[str]:
     prompts = []
     for where, value in values:
         if value is None or value == "":
             continue
         if not isinstance(value, str):
-            raise QuantizeError(f"{path}: {where}: {column!r} holds "
-                                f"{type(value).__name__}, not text", "calibration")
+            raise _bad(f"{path}: {where}: the prompt is {type(value).__name__}, not text")
         prompts.append(value)
         if len(prompts) == max_rows:
             break
-    if not prompts:
-        raise QuantizeError(f"{path}: no calibration prompts (no non-empty "
-                            f"{'lines' if suffix == '.txt' else repr(column) + ' values'})",
-                            "calibration")
     return prompts
 
 
 def _parquet_values(path: Path, column: str):
     import pyarrow.parquet as pq
 
-    from fusegen.engine.weights.quantize import QuantizeError
-
     try:
         file = pq.ParquetFile(path)
     except Exception as exc:  # noqa: BLE001 - any failure is the file's
-        raise QuantizeError(f"{path}: not a readable Parquet file ({exc})",
-                            "calibration") from None
+        raise _bad(f"{path}: not a readable Parquet file ({exc})") from None
     names = file.schema_arrow.names
     if column not in names:
-        raise QuantizeError(f"{path}: no column {column!r} (columns: {', '.join(names)}); "
-                            "name it with --calibration-column", "calibration-column")
+        raise _bad(f"{path}: no column {column!r} (columns: {', '.join(names)}); "
+                   "name it with --calibration-column", "calibration-column")
     row = 0
     for batch in file.iter_batches(batch_size=256, columns=[column]):
         for value in batch.column(0).to_pylist():
@@ -117,7 +118,6 @@ def _parquet_values(path: Path, column: str):
 
 
 def _jsonl_values(path: Path, column: str):
-    from fusegen.engine.weights.quantize import QuantizeError
     from fusegen.jobs.formats import load_json
 
     with open(path, encoding="utf-8") as f:
@@ -127,12 +127,11 @@ def _jsonl_values(path: Path, column: str):
             try:
                 record = load_json(line)
             except (ValueError, json.JSONDecodeError) as exc:
-                raise QuantizeError(f"{path}: line {line_no} is not JSON ({exc})",
-                                    "calibration") from None
+                raise _bad(f"{path}: line {line_no} is not JSON ({exc})") from None
             if not isinstance(record, dict) or column not in record:
-                raise QuantizeError(f"{path}: line {line_no} has no key {column!r}; name the "
-                                    "prompt's key with --calibration-column",
-                                    "calibration-column")
+                raise _bad(f"{path}: line {line_no} has no key {column!r}; name the "
+                           "prompt's key with --calibration-column",
+                           "calibration-column")
             yield f"line {line_no}", record[column]
 
 
@@ -140,6 +139,10 @@ def _text_values(path: Path, column: str):
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, start=1):
             yield f"line {line_no}", line.rstrip("\r\n")
+
+
+def _bad(message: str, option: str = "calibration") -> click.BadParameter:
+    return click.BadParameter(message, param_hint=f"'--{option}'")
 
 
 def _size(num_bytes: int) -> str:

@@ -326,9 +326,15 @@ def test_bad_arguments(llama_dir, wide_dir, tmp_path):
     jsonl.write_text('{"prompt": "hi"}\n{"text": "hello"}\n')
     assert_usage_error(run_cli(*awq, jsonl, "--calibration-column", "text"),
                        "'--calibration-column'", "p.jsonl: line 1 has no key 'text'", out=out)
-    jsonl.write_text('{"prompt": 5}\n')
-    assert_usage_error(run_cli(*awq, jsonl), "p.jsonl: line 1: 'prompt' holds int, not text",
+    jsonl.write_text('{"prompt": "hi"}\nnot json\n')
+    assert_usage_error(run_cli(*awq, jsonl), "'--calibration'", "p.jsonl: line 2 is not JSON",
                        out=out)
+    jsonl.write_text('{"prompt": 5}\n')
+    assert_usage_error(run_cli(*awq, jsonl), "p.jsonl: line 1: the prompt is int, not text",
+                       out=out)
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(b"\xff\xfe\x00bad")
+    assert_usage_error(run_cli(*awq, binary), "binary.txt: not UTF-8 text", out=out)
     import pyarrow as pa
     import pyarrow.parquet as pq
 
