@@ -312,3 +312,56 @@ def test_expert_linear_rows_are_each_experts(tmp_path_factory):
             assert torch.equal(module(x, e), one(x))
             want = x @ dequantize_group(qweight[rows], scales[rows], zeros[rows], 4, 32, inp).T
             torch.testing.assert_close(module(x, e), want, rtol=1e-5, atol=1e-5)
+
+
+def _dense(source):
+    """A source's weight expanded to fp32 [out, in], from what `load()` returns."""
+    from fusegen.kernels.quant_linear import quant_linear_reference
+
+    parts = source.load()
+    if source.format == "gguf":
+        out, inp = source.shape
+        return quant_linear_reference(torch.eye(inp), parts["blocks"], source.params[0], out,
+                                      inp).T
+    bits, group_size, _ = source.params
+    return dequantize_group(parts["qweight"], parts["scales"], parts.get("zeros"), bits,
+                            group_size, source.shape[1])
+
+
+def test_compressed_source_narrows_rows_and_whole_blocks():
+    # the interface device groups shard with: rows, then input columns in whole blocks;
+    # each narrowed source loads exactly the slice of the weight, with the shapes and
+    # bytes `components()` and `nbytes` say, and a split inside a block is refused
+    import gguf
+
+    from fusegen.engine.weights.quantized import CompressedSource
+
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(96, 256, generator=gen)
+    qweight, scales, zeros = quantize_group(weight, 4, 64, False)
+    group = CompressedSource.of("group", (4, 64, False), (96, 256), "w.weight",
+                                lambda: {"qweight": qweight, "scales": scales, "zeros": zeros})
+    q4_0 = gguf.GGMLQuantizationType.Q4_0
+    blocks = torch.from_numpy(gguf.quants.quantize(weight.numpy(), q4_0))
+    kept = CompressedSource.of("gguf", (int(q4_0),), (96, 256), "blk.0.attn_q.weight",
+                               lambda: {"blocks": blocks})
+    for source, block in ((group, 64), (kept, 32)):
+        full = _dense(source)
+        for dim, start, length in ((0, 16, 40), (1, block, 256 - block), (1, 0, block)):
+            part = source.narrow(dim, start, length)
+            want = full.narrow(dim, start, length)
+            loaded = part.load()
+            assert {n: (t.dtype, tuple(t.shape)) for n, t in loaded.items()} == part.components()
+            assert part.nbytes == sum(t.numel() * t.element_size() for t in loaded.values())
+            assert torch.equal(_dense(part), want)
+        rows_then_columns = source.narrow(0, 8, 24).narrow(1, block, block)
+        assert torch.equal(_dense(rows_then_columns), full[8:32, block:2 * block])
+        with pytest.raises(ValueError) as info:
+            source.narrow(1, 16, 128)
+        assert str(info.value) == (
+            f"{source.name}: its {source.format} weight keeps input columns in blocks of "
+            f"{block}; the split [16, 144) cuts one (use a split whose columns are multiples "
+            f"of {block})")
+    with pytest.raises(ValueError, match=r"^w.weight: \[90, 100\) is outside dim 0 of its "
+                                         r"\[96, 256\] weight$"):
+        group.narrow(0, 90, 10)
