@@ -182,7 +182,7 @@ def compressed_layer_bytes(model, cfg: ModelConfig, dtype: torch.dtype, quantiza
     linear in a type no kernel takes is refused here, naming the tensor."""
     from fusegen.engine.parallel.shard import rank_layer_nbytes
     from fusegen.engine.weights.loader import checkpoint_tensors
-    from fusegen.engine.weights.quantized import can_keep, layer_nbytes
+    from fusegen.engine.weights.quantized import layer_nbytes
 
     state = checkpoint_tensors(model, cfg, dtype, quantization, options.allow_pickle)
     arch = get_architecture(cfg.architecture)
