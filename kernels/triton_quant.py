@@ -83,7 +83,8 @@ def _config(num_rows: int, out_features: int, batch_invariant: bool) -> dict:
         block_m, block_n, warps, stages = 32, 64, 4, 3
     else:
         block_m, block_n, warps, stages = 128, 128, 8, 3
-    while block_n > 32 and triton.cdiv(num_rows, block_m) * triton.cdiv(out_features, block_n) < 128:
+    row_tiles = triton.cdiv(num_rows, block_m)
+    while block_n > 32 and row_tiles * triton.cdiv(out_features, block_n) < 128:
         block_n //= 2
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": _BLOCK_K, "num_warps": warps,
             "num_stages": stages}
@@ -95,7 +96,8 @@ def _name(dtype: torch.dtype) -> str:
 
 def _check_x(x: torch.Tensor, in_features: int, what: str) -> torch.Tensor:
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"{what}: x is {_name(x.dtype)}; the kernel takes float32, float16 or bfloat16")
+        raise ValueError(f"{what}: x is {_name(x.dtype)}; the kernel takes float32, float16 "
+                         "or bfloat16")
     if x.dim() != 2 or x.shape[1] != in_features:
         raise ValueError(f"{what}: x {list(x.shape)} is not rows [M, in_features={in_features}]")
     return x if x.stride(1) == 1 else x.contiguous()

@@ -88,9 +88,11 @@ def test_fp8_linear_per_tensor_scales_every_row_alike():
 def test_fp8_linear_bad_inputs_are_named():
     weight_fp8, scale = tq.quantize_fp8(torch.randn(16, 64, generator=_gen(8)))
     x = torch.randn(2, 64)
-    with pytest.raises(ValueError, match=r"weight_fp8 is float8_e4m3fn \[out, in\]; got torch.bfloat16"):
+    with pytest.raises(ValueError,
+                       match=r"weight_fp8 is float8_e4m3fn \[out, in\]; got torch.bfloat16"):
         tq.fp8_linear(x, weight_fp8.bfloat16(), scale)
-    with pytest.raises(ValueError, match=r"weight_scale is float32 \[16\] .*got torch.float32 \[16, 1\]"):
+    with pytest.raises(ValueError,
+                       match=r"weight_scale is float32 \[16\] .*got torch.float32 \[16, 1\]"):
         tq.fp8_linear(x, weight_fp8, scale[:, None])
     with pytest.raises(ValueError, match=r"bias is \[16\]; got \[15\]"):
         tq.fp8_linear(x, weight_fp8, scale, torch.zeros(15))
@@ -132,7 +134,8 @@ def test_fp8_linear_module_row_tiles_make_rows_batch_invariant():
 
 def test_fp8_linear_module_checks_its_tensors():
     fp8 = FP8Linear.from_linear(_dense(bias=False))
-    with pytest.raises(ValueError, match=r"weight_fp8 is float8_e4m3fn \[out, in\]; got torch.float16"):
+    with pytest.raises(ValueError,
+                       match=r"weight_fp8 is float8_e4m3fn \[out, in\]; got torch.float16"):
         fp8.set_weight("weight_fp8", torch.zeros(48, 128, dtype=torch.float16))
     with pytest.raises(ValueError, match=r"weight_fp8 is \[48, 128\]; got \[48, 64\]"):
         fp8.set_weight("weight_fp8", torch.zeros(48, 64, dtype=E4M3))
@@ -170,7 +173,8 @@ def test_checkpoint_parts_blockwise_scales_requantized_per_channel():
     codes = e4m3_codes(200, 300, seed=14)  # blocks of 128 that do not divide the weight
     scale_inv = torch.rand(2, 3, generator=_gen(15)) + 0.5
     weight, scale = fp8_checkpoint_parts("down_proj", codes, weight_scale_inv=scale_inv)
-    dense = codes.float() * scale_inv.repeat_interleave(128, 0)[:200].repeat_interleave(128, 1)[:, :300]
+    blocks = scale_inv.repeat_interleave(128, 0)[:200].repeat_interleave(128, 1)[:, :300]
+    dense = codes.float() * blocks
     back = weight.float() * scale[:, None]
     assert ((back - dense).abs() <= 2 ** -4 * dense.abs() + 2 ** -10 * scale[:, None]).all()
 
@@ -179,7 +183,8 @@ def test_checkpoint_parts_bad_tensors_are_named():
     codes = e4m3_codes(8, 32)
     with pytest.raises(ValueError, match=r"o_proj.weight is torch.bfloat16 \[8, 32\]"):
         fp8_checkpoint_parts("o_proj", codes.bfloat16(), weight_scale=torch.tensor(1.0))
-    with pytest.raises(ValueError, match=r"o_proj.weight_scale or o_proj.weight_scale_inv; got neither"):
+    with pytest.raises(ValueError,
+                       match=r"o_proj.weight_scale or o_proj.weight_scale_inv; got neither"):
         fp8_checkpoint_parts("o_proj", codes)
     with pytest.raises(ValueError, match=r"o_proj.weight_scale is \[4\]"):
         fp8_checkpoint_parts("o_proj", codes, weight_scale=torch.ones(4))
@@ -201,7 +206,8 @@ def test_scaled_mm_matches_the_fallback(rows):
     on_cpu = FP8Linear.from_linear(dense)
     dense.weight, dense.bias = dense.weight.cuda(), dense.bias.cuda()
     on_gpu = FP8Linear.from_linear(dense)
-    assert torch.equal(on_gpu.weight_fp8.cpu().view(torch.uint8), on_cpu.weight_fp8.view(torch.uint8))
+    assert torch.equal(on_gpu.weight_fp8.cpu().view(torch.uint8),
+                       on_cpu.weight_fp8.view(torch.uint8))
     torch.testing.assert_close(on_gpu(x.cuda()[:, :128]).cpu(), on_cpu(x[:, :128]),
                                rtol=2 ** -7, atol=2e-2)
 

@@ -157,11 +157,13 @@ def test_group_bad_inputs_are_named():
     qweight, scales, zeros = make_group(4, False, 16, 128, 64)
     x = torch.randn(2, 128)
     call = tq.group_linear_triton
-    with pytest.raises(ValueError, match=r"int4 qweight .*uint8 \[16, 64\]; got torch.uint8 \[16, 128\]"):
+    with pytest.raises(ValueError,
+                       match=r"int4 qweight .*uint8 \[16, 64\]; got torch.uint8 \[16, 128\]"):
         call(x, torch.zeros(16, 128, dtype=torch.uint8), scales, zeros, 4, 64, 16, 128)
     with pytest.raises(ValueError, match=r"int4 scales .*float16 \[16, 2\]; got torch.float32"):
         call(x, qweight, scales.float(), zeros, 4, 64, 16, 128)
-    with pytest.raises(ValueError, match=r"int4 zeros .*uint8 \[16, 2\]; got torch.uint8 \[16, 4\]"):
+    with pytest.raises(ValueError,
+                       match=r"int4 zeros .*uint8 \[16, 2\]; got torch.uint8 \[16, 4\]"):
         call(x, qweight, scales, torch.zeros(16, 4, dtype=torch.uint8), 4, 64, 16, 128)
     with pytest.raises(ValueError, match="bits=3"):
         call(x, qweight, scales, zeros, 3, 64, 16, 128)
@@ -231,7 +233,8 @@ def test_gguf_kernel_zero_rows_and_batch_invariance(qtype, device):
 
 def test_gguf_bad_inputs_are_named():
     blocks = make_blocks(ql.Q8_0, 16, 64)
-    with pytest.raises(ValueError, match=r"Q8_0 blocks .* uint8 \[16, 136\]; got torch.uint8 \[16, 34\]"):
+    with pytest.raises(ValueError,
+                       match=r"Q8_0 blocks .* uint8 \[16, 136\]; got torch.uint8 \[16, 34\]"):
         tq.gguf_linear_triton(torch.randn(1, 128), blocks[:, :34], ql.Q8_0, 16, 128)
     with pytest.raises(ValueError, match="type 99 has no quant_linear kernel"):
         tq.gguf_linear_triton(torch.randn(1, 64), blocks, 99, 16, 64)

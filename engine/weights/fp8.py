@@ -84,9 +84,9 @@ class FP8Linear(CompressedLinear):
         elif name == "weight_scale":
             if tensor.dtype != torch.float32 or tensor.dim() != 1 or (
                     self.out_features and tensor.shape[0] != self.out_features):
-                raise ValueError(f"FP8Linear weight_scale is float32 [{self.out_features or 'out'}] "
-                                 f"(one per output channel); got {tensor.dtype} "
-                                 f"{list(tensor.shape)}")
+                raise ValueError(f"FP8Linear weight_scale is float32 "
+                                 f"[{self.out_features or 'out'}] (one per output channel); "
+                                 f"got {tensor.dtype} {list(tensor.shape)}")
         super().set_weight(name, tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

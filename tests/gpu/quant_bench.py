@@ -167,7 +167,8 @@ def main(out_dir: str) -> int:
     assert torch.cuda.is_available(), "quant_bench.py needs a CUDA GPU"
     device = torch.device("cuda")
     started = time.time()
-    result = {"device": torch.cuda.get_device_name(), "capability": torch.cuda.get_device_capability(),
+    result = {"device": torch.cuda.get_device_name(),
+              "capability": torch.cuda.get_device_capability(),
               "torch": torch.__version__, "date": datetime.datetime.now(datetime.UTC).isoformat(),
               "iters": ITERS, "checks": [], "invariance": {}, "timings": []}
     import triton
