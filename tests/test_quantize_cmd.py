@@ -178,6 +178,15 @@ def test_large_output_sharded_with_index(wide_dir, tmp_path):
     check_quantized(source_tensors(wide_dir), written, 4, 32, True)
 
 
+def test_sharded_source_written_whole(tmp_path):
+    src = make_hf_checkpoint(tmp_path / "src", "llama", max_shard_size="100KB")
+    assert (src / "model.safetensors.index.json").is_file()
+    report = qz.quantize_checkpoint(src, tmp_path / "q", qz.QuantizeSpec(8, 64, False))
+    assert report.num_files == 1  # small: one file, whatever the source's shards
+    assert sorted(p.name for p in (tmp_path / "q").glob("model*")) == ["model.safetensors"]
+    check_quantized(source_tensors(src), read_all(tmp_path / "q"), 8, 64, False)
+
+
 def test_interrupted_run_leaves_nothing(wide_dir, tmp_path, monkeypatch):
     out = tmp_path / "q"
     qz.quantize_checkpoint(wide_dir, out, qz.QuantizeSpec(8, 32, True))
