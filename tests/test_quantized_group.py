@@ -259,8 +259,8 @@ def test_truncated_file_is_named(tmp_path, tmp_path_factory):
         f.truncate(size - 100)
     with pytest.raises(ModelLoadError) as info:
         LLM(str(quantized), **OPTIONS)
-    header = json.loads(open(path, "rb").read()[8:8 + int.from_bytes(
-        open(path, "rb").read(8), "little")])
+    raw = path.read_bytes()
+    header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
     last = max((n for n in header if n != "__metadata__"),
                key=lambda n: header[n]["data_offsets"][1])
     assert str(info.value) == (f"{path}: truncated: tensor {last!r} ends at byte {size}, past "
