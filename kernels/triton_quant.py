@@ -213,9 +213,7 @@ def group_linear_reference(x, qweight, scales, zeros, bits: int, group_size: int
     """The kernel's arithmetic in torch: the weight in fp32, rounded to x's dtype, the
     product summed in fp32, rounded to x's dtype."""
     check_group(qweight, scales, zeros, bits, group_size, out_features, in_features, x)
-    # on the CPU: group_linear's dequantize_group makes the symmetric zero points there
-    w = dequantize_group(qweight.cpu(), scales.cpu(), None if zeros is None else zeros.cpu(),
-                         bits, group_size, in_features).to(x.device)
+    w = dequantize_group(qweight, scales, zeros, bits, group_size, in_features).to(x.device)
     return (x.float() @ w.to(x.dtype).float().T).to(x.dtype)
 
 

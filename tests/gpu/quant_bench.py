@@ -94,10 +94,8 @@ def make_weights(out_features, in_features, device):
     gen = torch.Generator(device=device).manual_seed(out_features + in_features)
     dense = (torch.randn(out_features, in_features, generator=gen, device=device) * 0.02)
     dense = dense.bfloat16()
-    # quantized on the CPU: group_linear's symmetric path makes its zero points there
-    int4, int8 = ([None if t is None else t.to(device) for t in
-                   quantize_group(dense.cpu(), bits, 128, symmetric)]
-                  for bits, symmetric in ((4, True), (8, False)))
+    int4 = quantize_group(dense, 4, 128, True)
+    int8 = quantize_group(dense, 8, 128, False)
     fp8 = tq.quantize_fp8(dense)
     return dense, int4, int8, fp8
 
@@ -110,8 +108,7 @@ def kernels_for(layer, device):
     for name, bits, (qweight, scales, zeros) in (("int4 g128 sym", 4, int4),
                                                   ("int8 g128 asym", 8, int8)):
         args = (qweight, scales, zeros, bits, 128, out_features, in_features)
-        w = dequantize_group(qweight.cpu(), scales.cpu(), None if zeros is None else zeros.cpu(),
-                             bits, 128, in_features).bfloat16().float().to(device)
+        w = dequantize_group(qweight, scales, zeros, bits, 128, in_features).bfloat16().float()
         nbytes = sum(t.numel() * t.element_size() for t in (qweight, scales, zeros)
                      if t is not None)
         kernels[name] = (lambda x, a=args: tq.group_linear_triton(x, *a),
