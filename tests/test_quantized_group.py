@@ -365,3 +365,40 @@ def test_compressed_source_narrows_rows_and_whole_blocks():
     with pytest.raises(ValueError, match=r"^w.weight: \[90, 100\) is outside dim 0 of its "
                                          r"\[96, 256\] weight$"):
         group.narrow(0, 90, 10)
+
+
+@pytest.mark.parametrize("kernels", ["auto", "reference"])
+@pytest.mark.parametrize("fmt", [(4, 32, False), (8, 128, True)], ids=fmt_id)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_deterministic_rows_do_not_depend_on_the_batch(fmt, dtype, kernels, monkeypatch):
+    # the C kernel sums each output in one order whatever the call, so GroupQuantLinear
+    # calls it as it is; the reference (torch's GEMM) in ROW_TILE-row calls. Either way a
+    # row is bit-identical alone or among 64 (or 100) rows.
+    monkeypatch.setenv("FUSEGEN_KERNELS", kernels)
+    from fusegen.engine.weights.quantized import CompressedSource
+
+    bits, group_size, symmetric = fmt
+    gen = torch.Generator().manual_seed(1)
+    out_features, in_features = 96, 256
+    qweight, scales, zeros = quantize_group(torch.randn(out_features, in_features,
+                                                        generator=gen), *fmt)
+    parts = {"qweight": qweight, "scales": scales} | ({} if zeros is None else {"zeros": zeros})
+    source = CompressedSource.of("group", fmt, (out_features, in_features), "w", lambda: parts)
+    linear = Linear(bias=True)
+    linear.row_tile = ROW_TILE
+    module = GroupQuantLinear.shell(linear, source)
+    for name, tensor in parts.items():
+        module.set_weight(name, tensor)
+    module.set_weight("bias", torch.randn(out_features, generator=gen).to(dtype))
+    x = torch.randn(100, in_features, generator=gen).to(dtype)
+    together = {n: module(x[:n]) for n in (64, 100)}
+    for row in (0, 17, 63):
+        alone = module(x[row:row + 1])
+        assert torch.equal(alone[0], together[64][row])
+        assert torch.equal(alone[0], together[100][row])
+    want = x.float() @ dequantize_group(qweight, scales, zeros, bits, group_size,
+                                        in_features).T + module.bias.float()
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(together[100].float(), want, rtol=tol, atol=tol * 8)
+    assert module.nbytes == sum(t.numel() * t.element_size() for t in parts.values()) \
+        + out_features * dtype.itemsize
