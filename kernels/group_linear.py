@@ -133,13 +133,18 @@ def _group_linear_native(x, qweight, scales, zeros, bits, group_size, out_featur
     zeros_ptr = None if zeros is None else zeros.data_ptr()
     out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
     kernel, threads = _kernel(x.dtype), torch.get_num_threads()
+    # pointers by arithmetic: indexing x[first] would make a tensor a call (~1 us each)
+    ldx, size = x.stride(0), x.element_size()
+    x_ptr, out_ptr, q_ptr, s_ptr = x.data_ptr(), out.data_ptr(), qweight.data_ptr(), \
+        scales.data_ptr()
     # MAX_KERNEL_ROWS rows a call: each call reads the codes once more and keeps its rows
     # of x in L2; a row's sums never depend on the call it came in
     for first in range(0, x.shape[0], MAX_KERNEL_ROWS):
         rows = min(MAX_KERNEL_ROWS, x.shape[0] - first)
-        status = kernel(bits, group_size, x[first].data_ptr(), rows, x.stride(0),
-                        qweight.data_ptr(), scales.data_ptr(), zeros_ptr, out_features,
-                        in_features, out[first].data_ptr(), out_features, threads, int(plain))
+        status = kernel(bits, group_size, x_ptr + first * ldx * size, rows, ldx, q_ptr, s_ptr,
+                        zeros_ptr, out_features, in_features,
+                        out_ptr + first * out_features * size, out_features, threads,
+                        int(plain))
         if status != 0:
             return None
     return out
