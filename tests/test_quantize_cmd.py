@@ -238,8 +238,8 @@ def test_awq_error_not_above_round_to_nearest(wide_dir, tmp_path):
     assert result.exit_code == 0, result.output
     assert "awq layer 0 qkv: alpha" in result.output
     report = qz.quantize_checkpoint(wide_dir, tmp_path / "awq2", spec, prompts=PROMPTS)
-    # Llama here has 2 kv heads for 4 query heads: o is not scaled (v's rows are shared)
-    assert set(report.searches) == {(i, g) for i in (0, 1) for g in ("qkv", "gate_up", "down")}
+    assert set(report.searches) == {(i, g) for i in (0, 1)
+                                    for g in ("qkv", "o", "gate_up", "down")}
     for alpha, error, rtn in report.searches.values():
         assert error <= rtn and 0.0 <= alpha <= 1.0
     assert any(error < rtn for _, error, rtn in report.searches.values())
@@ -256,8 +256,8 @@ def test_awq_error_not_above_round_to_nearest(wide_dir, tmp_path):
 
 
 @pytest.mark.parametrize("arch,overrides", [
-    ("llama", {}),
-    ("qwen2", {"num_key_value_heads": 4}),  # o scaled through v's rows and bias
+    ("llama", {}),  # 2 kv heads for 4 query heads: o's scales shared per kv head
+    ("qwen2", {"num_key_value_heads": 4}),  # o's scales through v's rows and bias
     ("gemma3", {"num_key_value_heads": 4}),  # norms applied as (1 + w)
     ("phi3", {}),  # q/k/v and gate/up in one tensor each
     ("qwen3_moe", {}),  # attention scaled, experts round-to-nearest
@@ -267,9 +267,9 @@ def test_awq_folding_keeps_fp32_logits(tmp_path, arch, overrides):
     spec = qz.QuantizeSpec(4, 32, False, "awq")
     report = qz.quantize_checkpoint(src, tmp_path / "fold", spec, prompts=PROMPTS, dense=True)
     groups = {g for _, g in report.searches}
-    assert groups == ({"qkv"} if arch == "qwen3_moe" else
-                      {"qkv", "gate_up", "down", "o"} if overrides else
-                      {"qkv", "gate_up", "down"})
+    assert groups == ({"qkv", "o"} if arch == "qwen3_moe" else {"qkv", "o", "gate_up", "down"})
+    for group in groups:  # each kind of folding exercised: some layer's alpha above 0
+        assert any(alpha > 0 for (_, g), (alpha, _, _) in report.searches.items() if g == group)
     assert "quantization_config" not in json.loads((tmp_path / "fold" / "config.json").read_text())
     folded, source = read_all(tmp_path / "fold"), source_tensors(src)
     assert any(not torch.equal(folded[name], source[name])  # scales were folded in

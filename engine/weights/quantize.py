@@ -295,8 +295,9 @@ class LayerScales:
 
 def search_scales(source: Source, activations: dict, spec: QuantizeSpec, report: Report
                   ) -> dict[int, LayerScales]:
-    """Each layer's scales from its recorded inputs; o only where v has a row per o
-    input channel (as many kv heads as query heads)."""
+    """Each layer's scales from its recorded inputs. o's input channel (head h, dim d) is
+    v's row (kv head h // (H / K), d): its scales are shared by the query heads of one
+    kv head (their mean |x| averaged), so that v's rows can take 1/s."""
     cfg, arch = source.cfg, get_architecture(source.cfg.architecture)
     scales = {}
     for i in range(cfg.num_layers):
@@ -305,9 +306,10 @@ def search_scales(source: Source, activations: dict, spec: QuantizeSpec, report:
         for group in ("qkv", "o", "gate_up", "down"):
             if (i, group) not in activations or group + ".weight" not in fused:
                 continue
-            if group == "o" and cfg.num_kv_heads != cfg.num_heads:
-                continue
             mean_abs, rows = activations[i, group]
+            if group == "o":
+                grouped = mean_abs.view(cfg.num_kv_heads, -1, cfg.head_dim)  # [K, H / K, D]
+                mean_abs = grouped.mean(1, keepdim=True).expand_as(grouped).reshape(-1)
             try:
                 s, alpha, error, rtn = _search(fused[group + ".weight"], mean_abs, rows, spec)
             except ValueError as exc:  # inf / NaN, or a scale past fp16
@@ -359,6 +361,11 @@ def fold(source: Source, scales: dict[int, LayerScales]) -> Callable:
                 if t.dim() == 2 else s[lo - rows[0]:hi - rows[0]]
         return t
 
+    def v_rows(o_scale):
+        # o's scales [H * D], equal across the query heads of a kv head -> v's rows [K * D]
+        return None if o_scale is None else \
+            o_scale.view(cfg.num_kv_heads, -1, cfg.head_dim)[:, 0].reshape(-1)
+
     def apply(name: str, t: torch.Tensor) -> torch.Tensor:
         if name not in by_name or by_name[name][0] not in scales:
             return t
@@ -368,7 +375,7 @@ def fold(source: Source, scales: dict[int, LayerScales]) -> Callable:
         norm_scale = {"input_norm": layer.qkv, mlp_norm: layer.gate_up}.get(param)
         if norm_scale is not None:
             return (1 + t) / norm_scale - 1 if gemma else t / norm_scale
-        inner = {"qkv": layer.o, "gate_up": layer.down}.get(group)
+        inner = {"qkv": v_rows(layer.o), "gate_up": layer.down}.get(group)
         if inner is not None:
             t = divide_rows(t, offsets[local], fused_rows[group], inner)
         column = getattr(layer, group, None) if kind == "weight" else None
