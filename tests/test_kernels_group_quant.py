@@ -349,3 +349,19 @@ def test_other_cpus_builds(flags, tmp_path):
                 assert_close(results[0],
                              gl.group_linear_reference(x, qweight, scales, zeros, bits, g, n, k),
                              x, w)
+
+
+@needs_library
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rows_apart_in_memory(bits, dtype):
+    """x whose rows lie further apart than in_features (a slice of a wider tensor) gives
+    the contiguous copy's result to the bit, in decode calls and past 64 rows."""
+    qweight, scales, zeros = make_weight(bits, False, 32, 9, 64)
+    wide = torch.randn(70, 96, generator=torch.Generator().manual_seed(7)).to(dtype)
+    for rows in (1, 70):
+        x = wide[:rows, 16:80]
+        assert x.stride() == (96, 1)
+        assert torch.equal(gl.group_linear(x, qweight, scales, zeros, bits, 32, 9, 64),
+                           gl.group_linear(x.contiguous(), qweight, scales, zeros, bits, 32, 9,
+                                           64))
