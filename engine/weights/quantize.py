@@ -11,10 +11,10 @@ and renamed when complete.
 AWQ (`method="awq"`): the calibration prompts run through fusegen's engine in fp32; each
 linear's input is recorded (mean |x| per input channel, and a sample of rows). For each
 group of linears sharing an input - q/k/v after the input norm, gate/up after the MLP's
-norm, o after v and down after up - a per-channel scale s = mean|x|^alpha is searched
-over 20 alphas in [0, 1] for the least output error of the quantized weight on the
-recorded rows (alpha 0 is round-to-nearest itself, so the chosen error is never above
-RTN's). s multiplies the weight's columns before quantizing and 1/s is folded into what
+norm, o after v (one scale per v row, shared by the query heads reading it) and down
+after up - a per-channel scale s = mean|x|^alpha is searched over 20 alphas in [0, 1]
+for the least output error of the quantized weight on the recorded rows (alpha 0 is
+round-to-nearest itself, so the chosen error is never above RTN's). s multiplies the weight's columns before quantizing and 1/s is folded into what
 makes the input (the norm's weight, v's or up's rows), which leaves the fp32 model's
 outputs unchanged.
 """
