@@ -112,7 +112,8 @@ class EngineOptions:
         "file's blocks (CPU); int8 / int4: fusegen's group codes (a 16-bit checkpoint is "
         "quantized on load: round to nearest, symmetric, groups of 128 input channels); "
         "fp8: quantized on load to FP8 (CUDA, compute capability 8.9+). The embedding, "
-        "norms and head stay dense.", unset="the checkpoint's own form; a job: dequantize",
+        "norms and head stay dense.",
+        unset="the checkpoint's own form; in a job, dequantize for GGUF files",
         affects_output=True)
 
     # Another split sums the row-parallel matmuls in another order: part of a job's identity.
