@@ -112,7 +112,7 @@ class EngineOptions:
         "file's blocks (CPU); int8 / int4: fusegen's group codes (a 16-bit checkpoint is "
         "quantized on load: round to nearest, symmetric, groups of 128 input channels); "
         "fp8: quantized on load to FP8 (CUDA, compute capability 8.9+). Norms stay dense; "
-        "the embedding and LM head too, but under gguf.",
+        "the embedding and LM head too, except under gguf.",
         unset="the checkpoint's own form; in a job, dequantize for GGUF files",
         affects_output=True)
 
