@@ -71,7 +71,9 @@
 #define VL 16 /* floats per vector */
 #define NR 4  /* weight rows per group */
 #define MR 6  /* x rows per micro-kernel call: 24 sums + 4 weight vectors in 32 zmm */
-#define DIRECT_ROWS 4 /* calls of up to this many rows expand in registers */
+/* calls of up to this many rows expand in registers: on Zen 4 (4096 x 4096, one thread)
+ * that takes half the scratch path's time at 2-3 rows, as much at 4 (int4) */
+#define DIRECT_ROWS 4
 #else
 #if defined(__AVX__) || defined(__aarch64__)
 #define VL 8  /* a ymm, or a pair of NEON registers */
