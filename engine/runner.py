@@ -20,7 +20,7 @@ from fusegen.engine.memory.offload import DiskPart, Stream, WeightStreamer
 from fusegen.engine.memory.plan import LOGITS_CHUNK, activation_bytes
 from fusegen.engine.weights.linear import ROW_TILE
 from fusegen.engine.weights.packed import can_pack, pack_linear, pack_linears
-from fusegen.engine.weights.quantized import keep_blocks, split_kept
+from fusegen.engine.weights.quantized import compress_shell, keep_blocks, split_kept
 from fusegen.engine.logprobs import record_prompt_logprobs
 from fusegen.engine.sampler import Sampler
 from fusegen.engine.scheduler import ScheduledBatch
@@ -187,9 +187,9 @@ class ModelRunner:
 
     def _place_layers(self, state) -> None:
         """Each layer of `layer_range` in its planned tier. A linear kept compressed
-        (quantization="gguf"; weights/quantized.py) is placed, counted and streamed as
-        its components (uint8 codes, fp16 scales) in their own dtypes; the rest dense in
-        the run's dtype."""
+        (GGUF blocks, int8 / int4 groups; weights/quantized.py) is placed, counted and
+        streamed as its components (uint8 codes, fp16 scales) in their own dtypes; the
+        rest dense in the run's dtype."""
         streamed: dict[int, dict[str, Stream]] = {}
         for i, tier in zip(self.layer_range, self.plan.layer_tiers):
             layer = self.model.layers[i]
@@ -221,8 +221,6 @@ class ModelRunner:
         if not kept:
             return {}
         if device is None:
-            from fusegen.engine.weights.quantized import compress_shell
-
             compress_shell(layer, kept)
             return {}
         return keep_blocks(layer, kept, device)
