@@ -155,3 +155,20 @@ def test_streamed_compressed_layers_generate_like_resident(models, reference, ki
     # the copies ran over the streamed layers in order, each its own bytes
     assert streamer.bytes_copied == sum(per_layer[streamed[k % len(streamed)]]
                                         for k in range(streamer.num_loads))
+
+
+def test_slot_layout_packs_each_dtype_aligned_without_padding():
+    """A slot's bytes hold a layer's tensors widest element first: every offset a
+    multiple of its tensor's element size, the total the tensors' bytes exactly (odd
+    byte counts of uint8 codes come last)."""
+    from fusegen.engine.memory.offload import Stream, slot_layout
+
+    streams = {"qkv.qweight": Stream([torch.empty(3, 5, dtype=torch.uint8)], torch.uint8),
+               "qkv.scales": Stream([torch.empty(3, 1, dtype=torch.float16),
+                                     torch.empty(2, 1, dtype=torch.float16)], torch.float16),
+               "input_norm": Stream([torch.empty(3, dtype=torch.bfloat16)], torch.float32)}
+    layout = slot_layout(streams)
+    assert [(name, offset) for name, (offset, _) in layout.items()] == [
+        ("input_norm", 0), ("qkv.scales", 12), ("qkv.qweight", 22)]
+    assert streams["qkv.scales"].shape == (5, 1) and streams["input_norm"].nbytes == 12
+    assert sum(s.nbytes for s in streams.values()) == 22 + 15
