@@ -402,3 +402,23 @@ def test_deterministic_rows_do_not_depend_on_the_batch(fmt, dtype, kernels, monk
     torch.testing.assert_close(together[100].float(), want, rtol=tol, atol=tol * 8)
     assert module.nbytes == sum(t.numel() * t.element_size() for t in parts.values()) \
         + out_features * dtype.itemsize
+
+
+def test_header_that_misstates_a_tensor_is_named(tmp_path, tmp_path_factory):
+    # a header whose byte range does not hold the tensor's dtype x shape: named, not read
+    src = source_checkpoint("llama", tmp_path_factory)
+    quantized = write_group_checkpoint(src, tmp_path / "q", (4, 32, False))
+    path = quantized / "model.safetensors"
+    raw = path.read_bytes()
+    size = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + size])
+    header[f"{Q}.scales"]["shape"] = [128, 8]
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= size
+    path.write_bytes(len(text + b" " * (size - len(text))).to_bytes(8, "little")
+                     + text + b" " * (size - len(text)) + raw[8 + size:])
+    start, end = header[f"{Q}.scales"]["data_offsets"]
+    with pytest.raises(ModelLoadError) as info:
+        LLM(str(quantized), **OPTIONS)
+    assert str(info.value) == (f"{path}: tensor '{Q}.scales' is F16 [128, 8] (2048 bytes) but "
+                               f"the header gives it bytes {start}..{end}; the file is damaged")

@@ -109,8 +109,9 @@ def _safetensors_views(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
             numel *= size
         if end - start != numel * dtype.itemsize or start > end:
             raise ModelLoadError(
-                f"{path}: tensor {name!r} is {info['dtype']} {info['shape']} ({numel * dtype.itemsize} "
-                f"bytes) but the header gives it bytes {start}..{end}; the file is damaged")
+                f"{path}: tensor {name!r} is {info['dtype']} {info['shape']} "
+                f"({numel * dtype.itemsize} bytes) but the header gives it bytes "
+                f"{start}..{end}; the file is damaged")
         if base + end > len(mapped):
             raise ModelLoadError(
                 f"{path}: truncated: tensor {name!r} ends at byte {base + end}, past the end "
