@@ -309,11 +309,15 @@ def test_dispatcher(dtype, rows, monkeypatch):
 
 
 @needs_library
-@pytest.mark.parametrize("flags", [["-mavx2", "-mfma", "-mf16c"], []], ids=["avx2", "baseline"])
-def test_other_cpus_builds(flags, tmp_path):
-    """The AVX2 build and the baseline x86-64 build (plain C, GCC vector products; the
-    form other CPUs compile) of quant_group.c, compiled here, against the reference: both
-    dtypes, decode and prefill calls, plain and vector expansions bit for bit."""
+@pytest.mark.parametrize("flags,available", [
+    (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"], 1 | 2 | 4),
+    (["-mavx2", "-mfma", "-mf16c"], 1 | 2), ([], 1 | 2)],
+    ids=["avx512-without-bf16", "avx2", "baseline"])
+def test_other_cpus_builds(flags, available, tmp_path):
+    """The builds for AVX-512 without AVX512_BF16 (bf16 x widened, weights rounded to bf16
+    precision), AVX2 and baseline x86-64 (plain C, GCC vector products; the form other
+    CPUs compile) of quant_group.c, compiled here, against the reference: both dtypes,
+    decode and prefill calls, plain and vector expansions bit for bit."""
     import ctypes
     import platform
     import subprocess
@@ -328,7 +332,7 @@ def test_other_cpus_builds(flags, tmp_path):
     for name in ("quant_group_available", "quant_group_f32", "quant_group_bf16"):
         getattr(lib, name).argtypes = native._SIGNATURES[name]
         getattr(lib, name).restype = ctypes.c_int
-    assert lib.quant_group_available(4) == 3 and lib.quant_group_available(8) == 3
+    assert lib.quant_group_available(4) == available == lib.quant_group_available(8)
     gen = torch.Generator().manual_seed(5)
     for bits, symmetric, g in [(8, False, 64), (4, True, 32), (4, False, 128)]:
         n, k = 13, 256

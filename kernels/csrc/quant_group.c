@@ -493,6 +493,43 @@ expand_group(const layout_t *L, row_fn expand, int64_t first, int ncols, void *s
 }
 
 #if HAS_AVX512
+/* finite fp32 values rounded to bf16 precision (nearest even), as expand_group rounds them */
+static inline __m512 round_bf16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd);
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/* channels [i, i + 32) of the NR rows (codes q, group constants k) into the sums c of R x
+ * rows */
+static inline __attribute__((always_inline)) void
+direct_run(const uint8_t *const q[NR], int64_t i, const gconst_t k[NR], const void *x,
+           int64_t ldx, vf c[DIRECT_ROWS][NR], const int R, const int BITS, const int MODE) {
+#if HAS_BF16DOT
+    if (MODE == BF16) {
+        __m512bh a[DIRECT_ROWS];
+        for (int r = 0; r < R; r++)
+            a[r] = (__m512bh)_mm512_loadu_si512((const uint16_t *)x + r * ldx + i);
+        for (int j = 0; j < NR; j++) {
+            const __m512bh w = run_bf16(q[j], i, &k[j], BITS);
+            for (int r = 0; r < R; r++) c[r][j] = (vf)_mm512_dpbf16_ps((__m512)c[r][j], a[r], w);
+        }
+        return;
+    }
+#endif
+    for (int j = 0; j < NR; j++) {
+        __m512 w[2];
+        run_f32(q[j], i, &k[j], BITS, w);
+        if (MODE == F32_ROUNDED) w[0] = round_bf16(w[0]), w[1] = round_bf16(w[1]);
+        for (int r = 0; r < R; r++) {
+            const float *xr = (const float *)x + r * ldx + i;
+            c[r][j] = fmav(c[r][j], loadv(xr), (vf)w[0]);
+            c[r][j] = fmav(c[r][j], loadv(xr + 16), (vf)w[1]);
+        }
+    }
+}
+
 /* Decode: R (<= DIRECT_ROWS) rows of x against weight rows [first, first + ncols), each run
  * of 32 channels of the NR rows expanded in registers and multiplied at once. The same
  * sums in the same order as expand_group + micro. */
@@ -507,38 +544,17 @@ direct(const layout_t *L, int64_t first, int ncols, const void *x, int64_t ldx, 
         q[j] = L->q + o[j] * L->row_bytes;
         for (int r = 0; r < R; r++) c[r][j] = (vf){0};
     }
-    float s[NR][16], cz[NR][16];
+    float s[NR][16], cz[NR][16]; /* 16 groups' scales and -zero * scale, per row */
     for (int64_t g0 = 0, i = 0; g0 < L->groups; g0 += 16) {
-      const int count = L->groups - g0 < 16 ? (int)(L->groups - g0) : 16;
-      for (int j = 0; j < NR; j++) group_block(L, o[j], g0, count, s[j], cz[j]);
-      for (int g = 0; g < count; g++) {
-        gconst_t k[NR];
-        for (int j = 0; j < NR; j++) k[j] = group_consts(s[j][g], cz[j][g], BITS, MODE == BF16);
-        for (const int64_t end = i + L->group; i < end; i += RUN) {
-#if HAS_BF16DOT
-            if (MODE == BF16) {
-                __m512bh a[DIRECT_ROWS];
-                for (int r = 0; r < R; r++)
-                    a[r] = (__m512bh)_mm512_loadu_si512((const uint16_t *)x + r * ldx + i);
-                for (int j = 0; j < NR; j++) {
-                    const __m512bh w = run_bf16(q[j], i, &k[j], BITS);
-                    for (int r = 0; r < R; r++)
-                        c[r][j] = (vf)_mm512_dpbf16_ps((__m512)c[r][j], a[r], w);
-                }
-                continue;
-            }
-#endif
-            for (int j = 0; j < NR; j++) {
-                __m512 w[2];
-                run_f32(q[j], i, &k[j], BITS, w);
-                for (int r = 0; r < R; r++) {
-                    const float *xr = (const float *)x + r * ldx + i;
-                    c[r][j] = fmav(c[r][j], loadv(xr), (vf)w[0]);
-                    c[r][j] = fmav(c[r][j], loadv(xr + 16), (vf)w[1]);
-                }
-            }
+        const int count = L->groups - g0 < 16 ? (int)(L->groups - g0) : 16;
+        for (int j = 0; j < NR; j++) group_block(L, o[j], g0, count, s[j], cz[j]);
+        for (int g = 0; g < count; g++) {
+            gconst_t k[NR];
+            for (int j = 0; j < NR; j++)
+                k[j] = group_consts(s[j][g], cz[j][g], BITS, MODE == BF16);
+            for (const int64_t end = i + L->group; i < end; i += RUN)
+                direct_run(q, i, k, x, ldx, c, R, BITS, MODE);
         }
-      }
     }
     const int64_t es = MODE == BF16 ? 2 : 4;
     for (int r = 0; r < R; r++)
@@ -607,7 +623,7 @@ static void group_bf16(const call_t *c, int64_t g, char *scratch, int64_t bytes)
 static int product(const layout_t *L, const void *x, int64_t rows, int64_t ldx, int64_t n,
                    void *out, int64_t ldo, int num_threads, int plain, const int MODE) {
     call_t c = {L, expander(plain), x, out, rows, ldx, n, ldo,
-                      !plain && rows <= DIRECT_ROWS && MODE != F32_ROUNDED};
+                      !plain && rows <= DIRECT_ROWS};
     group_fn task = MODE == F32 ? group_f32 : group_f32_rounded;
 #if HAS_BF16DOT
     if (MODE == BF16) task = group_bf16;
