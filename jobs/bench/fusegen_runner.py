@@ -115,7 +115,7 @@ def _offload_figures(llm, stats: dict) -> dict:
         return {}
     report = llm.memory_report()
     bandwidth = streamer.measure_bandwidth()
-    step_bytes = len(streamer.order) * streamer.slot_bytes
+    step_bytes = streamer.step_bytes  # the streamed layers' bytes, compressed where kept
     bound = step_bytes / bandwidth
     decode_step = stats["decode_seconds"] / stats["num_decode_steps"] \
         if stats.get("num_decode_steps") else 0.0
