@@ -120,6 +120,30 @@ def test_kernel_is_batch_and_thread_invariant(qtype):
 
 @needs_library
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: ql.SUPPORTED[q])
+def test_bf16_rows_are_batch_and_thread_invariant(qtype):
+    """bf16 x: decode calls (up to 6 rows, expanded in registers) and larger ones (through
+    the scratch) give each row the same bits, alone or among 63 / 64 / 65 rows (a second
+    64-row call), at 1-3 threads; and equal the reference within tolerance."""
+    block = ql.BLOCK_SIZES[qtype][0]
+    n, k = 37, 3 * block  # a last group of one weight row
+    blocks = make_blocks(qtype, n, k, seed=11)
+    x = torch.randn(65, k, generator=torch.Generator().manual_seed(qtype)).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([ql.quant_linear(x[i:i + 1], blocks, qtype, n, k) for i in range(65)])
+        assert_close(alone, ql.quant_linear_reference(x, blocks, qtype, n, k), x,
+                     dense(blocks, qtype, k))
+        for num_threads in (1, 2, 3):
+            torch.set_num_threads(num_threads)
+            for rows in (0, 1, 2, 5, 6, 7, 16, 63, 64, 65):
+                assert torch.equal(ql.quant_linear(x[:rows], blocks, qtype, n, k), alone[:rows])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_library
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: ql.SUPPORTED[q])
 def test_plain_and_vector_expansion_agree_with_gguf(qtype):
     k = 4 * ql.BLOCK_SIZES[qtype][0]
     blocks = make_blocks(qtype, 9, k)

@@ -16,7 +16,10 @@
  *   Q6_K 210 B / 256: ql[128], qh[64], int8 scales[16], d; two halves of 128 values,
  *                     16 values a scale: w = d s (q - 32)
  *
- * How: threads split the output rows in groups of NR. A group's NR weight rows are
+ * How: threads split the output rows in groups of NR. Decode calls of bf16 x (at most MR
+ * rows, with AVX512_BF16) expand each block of the group's rows to bf16 in registers and
+ * multiply it at once (`direct_product`: no scratch round trip, 1.2-1.3x the scratch path
+ * at one to six rows). Otherwise a group's NR weight rows are
  * expanded to fp32 into the thread's scratch (each block read once per call; a row of K
  * fp32 values stays in L1/L2), then a micro-kernel multiplies MR rows of x at a time
  * with the NR expanded rows, holding MR x NR vectors of fp32 sums in registers. The
@@ -565,6 +568,192 @@ rows_against(const void *x, int64_t rows, int64_t ldx, const void *w, int64_t k,
     }
 }
 
+#if HAS_BF16DOT
+/* ---- decode calls (rows <= MR): each block expanded to bf16 in registers and multiplied
+ * at once, no scratch. The bf16 values are the scratch path's (the same fp32 expansion,
+ * rounded by the same vcvtne2ps2bf16 into the same 32-value vectors) and each sum takes
+ * them in the same order (32 channels at a time along k), so a row's result is the same
+ * bits whichever path its call takes. ---------------------------------------------- */
+#define PAIR(lo, hi) ((__m512bh)_mm512_cvtne2ps_pbh((hi), (lo))) /* values lo then hi */
+
+static inline void bf_q8_0(const uint8_t *b, __m512bh *v) {
+    const __m512 d = _mm512_set1_ps(fp16(b));
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2))));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 18))));
+    v[0] = PAIR(_mm512_mul_ps(d, lo), _mm512_mul_ps(d, hi));
+}
+
+static inline __m512bh dq_pair(__m512 lo, __m512 hi, float d, float c) { /* store_block's */
+    const __m512 dv = _mm512_set1_ps(d), cv = _mm512_set1_ps(c);
+    return PAIR(_mm512_fmadd_ps(lo, dv, cv), _mm512_fmadd_ps(hi, dv, cv));
+}
+
+static inline void bf_q4_0(const uint8_t *b, __m512bh *v) {
+    __m512 lo, hi;
+    const float d = fp16(b);
+    nibbles(b + 2, &lo, &hi);
+    v[0] = dq_pair(lo, hi, d, -8.0f * d);
+}
+
+static inline void bf_q4_1(const uint8_t *b, __m512bh *v) {
+    __m512 lo, hi;
+    nibbles(b + 4, &lo, &hi);
+    v[0] = dq_pair(lo, hi, fp16(b), fp16(b + 2));
+}
+
+static inline void bf_q5_0(const uint8_t *b, __m512bh *v) {
+    __m512 lo, hi;
+    const float d = fp16(b);
+    const uint32_t qh = load32(b + 2);
+    nibbles5(b + 6, (__mmask16)qh, (__mmask16)(qh >> 16), &lo, &hi);
+    v[0] = dq_pair(lo, hi, d, -16.0f * d);
+}
+
+static inline void bf_q5_1(const uint8_t *b, __m512bh *v) {
+    __m512 lo, hi;
+    const uint32_t qh = load32(b + 4);
+    nibbles5(b + 8, (__mmask16)qh, (__mmask16)(qh >> 16), &lo, &hi);
+    v[0] = dq_pair(lo, hi, fp16(b), fp16(b + 2));
+}
+
+/* run_pair's 64 values as two vectors: the low nibbles' 32, then the high nibbles' */
+static inline void bf_k4(const uint8_t *b, __m512bh *v, const int five) {
+    const uint8_t *qh = five ? b + 16 : 0, *q = b + (five ? 48 : 16);
+    for (int run = 0; run < 8; run += 2, q += 32, v += 2) {
+        float f[4];
+        run_factors(b, run, f);
+        const __m512 dv0 = _mm512_set1_ps(f[0]), cv0 = _mm512_set1_ps(-f[1]);
+        const __m512 dv1 = _mm512_set1_ps(f[2]), cv1 = _mm512_set1_ps(-f[3]);
+        __m512 lo[2], hi[2];
+        for (int h = 0; h < 2; h++) {
+            if (five) {
+                const __m128i bits = _mm_loadu_si128((const __m128i *)(qh + 16 * h));
+                nibbles5(q + 16 * h, _mm_test_epi8_mask(bits, _mm_set1_epi8((char)(1 << run))),
+                         _mm_test_epi8_mask(bits, _mm_set1_epi8((char)(2 << run))), &lo[h],
+                         &hi[h]);
+            } else {
+                nibbles(q + 16 * h, &lo[h], &hi[h]);
+            }
+        }
+        v[0] = PAIR(_mm512_fmadd_ps(lo[0], dv0, cv0), _mm512_fmadd_ps(lo[1], dv0, cv0));
+        v[1] = PAIR(_mm512_fmadd_ps(hi[0], dv1, cv1), _mm512_fmadd_ps(hi[1], dv1, cv1));
+    }
+}
+static inline void bf_q4_k(const uint8_t *b, __m512bh *v) { bf_k4(b, v, 0); }
+static inline void bf_q5_k(const uint8_t *b, __m512bh *v) { bf_k4(b, v, 1); }
+
+/* row_q6_k_v's values: quarter j of each half as one vector (its s = 0 then s = 1 16) */
+static inline void bf_q6_k(const uint8_t *b, __m512bh *v) {
+    const __m128i low4 = _mm_set1_epi8(0xf), low2 = _mm_set1_epi8(3);
+    const float d = fp16(b + 208);
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    for (int half = 0; half < 2; half++, ql += 64, qh += 32, sc += 8, v += 4) {
+        __m512 f[2][4];
+        for (int s = 0; s < 2; s++) {
+            const __m128i a = _mm_loadu_si128((const __m128i *)(ql + 16 * s));
+            const __m128i c = _mm_loadu_si128((const __m128i *)(ql + 32 + 16 * s));
+            const __m128i h = _mm_loadu_si128((const __m128i *)(qh + 16 * s));
+            const __m128i q[4] = {
+                _mm_or_si128(_mm_and_si128(a, low4), _mm_slli_epi16(_mm_and_si128(h, low2), 4)),
+                _mm_or_si128(_mm_and_si128(c, low4),
+                             _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 2), low2), 4)),
+                _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), low4),
+                             _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 4), low2), 4)),
+                _mm_or_si128(_mm_and_si128(_mm_srli_epi16(c, 4), low4),
+                             _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 6), low2), 4)),
+            };
+            for (int j = 0; j < 4; j++) {
+                const float ds = d * (float)sc[s + 2 * j];
+                f[s][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q[j])),
+                                          _mm512_set1_ps(ds), _mm512_set1_ps(-32.0f * ds));
+            }
+        }
+        for (int j = 0; j < 4; j++) v[j] = PAIR(f[0][j], f[1][j]);
+    }
+}
+
+/* out rows [0, R) x the group's ncols weight rows (row_bytes apart), every block
+ * expanded once and multiplied with the R rows of x while in registers */
+static inline __attribute__((always_inline)) void
+direct_group(const uint16_t *x, int64_t ldx, const uint8_t *w, int64_t row_bytes, int64_t nb,
+             uint16_t *out, int64_t ldo, int ncols, const int R, const int BLOCK,
+             const int BYTES, void (*const blk)(const uint8_t *, __m512bh *)) {
+    enum { V = 8 }; /* at most 256 / 32 vectors a block */
+    const int nv = BLOCK / 32;
+    vf c[MR][NR];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < NR; j++) c[r][j] = (vf){0};
+    /* a last group's missing rows repeat its first (their sums are not stored) */
+    const uint8_t *rowp[NR];
+    for (int j = 0; j < NR; j++) rowp[j] = w + (j < ncols ? j : 0) * row_bytes;
+    for (int64_t ib = 0; ib < nb; ib++) {
+        __m512bh wv[NR][V];
+        for (int j = 0; j < NR; j++) {
+            _mm_prefetch((const char *)(rowp[j] + (ib + 8) * BYTES), _MM_HINT_T0);
+            blk(rowp[j] + ib * BYTES, wv[j]);
+        }
+        for (int v = 0; v < nv; v++) {
+            const int64_t i = ib * BLOCK + 32 * v;
+            for (int r = 0; r < R; r++) {
+                const __m512bh a = (__m512bh)_mm512_loadu_si512(x + r * ldx + i);
+                for (int j = 0; j < NR; j++)
+                    c[r][j] = (vf)_mm512_dpbf16_ps((__m512)c[r][j], a, wv[j][v]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) store_sums(c[r], out + r * ldo, ncols, 1);
+}
+
+static inline __attribute__((always_inline)) void
+direct_rows(const uint16_t *x, int64_t rows, int64_t ldx, const uint8_t *w, int64_t row_bytes,
+            int64_t nb, uint16_t *out, int64_t ldo, int ncols, const int BLOCK, const int BYTES,
+            void (*const blk)(const uint8_t *, __m512bh *)) {
+#define DIRECT(RR) direct_group(x, ldx, w, row_bytes, nb, out, ldo, ncols, RR, BLOCK, BYTES, blk)
+    switch (rows) {
+    case 6: DIRECT(6); break;
+    case 5: DIRECT(5); break;
+    case 4: DIRECT(4); break;
+    case 3: DIRECT(3); break;
+    case 2: DIRECT(2); break;
+    default: DIRECT(1); break;
+    }
+#undef DIRECT
+}
+
+/* bf16 x [rows <= MR, k] against the blocks, every thread a share of the groups of NR
+ * weight rows; -1 for a type without a register expansion */
+static int direct_product(int qtype, const uint16_t *x, int64_t rows, int64_t ldx,
+                          const uint8_t *w, int64_t n, int64_t k, uint16_t *out, int64_t ldo,
+                          int num_threads) {
+    int block, bytes;
+    if (!expander(qtype, 0, &block, &bytes) || k % block) return -1;
+    const int64_t nb = k / block, row_bytes = nb * bytes, groups = (n + NR - 1) / NR;
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static)")
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t first = g * NR;
+        const int ncols = n - first < NR ? (int)(n - first) : NR;
+        const uint8_t *wg = w + first * row_bytes;
+        uint16_t *o = out + first;
+        switch (qtype) {
+#define TYPE(Q, BL, BY, FN) \
+    case Q: direct_rows(x, rows, ldx, wg, row_bytes, nb, o, ldo, ncols, BL, BY, FN); break;
+        TYPE(Q8_0, 32, 34, bf_q8_0)
+        TYPE(Q4_0, 32, 18, bf_q4_0)
+        TYPE(Q4_1, 32, 20, bf_q4_1)
+        TYPE(Q5_0, 32, 22, bf_q5_0)
+        TYPE(Q5_1, 32, 24, bf_q5_1)
+        TYPE(Q4_K, 256, 144, bf_q4_k)
+        TYPE(Q5_K, 256, 176, bf_q5_k)
+        TYPE(Q6_K, 256, 210, bf_q6_k)
+#undef TYPE
+        default: break;
+        }
+    }
+    return 0;
+}
+#endif
+
 /* A group's rows expanded into `scratch` (NR rows k apart): fp32, or with DOT bf16
  * (through `tmp`, one fp32 row, rounded to nearest even as torch rounds a weight). */
 static inline __attribute__((always_inline)) void
@@ -645,6 +834,8 @@ int quant_gguf_bf16(int qtype, const uint16_t *x, int64_t rows, int64_t ldx, con
     if (rows > MAX_ROWS) return -1;
     if (rows <= 0 || n <= 0) return quant_gguf_f32(qtype, 0, 0, 0, w, n, k, 0, 0, 0, plain);
 #if HAS_BF16DOT
+    if (!plain && rows <= MR)
+        return direct_product(qtype, x, rows, ldx, w, n, k, out, ldo, num_threads);
     return product(qtype, x, rows, ldx, w, n, k, out, ldo, num_threads, plain, 1);
 #else
     float *xf = malloc((size_t)rows * k * 4), *of = malloc((size_t)rows * n * 4);
