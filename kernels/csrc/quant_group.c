@@ -552,8 +552,16 @@ direct(const layout_t *L, int64_t first, int ncols, const void *x, int64_t ldx, 
             gconst_t k[NR];
             for (int j = 0; j < NR; j++)
                 k[j] = group_consts(s[j][g], cz[j][g], BITS, MODE == BF16);
-            for (const int64_t end = i + L->group; i < end; i += RUN)
+            for (const int64_t end = i + L->group; i < end; i += RUN) {
+                /* each new 64-byte line of codes: the same line of the next NR rows asked
+                 * for (1.2-1.6x from memory at one row, measured; the hardware's
+                 * prefetcher keeps too little ahead of four interleaved streams) */
+                if (i % (512 / BITS) == 0)
+                    for (int j = 0; j < NR; j++)
+                        _mm_prefetch((const char *)q[j] + i * BITS / 8 + NR * L->row_bytes,
+                                     _MM_HINT_T0);
                 direct_run(q, i, k, x, ldx, c, R, BITS, MODE);
+            }
         }
     }
     const int64_t es = MODE == BF16 ? 2 : 4;
@@ -622,8 +630,7 @@ static void group_bf16(const call_t *c, int64_t g, char *scratch, int64_t bytes)
 /* x [rows, k] against the codes -> out, threads splitting the groups of NR output rows. */
 static int product(const layout_t *L, const void *x, int64_t rows, int64_t ldx, int64_t n,
                    void *out, int64_t ldo, int num_threads, int plain, const int MODE) {
-    call_t c = {L, expander(plain), x, out, rows, ldx, n, ldo,
-                      !plain && rows <= DIRECT_ROWS};
+    call_t c = {L, expander(plain), x, out, rows, ldx, n, ldo, !plain && rows <= DIRECT_ROWS};
     group_fn task = MODE == F32 ? group_f32 : group_f32_rounded;
 #if HAS_BF16DOT
     if (MODE == BF16) task = group_bf16;
