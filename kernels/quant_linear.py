@@ -45,6 +45,12 @@ BLOCK_SIZES = {
 # channels are 256 KiB, read from L2 for each group of weight rows.
 MAX_KERNEL_ROWS = 64
 REFERENCE_TILE_ROWS = 256  # output rows dequantized at a time by the reference
+# Rows of x from which a call that need not be batch-invariant (`batch_invariant=False`)
+# expands the weight to x's dtype, DENSE_TILE_ROWS output rows at a time, and multiplies
+# it with torch's GEMM (oneDNN): prefill-sized calls, where the GEMM's blocking beats
+# the kernel's 64-row calls and the expansion is a small share of the work.
+DENSE_FROM_ROWS = 256
+DENSE_TILE_ROWS = 4096
 _NATIVE = {torch.float32: ("quant_gguf_f32", 1), torch.bfloat16: ("quant_gguf_bf16", 2)}
 
 
@@ -77,15 +83,21 @@ def _row_bytes(qtype: int, in_features: int) -> int:
 
 
 def quant_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features: int,
-                 in_features: int) -> torch.Tensor:
+                 in_features: int, batch_invariant: bool = True) -> torch.Tensor:
     """Dispatcher: the C kernel where this build has one for (qtype, x.dtype), else the
-    reference. x [..., in_features] is taken as rows [T, in_features]."""
+    reference. x [..., in_features] is taken as rows [T, in_features]. With
+    `batch_invariant=False` a call of DENSE_FROM_ROWS rows or more multiplies expanded
+    tiles of the weight with torch's GEMM instead (faster; a row's result then depends
+    on the call's row count, as any BLAS's does)."""
     check(blocks, qtype, out_features, in_features, x)
     if x.dim() != 2:
         rows = quant_linear(x.reshape(-1, in_features), blocks, qtype, out_features,
-                            in_features)
+                            in_features, batch_invariant)
         return rows.view(*x.shape[:-1], out_features)
-    if x.shape[0] and x.dtype in _NATIVE and use_native(x) and has_kernel(qtype, x.dtype):
+    native = x.dtype in _NATIVE and use_native(x) and has_kernel(qtype, x.dtype)
+    if native and not batch_invariant and x.shape[0] >= DENSE_FROM_ROWS:
+        return _dense_tiles(x, blocks, qtype, out_features, in_features)
+    if x.shape[0] and native:
         out = _quant_linear_native(x, blocks, qtype, out_features, in_features)
         if out is not None:
             return out
@@ -135,6 +147,17 @@ def _quant_linear_native(x, blocks, qtype, out_features, in_features, plain=Fals
                         threads, int(plain))
         if status != 0:
             return None
+    return out
+
+
+def _dense_tiles(x, blocks, qtype, out_features, in_features) -> torch.Tensor:
+    """x [T, in] @ W.T, W expanded DENSE_TILE_ROWS output rows at a time into x's dtype
+    (each weight as a model dequantized to that dtype holds it) for torch's GEMM."""
+    out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
+    for first in range(0, out_features, DENSE_TILE_ROWS):
+        last = min(first + DENSE_TILE_ROWS, out_features)
+        w = dequantize_native(blocks[first:last], qtype, in_features).to(x.dtype)
+        torch.mm(x, w.T, out=out[:, first:last] if last - first < out_features else out)
     return out
 
 

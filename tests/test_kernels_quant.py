@@ -170,6 +170,24 @@ def test_dispatcher(dtype, rows, monkeypatch):
     assert torch.equal(ql.quant_linear(x, blocks, ql.Q4_1, 33, 64), ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_prefill_calls_may_take_dense_tiles(dtype, monkeypatch):
+    """batch_invariant=False: from DENSE_FROM_ROWS rows the weight is expanded in tiles
+    (two here) for torch's GEMM, within the reference's tolerance; fewer rows take the
+    kernel as a batch-invariant call does."""
+    monkeypatch.setattr(ql, "DENSE_TILE_ROWS", 24)
+    blocks = make_blocks(ql.Q4_K, 33, 256, seed=2)
+    x = torch.randn(ql.DENSE_FROM_ROWS + 3, 256,
+                    generator=torch.Generator().manual_seed(5)).to(dtype)
+    got = ql.quant_linear(x, blocks, ql.Q4_K, 33, 256, batch_invariant=False)
+    assert got.shape == (x.shape[0], 33) and got.dtype == dtype
+    assert_close(got, ql.quant_linear_reference(x, blocks, ql.Q4_K, 33, 256), x,
+                 dense(blocks, ql.Q4_K, 256))
+    few = x[:ql.DENSE_FROM_ROWS - 1]
+    assert torch.equal(ql.quant_linear(few, blocks, ql.Q4_K, 33, 256, batch_invariant=False),
+                       ql.quant_linear(few, blocks, ql.Q4_K, 33, 256))
+
+
 def test_leading_dimensions():
     blocks = make_blocks(ql.Q4_1, 33, 64)
     x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(4))
