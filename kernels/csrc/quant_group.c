@@ -19,10 +19,11 @@
  * once: the codes are read once, nothing goes through memory. With AVX-512 the scales and
  * zero points of 16 groups are converted at once; an int4 run is a table lookup of its
  * group's 16 values (vpermps for fp32, vpermw for bf16, indexed by the nibbles shifted in
- * place), an int8 run a widening, a conversion and an FMA per 16 values. AVX2 and plain C
- * expand into the scratch (the plain-C form is the reference expansion and the only one
- * elsewhere). The bf16 product takes an int4 run's channels in the order its bytes'
- * nibbles fall out of four shifts (PERM4), and x is permuted to match once per call.
+ * place), an int8 run a widening, a conversion and an FMA per 16 values. With AVX2 a run
+ * is four ymm of widened, converted codes (decode calls in registers too, prefill through
+ * the scratch); plain C is the reference expansion and the only one elsewhere. The bf16
+ * product takes an int4 run's channels in the order its bytes' nibbles fall out of four
+ * shifts (PERM4), and x is permuted to match once per call.
  *
  * bf16 x: with AVX512_BF16 the weights are rounded to bf16 (nearest even, the values a
  * model dequantized to bf16 holds) and multiplied pairwise by vdpbf16ps (exact products,
@@ -82,7 +83,11 @@
 #endif
 #define NR 2  /* 16 ymm (AVX2): 8 sums, 2 weight vectors, the x vector */
 #define MR 4
+#if HAS_AVX2
+#define DIRECT_ROWS 2 /* 4 sums, a run's 4 weight vectors, x, the group's constants */
+#else
 #define DIRECT_ROWS 0
+#endif
 #endif
 typedef float vf __attribute__((vector_size(VL * 4)));
 
@@ -354,6 +359,8 @@ static inline vf loadv(const float *p) {
 static inline vf fmav(vf c, vf a, vf b) { /* c + a b, one rounding, on every path */
 #if HAS_AVX512
     return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif HAS_AVX2
+    return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
 #else
     return c + a * b; /* contracted to an FMA where the target has one (fp-contract) */
 #endif
@@ -595,13 +602,83 @@ typedef struct {
     int in_registers;  /* decode: expand in registers, no scratch */
 } call_t;
 
+#if HAS_AVX2
+/* finite fp32 values rounded to bf16 precision (nearest even), as expand_group rounds them */
+static inline __m256 round_bf16(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd);
+    return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u)));
+}
+
+/* Decode with AVX2: as the AVX-512 direct (the same sums as expand_group + micro), each run
+ * expanded as row_avx2 expands it, into four ymm */
+static inline __attribute__((always_inline)) void
+direct(const layout_t *L, int64_t first, int ncols, const void *x, int64_t ldx, void *out,
+       int64_t ldo, const int R, const int BITS, const int MODE) {
+    vf c[DIRECT_ROWS][NR];
+    const uint8_t *q[NR];
+    int64_t o[NR];
+    for (int j = 0; j < NR; j++) { /* a last group's missing rows repeat its last row */
+        o[j] = first + (j < ncols ? j : ncols - 1);
+        q[j] = L->q + o[j] * L->row_bytes;
+        for (int r = 0; r < R; r++) c[r][j] = (vf){0};
+    }
+    const __m128i mask = _mm_set1_epi8(0xf);
+    for (int64_t g = 0, i = 0; g < L->groups; g++) {
+        __m256 sv[NR], cv[NR];
+        for (int j = 0; j < NR; j++) {
+            const float sc = scale_of(L, o[j], g);
+            sv[j] = _mm256_set1_ps(sc), cv[j] = _mm256_set1_ps(-(float)zero_of(L, o[j], g) * sc);
+        }
+        for (const int64_t end = i + L->group; i < end; i += RUN) {
+            if (i % (512 / BITS) == 0) /* as the AVX-512 direct: the next rows' line */
+                for (int j = 0; j < NR; j++)
+                    _mm_prefetch((const char *)q[j] + i * BITS / 8 + NR * L->row_bytes,
+                                 _MM_HINT_T0);
+            for (int j = 0; j < NR; j++) {
+                __m128i b[4]; /* 8 codes in the low bytes of each */
+                if (BITS == 8) {
+                    for (int h = 0; h < 4; h++)
+                        b[h] = _mm_loadl_epi64((const __m128i *)(q[j] + i + 8 * h));
+                } else {
+                    const __m128i v = _mm_loadu_si128((const __m128i *)(q[j] + i / 2));
+                    b[0] = _mm_and_si128(v, mask), b[2] = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+                    b[1] = _mm_srli_si128(b[0], 8), b[3] = _mm_srli_si128(b[2], 8);
+                }
+                for (int h = 0; h < 4; h++) {
+                    __m256 w = eight(b[h], sv[j], cv[j]);
+                    if (MODE == F32_ROUNDED) w = round_bf16(w);
+                    for (int r = 0; r < R; r++)
+                        c[r][j] = fmav(c[r][j], loadv((const float *)x + r * ldx + i + 8 * h),
+                                       (vf)w);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        store_sums(c[r], (char *)out + r * ldo * 4, ncols, 0);
+}
+
+static inline __attribute__((always_inline)) void
+direct_rows(const layout_t *L, int64_t first, int ncols, const void *x, int64_t rows,
+            int64_t ldx, void *out, int64_t ldo, const int MODE) {
+    if (rows == 2)
+        L->bits == 4 ? direct(L, first, ncols, x, ldx, out, ldo, 2, 4, MODE)
+                     : direct(L, first, ncols, x, ldx, out, ldo, 2, 8, MODE);
+    else
+        L->bits == 4 ? direct(L, first, ncols, x, ldx, out, ldo, 1, 4, MODE)
+                     : direct(L, first, ncols, x, ldx, out, ldo, 1, 8, MODE);
+}
+#endif
+
 /* output rows [g NR, g NR + NR) of the call; `scratch`: NR expanded rows, then one fp32 row */
 static inline __attribute__((always_inline)) void
 one_group(const call_t *c, int64_t g, char *scratch, int64_t scratch_bytes, const int MODE) {
     const int64_t first = g * NR, es = MODE == BF16 ? 2 : 4;
     const int ncols = c->n - first < NR ? (int)(c->n - first) : NR;
     char *o = (char *)c->out + first * es;
-#if HAS_AVX512
+#if HAS_AVX512 || HAS_AVX2
     if (c->in_registers) {
         direct_rows(c->L, first, ncols, c->x, c->rows, c->ldx, o, c->ldo, MODE);
         return;
