@@ -338,7 +338,7 @@ def test_other_cpus_builds(flags, available, tmp_path):
         n, k = 13, 256
         qweight, scales, zeros = make_weight(bits, symmetric, g, n, k)
         w = gl.dequantize_group(qweight, scales, zeros, bits, g, k)
-        for rows in (1, 9):
+        for rows in (1, 2, 9):  # decode calls (in registers) and prefill (scratch)
             for dtype, kernel in [(torch.float32, lib.quant_group_f32),
                                   (torch.bfloat16, lib.quant_group_bf16)]:
                 x = torch.randn(rows, k, generator=gen).to(dtype)
