@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from safetensors import safe_open
 
 from checkpoints import load_hf, make_hf_checkpoint
-from fusegen.engine.weights import quantize as qz
+from fusegen.engine.weights import awq, quantize as qz
 from fusegen.engine.weights.loader import load_state_dict, weight_files
 from fusegen.engine.models.config import ModelConfig
 from fusegen.jobs.cli import main
@@ -219,7 +219,7 @@ def down_error(dense_dir: Path, quantized_dir: Path, layer: int, spec) -> float:
     """Mean squared error of layer `layer`'s down projection on its calibration rows (run
     through `dense_dir`): x @ w.T against x @ dequantized.T, w from `dense_dir` and the
     codes from `quantized_dir`."""
-    _, rows = qz.calibrate(qz.open_source(dense_dir), PROMPTS)[layer, "down"]
+    _, rows = awq.calibrate(qz.open_source(dense_dir), PROMPTS)[layer, "down"]
     base = f"model.layers.{layer}.mlp.down_proj"
     w = read_all(dense_dir)[base + ".weight"].float()
     codes = read_all(quantized_dir)

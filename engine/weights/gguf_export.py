@@ -46,12 +46,12 @@ def export_gguf(path, out_dir, dtype: torch.dtype = torch.float32,
         "dtype": name, "torch_dtype": name})  # both: transformers 5 and older readers
     _write_json(out / "generation_config.json",
                 {k: raw[k] for k in _GENERATION_KEYS if raw.get(k) is not None})
-    _write_tokenizer(reader.metadata, str(path), out, cfg.max_position_embeddings)
+    write_tokenizer(reader.metadata, str(path), out, cfg.max_position_embeddings)
     _write_weights(load_gguf_state_dict(path, cfg, dtype), out, max_shard_bytes)
     return out
 
 
-def _write_tokenizer(meta: dict, source: str, out: Path, max_len: int) -> None:
+def write_tokenizer(meta: dict, source: str, out: Path, max_len: int) -> None:
     backend, special_tokens, template = gguf_tokenizer(meta, source)
     backend.save(str(out / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", **special_tokens,
