@@ -16,6 +16,7 @@ from fusegen.engine.options import EngineOptions
 from fusegen.engine.weights.gguf_names import is_gguf
 from fusegen.engine.weights.hub import resolve_model
 from fusegen.engine.weights.packed import can_pack
+from fusegen.engine.weights.quantized import gguf_kernel_types
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -108,29 +109,46 @@ def resolve_quantization(quantization: str | None, model, device: str) -> str:
     """The form a run keeps its weights in, from the option and the model, checked before
     anything loads: "dequantize" (every weight expanded as it loads), "gguf" (a GGUF
     file's blocks), "int8" / "int4" (fusegen's group codes: the checkpoint's own, or a
-    16-bit checkpoint quantized on load), "fp8". None: the checkpoint's own form, where
-    it runs on `device` (a GGUF file's blocks on a CPU; dequantized on a GPU until the
-    GPU GGUF kernels are wired)."""
-    from fusegen.engine.weights.groupquant import checkpoint_format
+    16-bit checkpoint quantized on load), "fp8" (an FP8 checkpoint's codes, or a 16-bit
+    checkpoint quantized on load). None: the checkpoint's own form, where it runs on
+    `device`: a GGUF file's blocks where a kernel takes them (the C kernels on CPUs,
+    Triton's on CUDA GPUs; `gguf_kernel_types`), an FP8 checkpoint's codes on GPUs with
+    FP8 units (refused elsewhere: quantization="dequantize" expands them)."""
+    from fusegen.engine.weights.fp8 import FP8Checkpoint
+    from fusegen.engine.weights.loader import declared_format
 
     gguf = is_gguf(model)
-    own = None if gguf else checkpoint_format(model)
-    if quantization is None:
-        if own is not None:
-            return own.name
-        return "gguf" if gguf and device == "cpu" else "dequantize"
+    own = None if gguf else declared_format(model)  # ModelLoadError for a bad declaration
+    fp8 = isinstance(own, FP8Checkpoint)
     if quantization == "dequantize":
         return quantization
     where = f"quantization={quantization!r} on {model} (device {device})"
     runs = _runs_here(model, device, gguf, own)
+    if fp8 and quantization in (None, "fp8"):
+        problem = _fp8_problem(device)
+        if problem:
+            raise EngineConfigError(
+                f"{model} is an FP8 checkpoint (config.json's quantization_config.quant_method "
+                f"'fp8'): its FP8 weights run on CUDA GPUs of compute capability 8.9 or later, "
+                f"and {problem}; pass quantization='dequantize' to expand them to the run's "
+                "dtype as they load")
+        return "fp8"
+    if quantization is None:
+        if own is not None:
+            return own.name
+        return "gguf" if gguf and gguf_kernel_types(device) else "dequantize"
+    if fp8:
+        raise EngineConfigError(f"{where}: the checkpoint is FP8 already; {runs}")
     if quantization == "gguf":
         if not gguf:
             raise EngineConfigError(
                 f"{where}: it keeps the blocks of a GGUF file, and this model is not one; "
                 f"{runs}")
-        if device != "cpu":
-            raise EngineConfigError(f"{where}: kept GGUF blocks run on CPUs only for now (no "
-                                    f"GPU kernel wired yet); {runs}")
+        if not gguf_kernel_types(device):
+            raise EngineConfigError(
+                f"{where}: kept GGUF blocks run on CPUs, and on CUDA GPUs through fusegen's "
+                f"Triton kernel{', and Triton is not installed here' * device.startswith('cuda')}"
+                f"; {runs}")
         return quantization
     if quantization in ("int8", "int4"):
         if gguf:
@@ -160,11 +178,29 @@ def resolve_quantization(quantization: str | None, model, device: str) -> str:
                             f"{runs}")  # EngineOptions refuses it first
 
 
+def _fp8_problem(device: str) -> str | None:
+    """Why FP8 weights cannot run on `device` (None: they can)."""
+    if not device.startswith("cuda"):
+        return f"device {device} is not one"
+    if not torch.cuda.is_available():
+        return f"device {device}: no CUDA GPU is visible to this process"
+    first = torch.device(device.split(",")[0])
+    capability = torch.cuda.get_device_capability(first)
+    if capability < FP8_CAPABILITY:
+        return (f"{device} ({torch.cuda.get_device_name(first)}) has compute capability "
+                f"{capability[0]}.{capability[1]}")
+    return None
+
+
 def _runs_here(model, device: str, gguf: bool, own) -> str:
     """What quantization runs `model` on `device`: the end of a refusal."""
     if gguf:
-        forms = ["None (its blocks kept where a kernel takes them)" if device == "cpu" else
-                 "None", "'dequantize'"] + (["'gguf'"] if device == "cpu" else [])
+        keeps = bool(gguf_kernel_types(device))
+        forms = ["None (its blocks kept where a kernel takes them)" if keeps else "None",
+                 "'dequantize'"] + (["'gguf'"] if keeps else [])
+    elif own is not None and own.name == "fp8":
+        forms = ["None or 'fp8' (its FP8 weights as stored, compute capability 8.9 or "
+                 "later)"] * device.startswith("cuda") + ["'dequantize'"]
     elif own is not None:
         forms = [f"None or {own.name!r} (its {own.name} codes as stored)", "'dequantize'"]
     else:
@@ -193,7 +229,7 @@ def compressed_layer_bytes(model, cfg: ModelConfig, dtype: torch.dtype, quantiza
             _check_kernels(sources, model, device)
         if quantization in ("int8", "int4"):
             _check_groups(sources, model, device, quantization)
-        sizes.append(layer_nbytes(sources, dtype.itemsize) if tp == 1 else
+        sizes.append(layer_nbytes(sources, dtype.itemsize, device) if tp == 1 else
                      rank_layer_nbytes(cfg, sources, tp, dtype.itemsize, i))
     return sizes
 
@@ -215,19 +251,20 @@ def _check_groups(sources: dict, model, device: str, quantization: str) -> None:
 def _check_kernels(sources: dict, model, device: str) -> None:
     from fusegen.kernels.quant_linear import SUPPORTED
 
+    types = gguf_kernel_types(device)
     for param, parts in sources.items():
         for part in parts:
             source = getattr(part, "compressed", None)
             if param.endswith(".weight") and source is not None \
-                    and source.params[0] not in SUPPORTED:
+                    and source.params[0] not in types:
                 from gguf import GGMLQuantizationType
 
                 raise EngineConfigError(
                     f"quantization='gguf' on {model} (device {device}): tensor "
                     f"{source.name!r} is {GGMLQuantizationType(source.params[0]).name}, which "
                     f"no kernel on {device} multiplies as blocks (kept: "
-                    f"{', '.join(SUPPORTED.values())}); leave quantization out to keep the "
-                    "blocks it can and dequantize the rest, or pass "
+                    f"{', '.join(SUPPORTED[t] for t in sorted(types))}); leave quantization "
+                    "out to keep the blocks it can and dequantize the rest, or pass "
                     "quantization='dequantize'")
 
 

@@ -57,7 +57,7 @@ def _refused(path, message, **options):
 def test_what_none_resolves_to(hf_dir, gguf_path, int4_dir):
     # pure: the option against the model and the device, nothing loaded
     assert resolve_quantization(None, gguf_path, "cpu") == "gguf"
-    assert resolve_quantization(None, gguf_path, "cuda") == "dequantize"  # no GPU kernel wired
+    assert resolve_quantization(None, gguf_path, "cuda") == "gguf"  # Triton's kernel
     assert resolve_quantization(None, int4_dir, "cpu") == "int4"
     assert resolve_quantization(None, int4_dir, "cuda:0") == "int4"
     assert resolve_quantization(None, hf_dir, "cpu") == "dequantize"
@@ -106,10 +106,6 @@ def test_unknown_values_are_refused():
 def test_combinations_are_refused_before_loading(hf_dir, gguf_path, int4_dir):
     _refused(hf_dir, f"quantization='gguf' on {hf_dir} (device cpu): it keeps the blocks of "
              f"a GGUF file, and this model is not one; {CPU_DENSE}", quantization="gguf")
-    _refused(gguf_path, f"quantization='gguf' on {gguf_path} (device cuda:0): kept GGUF "
-             "blocks run on CPUs only for now (no GPU kernel wired yet); on cuda:0 this model "
-             "runs with quantization=None, 'dequantize'", quantization="gguf",
-             device="cuda:0")
     gguf_cpu = ("on cpu this model runs with quantization=None (its blocks kept where a "
                 "kernel takes them), 'dequantize', 'gguf'")
     for bits in ("int8", "int4"):

@@ -14,12 +14,23 @@ Two ways in:
   channel, as compressed-tensors and fbgemm_fp8 write them; kept exactly) or
   `NAME.weight_scale_inv` (128 x 128 blocks, as DeepSeek-V3 and Qwen3-FP8 write them;
   dequantized and re-quantized per output channel, which rounds each weight once more).
-  Wiring these into the loader (a "fp8" CompressedSource format) is not done here.
+
+A checkpoint whose config.json declares `quantization_config.quant_method` "fp8"
+(`fp8_checkpoint`) is read by the loader through `fp8_entry`: each FP8 linear weight is
+a lazy tensor of its dequantized values (quantization="dequantize", any device) carrying
+an "fp8" `CompressedSource` of `fp8_checkpoint_parts` (kept as FP8Linear on GPUs with
+FP8 units). The activations are quantized per row at run time: a checkpoint's static
+`input_scale` tensors are not used.
 
 Tensors ("weight_fp8", "weight_scale", "bias") are set by `set_weight`, shared, not
 copied, and checked: dtype, shape, and that their device has FP8 units.
 """
 from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -28,6 +39,38 @@ from fusegen.engine.weights.quantized import CompressedLinear
 from fusegen.kernels.triton_quant import fp8_linear, has_fp8_units, quantize_fp8
 
 WEIGHT_BLOCK = (128, 128)  # weight_scale_inv's block: [output rows, input channels]
+QUANT_METHOD = "fp8"  # config.json's quantization_config.quant_method
+# A linear's tensors beside NAME.weight in an FP8 checkpoint
+SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale")
+
+
+@dataclass(frozen=True, slots=True)
+class FP8Checkpoint:
+    """What an FP8 checkpoint's `quantization_config` says: the block of its
+    `weight_scale_inv` tensors ([output rows, input channels]; `weight_block_size`)."""
+    block: tuple[int, int] = WEIGHT_BLOCK
+    name: str = "fp8"
+
+
+def fp8_checkpoint(model) -> FP8Checkpoint | None:
+    """The FP8 format a checkpoint directory's config.json declares
+    (`quantization_config.quant_method` "fp8", as transformers' FP8 and DeepSeek / Qwen
+    FP8 checkpoints write it), or None. ValueError naming the key for a
+    `weight_block_size` that is not two positive integers."""
+    path = Path(model) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # not a checkpoint directory, or the config reader says why
+    qc = raw.get("quantization_config") if isinstance(raw, dict) else None
+    if not isinstance(qc, dict) or qc.get("quant_method") != QUANT_METHOD:
+        return None
+    block = qc.get("weight_block_size") or WEIGHT_BLOCK
+    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(
+            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise ValueError(f"{path}: quantization_config.weight_block_size is {block!r}; it "
+                         "must be two positive integers [output rows, input channels]")
+    return FP8Checkpoint(tuple(block))
 
 
 def check_fp8_device(device: torch.device | str, what: str = "FP8Linear") -> None:
@@ -119,6 +162,19 @@ def fp8_checkpoint_parts(name: str, weight: torch.Tensor,
     `weight_scale_inv`: [ceil(out / b0), ceil(in / b1)] for `block` (b0, b1) (the config's
     `weight_block_size`), weight = weight * scale_inv[o // b0, i // b1]: dequantized to
     fp32 and quantized again per output channel."""
+    check_fp8_checkpoint(name, weight, weight_scale, weight_scale_inv, block)
+    if weight_scale is not None:
+        scale = weight_scale.float()
+        return weight, scale.reshape(-1).expand(weight.shape[0]).contiguous()
+    return quantize_fp8(dequantize_fp8_checkpoint(weight, weight_scale, weight_scale_inv,
+                                                  block))
+
+
+def check_fp8_checkpoint(name: str, weight: torch.Tensor, weight_scale: torch.Tensor | None,
+                         weight_scale_inv: torch.Tensor | None,
+                         block: tuple[int, int] = WEIGHT_BLOCK) -> None:
+    """ValueError naming the tensor where an FP8 linear's tensors do not fit together
+    (`fp8_checkpoint_parts` says what they are); nothing is read."""
     if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
         raise ValueError(f"{name}.weight is {weight.dtype} {list(weight.shape)}; an FP8 "
                          "checkpoint's linear weight is float8_e4m3fn [out, in]")
@@ -128,11 +184,10 @@ def fp8_checkpoint_parts(name: str, weight: torch.Tensor,
                          f"{'both' if weight_scale is not None else 'neither'}")
     out_features, in_features = weight.shape
     if weight_scale is not None:
-        scale = weight_scale.float()
-        if scale.numel() == 1:
-            return weight, scale.reshape(1).expand(out_features).contiguous()
-        if scale.numel() == out_features and scale.dim() <= 2 and scale.shape[0] == out_features:
-            return weight, scale.reshape(out_features).contiguous()
+        if weight_scale.numel() == 1 or (weight_scale.numel() == out_features
+                                         and 1 <= weight_scale.dim() <= 2
+                                         and weight_scale.shape[0] == out_features):
+            return
         raise ValueError(f"{name}.weight_scale is {list(weight_scale.shape)}; fusegen reads a "
                          f"per-tensor [] or per-channel [{out_features}] / [{out_features}, 1] "
                          "scale")
@@ -142,6 +197,41 @@ def fp8_checkpoint_parts(name: str, weight: torch.Tensor,
         raise ValueError(f"{name}.weight_scale_inv is {list(weight_scale_inv.shape)}; a "
                          f"{out_features} x {in_features} weight in {b0} x {b1} blocks has "
                          f"{list(want)}")
+
+
+def dequantize_fp8_checkpoint(weight: torch.Tensor, weight_scale: torch.Tensor | None,
+                              weight_scale_inv: torch.Tensor | None,
+                              block: tuple[int, int] = WEIGHT_BLOCK) -> torch.Tensor:
+    """An FP8 linear's dense weight in fp32 [out, in]: each code times its scale (per
+    tensor, per output channel, or per `block` of `weight_scale_inv`), one fp32 product."""
+    out_features, in_features = weight.shape
+    if weight_scale is not None:
+        scale = weight_scale.float()
+        scale = scale.reshape(()) if scale.numel() == 1 else scale.reshape(out_features, 1)
+        return weight.float() * scale
+    b0, b1 = block
     scale = weight_scale_inv.float().repeat_interleave(b0, 0)[:out_features]
     scale = scale.repeat_interleave(b1, 1)[:, :in_features]
-    return quantize_fp8(weight.float() * scale)
+    return weight.float() * scale
+
+
+def fp8_entry(name: str, weight: torch.Tensor, weight_scale: torch.Tensor | None,
+              weight_scale_inv: torch.Tensor | None, block: tuple[int, int]) -> torch.Tensor:
+    """The state-dict entry of an FP8 checkpoint's linear `name` ("...q_proj"): a lazy
+    fp32 tensor of its dequantized weight carrying an "fp8" `.compressed` source of
+    `fp8_checkpoint_parts` (checked here, read only when used)."""
+    from fusegen.engine.weights.loader import LazyTensor
+    from fusegen.engine.weights.quantized import CompressedSource
+
+    check_fp8_checkpoint(name, weight, weight_scale, weight_scale_inv, block)
+    entry = LazyTensor(tuple(weight.shape), torch.float32, partial(
+        dequantize_fp8_checkpoint, weight, weight_scale, weight_scale_inv, block))
+    entry.compressed = CompressedSource.of("fp8", (), tuple(weight.shape), f"{name}.weight",
+                                           partial(_parts, name, weight, weight_scale,
+                                                   weight_scale_inv, block))
+    return entry
+
+
+def _parts(*args) -> dict[str, torch.Tensor]:
+    weight_fp8, weight_scale = fp8_checkpoint_parts(*args)
+    return {"weight_fp8": weight_fp8, "weight_scale": weight_scale}

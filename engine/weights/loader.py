@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_map_only
 from fusegen.engine.errors import ModelLoadError
 from fusegen.engine.models import get_architecture
 from fusegen.engine.models.config import ModelConfig
+from fusegen.engine.weights.fp8 import SCALE_SUFFIXES, FP8Checkpoint, fp8_checkpoint, fp8_entry
 from fusegen.engine.weights.groupquant import (COMPONENT_SUFFIXES, checkpoint_format,
                                                on_load_format, quantizable,
                                                quantize_on_load, read_group_checkpoint)
@@ -81,7 +82,8 @@ def weight_files(model_dir: Path, allow_pickle: bool = False) -> list[Path]:
 
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
               "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
-              "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+              "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+              "F8_E4M3": torch.float8_e4m3fn}  # FP8 checkpoints' codes (weights/fp8.py)
 
 
 def _safetensors_views(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -185,22 +187,36 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return get_architecture(cfg.architecture).checkpoint_shapes(cfg)
 
 
+def declared_format(model_dir) -> object | None:
+    """The quantized form a checkpoint directory's config.json declares: an
+    `FP8Checkpoint` (quant_method "fp8"), a `GroupFormat` (fusegen's), or None.
+    ModelLoadError naming the key for a declaration fusegen cannot run."""
+    try:
+        fp8 = fp8_checkpoint(model_dir)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
+    return fp8 if fp8 is not None else checkpoint_format(model_dir)
+
+
 def load_state_dict(model_dir: str | Path, cfg: ModelConfig,
                     allow_pickle: bool = False) -> dict[str, torch.Tensor]:
     """Every weight as a memory-mapped CPU tensor in the checkpoint's own dtype,
     checked name by name and shape by shape against the config. Nothing is read
     into memory until a tensor is used. A fusegen group-quantized checkpoint's linears
-    (weights/groupquant.py) are lazy entries carrying their codes as `.compressed`."""
+    (weights/groupquant.py) and an FP8 checkpoint's (weights/fp8.py) are lazy entries
+    of their dequantized weights carrying their compressed form as `.compressed`."""
     model_dir = Path(model_dir)
     expected = expected_shapes(cfg)
     state: dict[str, torch.Tensor] = {}
-    fmt = checkpoint_format(model_dir)
+    fmt = declared_format(model_dir)
+    suffixes = SCALE_SUFFIXES if isinstance(fmt, FP8Checkpoint) else COMPONENT_SUFFIXES
+    files: dict[str, Path] = {}
     components: dict[str, tuple[Path, torch.Tensor]] = {}
     for name, path, tensor in iter_tensors(weight_files(model_dir, allow_pickle)):
         if name.endswith(_IGNORED_SUFFIXES):
             continue
-        if fmt is not None and name.endswith(COMPONENT_SUFFIXES):
-            components[name] = (path, tensor)  # a quantized linear's codes
+        if fmt is not None and name.endswith(suffixes):
+            components[name] = (path, tensor)  # a quantized linear's codes or scales
             continue
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied: the embedding serves as the head
@@ -211,8 +227,16 @@ def load_state_dict(model_dir: str | Path, cfg: ModelConfig,
             raise ModelLoadError(
                 f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, but config.json "
                 f"implies {expected[name]}; the config does not match the weights")
+        if tensor.dtype == torch.float8_e4m3fn and not isinstance(fmt, FP8Checkpoint):
+            raise ModelLoadError(
+                f"{path}: tensor {name!r} is float8_e4m3fn, but config.json declares no "
+                "quantization_config with quant_method 'fp8' (which says how its scales "
+                "are stored); fusegen reads FP8 weights only from such checkpoints")
         state[name] = tensor
-    if fmt is not None:
+        files[name] = path
+    if isinstance(fmt, FP8Checkpoint):
+        _read_fp8(state, files, components, fmt, model_dir)
+    elif fmt is not None:
         for name, entry in read_group_checkpoint(components, expected, fmt, model_dir).items():
             if name in state:
                 raise ModelLoadError(f"{model_dir}: {name!r} is stored both dense and "
@@ -225,14 +249,38 @@ def load_state_dict(model_dir: str | Path, cfg: ModelConfig,
     return state
 
 
+def _read_fp8(state: dict[str, torch.Tensor], files: dict[str, Path],
+              scales: dict[str, tuple[Path, torch.Tensor]], fmt: FP8Checkpoint,
+              model_dir: Path) -> None:
+    """An FP8 checkpoint's e4m3 linear weights in `state` as `fp8_entry`s, each with its
+    `weight_scale` or `weight_scale_inv` from `scales` (taken out of it; `input_scale`s
+    are not used); a scale without its e4m3 weight is named."""
+    for name in [n for n, t in state.items() if t.dtype == torch.float8_e4m3fn]:
+        base = name.removesuffix(".weight")
+        scale, scale_inv = (scales.pop(base + suffix, (None, None))[1]
+                            for suffix in (".weight_scale", ".weight_scale_inv"))
+        scales.pop(base + ".input_scale", None)
+        try:
+            state[name] = fp8_entry(base, state[name], scale, scale_inv, fmt.block)
+        except ValueError as exc:
+            raise ModelLoadError(f"{files[name]}: {exc}") from None
+    stray = sorted(n for n in scales if not n.endswith(".input_scale"))
+    if stray:
+        base = stray[0].rpartition(".")[0]
+        raise ModelLoadError(f"{scales[stray[0]][0]}: tensor {stray[0]!r} scales "
+                             f"{base + '.weight'!r}, which is not a float8_e4m3fn weight of "
+                             f"this checkpoint ({model_dir})")
+
+
 def checkpoint_tensors(model, cfg: ModelConfig, dtype: torch.dtype, quantization: str,
                        allow_pickle: bool = False) -> dict[str, torch.Tensor]:
     """Every weight under its Hugging Face name, none read yet: memory-mapped safetensors
     or a GGUF file's tensors, each converted into `dtype` when used. `quantization` (the
     resolved form, `EngineConfig.quantization`) decides which entries also carry their
     compressed form as `.compressed`: a GGUF file's block-quantized tensors under "gguf";
-    a fusegen-quantized checkpoint's linears always; a 16-bit checkpoint's decoder
-    linears under "int8" / "int4" (quantized on load, weights/groupquant.py)."""
+    a fusegen-quantized checkpoint's linears and an FP8 checkpoint's (but its MoE
+    experts') always; a 16-bit checkpoint's decoder linears under "int8" / "int4"
+    (quantized on load, weights/groupquant.py) or "fp8"."""
     from fusegen.engine.weights.gguf_names import is_gguf
 
     if is_gguf(model):
@@ -240,16 +288,24 @@ def checkpoint_tensors(model, cfg: ModelConfig, dtype: torch.dtype, quantization
 
         return load_gguf_state_dict(model, cfg, dtype, keep_blocks=quantization == "gguf")
     state = load_state_dict(model, cfg, allow_pickle)
-    if quantization in ("int8", "int4", "fp8") and checkpoint_format(Path(model)) is None:
-        arch = get_architecture(cfg.architecture)
-        layer_tensors = {arch.layer_prefix.format(i) + name: param
-                         for i in range(cfg.num_layers)
-                         for name, _, param in arch.layer_tensors(cfg)}
+    declared = declared_format(Path(model))
+    arch = get_architecture(cfg.architecture)
+    layer_tensors = {arch.layer_prefix.format(i) + name: param
+                     for i in range(cfg.num_layers)
+                     for name, _, param in arch.layer_tensors(cfg)}
+    if isinstance(declared, FP8Checkpoint) and cfg.num_experts:
+        for name, param in layer_tensors.items():  # no FP8 expert linear: dense
+            if param in _EXPERT_PARAMS and hasattr(state[name], "compressed"):
+                del state[name].compressed
+    if quantization in ("int8", "int4", "fp8") and declared is None:
         if quantization == "fp8":
             fp8_on_load(state, layer_tensors, dtype, experts=bool(cfg.num_experts))
         else:
             quantize_on_load(state, layer_tensors, on_load_format(quantization))
     return state
+
+
+_EXPERT_PARAMS = ("gate_up.weight", "down.weight")  # an MoE layer's experts' weights
 
 
 def fp8_on_load(state: dict[str, torch.Tensor], layer_tensors: dict[str, str],
@@ -263,7 +319,7 @@ def fp8_on_load(state: dict[str, torch.Tensor], layer_tensors: dict[str, str],
     for name, param in layer_tensors.items():
         tensor = state[name]
         if not quantizable(param, tuple(tensor.shape)) or (
-                experts and param in ("gate_up.weight", "down.weight")):
+                experts and param in _EXPERT_PARAMS):
             continue
         tensor.compressed = CompressedSource.of("fp8", (), tuple(tensor.shape), name,
                                                 partial(_fp8_parts, tensor, dtype))

@@ -20,12 +20,13 @@ same decision, from the same sources.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from fusegen.engine.weights.linear import Linear, row_tiled
-from fusegen.kernels import use_native
+from fusegen.kernels import _triton_available, use_native
 from fusegen.kernels.quant_linear import BLOCK_SIZES, SUPPORTED, has_kernel, quant_linear
 
 FORMATS = ("gguf", "group", "fp8")
@@ -33,6 +34,21 @@ GROUP_BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
 # int4 codes are packed two to a byte in runs of this many input channels
 INT4_RUN = 32
+# The GGUF types kernels/triton_quant.py's `_gguf_weights` decodes (Q4_0, Q4_1, Q5_0,
+# Q5_1, Q8_0, Q4_K, Q5_K, Q6_K): what GPUs keep as blocks. A type the C kernels gain
+# stays dense on GPUs until the Triton kernel decodes it too.
+TRITON_GGUF_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13, 14})
+
+
+def gguf_kernel_types(device: str) -> frozenset[int]:
+    """The GGUF types whose blocks a linear on `device` ("cpu", "cuda", "cuda:1",
+    "cuda:0,1") multiplies as stored: the C kernels' (or their reference's) on CPUs,
+    the Triton kernel's on CUDA GPUs where Triton is installed, none elsewhere."""
+    if device == "cpu":
+        return frozenset(SUPPORTED)
+    if device.startswith("cuda") and _triton_available():
+        return TRITON_GGUF_TYPES & SUPPORTED.keys()
+    return frozenset()
 
 
 def _gguf_block(qtype: int) -> tuple[int, int]:
@@ -174,47 +190,54 @@ def stack_sources(parts: list[CompressedSource]) -> CompressedSource:
                             " + ".join(p.name for p in parts), read)
 
 
-def kept_as_blocks(param: str, parts: list[tuple[int, tuple[int, ...]]]) -> bool:
+def kept_as_blocks(param: str, parts: list[tuple[int, tuple[int, ...]]],
+                   device: str = "cpu") -> bool:
     """Whether a decoder layer's parameter `param` ("qkv.weight") made of GGUF tensors
-    `parts` ((qtype, shape) each, in stacking order) keeps its blocks: a linear's 2-D
-    weight whose parts all have one type the kernel takes and one in_features."""
+    `parts` ((qtype, shape) each, in stacking order) keeps its blocks on `device`: a
+    linear's 2-D weight whose parts all have one type its kernel takes
+    (`gguf_kernel_types`) and one in_features."""
     qtypes = {int(qtype) for qtype, _ in parts}
-    return (param.endswith(".weight") and len(qtypes) == 1 and qtypes <= SUPPORTED.keys()
+    return (param.endswith(".weight") and len(qtypes) == 1
+            and qtypes <= gguf_kernel_types(device)
             and all(len(shape) == 2 for _, shape in parts)
             and len({shape[1] for _, shape in parts}) == 1)
 
 
-def can_keep(param: str, parts: list[CompressedSource]) -> bool:
-    """Whether parameter `param` made of compressed `parts` stays compressed: a linear's
-    weight whose parts share one format, its params and in_features, with a kernel."""
+def can_keep(param: str, parts: list[CompressedSource], device: str = "cpu") -> bool:
+    """Whether parameter `param` made of compressed `parts` stays compressed on `device`:
+    a linear's weight whose parts share one format, its params and in_features, with a
+    kernel."""
     if not param.endswith(".weight") or len({(p.format, p.params) for p in parts}) != 1:
         return False
     first = parts[0]
     if first.format == "gguf":
-        return kept_as_blocks(param, [(p.params[0], p.shape) for p in parts])
+        return kept_as_blocks(param, [(p.params[0], p.shape) for p in parts], device)
     return (first.format in ("group", "fp8")
             and (first.format == "fp8" or first.params[0] in GROUP_BITS)
             and len({p.shape[1] for p in parts}) == 1)
 
 
-def split_kept(sources: dict[str, list]) -> tuple[dict[str, list[CompressedSource]], dict]:
+def split_kept(sources: dict[str, list], device: str = "cpu"
+               ) -> tuple[dict[str, list[CompressedSource]], dict]:
     """A layer's sources (`Architecture.layer_sources`) as (the parameters that stay
-    compressed, the rest, loaded dense as always). A part without a `compressed` source
-    (a float tensor, a type the reader serves only dense) keeps its parameter dense."""
+    compressed on `device`, the rest, loaded dense as always). A part without a
+    `compressed` source (a float tensor, a type the reader serves only dense) keeps its
+    parameter dense."""
     kept, dense = {}, {}
     for param, parts in sources.items():
         compressed = [getattr(t, "compressed", None) for t in parts]
-        if None not in compressed and can_keep(param, compressed):
+        if None not in compressed and can_keep(param, compressed, device):
             kept[param] = compressed
         else:
             dense[param] = parts
     return kept, dense
 
 
-def layer_nbytes(sources: dict[str, list], itemsize: int) -> int:
-    """One layer's weight bytes as loaded: the kept parameters' compressed components,
-    the others dense at `itemsize` bytes a value (the placement plan's layer size)."""
-    kept, dense = split_kept(sources)
+def layer_nbytes(sources: dict[str, list], itemsize: int, device: str = "cpu") -> int:
+    """One layer's weight bytes as loaded on `device`: the kept parameters' compressed
+    components, the others dense at `itemsize` bytes a value (the placement plan's
+    layer size)."""
+    kept, dense = split_kept(sources, device)
     return (sum(part.nbytes for parts in kept.values() for part in parts)
             + sum(t.numel() for parts in dense.values() for t in parts) * itemsize)
 
@@ -357,13 +380,22 @@ class GGUFLinear(CompressedLinear):
         return kept
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.row_tile is not None and not (use_native(x) and has_kernel(self.qtype, x.dtype)):
+        if on_triton(x, self.qtype):
+            # The Triton kernel's tiles: batch-invariant ones (kernels/triton_quant.py)
+            # in deterministic mode, so no row tiling is needed there.
+            out = _triton().gguf_linear_triton(x, self.blocks, self.qtype, self.out_features,
+                                               self.in_features,
+                                               batch_invariant=self.row_tile is not None)
+        elif self.row_tile is not None and not (use_native(x)
+                                                and has_kernel(self.qtype, x.dtype)):
             # The C kernel sums each row in one order whatever the call's row count
             # (64-row calls past that), so it is batch-invariant as it is; the reference
             # (torch's GEMM) orders its sums by the call's shape: exactly `row_tile` rows
             # per call make a row's result independent of the rows batched with it.
             return row_tiled(x, self._matmul, self.out_features, self.bias, self.row_tile)
-        out = quant_linear(x, self.blocks, self.qtype, self.out_features, self.in_features)
+        else:
+            out = quant_linear(x, self.blocks, self.qtype, self.out_features,
+                               self.in_features)
         if self.bias is not None:
             out += self.bias
         return out
@@ -373,3 +405,17 @@ class GGUFLinear(CompressedLinear):
         result = quant_linear(rows, self.blocks, self.qtype, self.out_features,
                               self.in_features)
         return result if out is None else out.copy_(result)
+
+
+def on_triton(x: torch.Tensor, qtype: int) -> bool:
+    """Whether a GGUFLinear multiplies `x` with the Triton kernel: a CUDA tensor, and a
+    type the kernel decodes (`gguf_kernel_types`); others take quant_linear (the C
+    kernels on CPUs, the reference elsewhere)."""
+    return x.is_cuda and qtype in gguf_kernel_types("cuda")
+
+
+@functools.cache
+def _triton():
+    from fusegen.kernels import triton_quant  # imports Triton: only where it runs
+
+    return triton_quant
