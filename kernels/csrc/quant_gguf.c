@@ -588,18 +588,26 @@ static inline __m512bh dq_pair(__m512 lo, __m512 hi, float d, float c) { /* stor
     return PAIR(_mm512_fmadd_ps(lo, dv, cv), _mm512_fmadd_ps(hi, dv, cv));
 }
 
-static inline void bf_q4_0(const uint8_t *b, __m512bh *v) {
-    __m512 lo, hi;
-    const float d = fp16(b);
-    nibbles(b + 2, &lo, &hi);
-    v[0] = dq_pair(lo, hi, d, -8.0f * d);
+/* A 4-bit block's 32 values looked up: its 16 possible values d q + c (q = 0..15, each
+ * the same fused multiply-add as store_block's, rounded to bf16 alike) as a table, the
+ * codes as word indexes into it (vpermw): one multiply-add a block, not two a row. */
+static inline __m512bh lookup4(const uint8_t *q, float d, float c) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m256i t = (__m256i)_mm512_cvtneps_pbh(
+        _mm512_fmadd_ps(iota, _mm512_set1_ps(d), _mm512_set1_ps(c)));
+    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)q));
+    const __m256i mask = _mm256_set1_epi16(0xf);
+    const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(w, mask)),
+                                           _mm256_srli_epi16(w, 4), 1);
+    return (__m512bh)_mm512_permutexvar_epi16(idx, _mm512_castsi256_si512(t));
 }
 
-static inline void bf_q4_1(const uint8_t *b, __m512bh *v) {
-    __m512 lo, hi;
-    nibbles(b + 4, &lo, &hi);
-    v[0] = dq_pair(lo, hi, fp16(b), fp16(b + 2));
+static inline void bf_q4_0(const uint8_t *b, __m512bh *v) {
+    const float d = fp16(b);
+    v[0] = lookup4(b + 2, d, -8.0f * d);
 }
+
+static inline void bf_q4_1(const uint8_t *b, __m512bh *v) { v[0] = lookup4(b + 4, fp16(b), fp16(b + 2)); }
 
 static inline void bf_q5_0(const uint8_t *b, __m512bh *v) {
     __m512 lo, hi;
