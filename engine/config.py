@@ -75,6 +75,7 @@ class PlanInputs:
     shape: ModelShape
     free: FreeMemory
     quantization: str = "dequantize"  # the form the weights run in (resolve_quantization)
+    stages: tuple[range, ...] = ()  # a device group's pipeline stages (`group_stages`)
 
     @classmethod
     def gather(cls, model, options: EngineOptions) -> "PlanInputs":
@@ -87,12 +88,19 @@ class PlanInputs:
                        and can_pack(dtype))
         tp, pp = options.tensor_parallel_size, options.pipeline_parallel_size
         if tp * pp > 1:  # the plan is one rank's: every rank gets the same KV blocks
-            shape = rank_shape(model_config, dtype, tp, pp, packed_head)
+            from fusegen.engine.parallel.plan import check_parallel
+
+            check_parallel(model_config, tp, pp)
+            layer_bytes = None
             if quantization in COMPRESSED:  # a rank's slice of each layer, compressed
-                shape = dataclasses.replace(shape, layer_bytes=max(compressed_layer_bytes(
-                    model, model_config, dtype, quantization, options, device, tp)))
+                layer_bytes = compressed_layer_bytes(model, model_config, dtype, quantization,
+                                                     options, device, tp)
+            stages = group_stages(model_config, dtype, tp, pp, layer_bytes)
+            shape = rank_shape(model_config, dtype, tp, pp, packed_head, stages)
+            if layer_bytes is not None:
+                shape = dataclasses.replace(shape, layer_bytes=max(layer_bytes))
             return cls(model_config, device, dtype, shape, group_free_memory(device, tp * pp),
-                       quantization)
+                       quantization, tuple(stages))
         shape = model_shape(model_config, dtype, packed_head=packed_head)
         if quantization in COMPRESSED:
             shape = dataclasses.replace(shape, layer_bytes=max(compressed_layer_bytes(
@@ -286,6 +294,8 @@ class EngineConfig:
     # the form the weights run in: "dequantize", "gguf", "int8", "int4" or "fp8", the
     # option resolved against the model and device (`resolve_quantization`)
     quantization: str = "dequantize"
+    # a device group's pipeline stages, each a run of layers (`group_stages`); () alone
+    stages: tuple[range, ...] = ()
 
     @classmethod
     def build(cls, model, options: EngineOptions | None = None) -> "EngineConfig":
@@ -298,7 +308,8 @@ class EngineConfig:
         plan = plan_engine(options, inputs.shape, inputs.free)
         return cls(path, str(model), inputs.model_config, options, inputs.device,
                    inputs.dtype, inputs.shape, plan.placement, plan.max_num_seqs,
-                   plan.max_num_batched_tokens, plan.max_model_len, inputs.quantization)
+                   plan.max_num_batched_tokens, plan.max_model_len, inputs.quantization,
+                   inputs.stages)
 
     @property
     def block_size(self) -> int:
@@ -325,18 +336,32 @@ def model_shape(cfg: ModelConfig, dtype: torch.dtype, packed_head: bool = False)
                       dtype_bytes=torch.finfo(dtype).bits // 8)
 
 
+def group_stages(cfg: ModelConfig, dtype: torch.dtype, tp: int, pp: int,
+                 layer_bytes: list[int] | None = None) -> list[range]:
+    """A device group's pipeline stages, balanced by each layer's bytes as one rank
+    loads them (`layer_bytes`: a rank's compressed slices, `compressed_layer_bytes`; None:
+    dense, every layer the same) with the LM head (a rank's slice of it) on the last."""
+    from fusegen.engine.parallel.plan import layer_stages, model_stages
+
+    head = cfg.vocab_size * cfg.hidden_size
+    if layer_bytes is None:
+        whole = get_architecture(cfg.architecture).layer_numel(cfg)  # as the runner splits
+        return model_stages(whole, cfg.num_layers, head, pp)
+    return layer_stages(layer_bytes, head * dtype.itemsize // tp, pp)
+
+
 def rank_shape(cfg: ModelConfig, dtype: torch.dtype, tp: int, pp: int,
-               packed_head: bool) -> ModelShape:
-    """What one rank of a device group holds: its stage's layers (the largest stage), its
-    slice of each layer and of the embedding and head; the logits stay whole (the last
-    stage gathers them). Refuses a split the model cannot take."""
-    from fusegen.engine.parallel.plan import check_parallel, model_stages
+               packed_head: bool, stages: list[range] | None = None) -> ModelShape:
+    """What one rank of a device group holds: its stage's layers (the stage of most
+    layers, of `stages` or the dense split), its slice of each layer and of the
+    embedding and head; the logits stay whole (the last stage gathers them). Refuses a
+    split the model cannot take."""
+    from fusegen.engine.parallel.plan import check_parallel
     from fusegen.engine.parallel.shard import rank_model_config
 
     check_parallel(cfg, tp, pp)
     local = model_shape(rank_model_config(cfg, tp), dtype, packed_head=packed_head)
-    whole = get_architecture(cfg.architecture).layer_numel(cfg)  # as the runner splits
-    stages = model_stages(whole, cfg.num_layers, cfg.vocab_size * cfg.hidden_size, pp)
+    stages = stages or group_stages(cfg, dtype, tp, pp)
     return dataclasses.replace(local, num_layers=max(len(s) for s in stages),
                                fixed_params=-(-local.fixed_params // tp))
 

@@ -162,3 +162,34 @@ def test_int4_ranks_stream_their_compressed_slices(models, reference):
         assert report["device"]["staging"] == 2 * layer_bytes
         assert report["streamed"]["bytes_per_load"] == layer_bytes
     assert _children() == []
+
+
+def test_pipeline_stages_balance_compressed_bytes(tmp_path):
+    """Four layers, the last in Q8_0 blocks (34 bytes per 32 weights), the others in Q4_0
+    (18): by parameter counts (every layer alike, the head at half on the last stage) two
+    stages take 2 + 2 layers; by the bytes the layers load as, 3 + 1, and the group runs
+    those stages and makes the single process's tokens."""
+    from fusegen.engine.config import compressed_layer_bytes
+    from fusegen.engine.parallel.plan import model_stages
+
+    deep = make_hf_checkpoint(tmp_path / "deep", "llama", "bpe", seed=5, num_hidden_layers=4,
+                              max_position_embeddings=128)
+    path = write_gguf(deep, tmp_path / "mixed.gguf", qtype=Q.Q4_0, types={"blk.3.": Q.Q8_0})
+    split = dict(pipeline_parallel_size=2, **LIMITS)
+    config = EngineConfig.build(path, EngineOptions(**split))
+    cfg = config.model_config
+    assert config.quantization == "gguf"
+    linears = get_architecture(cfg.architecture).layer_numel(cfg) - NORM_BYTES // 4
+    small, large = linears * 18 // 32 + NORM_BYTES, linears * 34 // 32 + NORM_BYTES
+    assert compressed_layer_bytes(path, cfg, torch.float32, "gguf", config.options,
+                                  "cpu") == [small, small, small, large]
+    assert model_stages(linears, 4, cfg.vocab_size * cfg.hidden_size, 2) == [range(0, 2),
+                                                                            range(2, 4)]
+    assert config.stages == (range(0, 3), range(3, 4))
+    assert config.shape.num_layers == 3 and config.shape.layer_bytes == large
+    with LLM(str(path), **LIMITS) as llm:
+        want = tokens(llm)
+    with LLM(str(path), **split) as llm:
+        assert tokens(llm) == want
+        assert llm.memory_report()["group"]["stages"] == [[0, 3], [3, 4]]
+    assert _children() == []

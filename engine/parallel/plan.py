@@ -2,7 +2,8 @@
 
 A group of tensor_parallel_size T and pipeline_parallel_size P has W = T * P ranks;
 rank r is tensor rank r % T of stage r // T. Stages take contiguous runs of layers,
-balanced by bytes; the ranks of a stage split every layer of it (shard.py).
+balanced by the layers' bytes as loaded (`layer_stages`); the ranks of a stage split
+every layer of it (shard.py).
 """
 from __future__ import annotations
 
@@ -121,15 +122,23 @@ def _num_stages(layer_bytes: list[int], capacity: int, tail: int) -> int:
     return stages
 
 
+def layer_stages(layer_bytes: list[int], head_bytes: int, pp: int) -> list[range]:
+    """A model's stages, balanced by the weight bytes each stage reads every step: its
+    layers' as loaded (`layer_bytes`, one per layer: compressed components where kept,
+    so a GGUF file whose layers mix types splits by its bytes, not its parameter counts)
+    and, on the last stage, the LM head's. The head runs for the sampled rows only: as
+    heavy as its weights in a decode step, light in a prefill step; it counts at half
+    its weights (cpu-small's 8 layers and a head of five layers' weights split 5 + 3,
+    not 4 + 4 (the last stage then idle-free and the first waiting 28% of the time,
+    measured) nor 7 + 1)."""
+    return stage_layers(list(layer_bytes), pp, tail=head_bytes // 2)
+
+
 def model_stages(layer_params: int, num_layers: int, head_params: int,
                  pp: int) -> list[range]:
-    """A model's stages, balanced by the weights each stage multiplies every step: its
-    layers' (every layer the same size) and, on the last stage, the LM head's. The head
-    runs for the sampled rows only: as heavy as its weights in a decode step, light in
-    a prefill step; it counts at half its weights (cpu-small's 8 layers and a head of
-    five layers' weights split 5 + 3, not 4 + 4 (the last stage then idle-free and the
-    first waiting 28% of the time, measured) nor 7 + 1)."""
-    return stage_layers([layer_params] * num_layers, pp, tail=head_params // 2)
+    """`layer_stages` of a model whose layers all weigh `layer_params` (dense weights,
+    counted in parameters) and whose head weighs `head_params`."""
+    return layer_stages([layer_params] * num_layers, head_params, pp)
 
 
 def rank_devices(device: str, world: int, num_visible_gpus: int) -> list[str]:

@@ -45,8 +45,8 @@ class ParallelRunner:
         self.model_uses_request_lengths = getattr(arch.build_model(cfg), "uses_request_lengths",
                                                   False)
         world = self.tp * self.pp
-        stages = model_stages(arch.layer_numel(cfg), cfg.num_layers,
-                              cfg.vocab_size * cfg.hidden_size, self.pp)
+        stages = list(config.stages) or model_stages(arch.layer_numel(cfg), cfg.num_layers,
+                                                     cfg.vocab_size * cfg.hidden_size, self.pp)
         gpus = torch.cuda.device_count() if config.device.startswith("cuda") else 0
         self.infos = rank_infos(self.tp, self.pp, stages,
                                 rank_devices(config.device, world, gpus), _num_cores())
