@@ -5,13 +5,15 @@ to the product, expanded only inside the matmul, never into a dense copy of the 
 - `CompressedSource`: one checkpoint weight in its compressed form, not read yet; a
   state-dict entry stored compressed carries one as its `.compressed` attribute (the
   entry itself still reads as a dense tensor, dequantized on use).
-- `split_kept` decides, over the sources alone, which of a layer's parameters stay
-  compressed: a linear's weight whose parts share one format, one set of parameters and
-  one in_features, with a kernel for them. A fused parameter (q, k, v into `qkv`; gate,
+- `split_kept` decides, over the sources and the device alone, which of a layer's
+  parameters stay compressed: a linear's weight whose parts share one format, one set
+  of parameters and one in_features, with a kernel for them on that device (GGUF types:
+  `gguf_kernel_types`). A fused parameter (q, k, v into `qkv`; gate,
   up into `gate_up`) stays compressed when its parts do: each part's component rows are
   whole weight rows, so stacking them along the output dimension stacks the weights.
-- `CompressedLinear`: the `Linear` of a compressed weight; `GGUFLinear` here,
-  `GroupQuantLinear` in weights/groupquant.py. `keep_blocks` swaps a resident layer's
+- `CompressedLinear`: the `Linear` of a compressed weight; `GGUFLinear` here (the C
+  kernels on CPUs, kernels/triton_quant.py's on CUDA GPUs), `GroupQuantLinear` in
+  weights/groupquant.py, `FP8Linear` in weights/fp8.py. `keep_blocks` swaps a resident layer's
   Linears for them, `compress_shell` for empty ones whose tensors arrive per step.
 
 The placement plan (compressed bytes per layer, `layer_nbytes`) and the load make the
@@ -94,7 +96,8 @@ class CompressedSource:
 
     `format` "gguf": params (qtype,), components {"blocks": uint8 [out, row_bytes]};
     "group": params (bits, group_size, symmetric), components {"qweight", "scales", and
-    "zeros" when asymmetric} (docs/quantization.md). `shape` is the dense weight's
+    "zeros" when asymmetric} (docs/quantization.md); "fp8": params (), components
+    {"weight_fp8" e4m3 [out, in], "weight_scale" fp32 [out]}. `shape` is the dense weight's
     [out, in]; `read()` returns the whole stored weight's components (rows in Hugging
     Face order), `window` the (row start, rows, column start, columns) of it this source
     is (`narrow`)."""
@@ -362,7 +365,8 @@ class CompressedLinear(Linear):
 
 class GGUFLinear(CompressedLinear):
     """W held as `blocks` uint8 [out, row_bytes], each row one weight row's GGUF blocks
-    of type `qtype` (kernels/quant_linear.py)."""
+    of type `qtype`, multiplied by kernels/quant_linear.py (CPUs) or
+    kernels/triton_quant.gguf_linear_triton (CUDA tensors, `on_triton`)."""
     components = ("blocks",)
     format = "gguf"
 
