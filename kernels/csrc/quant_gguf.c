@@ -729,6 +729,41 @@ direct_rows(const uint16_t *x, int64_t rows, int64_t ldx, const uint8_t *w, int6
 #undef DIRECT
 }
 
+/* One weight row's nb blocks as bf16 in `y` (k values): the blocks expanded in registers,
+ * the values direct_group multiplies (and the scratch path's plain-C expansion rounds to) */
+typedef void (*bf_row_fn)(const uint8_t *, int64_t, uint16_t *);
+#define BF_ROW(NAME, BLOCK, BYTES, FN)                                                       \
+    static void NAME(const uint8_t *b, int64_t nb, uint16_t *y) {                           \
+        for (int64_t i = 0; i < nb; i++, b += BYTES, y += BLOCK) {                         \
+            __m512bh v[BLOCK / 32];                                                         \
+            FN(b, v);                                                                       \
+            for (int j = 0; j < BLOCK / 32; j++) _mm512_storeu_si512(y + 32 * j, (__m512i)v[j]); \
+        }                                                                                   \
+    }
+BF_ROW(bf_row_q8_0, 32, 34, bf_q8_0)
+BF_ROW(bf_row_q4_0, 32, 18, bf_q4_0)
+BF_ROW(bf_row_q4_1, 32, 20, bf_q4_1)
+BF_ROW(bf_row_q5_0, 32, 22, bf_q5_0)
+BF_ROW(bf_row_q5_1, 32, 24, bf_q5_1)
+BF_ROW(bf_row_q4_k, 256, 144, bf_q4_k)
+BF_ROW(bf_row_q5_k, 256, 176, bf_q5_k)
+BF_ROW(bf_row_q6_k, 256, 210, bf_q6_k)
+#undef BF_ROW
+
+static bf_row_fn bf_expander(int qtype) {
+    switch (qtype) {
+    case Q8_0: return bf_row_q8_0;
+    case Q4_0: return bf_row_q4_0;
+    case Q4_1: return bf_row_q4_1;
+    case Q5_0: return bf_row_q5_0;
+    case Q5_1: return bf_row_q5_1;
+    case Q4_K: return bf_row_q4_k;
+    case Q5_K: return bf_row_q5_k;
+    case Q6_K: return bf_row_q6_k;
+    default: return 0;
+    }
+}
+
 /* bf16 x [rows <= MR, k] against the blocks, every thread a share of the groups of NR
  * weight rows; -1 for a type without a register expansion */
 static int direct_product(int qtype, const uint16_t *x, int64_t rows, int64_t ldx,
@@ -766,9 +801,13 @@ static int direct_product(int qtype, const uint16_t *x, int64_t rows, int64_t ld
  * (through `tmp`, one fp32 row, rounded to nearest even as torch rounds a weight). */
 static inline __attribute__((always_inline)) void
 expand_group(row_fn expand, const uint8_t *w, int64_t row_bytes, int64_t nb, int64_t k,
-             int ncols, void *scratch, float *tmp, const int DOT) {
+             int ncols, void *scratch, float *tmp, const int DOT, const void *bf_expand) {
     for (int j = 0; j < ncols; j++) {
 #if HAS_BF16DOT
+        if (DOT && bf_expand) { /* straight to bf16, no fp32 row in between */
+            ((bf_row_fn)bf_expand)(w + j * row_bytes, nb, (uint16_t *)scratch + j * k);
+            continue;
+        }
         if (DOT) {
             uint16_t *dst = (uint16_t *)scratch + j * k;
             expand(w + j * row_bytes, nb, tmp);
@@ -779,7 +818,7 @@ expand_group(row_fn expand, const uint8_t *w, int64_t row_bytes, int64_t nb, int
             continue;
         }
 #endif
-        (void)tmp, (void)DOT;
+        (void)tmp, (void)DOT, (void)bf_expand;
         expand(w + j * row_bytes, nb, (float *)scratch + j * k);
     }
 }
@@ -793,6 +832,11 @@ product(int qtype, const void *x, int64_t rows, int64_t ldx, const uint8_t *w, i
     int block, bytes;
     const row_fn expand = expander(qtype, plain, &block, &bytes);
     if (!expand || k % block) return -1;
+#if HAS_BF16DOT
+    const void *bf_expand = BF16 && !plain ? (const void *)bf_expander(qtype) : 0;
+#else
+    const void *bf_expand = 0;
+#endif
     const int64_t nb = k / block, row_bytes = nb * bytes, groups = (n + NR - 1) / NR;
     const int64_t es = BF16 ? 2 : 4, scratch_bytes = (NR * k * es + 63) / 64 * 64;
     int failed = 0;
@@ -811,7 +855,7 @@ product(int qtype, const void *x, int64_t rows, int64_t ldx, const uint8_t *w, i
             const int64_t first = g * NR;
             const int ncols = n - first < NR ? (int)(n - first) : NR;
             expand_group(expand, w + first * row_bytes, row_bytes, nb, k, ncols, scratch,
-                         (float *)(scratch + scratch_bytes), BF16);
+                         (float *)(scratch + scratch_bytes), BF16, bf_expand);
             rows_against(x, rows, ldx, scratch, k, (char *)out + first * es, ldo, ncols, BF16);
         }
         free(scratch);
