@@ -168,3 +168,45 @@ def test_deterministic_forward_is_batch_invariant(triton_linear):
     assert triton_linear == [{"batch_invariant": True}] * 4
     want = tq.gguf_linear_reference(x, module.blocks, Q.Q4_0, 48, 256) + module.bias
     torch.testing.assert_close(batched, want, rtol=2 ** -7, atol=2 ** -7)
+
+
+ENGINE = """
+import json, sys
+from fusegen.kernels.testing import backport_interpreter_fixes
+backport_interpreter_fixes()
+from fusegen.engine import LLM, SamplingParams
+from fusegen.engine.weights.quantized import GGUFLinear
+prompts = [[5, 9, 100, 7, 42, 17, 3], [300], list(range(30, 50))]
+out = {}
+for quantization in ("gguf", "dequantize"):
+    with LLM(sys.argv[1], dtype="float32", quantization=quantization, deterministic=True,
+             max_model_len=64, num_kv_blocks=32, max_num_seqs=4) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0,
+                                                    ignore_eos=True), use_tqdm=False)
+        kept = sum(isinstance(m, GGUFLinear) for m in llm.engine.runner.model.modules())
+        out[quantization] = [[o.token_ids for o in outs], kept]
+print(json.dumps(out))
+"""
+
+
+def test_engine_keeps_blocks_through_the_triton_kernel(gguf_path):
+    """The GPU path of a whole GGUF run on CPU tensors: FUSEGEN_KERNELS=triton and Triton's
+    interpreter (a child process), deterministic mode; every layer linear a GGUFLinear
+    multiplying through gguf_linear_triton; greedy fp32 tokens those of the file
+    dequantized at load."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", "FUSEGEN_KERNELS": "triton",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]),
+                                                       os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", ENGINE, str(gguf_path)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    # two layers' qkv, o, gate_up and down, and the LM head
+    assert out["gguf"][1] == 2 * 4 + 1 and out["dequantize"][1] == 0
+    assert out["gguf"][0] == out["dequantize"][0]

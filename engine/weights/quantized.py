@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from fusegen.engine.weights.linear import Linear, row_tiled
-from fusegen.kernels import _triton_available, use_native
+from fusegen.kernels import _triton_available, use_native, use_triton
 from fusegen.kernels.quant_linear import BLOCK_SIZES, SUPPORTED, has_kernel, quant_linear
 
 FORMATS = ("gguf", "group", "fp8")
@@ -412,10 +412,11 @@ class GGUFLinear(CompressedLinear):
 
 
 def on_triton(x: torch.Tensor, qtype: int) -> bool:
-    """Whether a GGUFLinear multiplies `x` with the Triton kernel: a CUDA tensor, and a
-    type the kernel decodes (`gguf_kernel_types`); others take quant_linear (the C
-    kernels on CPUs, the reference elsewhere)."""
-    return x.is_cuda and qtype in gguf_kernel_types("cuda")
+    """Whether a GGUFLinear multiplies `x` with the Triton kernel: a CUDA tensor where
+    Triton is installed (or any under FUSEGEN_KERNELS=triton, the tests' interpreter;
+    none under =reference: `use_triton`), and a type the kernel decodes; others take
+    quant_linear (the C kernels on CPUs, the reference elsewhere)."""
+    return qtype in TRITON_GGUF_TYPES and use_triton(x)
 
 
 @functools.cache
