@@ -232,3 +232,49 @@ def test_smollm2_weights():
         ref = ql.quant_linear_reference(x, blocks, int(info.qtype), n, k)
         assert_close(ql.quant_linear_native(x, blocks, int(info.qtype), n, k), ref, x,
                      dense(blocks, int(info.qtype), k))
+
+
+@needs_library
+@pytest.mark.parametrize("flags,available", [
+    (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"], 1 | 2 | 4),
+    (["-mavx2", "-mfma", "-mf16c"], 1 | 2), ([], 1 | 2)],
+    ids=["avx512-without-bf16", "avx2", "baseline"])
+def test_other_cpus_builds(flags, available, tmp_path):
+    """The builds for AVX-512 without AVX512_BF16 (bf16 x widened to fp32), AVX2 and
+    baseline x86-64 (plain C, GCC vector products) of quant_gguf.c, compiled here: every
+    type, both dtypes, decode and larger calls against the reference, plain and vector
+    expansions bit for bit, each row the same bits alone as among 9."""
+    import ctypes
+    import platform
+    import subprocess
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64 instruction-set builds")
+    source = native._SOURCES[0].with_name("quant_gguf.c")
+    target = tmp_path / "quant_gguf.so"
+    subprocess.run([native._compiler(), "-O3", *flags, "-fopenmp", "-ffast-math", "-fPIC",
+                    "-std=gnu11", "-shared", str(source), "-o", str(target), "-lm"], check=True)
+    lib = ctypes.CDLL(str(target))
+    for name in ("quant_gguf_available", "quant_gguf_f32", "quant_gguf_bf16"):
+        getattr(lib, name).argtypes = native._SIGNATURES[name]
+        getattr(lib, name).restype = ctypes.c_int
+    gen = torch.Generator().manual_seed(7)
+    for qtype in QTYPES:
+        assert lib.quant_gguf_available(qtype) == available
+        n, k = 13, 2 * ql.BLOCK_SIZES[qtype][0]
+        blocks = make_blocks(qtype, n, k, seed=qtype)
+        w = dense(blocks, qtype, k)
+        for dtype, kernel in [(torch.float32, lib.quant_gguf_f32),
+                              (torch.bfloat16, lib.quant_gguf_bf16)]:
+            x = torch.randn(9, k, generator=gen).to(dtype)
+
+            def call(rows, plain):
+                out = torch.empty(rows.shape[0], n, dtype=dtype)
+                assert kernel(qtype, rows.data_ptr(), rows.shape[0], k, blocks.data_ptr(), n,
+                              k, out.data_ptr(), n, 2, plain) == 0
+                return out
+
+            got = call(x, 0)
+            assert torch.equal(got, call(x, 1))
+            assert torch.equal(got, torch.cat([call(x[i:i + 1], 0) for i in range(9)]))
+            assert_close(got, ql.quant_linear_reference(x, blocks, qtype, n, k), x, w)
