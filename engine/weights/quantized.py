@@ -399,7 +399,7 @@ class GGUFLinear(CompressedLinear):
             return row_tiled(x, self._matmul, self.out_features, self.bias, self.row_tile)
         else:
             out = quant_linear(x, self.blocks, self.qtype, self.out_features,
-                               self.in_features)
+                               self.in_features, batch_invariant=self.row_tile is not None)
         if self.bias is not None:
             out += self.bias
         return out
