@@ -106,13 +106,15 @@ class EngineOptions:
     # were made before None kept a GGUF file's blocks.
     quantization: str | None = option(
         None, "Form the weights run in. None: the checkpoint's own (a fusegen int8/int4 "
-        "checkpoint runs compressed; a GGUF file keeps its decoder linears' blocks on CPUs "
-        "where a kernel takes their type, dequantizing the rest; a GPU dequantizes GGUF); "
-        "dequantize: every weight expanded to the run's dtype as it loads; gguf: a GGUF "
-        "file's blocks (CPU); int8 / int4: fusegen's group codes (a 16-bit checkpoint is "
-        "quantized on load: round to nearest, symmetric, groups of 128 input channels); "
-        "fp8: quantized on load to FP8 (CUDA, compute capability 8.9+). Norms stay dense; "
-        "the embedding and LM head too, except under gguf.",
+        "checkpoint runs compressed; a GGUF file keeps its linears' blocks where a kernel on "
+        "the device takes their type - C on CPUs, Triton on CUDA GPUs - dequantizing the "
+        "rest; a Hugging Face FP8 checkpoint runs in FP8 on GPUs of compute capability "
+        "8.9+); dequantize: every weight expanded to the run's dtype as it loads; gguf: a "
+        "GGUF file's blocks (CPUs; CUDA GPUs with Triton); int8 / int4: fusegen's group "
+        "codes (a 16-bit checkpoint is quantized on load: round to nearest, symmetric, "
+        "groups of 128 input channels); fp8: quantized on load to FP8 (CUDA, compute "
+        "capability 8.9+). Norms stay dense; the embedding and LM head too, except a GGUF "
+        "file's on CPUs.",
         unset="the checkpoint's own form; in a job, dequantize for GGUF files",
         affects_output=True)
 
@@ -177,10 +179,11 @@ class EngineOptions:
             raise EngineConfigError(
                 f"quantization={self.quantization!r}: fusegen does not run that; it runs "
                 "None (the checkpoint's own form), 'dequantize' (every weight expanded as it "
-                "loads), 'gguf' (a GGUF file's blocks, on CPUs), 'int8' / 'int4' (fusegen's "
-                "group codes: its quantized checkpoints, or a 16-bit one quantized on load) "
-                "and 'fp8' (CUDA GPUs of compute capability 8.9+); a checkpoint in another "
-                "format converts with `fusegen quantize`")
+                "loads), 'gguf' (a GGUF file's blocks, on CPUs and CUDA GPUs with Triton), 'int8' / "
+                "'int4' (fusegen's group codes: its quantized checkpoints, or a 16-bit one "
+                "quantized on load) and 'fp8' (Hugging Face FP8 checkpoints, or a 16-bit one "
+                "quantized on load; CUDA GPUs of compute capability 8.9+); a checkpoint in "
+                "another format converts with `fusegen quantize`")
 
     def _check_seed(self) -> None:
         _check_int(self, "seed", 0)

@@ -93,10 +93,11 @@ def test_a_type_without_a_kernel(gguf_path, monkeypatch):
 def test_unknown_values_are_refused():
     message = ("quantization={!r}: fusegen does not run that; it runs None (the checkpoint's "
                "own form), 'dequantize' (every weight expanded as it loads), 'gguf' (a GGUF "
-               "file's blocks, on CPUs), 'int8' / 'int4' (fusegen's group codes: its quantized "
-               "checkpoints, or a 16-bit one quantized on load) and 'fp8' (CUDA GPUs of "
-               "compute capability 8.9+); a checkpoint in another format converts with "
-               "`fusegen quantize`")
+               "file's blocks, on CPUs and CUDA GPUs with Triton), 'int8' / 'int4' "
+               "(fusegen's group codes: its quantized checkpoints, or a 16-bit one quantized "
+               "on load) and 'fp8' (Hugging Face FP8 checkpoints, or a 16-bit one quantized "
+               "on load; CUDA GPUs of compute capability 8.9+); a checkpoint in another "
+               "format converts with `fusegen quantize`")
     for value in ("awq", "gptq", "bitsandbytes", "INT4", 4):
         with pytest.raises(EngineConfigError) as info:
             EngineOptions.from_kwargs({"quantization": value})  # vLLM's keyword
@@ -148,7 +149,8 @@ def test_on_load_groups_must_fit(tmp_path):
 @pytest.mark.parametrize("qc, message", [
     ({"quant_method": "awq", "bits": 4}, "quantization_config's quant_method is 'awq'; fusegen "
      "runs its own group-quantized checkpoints (quant_method 'fusegen', written by `fusegen "
-     "quantize`), GGUF files, and unquantized checkpoints"),
+     "quantize`), GGUF files, Hugging Face FP8 checkpoints (quant_method 'fp8') and "
+     "unquantized checkpoints"),
     ({"quant_method": "fusegen", "bits": 3, "group_size": 32, "symmetric": True},
      "quantization_config.bits is 3; fusegen's group quantization is 8 or 4 bits"),
     ({"quant_method": "fusegen", "bits": 4, "group_size": 48, "symmetric": True},

@@ -232,8 +232,9 @@ REFUSED = [
      "code from a checkpoint; leave it out"),
     (dict(quantization="awq"), "quantization='awq': fusegen does not run that; it runs None "
      "(the checkpoint's own form), 'dequantize' (every weight expanded as it loads), 'gguf' (a "
-     "GGUF file's blocks, on CPUs), 'int8' / 'int4' (fusegen's group codes: its quantized "
-     "checkpoints, or a 16-bit one quantized on load) and 'fp8' (CUDA GPUs of compute "
+     "GGUF file's blocks, on CPUs and CUDA GPUs with Triton), 'int8' / 'int4' (fusegen's "
+     "group codes: its quantized checkpoints, or a 16-bit one quantized on load) and 'fp8' "
+     "(Hugging Face FP8 checkpoints, or a 16-bit one quantized on load; CUDA GPUs of compute "
      "capability 8.9+); a checkpoint in another format converts with `fusegen quantize`"),
     (dict(enable_lora=True), "enable_lora=True: fusegen does not support enable_lora; merge "
      "the adapter into the weights (peft's merge_and_unload) and load the merged checkpoint"),

@@ -68,7 +68,8 @@ def checkpoint_format(model) -> GroupFormat | None:
         raise ModelLoadError(
             f"{path}: quantization_config's quant_method is {method!r}; fusegen runs its own "
             f"group-quantized checkpoints (quant_method {QUANT_METHOD!r}, written by "
-            "`fusegen quantize`), GGUF files, and unquantized checkpoints")
+            "`fusegen quantize`), GGUF files, Hugging Face FP8 checkpoints (quant_method "
+            "'fp8') and unquantized checkpoints")
     bits, group_size, symmetric = (qc.get(k) for k in ("bits", "group_size", "symmetric"))
     if bits not in GROUP_BITS or isinstance(bits, bool):
         raise ModelLoadError(f"{path}: quantization_config.bits is {bits!r}; fusegen's group "
