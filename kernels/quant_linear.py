@@ -94,7 +94,7 @@ def quant_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features
         rows = quant_linear(x.reshape(-1, in_features), blocks, qtype, out_features,
                             in_features, batch_invariant)
         return rows.view(*x.shape[:-1], out_features)
-    native = x.dtype in _NATIVE and use_native(x) and has_kernel(qtype, x.dtype)
+    native = has_kernel(qtype, x.dtype) and use_native(x)  # has_kernel: cached, checks dtype
     if native and not batch_invariant and x.shape[0] >= DENSE_FROM_ROWS:
         return _dense_tiles(x, blocks, qtype, out_features, in_features)
     if x.shape[0] and native:
@@ -136,14 +136,19 @@ def _library():
 def _quant_linear_native(x, blocks, qtype, out_features, in_features, plain=False):
     x = x if x.stride(-1) == 1 else x.contiguous()
     blocks = blocks if blocks.is_contiguous() else blocks.contiguous()
-    out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
+    num_rows = x.shape[0]
+    out = torch.empty(num_rows, out_features, dtype=x.dtype)
     kernel, threads = _kernel(x.dtype), torch.get_num_threads()
+    # pointers by arithmetic, not x[first].data_ptr(): a decode step makes ~200 of these
+    # calls, and a view costs a couple of microseconds each
+    x_ptr, w_ptr, out_ptr, ldx = x.data_ptr(), blocks.data_ptr(), out.data_ptr(), x.stride(0)
+    size = x.element_size()
     # MAX_KERNEL_ROWS rows a call: each call reads the blocks once more (a quarter to a
     # half of a bf16 weight's bytes) and keeps its rows of x in L2
-    for first in range(0, x.shape[0], MAX_KERNEL_ROWS):
-        rows = min(MAX_KERNEL_ROWS, x.shape[0] - first)
-        status = kernel(qtype, x[first].data_ptr(), rows, x.stride(0), blocks.data_ptr(),
-                        out_features, in_features, out[first].data_ptr(), out_features,
+    for first in range(0, num_rows, MAX_KERNEL_ROWS):
+        rows = min(MAX_KERNEL_ROWS, num_rows - first)
+        status = kernel(qtype, x_ptr + first * ldx * size, rows, ldx, w_ptr, out_features,
+                        in_features, out_ptr + first * out_features * size, out_features,
                         threads, int(plain))
         if status != 0:
             return None
