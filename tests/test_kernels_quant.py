@@ -136,7 +136,7 @@ def test_bf16_rows_are_batch_and_thread_invariant(qtype):
                      dense(blocks, qtype, k))
         for num_threads in (1, 2, 3):
             torch.set_num_threads(num_threads)
-            for rows in (0, 1, 2, 5, 6, 7, 16, 63, 64, 65):
+            for rows in (0, 1, 2, 5, 6, 7, 8, 9, 13, 16, 63, 64, 65):
                 assert torch.equal(ql.quant_linear(x[:rows], blocks, qtype, n, k), alone[:rows])
     finally:
         torch.set_num_threads(threads)
