@@ -654,13 +654,14 @@ static inline __m512bh dq_pair(__m512 lo, __m512 hi, float d, float c) { /* stor
  * codes as word indexes into it (vpermw): one multiply-add a block, not two a row. */
 static inline __m512bh lookup4(const uint8_t *q, float d, float c) {
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m256i t = (__m256i)_mm512_cvtneps_pbh(
-        _mm512_fmadd_ps(iota, _mm512_set1_ps(d), _mm512_set1_ps(c)));
+    const __m512 t = _mm512_fmadd_ps(iota, _mm512_set1_ps(d), _mm512_set1_ps(c));
+    /* the 16 values twice (words 0-15 and 16-31): vpermw reads an index's low five bits,
+     * so a low nibble's word (the whole code byte) needs no mask, its bit 4 picking the
+     * second copy of the same values */
+    const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(t, t);
     const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)q));
-    const __m256i mask = _mm256_set1_epi16(0xf);
-    const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(w, mask)),
-                                           _mm256_srli_epi16(w, 4), 1);
-    return (__m512bh)_mm512_permutexvar_epi16(idx, _mm512_castsi256_si512(t));
+    const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(w), _mm256_srli_epi16(w, 4), 1);
+    return (__m512bh)_mm512_permutexvar_epi16(idx, table);
 }
 
 static inline void bf_q4_0(const uint8_t *b, __m512bh *v) {
