@@ -21,7 +21,8 @@ from fusegen.jobs.demo import smollm2_gguf
 def main() -> None:
     quant, det = sys.argv[1], sys.argv[2] == "det"
     model = sys.argv[3] if len(sys.argv) > 3 else str(smollm2_gguf())
-    llm = LLM(model, quantization=None if quant == "none" else quant,  # none: the default deterministic=det)
+    # none: the default (a GGUF file's blocks kept on a CPU)
+    llm = LLM(model, quantization=None if quant == "none" else quant, deterministic=det)
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
 
