@@ -193,3 +193,22 @@ def test_pipeline_stages_balance_compressed_bytes(tmp_path):
         assert tokens(llm) == want
         assert llm.memory_report()["group"]["stages"] == [[0, 3], [3, 4]]
     assert _children() == []
+
+
+def test_fp8_weights_split_along_any_columns():
+    # FP8 keeps one scale per output row, so a row-parallel split may cut its columns
+    # anywhere: a rank's slice is the weight's columns with every row's scale
+    from fusegen.engine.parallel.shard import block_columns
+    from fusegen.engine.weights.quantized import CompressedSource
+
+    weight = torch.randn(6, 10).to(torch.float8_e4m3fn)
+    scale = torch.rand(6) + 0.5
+    src = CompressedSource.of("fp8", (), (6, 10), "o_proj.weight",
+                              lambda: {"weight_fp8": weight, "weight_scale": scale})
+    assert block_columns(src) == 1
+    half = src.narrow(1, 5, 5)
+    assert half.shape == (6, 5)
+    got = half.load()
+    assert torch.equal(got["weight_fp8"].view(torch.uint8), weight[:, 5:].view(torch.uint8))
+    assert torch.equal(got["weight_scale"], scale)
+    assert half.nbytes == 6 * 5 + 6 * 4

@@ -127,13 +127,11 @@ def shard_kept(cfg: ModelConfig, kept: dict[str, list], tp_rank: int, tp: int,
 
 
 def block_columns(source) -> int:
-    """Input columns per block of a compressed weight: a GGUF type's block, or the
-    group size."""
-    if source.format == "gguf":
-        from fusegen.kernels.quant_linear import BLOCK_SIZES
+    """Input columns per block of a compressed weight: a GGUF type's block, the group
+    size, or 1 for FP8 (one scale per output row: any columns)."""
+    from fusegen.engine.weights.quantized import _block_values
 
-        return BLOCK_SIZES[source.params[0]][0]
-    return source.params[1]
+    return _block_values(source.format, source.params)
 
 
 def _describe(source) -> str:
@@ -141,6 +139,8 @@ def _describe(source) -> str:
         from gguf import GGMLQuantizationType
 
         return f"GGUF {GGMLQuantizationType(source.params[0]).name}"
+    if source.format == "fp8":
+        return "FP8 e4m3, a scale per output row"
     bits, group_size, symmetric = source.params
     return f"int{bits}, groups of {group_size}{'' if symmetric else ', asymmetric'}"
 
