@@ -289,5 +289,16 @@ def test_the_load_line_says_how_the_gguf_weights_are_kept():
     fusegen = {"kv_cache_bytes": 6.9e9}
     assert "(LLM(...): weights dequantized into bfloat16, a 6.9 GB KV cache allocated)" in \
         _load_line(load, fusegen, "bfloat16", None)
-    assert "(LLM(...): decoder linears kept as the file's blocks, the rest dequantized into " \
-        "bfloat16, a 6.9 GB KV cache allocated)" in _load_line(load, fusegen, "bfloat16", "gguf")
+    assert "(LLM(...): linears kept as the file's blocks where a kernel takes their type, the " \
+        "rest dequantized into bfloat16, a 6.9 GB KV cache allocated)" in \
+        _load_line(load, fusegen, "bfloat16", "gguf")
+
+
+def test_the_report_names_the_form_the_engine_resolved():
+    # quantization unset on a GGUF file keeps its blocks on a CPU: the report says what ran
+    from fusegen.jobs.bench.report import _ran_as
+
+    cfg = {"engine_options": {"quantization": None}}
+    assert _ran_as({"results": {"fusegen": {"quantization": "gguf"}}}, cfg) == "gguf"
+    assert _ran_as({"results": {"fusegen": {}}}, cfg) is None  # an older report: as asked
+    assert _ran_as({"results": {}}, {"engine_options": {"quantization": "gguf"}}) == "gguf"

@@ -83,6 +83,7 @@ def run_fusegen(model_dir: Path, requests: list[BenchRequest], warmup: list[Benc
         "first_error": errors[0] if errors else None,
         "max_num_seqs": llm.config.max_num_seqs,
         "max_num_batched_tokens": llm.config.max_num_batched_tokens,
+        "quantization": llm.config.quantization,  # the form the weights ran in, resolved
         # allocated at load (sized from free memory unless kv_cache_memory says)
         "kv_cache_bytes": memory["device"]["kv_cache"] + memory["host"]["kv_cache"],
         **offload,

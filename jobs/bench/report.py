@@ -120,7 +120,7 @@ def format_report(report: dict) -> str:
     lines += ["", _ceiling_line(ceil)]
     if "llamacpp" in report["results"]:
         lines.append(_llamacpp_line(report["results"]["llamacpp"], report["ratios"],
-                                    cfg["engine_options"].get("quantization"), cfg["dtype"]))
+                                    _ran_as(report, cfg), cfg["dtype"]))
     structured = report["results"].get("fusegen_structured_half", {})
     if "num_constrained" in structured:
         lines.append(f"structured: {structured['num_structured_valid']} of "
@@ -130,7 +130,7 @@ def format_report(report: dict) -> str:
         lines.append(_prefix_line(report["results"]))
     if "load" in report:
         lines.append(_load_line(report["load"], report["results"]["fusegen"], cfg["dtype"],
-                                cfg["engine_options"].get("quantization")))
+                                _ran_as(report, cfg)))
     offload = report["results"].get("fusegen", {}).get("offload")
     if offload:
         layers = offload["layers"]
@@ -159,6 +159,14 @@ def format_report(report: dict) -> str:
 
 def _mb(value: int | None) -> str:
     return "-" if not value else f"{value / 1e6:,.0f} MB"
+
+
+def _ran_as(report: dict, cfg: dict) -> str | None:
+    """The form fusegen's weights ran in: as the engine resolved it (a GGUF file keeps its
+    blocks on a CPU with quantization unset), else as asked (reports written before the
+    engine recorded it)."""
+    return report["results"].get("fusegen", {}).get(
+        "quantization", cfg["engine_options"].get("quantization"))
 
 
 def _llamacpp_line(peer: dict, ratios: dict, quantization: str | None, dtype: str) -> str:
@@ -208,8 +216,9 @@ def _ceiling_line(ceil: dict) -> str:
 def _load_line(load: dict, fusegen: dict, dtype: str, quantization: str | None) -> str:
     kv = f"a {fusegen['kv_cache_bytes'] / 1e9:,.1f} GB KV cache" if "kv_cache_bytes" in fusegen \
         else "the KV cache"
-    weights = ("decoder linears kept as the file's blocks, the rest dequantized into "
-               f"{dtype}") if quantization == "gguf" else f"weights dequantized into {dtype}"
+    weights = (f"linears kept as the file's blocks where a kernel takes their type, the rest "
+               f"dequantized into {dtype}") if quantization == "gguf" \
+        else f"weights dequantized into {dtype}"
     line = (f"model load from the GGUF file ({load['file_bytes'] / 1e6:,.1f} MB): fusegen "
             f"{load['fusegen_s']:.2f}s (LLM(...): {weights}, {kv} allocated)")
     if "transformers_error" in load:
