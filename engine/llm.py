@@ -27,9 +27,10 @@ class LLM:
         (listed below), or vLLM's `gpu_memory_utilization` (read as `device_memory`) and
         `tensor_parallel_size=1`; `quantization` takes vLLM's keyword: None (the
         checkpoint's own form: a fusegen int8/int4 checkpoint runs compressed, a .gguf
-        file keeps its blocks on a CPU), "dequantize", "gguf", "int8" / "int4" (a 16-bit
-        checkpoint quantized on load: round to nearest, symmetric, groups of 128) or "fp8"
-        (CUDA, capability 8.9+), each checked against the model and the device before
+        file keeps its blocks where the device has a kernel for their type, a Hugging Face
+        FP8 checkpoint runs in FP8 on GPUs of capability 8.9+), "dequantize", "gguf",
+        "int8" / "int4" (a 16-bit checkpoint quantized on load: round to nearest,
+        symmetric, groups of 128) or "fp8" (CUDA, capability 8.9+), each checked against the model and the device before
         anything loads; a name fusegen does not support (`trust_remote_code=True`,
         `enable_lora`, any other) is an error that names it."""
         self._cond = threading.Condition()

@@ -1,12 +1,13 @@
 """AWQ-style activation-aware scaling for `fusegen quantize --method awq`.
 
 Calibration prompts run through fusegen's engine (fp32, CPU) while each decoder linear's
-input is recorded (mean |x| per input channel and a sample of rows). For each linear the
-search tries s = mean|x|^alpha over a grid of alphas and keeps the one whose quantized
-weight (w * s) gives the least output error on the recorded rows against the dense
-weight (alpha 0 is round-to-nearest, so the result is never worse than it). `fold` then
-moves 1/s into the op before the linear (the norm for q/k/v and gate/up, v's rows for o,
-up's rows for down), leaving the 16-bit model's outputs as they were.
+input is recorded (mean |x| per input channel and a sample of rows). For each group of
+linears sharing an input (q/k/v, o, gate/up, down) the search tries s = mean|x|^alpha
+over a grid of alphas and keeps the one whose quantized weight (w * s) gives the least
+output error on the recorded rows against the dense weight (alpha 0 is round-to-nearest,
+so the result is never worse than it). `fold` then moves 1/s into the op before the
+linear (the norm for q/k/v and gate/up, v's rows for o, up's rows for down): in fp32 the
+folded model computes the same function.
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from fusegen.engine.errors import ModelLoadError
 from fusegen.engine.weights.linear import Linear, row_tiled
 from fusegen.engine.weights.quantized import (GROUP_BITS, GROUP_SIZES, CompressedLinear,
                                               CompressedSource, component_shapes)
-from fusegen.kernels import use_native
+from fusegen.kernels import use_native, use_triton
 
 QUANT_METHOD = "fusegen"
 # On-load quantization ("int8" / "int4" on a 16-bit checkpoint): round to nearest,
@@ -221,12 +221,12 @@ class GroupQuantLinear(CompressedLinear):
 
     def _batch_invariant(self, x: torch.Tensor) -> bool:
         if x.is_cuda:  # the Triton kernel's batch-invariant tiles (kernels/triton_quant.py)
-            return _triton().has_triton_quant(x.device)
+            return use_triton(x) and _triton().has_triton_quant(x.device)
         return use_native(x) and _kernel().has_kernel(self.params[0], x.dtype)
 
     def _product(self, x, qweight, scales, zeros, out_features: int) -> torch.Tensor:
         bits, group_size, _ = self.params
-        if x.is_cuda and _triton().has_triton_quant(x.device):
+        if x.is_cuda and use_triton(x) and _triton().has_triton_quant(x.device):
             # deterministic mode keeps the tiles whose sums do not depend on the batch
             return _triton().group_linear_triton(x, qweight, scales, zeros, bits, group_size,
                                                  out_features, self.in_features,

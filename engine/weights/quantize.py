@@ -8,15 +8,8 @@ written here (the header first, from the planned shapes, then each tensor's byte
 the model is never in memory twice; the directory is written under a temporary name
 and renamed when complete.
 
-AWQ (`method="awq"`): the calibration prompts run through fusegen's engine in fp32; each
-linear's input is recorded (mean |x| per input channel, and a sample of rows). For each
-group of linears sharing an input - q/k/v after the input norm, gate/up after the MLP's
-norm, o after v (one scale per v row, shared by the query heads reading it) and down
-after up - a per-channel scale s = mean|x|^alpha is searched over 20 alphas in [0, 1]
-for the least output error of the quantized weight on the recorded rows (alpha 0 is
-round-to-nearest itself, so the chosen error is never above RTN's). s multiplies the weight's columns before quantizing and 1/s is folded into what
-makes the input (the norm's weight, v's or up's rows), which leaves the fp32 model's
-outputs unchanged.
+AWQ (`method="awq"`) first searches per-channel scales on calibration prompts and folds
+them into the weights (engine/weights/awq.py).
 """
 from __future__ import annotations
 
