@@ -238,7 +238,7 @@ def compressed_layer_bytes(model, cfg: ModelConfig, dtype: torch.dtype, quantiza
         if quantization in ("int8", "int4"):
             _check_groups(sources, model, device, quantization)
         sizes.append(layer_nbytes(sources, dtype.itemsize, device) if tp == 1 else
-                     rank_layer_nbytes(cfg, sources, tp, dtype.itemsize, i))
+                     rank_layer_nbytes(cfg, sources, tp, dtype.itemsize, i, device))
     return sizes
 
 

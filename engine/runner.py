@@ -90,7 +90,8 @@ def host_rows(rows: list[list[int]]) -> torch.Tensor:
 class ModelRunner:
     """The whole model in this process. A rank of a device group runs a subclass
     (engine/parallel/worker.py) that holds its slice: the hooks `_model_config`,
-    `_build_model`, `_fixed_sources`, `_layer_sources`, `_pack_head` and `layer_range`."""
+    `_build_model`, `_fixed_sources`, `_layer_sources`, `_layer_parts`,
+    `_keep_compressed`, `_pack_head` and `layer_range`."""
     max_in_flight = 1  # batches submitted before the first is collected
 
     def __init__(self, config: EngineConfig):
@@ -187,7 +188,7 @@ class ModelRunner:
 
     def _place_layers(self, state) -> None:
         """Each layer of `layer_range` in its planned tier. A linear kept compressed
-        (GGUF blocks, int8 / int4 groups; weights/quantized.py) is placed, counted and
+        (GGUF blocks, int8 / int4 groups, FP8; weights/quantized.py) is placed, counted and
         streamed as its components (uint8 codes, fp16 scales) in their own dtypes; the
         rest dense in the run's dtype."""
         streamed: dict[int, dict[str, Stream]] = {}
@@ -212,7 +213,7 @@ class ModelRunner:
         """Layer `index`'s sources as (the parameters kept compressed: CompressedSource
         parts, the rest: tensor parts); a rank narrows both to its slice."""
         sources = self._layer_sources(state, index)
-        return split_kept(sources) if self._keeps_blocks else ({}, sources)
+        return split_kept(sources, self.config.device) if self._keeps_blocks else ({}, sources)
 
     def _keep_compressed(self, layer, kept: dict, device) -> dict[str, torch.Tensor]:
         """Swap `layer`'s Linears in `kept` for compressed ones: holding their components
@@ -258,7 +259,7 @@ class ModelRunner:
     @property
     def _keeps_blocks(self) -> bool:
         """Whether the decoder linears with a compressed source stay compressed (GGUF
-        blocks, int8 / int4 group codes: `EngineConfig.quantization`)."""
+        blocks, int8 / int4 group codes, FP8: `EngineConfig.quantization`)."""
         return self.config.quantization in COMPRESSED
 
     def _pack_weights(self) -> None:

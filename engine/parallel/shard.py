@@ -156,13 +156,13 @@ class _Extent:
 
 
 def rank_layer_nbytes(cfg: ModelConfig, sources: dict[str, list], tp: int, itemsize: int,
-                      index: int) -> int:
+                      index: int, device: str = "cpu") -> int:
     """Layer `index`'s weight bytes on one rank of a tp-way split (every rank holds as
     many): its compressed parameters' components, the rest dense at `itemsize` bytes a
     value. Refuses a split inside a compressed weight's blocks (`shard_kept`)."""
     from fusegen.engine.weights.quantized import split_kept
 
-    kept, dense = split_kept(sources)
+    kept, dense = split_kept(sources, device)
     kept = shard_kept(cfg, kept, 0, tp, index)
     dense = shard_layer_sources(cfg, {name: [_Extent(tuple(t.shape)) for t in parts]
                                       for name, parts in dense.items()}, 0, tp)

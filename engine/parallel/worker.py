@@ -81,7 +81,8 @@ class ShardRunner(ModelRunner):
         # plan decided), then both halves are narrowed to the rank's slice
         full, rank, tp = self.config.model_config, self.info.tp_rank, self.info.tp_size
         sources = self.arch.layer_sources(state, index, full)
-        kept, dense = split_kept(sources) if self._keeps_blocks else ({}, sources)
+        kept, dense = split_kept(sources, self.config.device) if self._keeps_blocks \
+            else ({}, sources)
         return (shard_kept(full, kept, rank, tp, index),
                 shard_layer_sources(full, dense, rank, tp))
 
