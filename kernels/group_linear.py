@@ -21,7 +21,6 @@ and multiplied with torch in fp32 (never a dense copy of the whole layer).
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 
 import torch
@@ -113,13 +112,7 @@ def _library():
     from fusegen.kernels import native
 
     lib = native.library()
-    if lib is None or not hasattr(lib, "quant_group_available"):
-        return None
-    # native.library() gives the int result only to the names it knows return one
-    for name in ("quant_group_available", "quant_group_f32", "quant_group_bf16",
-                 "quant_group_dequantize_f32"):
-        getattr(lib, name).restype = ctypes.c_int
-    return lib
+    return lib if lib is not None and hasattr(lib, "quant_group_available") else None
 
 
 def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:

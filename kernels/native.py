@@ -63,11 +63,11 @@ _SIGNATURES = {
     **{f"gemm_tiles_{t}": [_P, _L, _L, _P, _L, _L, _L, _P, _P, _L, _I] for t in ("bf16", "f32")},
     # csrc/argmax.c
     **{f"argmax_{t}": [_P, _P, _L, _I, _L, _I] for t in ("f32", "bf16")},
-    # csrc/quant_gguf.c (int results; kernels/quant_linear.py sets them)
+    # csrc/quant_gguf.c
     "quant_gguf_available": [_I],
     **{f"quant_gguf_{t}": [_I, _P, _L, _L, _P, _L, _L, _P, _L, _I, _I] for t in ("f32", "bf16")},
     "quant_gguf_dequantize_f32": [_I, _P, _L, _L, _P, _I, _I],
-    # csrc/quant_group.c (int results; kernels/group_linear.py sets them)
+    # csrc/quant_group.c
     "quant_group_available": [_I],
     **{f"quant_group_{t}": [_I, _I, _P, _L, _L, _P, _P, _P, _L, _L, _P, _L, _I, _I]
        for t in ("f32", "bf16")},
@@ -153,5 +153,5 @@ def library() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.argtypes = argtypes
         fn.restype = ctypes.c_int if name.startswith(
-            ("paged_", "rotary_cache_", "gemm_argmax", "gemm_tiles")) else None
+            ("paged_", "rotary_cache_", "gemm_argmax", "gemm_tiles", "quant_")) else None
     return lib

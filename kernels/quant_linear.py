@@ -20,7 +20,6 @@ take the reference: dequantize a tile of output rows and multiply it with torch 
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 
 import numpy as np
@@ -124,13 +123,7 @@ def _library():
     from fusegen.kernels import native
 
     lib = native.library()
-    if lib is None or not hasattr(lib, "quant_gguf_available"):
-        return None
-    # native.library() gives the int result only to the names it knows return one
-    for name in ("quant_gguf_available", "quant_gguf_f32", "quant_gguf_bf16",
-                 "quant_gguf_dequantize_f32"):
-        getattr(lib, name).restype = ctypes.c_int
-    return lib
+    return lib if lib is not None and hasattr(lib, "quant_gguf_available") else None
 
 
 def _quant_linear_native(x, blocks, qtype, out_features, in_features, plain=False):

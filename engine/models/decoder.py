@@ -212,6 +212,7 @@ class CausalLM(nn.Module):
         the run (weights/quantized_fixed.py); the names kept. A tensor-parallel rank's
         lookup and head (vocabulary slices, engine/parallel) stay dense."""
         from fusegen.engine.weights import quantized_fixed as qf
+        from fusegen.engine.weights.quantized import fuse_blocks
 
         if type(self.lm_head) is not Linear or "lookup" in vars(self):
             return set()
@@ -219,16 +220,16 @@ class CausalLM(nn.Module):
         h = self.cfg.hidden_size
         embed = qf.fixed_blocks(sources["embed"][0], device, dtype)
         if embed is not None:
-            blocks = qf.load_blocks(embed, device)
+            blocks = fuse_blocks([embed], device)  # a copy, never a view of the map
             self.embed_blocks = qf.GGUFEmbedding(blocks, embed.params[0], h, dtype)
             kept.add("embed")
             if self.cfg.tie_word_embeddings:
-                self.lm_head = qf.head_from_blocks(self.lm_head, blocks, embed.params[0], h)
+                self.lm_head = qf.GGUFHead.from_blocks(self.lm_head, blocks, embed.params[0], h)
         head = sources.get("lm_head.weight")
         head = None if head is None else qf.fixed_blocks(head[0], device, dtype)
         if head is not None and not self.cfg.tie_word_embeddings:
-            self.lm_head = qf.head_from_blocks(self.lm_head, qf.load_blocks(head, device),
-                                               head.params[0], h)
+            self.lm_head = qf.GGUFHead.from_blocks(self.lm_head, fuse_blocks([head], device),
+                                                   head.params[0], h)
             kept.add("lm_head.weight")
         return kept
 

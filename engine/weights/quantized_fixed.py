@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import torch
 
-from fusegen.engine.weights.linear import Linear
 from fusegen.engine.weights.quantized import GGUFLinear
 from fusegen.kernels import use_native
 from fusegen.kernels.quant_linear import (check, dequantize_native, dequantize_rows,
@@ -33,11 +32,6 @@ def fixed_blocks(source: torch.Tensor, device, dtype: torch.dtype):
             or len(compressed.shape) != 2 or not has_kernel(compressed.params[0], dtype)):
         return None
     return compressed
-
-
-def load_blocks(compressed, device) -> torch.Tensor:
-    """uint8 [rows, row_bytes], the weight's own copy (never a view of the file's map)."""
-    return compressed.load()["blocks"].clone().to(device)
 
 
 class GGUFEmbedding:
@@ -80,8 +74,3 @@ class GGUFHead(GGUFLinear):
         from fusegen.kernels.argmax import argmax
 
         return argmax(self.forward(x))
-
-
-def head_from_blocks(head: Linear, blocks: torch.Tensor, qtype: int, dim: int) -> GGUFHead:
-    """`head` (its bias flag and row tile) as a `GGUFHead` on `blocks`."""
-    return GGUFHead.from_blocks(head, blocks, qtype, dim)
