@@ -101,10 +101,14 @@ class PlanInputs:
                 shape = dataclasses.replace(shape, layer_bytes=max(layer_bytes))
             return cls(model_config, device, dtype, shape, group_free_memory(device, tp * pp),
                        quantization, tuple(stages))
-        shape = model_shape(model_config, dtype, packed_head=packed_head)
+        fixed_bytes = (compressed_fixed_bytes(model, model_config, dtype, options, device)
+                       if quantization == "gguf" else None)
+        # A tied head kept as the embedding's blocks is no packed copy (quantized_fixed.py).
+        shape = model_shape(model_config, dtype, packed_head=packed_head and fixed_bytes is None)
         if quantization in COMPRESSED:
             shape = dataclasses.replace(shape, layer_bytes=max(compressed_layer_bytes(
-                model, model_config, dtype, quantization, options, device)))
+                model, model_config, dtype, quantization, options, device)),
+                fixed_bytes=fixed_bytes)
         return cls(model_config, device, dtype, shape, free_memory(device), quantization)
 
 
@@ -240,6 +244,34 @@ def compressed_layer_bytes(model, cfg: ModelConfig, dtype: torch.dtype, quantiza
         sizes.append(layer_nbytes(sources, dtype.itemsize, device) if tp == 1 else
                      rank_layer_nbytes(cfg, sources, tp, dtype.itemsize, i, device))
     return sizes
+
+
+def compressed_fixed_bytes(model, cfg: ModelConfig, dtype: torch.dtype,
+                           options: EngineOptions, device: str) -> int | None:
+    """The embedding, final norm and LM head's bytes where a GGUF file's embedding (and a
+    head tied to it) or untied head stay as their blocks on `device`
+    (weights/quantized_fixed.py, as `CausalLM.load_fixed` keeps them); None where none
+    does (the dense count, `model_shape`, holds)."""
+    from fusegen.engine.weights.loader import checkpoint_tensors
+    from fusegen.engine.weights.quantized_fixed import fixed_blocks
+
+    state = checkpoint_tensors(model, cfg, dtype, "gguf", options.allow_pickle)
+    sources = get_architecture(cfg.architecture).fixed_sources(state, cfg)
+    embed = fixed_blocks(sources["embed"][0], device, dtype)
+    head = sources.get("lm_head.weight")
+    head = None if head is None or cfg.tie_word_embeddings else fixed_blocks(head[0], device,
+                                                                              dtype)
+    if embed is None and head is None:
+        return None
+    total = 0
+    for name, parts in sources.items():
+        if name == "embed" and embed is not None:
+            total += embed.nbytes
+        elif name == "lm_head.weight" and head is not None:
+            total += head.nbytes
+        else:
+            total += sum(part.numel() for part in parts) * dtype.itemsize
+    return total
 
 
 def _check_groups(sources: dict, model, device: str, quantization: str) -> None:

@@ -8,6 +8,8 @@ import torch
 from checkpoints import make_hf_checkpoint
 from gguf_checkpoints import Q, write_gguf
 from fusegen.engine import LLM, SamplingParams
+from fusegen.engine.config import PlanInputs
+from fusegen.engine.options import EngineOptions
 from fusegen.engine.weights.gguf import GGUFFile
 from fusegen.engine.weights.quantized_fixed import GGUFEmbedding, GGUFHead
 from fusegen.kernels import native
@@ -57,6 +59,11 @@ def test_kept_head_generates_like_dequantized(hf_dir, tmp_path, qtype, determini
                  (layer.qkv, layer.o, layer.gate_up, layer.down)) \
         + len(model.layers) * 2 * cfg.hidden_size * 4
     assert report["device"]["weights"] == model.fixed_nbytes + layers
+    # the plan counts the same bytes before anything loads: the blocks, no packed head
+    inputs = PlanInputs.gather(str(path), EngineOptions(quantization="gguf", **OPTIONS))
+    assert inputs.shape.fixed_bytes == model.fixed_nbytes
+    dense = PlanInputs.gather(str(path), EngineOptions(quantization="dequantize", **OPTIONS))
+    assert dense.shape.fixed_bytes is None
 
 
 @needs_library

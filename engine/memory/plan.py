@@ -38,6 +38,9 @@ class ModelShape:
     # kept compressed (GGUF blocks, int8 / int4 groups: their components; the largest
     # layer's, where types differ between layers; a tensor-parallel rank's slice)
     layer_bytes: int | None = None
+    # the embedding, final norm and head's bytes when they are not fixed_params *
+    # dtype_bytes: a GGUF file's embedding / head kept as its blocks on CPUs
+    fixed_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +105,8 @@ def model_sizes(options, shape: ModelShape, limits: tuple[int, int],
     return ModelSizes(
         layer_bytes=(shape.layer_params * elem if shape.layer_bytes is None
                      else shape.layer_bytes), num_layers=shape.num_layers,
-        fixed_bytes=shape.fixed_params * elem,
+        fixed_bytes=(shape.fixed_params * elem if shape.fixed_bytes is None
+                     else shape.fixed_bytes),
         kv_block_bytes=shape.num_layers * options.block_size * shape.kv_width * elem,
         min_kv_blocks=-(-max_model_len // options.block_size),
         activation_bytes=activation_bytes(shape, max_num_batched_tokens, max_num_seqs),
