@@ -135,6 +135,14 @@ def test_model_runs_instead_of_the_random_checkpoint(kind, llama_dir, tiny_gguf,
     counts = [(r.num_prompt_tokens, r.max_tokens) for r in requests]
     assert fusegen["budgets_met"] and fusegen["model_flops"] == flops.workload_flops(shape, counts)
     assert not (tmp_path / "cache" / "bench").exists()  # no random model, no export
+    # the roofline counts the bytes a step reads as the engine holds them: the file's
+    # blocks where kept, the dense count otherwise
+    dense = flops.weight_bytes(shape, report["utilisation"]["dtype"])
+    assert report["utilisation"]["weight_bytes"] == fusegen["weight_bytes"]
+    if kind == "gguf" and fusegen["quantization"] == "gguf":
+        assert 0 < fusegen["weight_bytes"] < dense / 1.5
+    else:
+        assert fusegen["weight_bytes"] == dense
     if kind == "gguf":
         load = report["load"]
         assert load["fusegen_s"] == fusegen["load_s"] > 0 and load["transformers_s"] is None

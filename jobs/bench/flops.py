@@ -106,8 +106,11 @@ def request_kv_bytes(shape: ModelShape, dtype: str, num_prompt: int, num_output:
 
 
 def memory_bound_seconds(shape: ModelShape, dtype: str, counts: list[tuple[int, int]],
-                         num_steps: int, bandwidth: float) -> float:
-    """The decode roofline: every step streams the weights once, every token its context's
-    KV. An engine that ran in this time would be limited by memory bandwidth alone."""
+                         num_steps: int, bandwidth: float, step_bytes: int | None = None) -> float:
+    """The decode roofline: every step streams the weights once (`step_bytes`, as the
+    engine holds them where it reported them: compressed weights read fewer; else the
+    dense count), every token its context's KV. An engine that ran in this time would be
+    limited by memory bandwidth alone."""
     kv = sum(request_kv_bytes(shape, dtype, p, n) for p, n in counts)
-    return (num_steps * weight_bytes(shape, dtype) + kv) / bandwidth
+    weights = weight_bytes(shape, dtype) if step_bytes is None else step_bytes
+    return (num_steps * weights + kv) / bandwidth

@@ -6,6 +6,8 @@ from collections.abc import Callable
 from concurrent.futures import as_completed
 from pathlib import Path
 
+import torch
+
 from fusegen.jobs.bench.results import EngineResult
 from fusegen.jobs.bench.workload import BenchRequest
 
@@ -86,6 +88,7 @@ def run_fusegen(model_dir: Path, requests: list[BenchRequest], warmup: list[Benc
         "quantization": llm.config.quantization,  # the form the weights ran in, resolved
         # allocated at load (sized from free memory unless kv_cache_memory says)
         "kv_cache_bytes": memory["device"]["kv_cache"] + memory["host"]["kv_cache"],
+        "weight_bytes": _step_weight_bytes(llm, memory),
         **offload,
         **({} if cuda_graphs is None else {"cuda_graphs": cuda_graphs}),
     }
@@ -94,6 +97,24 @@ def run_fusegen(model_dir: Path, requests: list[BenchRequest], warmup: list[Benc
         result.extra["num_constrained"] = len(constrained)
         result.extra["num_structured_valid"] = sum(c.structured_valid is True for c in constrained)
     return result
+
+
+def _step_weight_bytes(llm, memory: dict) -> int | None:
+    """The weight bytes a decode step reads, as the engine holds them (compressed where
+    kept): every tier's weights but an embedding table that only the lookup reads (the
+    head reads a tied table whole where it is the head's own storage). None where the
+    runner holds no model of its own (a device group's ranks do)."""
+    model = getattr(llm.engine.runner, "model", None)
+    if model is None:
+        return None
+    total = sum(tier.get("weights", 0) for tier in memory.values() if isinstance(tier, dict))
+    table = model.embed_blocks.blocks if model.embed_blocks is not None else model.embed
+    head = getattr(model.lm_head, "blocks", None)
+    if head is None:
+        head = getattr(model.lm_head, "weight", None)
+    shared = isinstance(head, torch.Tensor) and not head.is_mkldnn \
+        and head.numel() and head.data_ptr() == table.data_ptr()
+    return total if shared else total - table.numel() * table.element_size()
 
 
 def _forget_parsed_gguf(model: Path) -> None:

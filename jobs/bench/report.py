@@ -62,8 +62,10 @@ def _utilisation(fusegen: EngineResult, shape, dtype: str, ceiling: Ceiling) -> 
         return {}
     peak = ceiling.matmul_flops[dtype]
     steps = fusegen.extra.get("num_steps", 0)
+    # the bytes the engine reported its steps reading (compressed where kept), else dense
+    step_bytes = fusegen.extra.get("weight_bytes") or flops.weight_bytes(shape, dtype)
     memory_s = flops.memory_bound_seconds(shape, dtype, fusegen.counts, steps,
-                                          ceiling.memory_bandwidth)
+                                          ceiling.memory_bandwidth, step_bytes)
     compute_s = fusegen.model_flops / peak
     return {
         "dtype": dtype,
@@ -73,7 +75,7 @@ def _utilisation(fusegen: EngineResult, shape, dtype: str, ceiling: Ceiling) -> 
         "memory_bound_s": memory_s,  # weights once per step + KV reads, at the bandwidth
         "memory_roofline_fraction": memory_s / fusegen.elapsed_s,
         "roofline_fraction": max(compute_s, memory_s) / fusegen.elapsed_s,
-        "weight_bytes": flops.weight_bytes(shape, dtype),
+        "weight_bytes": step_bytes,
         "num_steps": steps,
     }
 
