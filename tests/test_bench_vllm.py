@@ -52,6 +52,15 @@ class LLM:
             raise RuntimeError("EngineCore encountered an issue. See stack trace (above)")
         time.sleep(float(os.environ.get("FAKE_VLLM_SLEEP", "0")))
         self.kwargs = kwargs
+        held = int(os.environ.get("FAKE_VLLM_ENGINE_MB", "0"))
+        if held:  # an engine process of its own holding memory, as vLLM's engine core
+            import subprocess
+            self.engine = subprocess.Popen([sys.executable, "-c",
+                f"b = bytearray({held} << 20); b[::4096] = b'x' * len(b[::4096]); "
+                "import time; print('held', flush=True); time.sleep(60)"],
+                stdout=subprocess.PIPE)
+            self.engine.stdout.readline()  # the memory is touched
+            time.sleep(0.5)  # sampled a few times
 
     def generate(self, prompts, params, *, use_tqdm=True):
         record = os.environ.get("FAKE_VLLM_RECORD")
@@ -129,6 +138,7 @@ def test_fake_vllm_gets_the_workload_and_counts_come_back(fake_vllm, tmp_path, c
     assert result.extra["vllm_version"] == "0.0.fake"
     assert result.extra["finish_reasons"] == {"length": len(requests)}
     assert result.extra["log"] == str(tmp_path / "vllm.log")
+    assert result.peak_rss_bytes > 0  # sampled while it ran
     # warm-up first, then the timed requests: exactly the workload's ids and budgets, greedy
     calls = [json.loads(line) for line in record.read_text().splitlines()]
     assert [c["prompts"] for c in calls] == [[r.prompt_ids for r in warmup],
@@ -275,3 +285,12 @@ def test_bench_takes_the_interpreter_from_the_environment(cache_dir, tmp_path, m
     assert result.exit_code == 0, result.output
     skipped = json.loads(out.read_text())["results"]["vllm"]["skipped"]
     assert str(tmp_path / "nowhere" / "python") in skipped
+
+
+def test_peak_rss_counts_the_engine_processes_vllm_starts(fake_vllm, tmp_path, cache_dir):
+    # vLLM runs its engine core in a process of its own: its memory is the baseline's too
+    alone, _, _ = _run(sys.executable, tmp_path, cache_dir, PYTHONPATH=str(fake_vllm))
+    held, _, _ = _run(sys.executable, tmp_path, cache_dir, PYTHONPATH=str(fake_vllm),
+                      FAKE_VLLM_ENGINE_MB="200")
+    assert alone.skipped is None and held.skipped is None
+    assert held.peak_rss_bytes >= alone.peak_rss_bytes + (180 << 20)

@@ -27,6 +27,7 @@ CHILD = Path(__file__).with_name("vllm_child.py")
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 DEFAULT_KV_GIB = 4  # vLLM's own default asks for most of RAM and fails on a shared machine
 _REASON_CHARS = 400
+RSS_INTERVAL_S = 0.1  # how often the peak RSS of vLLM's processes is sampled
 _EXCEPTION_LINE = re.compile(r"(?P<name>\w+(?:Error|Exception)): (?P<text>\S.*)$")
 _CPU_VARIABLES = ("LD_PRELOAD", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND")
 
@@ -88,33 +89,65 @@ def run_vllm(python: str, model_dir: Path, requests: list[BenchRequest],
         job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job_path.write_text(json.dumps(job))
         start = time.perf_counter()
-        timed_out = _run_child([executable, str(CHILD), str(job_path), str(out_path)],
-                               child_env, log_path, timeout_s)
+        timed_out, peak_rss = _run_child([executable, str(CHILD), str(job_path),
+                                          str(out_path)], child_env, log_path, timeout_s)
         wall_s = time.perf_counter() - start
         answer = _read_result(out_path)
     if answer is None or "error" in answer:
         result.skipped = _failure(answer, timed_out, timeout_s, log_path)
         return result
     _fill(result, answer, requests, device)
+    result.peak_rss_bytes = peak_rss
     result.extra.update({"python": python, "env": used, "log": str(log_path),
                          "max_num_seqs": max_num_seqs, "process_wall_s": wall_s})
     return result
 
 
-def _run_child(command: list[str], env: dict, log_path: Path, timeout_s: float) -> bool:
-    """Runs the child with its output in the log; True when it ran past the timeout. It
-    leads a session of its own, so that a timeout or Ctrl-C ends vLLM's engine processes
-    too, and none of them outlives the run."""
+def _run_child(command: list[str], env: dict, log_path: Path,
+               timeout_s: float) -> tuple[bool, int | None]:
+    """Runs the child with its output in the log: (whether it ran past the timeout, its
+    peak RSS). It leads a session of its own, so that a timeout or Ctrl-C ends vLLM's
+    engine processes too, and none of them outlives the run. The peak is the largest sum
+    of RSS over the child and every process it started (vLLM runs its engine core in a
+    process of its own), sampled every RSS_INTERVAL_S, its load included as fusegen's is;
+    None where no sample could be read."""
+    peak = None
+    deadline = time.monotonic() + timeout_s
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, start_new_session=True)
         try:
-            process.wait(timeout=timeout_s)
-            return False
-        except subprocess.TimeoutExpired:
-            return True
+            while True:
+                rss = _tree_rss(process.pid)
+                peak = peak if rss is None else max(peak or 0, rss)
+                try:
+                    process.wait(timeout=min(RSS_INTERVAL_S,
+                                             max(deadline - time.monotonic(), 0.0)))
+                    return False, peak
+                except subprocess.TimeoutExpired:
+                    if time.monotonic() >= deadline:
+                        return True, peak
         finally:
             _end_session(process)
+
+
+def _tree_rss(pid: int) -> int | None:
+    """The summed RSS of process `pid` and its descendants now (pages two of them share
+    count twice); None when the process is gone."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return None
+    total = 0
+    for process in processes:
+        try:
+            total += process.memory_info().rss
+        except psutil.Error:
+            pass  # ended between the listing and the reading
+    return total
 
 
 def _end_session(process: subprocess.Popen) -> None:
