@@ -67,6 +67,10 @@ _SIGNATURES = {
     "quant_gguf_available": [_I],
     **{f"quant_gguf_{t}": [_I, _P, _L, _L, _P, _L, _L, _P, _L, _I, _I] for t in ("f32", "bf16")},
     "quant_gguf_dequantize_f32": [_I, _P, _L, _L, _P, _I, _I],
+    # csrc/quant_vnni.c
+    "quant_gguf_q8_available": [_I],
+    "quant_gguf_q8_bf16": [_I, _P, _L, _L, _P, _L, _L, _P, _L, _I],
+    "quant_gguf_q8_quantize_bf16": [_P, _L, _L, _L, _P, _P],
     # csrc/quant_group.c
     "quant_group_available": [_I],
     **{f"quant_group_{t}": [_I, _I, _P, _L, _L, _P, _P, _P, _L, _L, _P, _L, _I, _I]

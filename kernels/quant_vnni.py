@@ -1,0 +1,98 @@
+"""bf16 rows of x against GGUF blocks by int8 products (kernels/csrc/quant_vnni.c):
+x quantized per block of 32 values to int8 with one fp32 scale, as llama.cpp's Q8_0,
+each block's dot product taken in integers (AVX512_VNNI), then scaled in fp32.
+
+Shapes: x [T, in_features] bf16, blocks uint8 [out_features, row_bytes] (as
+kernels/quant_linear.py), returns [T, out_features] bf16.
+
+Numerics (the C kernel's and this module's reference): per row and block of 32 values
+d = amax / 127 in fp32 and q = round(x * (1 / d)), ties to even, d = 0 giving q = 0. The
+product is then exact integer arithmetic per block, scaled by the weight's fp32 factors;
+the kernel sums the scaled blocks in fp32 (in a fixed order: each element's value depends
+only on its row of x and its weight row) and rounds once to bf16.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from fusegen.kernels.quant_linear import SUPPORTED, _library, check, dequantize_rows
+
+BLOCK = 32  # activation values per int8 block
+
+
+@functools.cache
+def q8_available(qtype: int) -> bool:
+    """Whether this machine's build has the int8 product for `qtype` (AVX512_VNNI)."""
+    lib = _library()
+    return (qtype in SUPPORTED and lib is not None
+            and hasattr(lib, "quant_gguf_q8_available") and bool(lib.quant_gguf_q8_available(qtype)))
+
+
+def quant_linear_q8(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features: int) -> torch.Tensor:
+    """The C kernel, unchecked (the dispatcher's hot path): x [T >= 1, in] bf16 with unit
+    stride along in, blocks contiguous. None where the kernel declines the call."""
+    rows, in_features = x.shape
+    out = torch.empty(rows, out_features, dtype=torch.bfloat16)
+    status = _library().quant_gguf_q8_bf16(
+        qtype, x.data_ptr(), rows, x.stride(0), blocks.data_ptr(), out_features, in_features,
+        out.data_ptr(), out_features, torch.get_num_threads())
+    return out if status == 0 else None
+
+
+def quant_linear_q8_native(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features: int,
+                           in_features: int) -> torch.Tensor:
+    """The C kernel alone (tests, benchmarks); RuntimeError where this build has none."""
+    check(blocks, qtype, out_features, in_features, x)
+    if x.dim() != 2 or x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be bf16 rows [T, {in_features}]; got {x.dtype} {list(x.shape)}")
+    if x.shape[0] == 0:
+        return torch.empty(0, out_features, dtype=torch.bfloat16)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = quant_linear_q8(x, blocks.contiguous(), qtype, out_features) if q8_available(qtype) else None
+    if out is None:
+        raise RuntimeError(f"no int8 (AVX512_VNNI) kernel for {SUPPORTED[qtype]} in this build")
+    return out
+
+
+def quantize_rows_native(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The C kernel's quantization of bf16 x [T, K]: codes int8 [T, K], d fp32 [T, K/32]."""
+    rows, k = x.shape
+    if k % BLOCK:
+        raise ValueError(f"x's rows are quantized per {BLOCK} values; {k} is not a multiple")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    q = torch.empty(rows, k, dtype=torch.int8)
+    d = torch.empty(rows, k // BLOCK)
+    lib = _library()
+    if lib is None or lib.quant_gguf_q8_quantize_bf16(x.data_ptr(), rows, x.stride(0), k,
+                                                      q.data_ptr(), d.data_ptr()) != 0:
+        raise RuntimeError("no int8 (AVX512_VNNI) quantization in this build")
+    return q, d
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of the kernel's quantization (the same bits): x [T, K] -> codes int8
+    [T, K] and d fp32 [T, K/32]."""
+    rows, k = x.shape
+    if k % BLOCK:
+        raise ValueError(f"x's rows are quantized per {BLOCK} values; {k} is not a multiple")
+    xf = x.float().reshape(rows, k // BLOCK, BLOCK)
+    d = xf.abs().amax(-1) / 127.0
+    inverse = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(xf * inverse[..., None])  # ties to even, as vcvtps2dq
+    return q.to(torch.int8).reshape(rows, k), d
+
+
+def quant_linear_q8_reference(x: torch.Tensor, blocks: torch.Tensor, qtype: int,
+                              out_features: int, in_features: int) -> torch.Tensor:
+    """The exact value the kernel approximates, fp64 [T, out_features]: x quantized as the
+    kernel does (quantize_rows), times the weights as the file defines them, summed in
+    fp64 (each product of an int8 code, its fp32 d and an fp32 weight is exact there but
+    for the last of 53 bits). The kernel's fp32 sums of the blocks differ from it by their
+    rounding only, then by one rounding to bf16."""
+    check(blocks, qtype, out_features, in_features, x)
+    q, d = quantize_rows(x.reshape(-1, in_features))
+    xq = (q.double().reshape(q.shape[0], -1, BLOCK) * d.double()[..., None]).reshape(q.shape)
+    w = dequantize_rows(blocks, qtype, in_features).double()
+    return xq @ w.T
