@@ -1,49 +1,105 @@
-"""Per-request sampling parameters."""
+"""Per-request sampling parameters, each declared once: its default, its help text and
+how the job layer reads it (`param`). A job's per-row columns, its flags and job-file
+keys, and the OpenAI batch body fields are derived from these fields (`jobs/params.py`,
+`jobs/flags.py`, `jobs/spec.py`, `jobs/openai_batch.py`); a new parameter is one field
+here, plus its check in `validate()`."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 # The most top tokens logprobs / prompt_logprobs may ask for (vLLM's default, OpenAI's limit).
 MAX_LOGPROBS = 20
+_SAME = object()  # a job's default is the engine's
+
+
+def param(default, help: str, *, kind: type = str, job_default=_SAME,
+          body: tuple[str, ...] = ()):
+    """A sampling field with its metadata. `help`: its `fusegen run` flag's help text.
+    `kind`: how a text cell or a flag is read: int, float or bool (a number or a word),
+    list (a repeatable flag of strings, or of ints for a list[int] field), or str (text,
+    or JSON text for a mapping). `job_default`: a job's default where it differs from
+    the engine's. `body`: the OpenAI request body fields that set it."""
+    metadata = {"help": help, "kind": kind, "body": body,
+                "job_default": default if job_default is _SAME else job_default}
+    if isinstance(default, list):
+        return field(default_factory=list, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(slots=True)
 class SamplingParams:
-    max_tokens: int = 16  # generated tokens at most (the prompt does not count)
-    temperature: float = 1.0  # 0 means greedy
-    top_p: float = 1.0  # nucleus mass, in (0, 1]
-    top_k: int = -1  # keep the k most likely tokens; -1 or 0 keeps all
-    min_p: float = 0.0  # drop tokens below min_p * p(most likely token), in [0, 1]
-    seed: int | None = None  # per-request generator: output independent of batching
-    stop: list[str] = field(default_factory=list)  # cut from the text when produced
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False  # keep generating past end-of-sequence tokens
-    n: int = 1  # completions of the prompt; completion i is seeded with seed + i
+    max_tokens: int = param(  # the prompt does not count
+        16, "Generated tokens per row at most.", kind=int, job_default=64,
+        body=("max_tokens", "max_completion_tokens"))
+    temperature: float = param(1.0, "Sampling temperature, 0 for greedy.", kind=float,
+                               body=("temperature",))
+    top_p: float = param(1.0, "Nucleus sampling mass, in (0, 1].", kind=float,
+                         body=("top_p",))
+    top_k: int = param(-1, "Keep the k most likely tokens, -1 (or 0) for all.", kind=int,
+                       body=("top_k",))
+    min_p: float = param(0.0, "Drop tokens below min_p x the top token's probability.",
+                         kind=float, body=("min_p",))
+    # A request's own generator: its output does not depend on what it is batched with.
+    # A job's is the rows' base seed (`jobs/rows.py`).
+    seed: int | None = param(
+        None, "Base seed: row i samples with a seed derived from it and i, so output does "
+        "not depend on batching, partitioning or resume.", kind=int, job_default=0,
+        body=("seed",))
+    stop: list[str] = param(  # cut from the text when produced
+        [], "Stop string; repeat for several.", kind=list, body=("stop",))
+    stop_token_ids: list[int] = param(
+        [], "Token id that ends a row's generation; repeat for several.", kind=list,
+        body=("stop_token_ids",))
+    ignore_eos: bool = param(False, "Keep generating past end-of-sequence tokens.",
+                             kind=bool, body=("ignore_eos",))
+    # Completion i of a prompt is seeded with seed + i.
+    n: int = param(1, "Completions per row, each an output row with its completion_index.",
+                   kind=int, body=("n",))
     # Structured output (engine/structured.py), at most one of the four: the output is
     # constrained token by token to a JSON schema (a dict, or its JSON text), a regular
     # expression, one of a list of strings, or a Lark / GBNF grammar.
-    json_schema: dict | str | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
+    json_schema: dict | str | None = param(
+        None, "Constrain output to a JSON Schema: its JSON text or a file holding it.",
+        body=("response_format",))
+    regex: str | None = param(None, "Constrain output to this regular expression.")
+    choice: list[str] | None = param(
+        None, "Constrain output to one of these strings; repeat for each.", kind=list)
+    grammar: str | None = param(None, "Constrain output to this Lark or GBNF grammar.")
     # Logits processors (engine/logits_processors.py), vLLM's and OpenAI's definitions:
     # penalties over generated tokens (logit -= presence * (count > 0) + frequency * count),
-    presence_penalty: float = 0.0  # in [-2, 2]
-    frequency_penalty: float = 0.0  # in [-2, 2]
+    presence_penalty: float = param(
+        0.0, "Subtracted from the logit of every token generated so far, in [-2, 2].",
+        kind=float, body=("presence_penalty",))
+    frequency_penalty: float = param(
+        0.0, "Subtracted per occurrence of a generated token, in [-2, 2].", kind=float,
+        body=("frequency_penalty",))
     # transformers' rule over prompt and generated tokens: a seen token's logit is divided
-    # by it (multiplied when negative); > 0, 1 disables it
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0  # eos and stop_token_ids are masked until this many were generated
-    logit_bias: dict[int, float] | None = None  # added to those tokens' logits, in [-100, 100]
-    # Never generated: a word's last token is masked when the tokens before it were just
-    # generated (each word with and without a leading space)
-    bad_words: list[str] = field(default_factory=list)
+    # by it (multiplied when negative); 1 disables it.
+    repetition_penalty: float = param(
+        1.0, "Divides positive (multiplies negative) logits of tokens in the prompt or "
+        "output; > 0, 1 for none.", kind=float, body=("repetition_penalty",))
+    min_tokens: int = param(
+        0, "End-of-sequence and stop token ids are masked until this many tokens were "
+        "generated.", kind=int, body=("min_tokens",))
+    logit_bias: dict[int, float] | None = param(
+        None, "JSON object of token id -> bias added to its logit (in [-100, 100]), e.g. "
+        "'{\"50256\": -100}'.", body=("logit_bias",))
+    # A word's last token is masked when the tokens before it were just generated (each
+    # word with and without a leading space).
+    bad_words: list[str] = param([], "A word that must not be generated; repeat for several.",
+                                 kind=list)
     # Log-probabilities of the model's logits (before penalties and temperature): the
     # sampled token plus the top `logprobs` per generated token (0: the sampled token
-    # alone), and per prompt token with `prompt_logprobs`.
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
+    # alone), and per prompt token with `prompt_logprobs`. (OpenAI's body asks for them
+    # in its own shape: `jobs/openai_batch.py`.)
+    logprobs: int | None = param(
+        None, "Top-k logprobs per generated token (0: the sampled token's only), as a "
+        "`logprobs` list column.", kind=int)
+    prompt_logprobs: int | None = param(
+        None, "Top-k logprobs per prompt token, as a `prompt_logprobs` list column.",
+        kind=int)
 
     def __post_init__(self):
         # Only None, one string or a collection become a list: anything else (a number, a
@@ -100,6 +156,10 @@ class SamplingParams:
             return ("stop_token_ids must be non-negative integers, got "
                     f"{_show(self.stop_token_ids)}")
         return _processor_problem(self) or _structured_problem(self)
+
+
+FIELDS = tuple(dataclasses.fields(SamplingParams))
+NAMES = tuple(f.name for f in FIELDS)
 
 
 def _processor_problem(params: SamplingParams) -> str | None:

@@ -117,17 +117,17 @@ def engine_devices(spec: JobSpec, workers: list[str]) -> dict[str, str]:
     """`worker_devices` for this job. The embedded cluster's workers are processes of this
     machine, so the GPUs are counted here; an external cluster's are not."""
     if spec.scheduler:
-        return worker_devices(workers, 0, spec.device, external=True)
-    on_gpus = spec.device in _ANY_GPU
+        return worker_devices(workers, 0, spec.engine.device, external=True)
+    on_gpus = spec.engine.device in _ANY_GPU
     num_gpus = _num_visible_gpus() if on_gpus else 0  # `cpu` never touches CUDA
-    group = spec.tensor_parallel_size * spec.pipeline_parallel_size
+    group = spec.engine.tensor_parallel_size * spec.engine.pipeline_parallel_size
     if group > 1:
-        return worker_devices(workers, num_gpus, spec.device, external=False,
+        return worker_devices(workers, num_gpus, spec.engine.device, external=False,
                               group_size=group)
     if on_gpus and 0 < num_gpus < len(workers):
         log.warning("%d workers share %d GPUs (round-robin, one engine each); use --workers "
                     "%d for one GPU per worker", len(workers), num_gpus, num_gpus)
-    return worker_devices(workers, num_gpus, spec.device, external=False)
+    return worker_devices(workers, num_gpus, spec.engine.device, external=False)
 
 
 def _num_visible_gpus() -> int:

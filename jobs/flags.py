@@ -1,10 +1,12 @@
 """Command-line flags. The engine's come from `EngineOptions`, the one list of engine
-settings: its field names give the flags, its help texts their --help."""
+settings, and the sampling ones from `SamplingParams`: their field names give the flags,
+their help texts the --help."""
 from __future__ import annotations
 
 import click
 
 from fusegen.engine.options import FIELDS
+from fusegen.engine.sampling_params import FIELDS as SAMPLING_FIELDS
 
 
 def option(flag: str, help: str, default_text, *aliases: str, **kwargs):
@@ -49,44 +51,19 @@ def with_flags(flags):
     return decorate
 
 
-# The sampling flags beside --max-tokens ... --stop: (flag, help, click kwargs).
-_SAMPLING = (
-    ("--n", "Completions per row, each an output row with its completion_index.", {"type": int}),
-    ("--min-p", "Drop tokens below min_p x the top token's probability.", {"type": float}),
-    ("--stop-token-ids", "Token id that ends a row's generation; repeat for several.",
-     {"type": int, "multiple": True}),
-    ("--ignore-eos/--no-ignore-eos", "Keep generating past end-of-sequence tokens.", {}),
-    ("--presence-penalty", "Subtracted from the logit of every token generated so far, "
-     "in [-2, 2].", {"type": float}),
-    ("--frequency-penalty", "Subtracted per occurrence of a generated token, in [-2, 2].",
-     {"type": float}),
-    ("--repetition-penalty", "Divides positive (multiplies negative) logits of tokens in "
-     "the prompt or output; > 0, 1 for none.", {"type": float}),
-    ("--min-tokens", "End-of-sequence and stop token ids are masked until this many "
-     "tokens were generated.", {"type": int}),
-    ("--logit-bias", "JSON object of token id -> bias added to its logit, e.g. "
-     "'{\"50256\": -100}'.", {}),
-    ("--bad-words", "A word that must not be generated; repeat for several.",
-     {"multiple": True}),
-    ("--logprobs", "Top-k logprobs per generated token (0: the sampled token's only), as "
-     "a `logprobs` list column.", {"type": int}),
-    ("--prompt-logprobs", "Top-k logprobs per prompt token, as a `prompt_logprobs` list "
-     "column.", {"type": int}),
-    ("--json-schema", "Constrain output to a JSON Schema: its JSON text or a file holding "
-     "it.", {}),
-    ("--response-format", "OpenAI's response_format as JSON, e.g. "
-     "'{\"type\": \"json_object\"}' (type json_schema: its schema).", {}),
-    ("--regex", "Constrain output to this regular expression.", {}),
-    ("--choice", "Constrain output to one of these strings; repeat for each.",
-     {"multiple": True}),
-    ("--grammar", "Constrain output to this Lark or GBNF grammar.", {}),
-)
-
-
 def sampling_flags(job_option) -> list:
-    """The sampling flags, each read into the job field of its name (a row column of the
-    same name overrides it for that row); `job_option` adds the field's default to its
-    help."""
-    return [job_option(flag, f"{help} (row column overrides)", **kwargs)
-            for flag, help, kwargs in _SAMPLING]
-
+    """The sampling flags, one per `SamplingParams` field with its help text, each read
+    into the job's default of its name (a row column of the same name overrides it for
+    that row); `job_option` adds the job's default to its help."""
+    flags = []
+    for f in SAMPLING_FIELDS:
+        flag, kind = "--" + f.name.replace("_", "-"), f.metadata["kind"]
+        help = f"{f.metadata['help'].removesuffix('.')} (row column overrides)."
+        if kind is bool:
+            flags.append(job_option(f"{flag}/--no-{flag[2:]}", help))
+        elif kind is list:  # repeated; token ids are read as ints
+            item = int if f.type == "list[int]" else None
+            flags.append(job_option(flag, help, multiple=True, type=item))
+        else:
+            flags.append(job_option(flag, help, type=kind if kind in (int, float) else None))
+    return flags

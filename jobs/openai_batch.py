@@ -30,26 +30,20 @@ import os
 import time
 from dataclasses import dataclass
 
-from fusegen.engine.sampling_params import SamplingParams
+from fusegen.engine.sampling_params import FIELDS, SamplingParams
 from fusegen.engine.tokenizer import PromptError, PromptLimit
 from fusegen.jobs import errors
 from fusegen.jobs.batch_checks import LineChecks, leading_custom_id
 from fusegen.jobs.output import PARTS_DIR, Output, PartStats, jsonl_bytes
-from fusegen.jobs.params import (ENGINE_SAMPLING_FIELDS, ParamError, TooDeep, coerce,
-                                 lone_surrogate, nesting_problem, read_json)
+from fusegen.jobs.params import (ParamError, TooDeep, coerce, lone_surrogate, nesting_problem,
+                                 read_json)
 from fusegen.jobs.redact import redact_url
 from fusegen.jobs.rows import conversation, row_seed
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
-# body field -> SamplingParams field (vLLM's OpenAI server takes the last six too)
-BODY_FIELDS = {
-    "max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
-    "temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop",
-    "n": "n", "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty", "logit_bias": "logit_bias",
-    "response_format": "json_schema", "top_k": "top_k", "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens",
-    "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos"}
+# body field -> SamplingParams field, from each field's `body` names (OpenAI's, and the
+# ones vLLM's OpenAI server takes besides: top_k, min_p, repetition_penalty, ...).
+BODY_FIELDS = {key: f.name for f in FIELDS for key in f.metadata["body"]}
 # Fields that do not change what is generated; ignored.
 IGNORED = frozenset({"model", "user", "metadata", "store", "service_tier", "stream_options"})
 # Fields that are fine at these values only.
@@ -202,12 +196,6 @@ def _params(url: str, body: dict, base: SamplingParams, index: int):
             raise _LineError(UNSUPPORTED, f"body.{key} is not a field fusegen supports; "
                              f"drop it (supported: {', '.join(BODY_FIELDS)})")
         changes[field] = _value(key, field, value)
-    unsupported = [k for k in changes if k not in ENGINE_SAMPLING_FIELDS]
-    if unsupported:
-        key = next(k for k, f in {**BODY_FIELDS, "logprobs": "logprobs"}.items()
-                   if f == unsupported[0])
-        raise _LineError(UNSUPPORTED, f"body.{key} is not supported by this fusegen's "
-                         "engine; drop it")
     params = dataclasses.replace(base, **changes)
     problem = params.validate()
     if problem:

@@ -20,27 +20,19 @@ Python's stack: it is its row's `invalid_params` error (`TooDeep`) instead.
 """
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import json
 import math
 
-from fusegen.engine.sampling_params import SamplingParams
+from fusegen.engine.sampling_params import FIELDS, NAMES
 from fusegen.jobs.formats import MAX_JSON_DEPTH, JsonTooDeep, load_json
 
-# Every SamplingParams field a job sets, job-wide or per row, in --help order.
-SAMPLING_FIELDS = (
-    "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-    "ignore_eos", "n", "presence_penalty", "frequency_penalty", "repetition_penalty",
-    "min_tokens", "logit_bias", "bad_words", "logprobs", "prompt_logprobs",
-    "json_schema", "regex", "choice", "grammar")
+# Every SamplingParams field: a job sets each, job-wide or per row (the per-row columns
+# are named as the fields), in --help order.
+SAMPLING_FIELDS = NAMES
 RESPONSE_FORMAT = "response_format"  # OpenAI's shape of a json_schema
 CONSTRAINT_COLUMNS = ("json_schema", "regex", "choice", "grammar", RESPONSE_FORMAT)
-_ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
-# The fields this SamplingParams has, and so the per-row parameter columns.
-ENGINE_SAMPLING_FIELDS = tuple(n for n in SAMPLING_FIELDS if n in _ENGINE_FIELDS)
-ROW_PARAM_COLUMNS = ENGINE_SAMPLING_FIELDS + (
-    (RESPONSE_FORMAT,) if "json_schema" in _ENGINE_FIELDS else ())
+ROW_PARAM_COLUMNS = SAMPLING_FIELDS + (RESPONSE_FORMAT,)
 # Sampling options of other engines and APIs that fusegen does not take: a column named
 # so is surely meant as one, and is reported rather than silently kept as data.
 FOREIGN_PARAMS = frozenset({
@@ -49,10 +41,9 @@ FOREIGN_PARAMS = frozenset({
     "spaces_between_special_tokens", "truncate_prompt_tokens", "guided_json",
     "guided_regex", "guided_choice", "guided_grammar", "top_logprobs", "do_sample",
     "typical_p", "num_return_sequences", "no_repeat_ngram_size", "min_new_tokens"})
-_INTS = ("max_tokens", "top_k", "seed", "n", "min_tokens", "logprobs", "prompt_logprobs")
-_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-           "repetition_penalty")
-_BOOLS = ("ignore_eos",)
+# The parameters whose text cells are read as numbers or words (`SamplingParams` kinds).
+_INTS, _FLOATS, _BOOLS = (tuple(f.name for f in FIELDS if f.metadata["kind"] is kind)
+                          for kind in (int, float, bool))
 # Levels of lists and objects a parsed value may nest: the limit of a JSONL line
 # (`jobs/formats.py` says why), so a value is refused alike whatever file holds it.
 MAX_DEPTH = MAX_JSON_DEPTH
@@ -302,7 +293,7 @@ def _warning(column: str, feeds_prompt: bool) -> str | None:
     if name in ROW_PARAM_COLUMNS:
         return (f"column {column!r} is not a parameter column: they are named exactly like "
                 f"the parameter ({name!r}); it is kept as data and does not change generation")
-    if name in SAMPLING_FIELDS or name in FOREIGN_PARAMS:
+    if name in FOREIGN_PARAMS:
         return (f"column {column!r} names a sampling parameter this fusegen does not take; "
                 "it is kept as data and does not change generation")
     close = difflib.get_close_matches(name, ROW_PARAM_COLUMNS, n=1, cutoff=0.8)

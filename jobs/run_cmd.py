@@ -1,7 +1,6 @@
 """`fusegen run`: flags and/or a YAML job file -> JobSpec -> run_job."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 import shlex
 import sys
@@ -13,17 +12,17 @@ from fusegen.jobs.errors import JobError
 from fusegen.jobs.flags import engine_flags, option, sampling_flags, with_flags
 from fusegen.jobs.interrupt import JobInterrupted, signal_of, stop_on_signals
 from fusegen.jobs.redact import redact_url
-from fusegen.jobs.spec import JobSpec, build_spec, load_job_file
+from fusegen.jobs.spec import (FIELD_NAMES, JOB_ENGINE_OPTIONS, build_spec, job_default,
+                               load_job_file)
 
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(JobSpec)
-             if f.default is not dataclasses.MISSING}
+_DEFAULTS = {name: job_default(name) for name in FIELD_NAMES}
 
 
 def _job_option(flag: str, help: str, **kwargs):
-    """A job flag, with the JobSpec default in its --help."""
+    """A job flag, with the job's default in its --help."""
     name = flag.split("/")[0].lstrip("-").replace("-", "_")
     default = _DEFAULTS.get(name)
-    return option(flag, help, "none" if default in (None, []) else default, **kwargs)
+    return option(flag, help, "none" if default in (None, [], {}, "") else default, **kwargs)
 
 
 _OPTIONS = [
@@ -43,19 +42,10 @@ _OPTIONS = [
             "replaces --prompt-column and --prompt-template."),
     _job_option("--chat/--no-chat", "Apply the tokenizer's chat template to a `messages` column "
             "(role/content structs), or to the prompt as one user turn."),
-    _job_option("--max-tokens", "Generated tokens per row at most (row column `max_tokens` "
-            "overrides).", type=int),
-    _job_option("--temperature", "Sampling temperature, 0 for greedy (row column overrides).",
-            type=float),
-    _job_option("--top-p", "Nucleus sampling mass (row column overrides).", type=float),
-    _job_option("--top-k", "Keep the k most likely tokens, -1 for all (row column overrides).",
-            type=int),
-    _job_option("--seed", "Base seed: row i samples with a seed derived from it and i, so "
-            "output does not depend on batching, partitioning or resume (row column "
-            "`seed` overrides).", type=int),
-    _job_option("--stop", "Stop string; repeat for several (row column `stop` overrides).",
-            multiple=True),
-    *sampling_flags(_job_option),
+    *sampling_flags(_job_option),  # one per SamplingParams field
+    _job_option("--response-format", "OpenAI's response_format as JSON, e.g. "
+            "'{\"type\": \"json_object\"}' (type json_schema: its schema; row column "
+            "overrides)."),
     _job_option("--chat-template", "Chat template (Jinja text, or a file holding it) used "
             "instead of the model's, for --chat and --messages-column."),
     _job_option("--system-prompt", "A system turn put before each conversation (unless it "
@@ -84,7 +74,7 @@ _OPTIONS = [
     _job_option("--progress", "auto: a live bar on a terminal, log lines otherwise.",
             type=click.Choice(["auto", "bar", "log", "none"])),
     # The engine's settings, from their one list (the job's --seed is the rows' own).
-    *engine_flags(exclude=("seed",), defaults=_DEFAULTS),
+    *engine_flags(JOB_ENGINE_OPTIONS, defaults=_DEFAULTS),
     click.option("--dequantize", is_flag=True, default=False,
                  help="Expand every weight to the run's dtype as it loads: --quantization "
                  "dequantize (a job's default for GGUF files; a fusegen int8/int4 checkpoint "

@@ -97,7 +97,7 @@ def _run(spec: JobSpec, progress_stream, client=None, resume: str = RERUN) -> Jo
         log.info("job %s: %d rows in %d partitions, %d to run, %d already committed; "
                  "dtype %s", fingerprint, sum(f.num_rows for f in files), len(plan),
                  len(todo), len(done), identity.dtype)
-        if spec.scheduler and spec.device == "auto" and spec.dtype == "auto":
+        if spec.scheduler and spec.engine.device == "auto" and spec.engine.dtype == "auto":
             log.info("dtype auto resolved to %s on this machine; pass --dtype to choose "
                      "another for the cluster's workers", identity.dtype)
         progress = Progress(sum(f.num_rows for f in files),

@@ -1,19 +1,22 @@
 """The job spec: one validated dataclass that the CLI flags and the job file both build."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
 
 from fusegen.engine.errors import EngineConfigError
+from fusegen.engine.options import FIELDS as ENGINE_FIELDS
 from fusegen.engine.options import NAMES as ENGINE_OPTIONS
 from fusegen.engine.options import OUTPUT_NAMES, EngineOptions
+from fusegen.engine.sampling_params import FIELDS as SAMPLING_PARAMS_FIELDS
+from fusegen.engine.sampling_params import NAMES as SAMPLING_FIELDS
 from fusegen.engine.sampling_params import SamplingParams
 from fusegen.engine.weights.gguf_names import is_gguf
 from fusegen.jobs.errors import JobError
-from fusegen.jobs.params import (ENGINE_SAMPLING_FIELDS, RESPONSE_FORMAT, SAMPLING_FIELDS,
-                                 ParamError, check_declared, coerce)
+from fusegen.jobs.params import RESPONSE_FORMAT, ParamError, check_declared, coerce
 from fusegen.jobs.redact import Redactor, public_options, redact_url
 
 PROGRESS_MODES = ("auto", "bar", "log", "none")
@@ -26,88 +29,93 @@ OUTPUT_COLUMNS = ("generated_text", "finish_reason", "num_prompt_tokens",
                   "error_code", "logprobs", "prompt_logprobs", "structured_valid")
 ROW_ID_COLUMN = "row_id"  # added when --id-column is not given (`jobs/rows.py`)
 MESSAGES_COLUMN = "messages"
+_ENGINE_FIELD = {f.name: f for f in ENGINE_FIELDS}
+_SAMPLING_FIELD = {f.name: f for f in SAMPLING_PARAMS_FIELDS}
 
 
-@dataclass(slots=True, kw_only=True)
-class JobSpec(EngineOptions):
-    """Every job option. The engine's settings (dtype, device, batch limits, memory pool)
-    are inherited from `EngineOptions`, listed there once with their help; the fields
-    below are the job's own."""
-    model: str  # local checkpoint path, or a hub id (org/name) resolved on each worker
+# A field of a job's own that can change what it generates: part of its fingerprint.
+OUTPUT = {"affects_output": True}
+# Where a job's engine defaults differ from the engine's: jobs run batch-invariant, so a
+# resumed job equals an uninterrupted one byte for byte (it costs ~13% of throughput:
+# docs/performance.md).
+ENGINE_DEFAULTS = {"deterministic": True}
+# The engine options a job takes: all but the engine-wide seed, which goes unused (each
+# row samples with its own seed, derived from the job's `seed`: `jobs/rows.py`).
+JOB_ENGINE_OPTIONS = tuple(n for n in ENGINE_OPTIONS if n != "seed")
+
+
+@dataclass(slots=True, init=False)
+class JobSpec:
+    """Every job option: the job's own fields below, the engine's settings (`engine`, an
+    `EngineOptions`: dtype, device, batch limits, memory pool) and the rows' sampling
+    defaults (`sampling`, a `SamplingParams` with a job's defaults). Each is listed once,
+    with its help, in its own class. Built from the flat keys that the job file and the
+    flags give: `JobSpec(model=..., input=..., output=..., max_tokens=8, dtype="float32")`
+    (`FIELD_NAMES`); `engine=` / `sampling=` start from those objects instead."""
+    model: str = field(metadata=OUTPUT)  # local checkpoint path, or a hub id (org/name)
     input: str  # Parquet file, directory or glob at any fsspec URL
     output: str  # directory URL for the output parts and _manifest.json
     # prompts
-    prompt_column: str = "prompt"
-    id_column: str | None = None  # names rows in error messages; must exist when set
-    prompt_template: str | None = None  # Jinja over the row's columns; replaces prompt_column
-    chat: bool = False  # chat template over `messages`, or the prompt as one user turn
+    prompt_column: str = field(default="prompt", metadata=OUTPUT)
+    # names rows in error messages; must exist when set
+    id_column: str | None = field(default=None, metadata=OUTPUT)
+    # Jinja over the row's columns; replaces prompt_column
+    prompt_template: str | None = field(default=None, metadata=OUTPUT)
+    # chat template over `messages`, or the prompt as one user turn
+    chat: bool = field(default=False, metadata=OUTPUT)
     # A column of message lists (list<struct<role, content>>, or JSON text) rendered by
     # the chat template; replaces prompt_column and prompt_template.
-    messages_column: str | None = None
-    # sampling defaults; a row column of the same name overrides them for that row
-    max_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    # Base seed: row i samples with a seed derived from (seed, i). Replaces the engine's
-    # seed field (every row has its own seed, so the engine's generator goes unused).
-    seed: int | None = 0
-    stop: list[str] = field(default_factory=list)
-    min_p: float = 0.0
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    n: int = 1  # completions per row: each is an output row (completion_index 0..n-1)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    logit_bias: dict | None = None  # token id -> bias (or its JSON text)
-    bad_words: list[str] = field(default_factory=list)
-    logprobs: int | None = None  # top-k per generated token -> a `logprobs` list column
-    prompt_logprobs: int | None = None  # top-k per prompt token -> `prompt_logprobs`
-    # structured output, at most one: a JSON Schema (an object, its JSON text or a file
-    # holding it), OpenAI's response_format (turned into json_schema), a regex, a list of
-    # choices, a Lark / GBNF grammar
-    json_schema: dict | str | None = None
-    response_format: dict | str | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    chat_template: str | None = None  # Jinja text or a file holding it; the model's otherwise
-    system_prompt: str | None = None  # a system turn before each conversation; implies chat
+    messages_column: str | None = field(default=None, metadata=OUTPUT)
+    # OpenAI's response_format (an object or its JSON text): its schema becomes the rows'
+    # json_schema; the other sampling defaults are `sampling`'s.
+    response_format: dict | str | None = field(default=None, metadata=OUTPUT)
+    # Jinja text or a file holding it; the model's otherwise
+    chat_template: str | None = field(default=None, metadata=OUTPUT)
+    # a system turn before each conversation; implies chat
+    system_prompt: str | None = field(default=None, metadata=OUTPUT)
     # The per-row parameter columns, exactly; None: every column named like a parameter
     # that the prompt is not made of (`jobs/params.py`).
-    param_columns: list[str] | None = None
-    output_token_ids: bool = False  # add a generated_token_ids list column
-    output_format: str = "parquet"  # parquet or jsonl parts
+    param_columns: list[str] | None = field(default=None, metadata=OUTPUT)
+    # add a generated_token_ids list column
+    output_token_ids: bool = field(default=False, metadata=OUTPUT)
+    output_format: str = field(default="parquet", metadata=OUTPUT)  # parquet or jsonl parts
     report: bool = False  # write _report.html, an HTML job summary, beside the manifest
-    # Jobs default to the batch-invariant engine, so a resumed job equals an uninterrupted
-    # one byte for byte (it costs ~13% of throughput: docs/performance.md).
-    deterministic: bool = True
     # execution
     scheduler: str | None = None  # address of an existing Dask scheduler
     workers: int = 1  # local cluster only: >1 starts that many worker processes
     partitions_per_worker: int = 4  # partitions in flight per worker, all feeding one engine
-    partition_rows: int = 1000
+    partition_rows: int = field(default=1000, metadata=OUTPUT)
     overwrite: bool = False
     storage_options: dict = field(default_factory=dict, repr=False)  # fsspec; may hold secrets
     progress: str = "auto"  # auto: a bar on a terminal, log lines otherwise
+    engine: EngineOptions = field(default=None)  # the job's engine settings
+    sampling: SamplingParams = field(default=None)  # the rows' defaults; a column overrides
 
-    def __post_init__(self):
+    def __init__(self, *, engine: EngineOptions | None = None,
+                 sampling: SamplingParams | None = None, **values):
+        unknown = [k for k in values if k not in FIELD_NAMES]
+        if unknown:
+            raise TypeError(f"JobSpec got an unexpected keyword argument {unknown[0]!r}")
+        for name in _OWN_FIELDS:
+            setattr(self, name, values[name] if name in values else _default(name))
+        engine_values = {**(_fields_of(engine) if engine else ENGINE_DEFAULTS),
+                         **{k: v for k, v in values.items() if k in JOB_ENGINE_OPTIONS}}
+        sampling_values = {**(_fields_of(sampling) if sampling else _SAMPLING_DEFAULTS()),
+                           **{k: v for k, v in values.items() if k in SAMPLING_FIELDS}}
+        self._check(engine_values, sampling_values)
+
+    def _check(self, engine_values: dict, sampling_values: dict) -> None:
         for name in ("model", "input", "output"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise JobError(f"{name} is required: pass --{name} or set `{name}:` in the job file")
         # One spelling per model, so resume sees the same job; a hub id stays a name.
         if "://" not in self.model and not _hub_name(self.model):
             self.model = os.path.abspath(os.path.expanduser(self.model))
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
         _check_int(self, "partition_rows", 1)
         _check_int(self, "workers", 1)
         _check_int(self, "partitions_per_worker", 1)
         try:
-            EngineOptions.__post_init__(self)
+            self.engine = EngineOptions(**engine_values)
         except EngineConfigError as exc:
             raise JobError(str(exc)) from None
         if self.progress not in PROGRESS_MODES:
@@ -119,7 +127,8 @@ class JobSpec(EngineOptions):
             raise JobError(f"prompt_column {self.prompt_column!r} is an output column name; "
                            "rename the input column")
         self._check_messages_column()
-        self._read_options()
+        self._read_options(sampling_values)
+        self.sampling = SamplingParams(**sampling_values)
         if self.output_format not in OUTPUT_FORMATS:
             raise JobError(f"output_format must be one of {', '.join(OUTPUT_FORMATS)}, "
                            f"got {self.output_format!r}")
@@ -142,18 +151,17 @@ class JobSpec(EngineOptions):
             raise JobError(f"messages_column and {given[0]} are both set; a row's prompt "
                            "comes from one of them: drop one")
 
-    def _check_seed(self) -> None:
-        pass  # the rows' base seed: checked with the sampling defaults below
-
-    def _read_options(self) -> None:
-        """JSON text (flags) and files (json_schema, chat_template) as their values."""
-        if isinstance(self.json_schema, str) and not self.json_schema.lstrip().startswith("{"):
-            self.json_schema = _read_file("json_schema", self.json_schema)
+    def _read_options(self, sampling: dict) -> None:
+        """JSON text (flags) and files (json_schema, chat_template) as their values;
+        `sampling`: the sampling defaults' values, read in place."""
+        schema = sampling["json_schema"]
+        if isinstance(schema, str) and not schema.lstrip().startswith("{"):
+            sampling["json_schema"] = _read_file("json_schema", schema)
         for name in ("stop_token_ids", "logit_bias", "bad_words", "choice", "json_schema"):
-            value = getattr(self, name)
+            value = sampling[name]
             if value is not None and value != []:
                 value = list(value) if isinstance(value, tuple) else value
-                setattr(self, name, _coerced(name, value))
+                sampling[name] = _coerced(name, value)
         if isinstance(self.response_format, str):
             try:
                 self.response_format = json.loads(self.response_format)
@@ -171,37 +179,40 @@ class JobSpec(EngineOptions):
             self.chat_template = _read_file("chat_template", template, as_json=False)
 
     def sampling_params(self) -> SamplingParams:
-        """The job's sampling defaults; a field this engine lacks must keep its default."""
-        values = {name: getattr(self, name) for name in SAMPLING_FIELDS}
-        values["stop"] = list(self.stop)
-        if self.response_format is not None:
-            if self.json_schema is not None:
-                raise JobError("json_schema and response_format are both set; the schema "
-                               "comes from one of them: drop one")
-            values["json_schema"] = _coerced(RESPONSE_FORMAT, self.response_format)
-        for name in SAMPLING_FIELDS:
-            if name not in ENGINE_SAMPLING_FIELDS:
-                if values.pop(name) != _default(name):
-                    raise JobError(f"{name} is not a sampling parameter of this fusegen's "
-                                   "engine; drop it")
-        return SamplingParams(**values)
+        """The rows' sampling defaults (a copy): `sampling`, with response_format's
+        schema as its json_schema."""
+        if self.response_format is None:
+            return dataclasses.replace(self.sampling)
+        if self.sampling.json_schema is not None:
+            raise JobError("json_schema and response_format are both set; the schema "
+                           "comes from one of them: drop one")
+        return dataclasses.replace(self.sampling, json_schema=_coerced(
+            RESPONSE_FORMAT, self.response_format))
 
     def engine_kwargs(self) -> dict:
         """The engine's options, for `LLM(model, **...)` (the seed is the rows' own). A
         job's unset quantization is "dequantize" for a GGUF file, the form its outputs
         were made in before the engine's None kept the file's blocks: the same fingerprint
         (unset, it is left out) makes the same tokens."""
-        kwargs = {name: getattr(self, name) for name in ENGINE_OPTIONS if name != "seed"}
+        kwargs = {name: getattr(self.engine, name) for name in JOB_ENGINE_OPTIONS}
         if kwargs["quantization"] is None and is_gguf(self.model):
             kwargs["quantization"] = "dequantize"
         return kwargs
 
+    def values(self) -> dict:
+        """Every option by its flat key (`FIELD_NAMES`), as the job file names them."""
+        return {**{name: getattr(self, name) for name in _OWN_FIELDS},
+                **{name: getattr(self.engine, name) for name in JOB_ENGINE_OPTIONS},
+                **{name: getattr(self.sampling, name) for name in SAMPLING_FIELDS}}
+
     def output_config(self) -> dict:
         """The fields an output depends on: a rerun with a different value is a new job.
-        Fields added since outputs were first written appear only when set, so those
-        outputs keep their fingerprint and still resume."""
-        return {name: getattr(self, name) for name in _OUTPUT_FIELDS
-                if name not in _LATER_FIELDS or getattr(self, name) != _default(name)}
+        Those outputs were first written with (`FIRST_OUTPUT_FIELDS`) are always there;
+        any other appears only when set away from its default, so adding an option never
+        moves an existing output's fingerprint: it still resumes."""
+        values = self.values()
+        return {name: values[name] for name in OUTPUT_FIELDS
+                if name in FIRST_OUTPUT_FIELDS or values[name] != _default(name)}
 
     def fingerprint(self, inputs: list, identity=None) -> str:
         """Hash of the output config, the planned inputs (paths, row counts, content) and
@@ -221,10 +232,12 @@ class JobSpec(EngineOptions):
         from fusegen.engine.errors import EngineConfigError, ModelLoadError
         from fusegen.jobs.identity import JobIdentity, model_identity
 
-        device = default_device() if self.device == "auto" else self.device
+        device = default_device() if self.engine.device == "auto" else self.engine.device
         try:
-            dtype, auto = (_dtype_name(resolve_dtype(d, device)) for d in (self.dtype, "auto"))
-            model = model_identity(self.model, self.revision, external=bool(self.scheduler),
+            dtype, auto = (_dtype_name(resolve_dtype(d, device))
+                           for d in (self.engine.dtype, "auto"))
+            model = model_identity(self.model, self.engine.revision,
+                                   external=bool(self.scheduler),
                                    record_path=redact_url(self.model))
         except (EngineConfigError, ModelLoadError) as exc:
             raise JobError(str(exc)) from None
@@ -233,15 +246,17 @@ class JobSpec(EngineOptions):
                            f"({exc.strerror or exc}); check the path and its permissions"
                            ) from None
         earlier = auto if device.startswith("cuda") or not cpu_supports_bf16() else None
-        return JobIdentity(dtype=dtype, option=self.dtype, model=model, earlier_auto=earlier)
+        return JobIdentity(dtype=dtype, option=self.engine.dtype, model=model,
+                           earlier_auto=earlier)
 
     def on_workers(self, identity) -> "JobSpec":
         """The spec the workers run: the dtype as resolved, not "auto"."""
-        return dataclasses.replace(self, dtype=identity.dtype)
+        return dataclasses.replace(self, engine=dataclasses.replace(
+            self.engine, dtype=identity.dtype))
 
     def public_dict(self) -> dict:
         """The spec with credentials masked: for the manifest and logs."""
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d = self.values()
         for name in ("input", "output", "scheduler", "model"):
             if d[name]:
                 d[name] = redact_url(d[name])
@@ -255,24 +270,25 @@ class JobSpec(EngineOptions):
         return f"JobSpec({self.public_dict()!r})"
 
 
-_NEW_SAMPLING_FIELDS = tuple(n for n in SAMPLING_FIELDS if n not in (
-    "max_tokens", "temperature", "top_p", "top_k", "seed", "stop"))
-_OUTPUT_FIELDS = ("model", "prompt_column", "id_column", "prompt_template", "chat",
-                  "messages_column",
-                  "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                  "output_token_ids", *OUTPUT_NAMES, "partition_rows", *_NEW_SAMPLING_FIELDS,
-                  RESPONSE_FORMAT, "chat_template", "system_prompt", "param_columns",
-                  "output_format")
-# Fields added since outputs were first written: in the fingerprint only when not at
-# their default, so those outputs keep theirs.
-_LATER_FIELDS = ("messages_column", "revision", *_NEW_SAMPLING_FIELDS, RESPONSE_FORMAT,
-                 "chat_template", "system_prompt", "param_columns", "output_format",
-                 "tokenizer", "tensor_parallel_size", "quantization")
-# The job's own keys first, then the engine's: the order `fusegen run --help` and the
-# job file's "valid keys" list show.
+_OWN_FIELDS = tuple(f.name for f in dataclasses.fields(JobSpec)
+                    if f.name not in ("engine", "sampling"))
+# Every key of a job file, in the order `fusegen run --help` and the job file's "valid
+# keys" list show: the job's own (the sampling defaults after the prompt's), then the
+# engine's.
 FIELD_NAMES = tuple(dict.fromkeys(
-    [f.name for f in dataclasses.fields(JobSpec) if f.name not in ENGINE_OPTIONS]
-    + list(ENGINE_OPTIONS)))
+    [*_OWN_FIELDS[:_OWN_FIELDS.index("response_format")], *SAMPLING_FIELDS,
+     *_OWN_FIELDS[_OWN_FIELDS.index("response_format"):], *JOB_ENGINE_OPTIONS]))
+# The fields an output depends on: the job's own marked OUTPUT, the engine's that
+# affect output, every sampling default.
+OUTPUT_FIELDS = (*(f.name for f in dataclasses.fields(JobSpec)
+                   if f.metadata.get("affects_output")), *OUTPUT_NAMES, *SAMPLING_FIELDS)
+# The output fields when fingerprints were introduced: always in a fingerprint. Frozen:
+# any field added since (or later) is in it only when set away from its default, so the
+# outputs written before it keep theirs and still resume.
+FIRST_OUTPUT_FIELDS = frozenset({
+    "model", "prompt_column", "id_column", "prompt_template", "chat", "max_tokens",
+    "temperature", "top_p", "top_k", "seed", "stop", "output_token_ids", "dtype",
+    "block_size", "max_model_len", "deterministic", "partition_rows"})
 
 
 def _dtype_name(dtype) -> str:
@@ -280,8 +296,29 @@ def _dtype_name(dtype) -> str:
 
 
 def _default(name: str):
+    """A key's default in a job (`FIELD_NAMES`)."""
+    if name in SAMPLING_FIELDS:
+        return copy.copy(_SAMPLING_FIELD[name].metadata["job_default"])
+    if name in JOB_ENGINE_OPTIONS:
+        return ENGINE_DEFAULTS.get(name, _ENGINE_FIELD[name].default)
     f = JobSpec.__dataclass_fields__[name]
-    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return "" if f.default_factory is dataclasses.MISSING else f.default_factory()
+
+
+def job_default(name: str):
+    """A job-file key's default, as `fusegen run --help` shows it."""
+    return _default(name)
+
+
+def _SAMPLING_DEFAULTS() -> dict:
+    return {name: _default(name) for name in SAMPLING_FIELDS}
+
+
+def _fields_of(options) -> dict:
+    """A dataclass's values by field name (lists as they are)."""
+    return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
 
 
 def _coerced(name: str, value):

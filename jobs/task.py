@@ -23,7 +23,7 @@ def load_engine(spec: JobSpec, device: str | None = None) -> dict:
     model cannot load or the job needs a chat template the tokenizer lacks. `device`: the
     one the driver assigned this worker; its partitions' engine lookups then find it."""
     if device is not None:
-        set_worker_device(spec.device, device)
+        set_worker_device(spec.engine.device, device)
     loads = loaded_engine(spec.model, spec.engine_kwargs()) is None
     llm = _guard(spec, "loading the model", lambda: get_engine(spec.model, spec.engine_kwargs()))
     if spec.chat or spec.messages_column:
@@ -91,8 +91,8 @@ def output_shape(spec: JobSpec, preparer: RowPreparer, columns, first_row: int) 
     params = set(preparer.parameters(columns))
     return OutputShape(
         token_ids=spec.output_token_ids, row_ids=preparer.id_column(columns) is None,
-        logprobs=spec.logprobs is not None or "logprobs" in params,
-        prompt_logprobs=spec.prompt_logprobs is not None or "prompt_logprobs" in params,
+        logprobs=spec.sampling.logprobs is not None or "logprobs" in params,
+        prompt_logprobs=spec.sampling.prompt_logprobs is not None or "prompt_logprobs" in params,
         structured=preparer.constrained(columns), first_row=first_row,
         openai_logprobs=spec.output_format == "jsonl")
 

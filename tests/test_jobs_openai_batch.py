@@ -9,7 +9,6 @@ from types import SimpleNamespace
 from fusegen.engine import LLM, SamplingParams
 from fusegen.jobs.openai_batch import (BODY_FIELDS, chat_logprobs, completion_logprobs,
                                        parse_request)
-from fusegen.jobs.params import ENGINE_SAMPLING_FIELDS
 from fusegen.jobs.rows import row_seed
 from fusegen.jobs.runner import run_job
 from fusegen.jobs.spec import JobSpec
@@ -71,15 +70,10 @@ def test_malformed_lines_and_unsupported_fields_name_the_line_and_field():
                        max_completion_tokens=3))["message"] == (
         "line 3 (custom_id 'h'): body.max_tokens and body.max_completion_tokens differ; "
         "give one")
-    # A field of the contract this engine may not have yet: mapped, or refused by name.
+    # A body field is mapped onto its SamplingParams field.
     req = parse_request(_line("i", messages=[{"role": "user", "content": "x"}],
                               presence_penalty=0.5), 3, BASE, 0, _chat)
-    if "presence_penalty" in ENGINE_SAMPLING_FIELDS:
-        assert req.error is None and req.params.presence_penalty == 0.5
-    else:
-        assert req.error == {"code": "unsupported_field", "message": "line 3 (custom_id "
-                             "'i'): body.presence_penalty is not supported by this "
-                             "fusegen's engine; drop it"}
+    assert req.error is None and req.params.presence_penalty == 0.5
 
 
 def test_logprobs_in_openai_shapes():

@@ -9,8 +9,7 @@ from click.testing import CliRunner
 
 from fusegen.jobs.cli import main
 from fusegen.jobs.errors import JobError
-from fusegen.jobs.params import (ENGINE_SAMPLING_FIELDS, ROW_PARAM_COLUMNS, SAMPLING_FIELDS,
-                                 ParamError, coerce)
+from fusegen.jobs.params import ROW_PARAM_COLUMNS, SAMPLING_FIELDS, ParamError, coerce
 from fusegen.jobs.progress import JobResult
 from fusegen.jobs.rows import RowPreparer, row_seed
 from fusegen.jobs.spec import JobSpec
@@ -38,7 +37,7 @@ CELLS = {
 
 def test_the_cell_table_covers_every_sampling_field():
     assert set(CELLS) == set(SAMPLING_FIELDS)
-    assert ROW_PARAM_COLUMNS[:len(ENGINE_SAMPLING_FIELDS)] == ENGINE_SAMPLING_FIELDS
+    assert ROW_PARAM_COLUMNS[:len(SAMPLING_FIELDS)] == SAMPLING_FIELDS
 
 
 @pytest.mark.parametrize("name", SAMPLING_FIELDS)
@@ -46,12 +45,6 @@ def test_each_row_column_reaches_sampling_params_exactly(name):
     cell, expected = CELLS[name]
     prep = _prep(max_tokens=9)
     table = pa.table({"prompt": ["a", "b"], name: [cell, None]})
-    if name not in ENGINE_SAMPLING_FIELDS:  # not a parameter of this engine: warned, kept
-        assert prep.column_warnings(table.column_names) == [
-            f"column {name!r} names a sampling parameter this fusegen does not take; it is "
-            "kept as data and does not change generation"]
-        assert prep.parameters(table.column_names) == []
-        return
     assert prep.column_warnings(table.column_names) == []
     with_cell, without = prep.prepare(table, 0)
     assert with_cell.error is None and without.error is None
@@ -227,10 +220,6 @@ def test_the_flag_table_covers_every_new_sampling_field():
 def test_each_sampling_flag_reaches_sampling_params_exactly(monkeypatch, name):
     words, expected = FLAG_VALUES[name]
     res, spec = _run_flags(monkeypatch, words)
-    if name not in ENGINE_SAMPLING_FIELDS:
-        assert res.exit_code == 1 and (f"Error: {name} is not a sampling parameter of this "
-                                       "fusegen's engine; drop it") in res.output
-        return
     assert res.exit_code == 0, res.output
     params = spec.sampling_params()
     assert getattr(params, name) == expected and type(getattr(params, name)) is type(expected)

@@ -13,7 +13,7 @@ def _spec(**kw):
 
 def test_defaults_and_sampling_params():
     spec = _spec(stop="END")
-    assert spec.stop == ["END"]
+    assert spec.sampling.stop == ["END"]
     p = spec.sampling_params()
     assert (p.max_tokens, p.temperature, p.seed, p.stop) == (64, 1.0, 0, ["END"])
 
@@ -40,7 +40,7 @@ def test_yaml_file_with_flag_overrides(tmp_path):
     path.write_text("model: ./m\ninput: in.parquet\noutput: out\nmax-tokens: 8\n"
                     "temperature: 0\nstorage_options: {anon: true}\n")
     spec = build_spec(load_job_file(str(path)), {"max_tokens": 3, "temperature": None})
-    assert spec.max_tokens == 3 and spec.temperature == 0
+    assert spec.sampling.max_tokens == 3 and spec.sampling.temperature == 0
     assert spec.storage_options == {"anon": True}
     assert spec.model == os.path.abspath("m")
 
@@ -75,5 +75,5 @@ def test_repr_and_public_dict_hide_credentials():
 
 
 def test_kv_cache_memory_takes_sizes():
-    assert _spec(kv_cache_memory="16MiB").kv_cache_memory == 16 << 20
-    assert _spec(kv_cache_memory=4096).kv_cache_memory == 4096
+    assert _spec(kv_cache_memory="16MiB").engine.kv_cache_memory == 16 << 20
+    assert _spec(kv_cache_memory=4096).engine.kv_cache_memory == 4096

@@ -32,7 +32,7 @@ def check_models(resolved: ResolvedWorkflow) -> list[str]:
             notes.append(f"{step.name}: model {job.model} is a hub id, fetched into the "
                          "Hugging Face cache (downloaded if missing) when the step loads")
             continue
-        problem = _model_problem(job.model, job.revision, hub_id)
+        problem = _model_problem(job.model, job.engine.revision, hub_id)
         if problem:
             problems.append(Problem(step.name, "generate.model", problem))
     if problems:
