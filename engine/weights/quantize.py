@@ -76,8 +76,12 @@ class Report:
     bytes_before: int = 0  # the source tensors written, in the source's dtypes
     bytes_after: int = 0  # what the output's weight files hold
     num_files: int = 0
-    # AWQ: per (layer, group) the alpha chosen, its error and RTN's (alpha 0)
+    # AWQ: per (layer, group) the alpha chosen, its error and RTN's (alpha 0); an MoE
+    # layer's groups are "moe gate_up" (every expert's, one scale) and "expert {e} down"
     searches: dict[tuple[int, str], tuple[float, float, float]] = field(default_factory=dict)
+    # AWQ: the (layer, "expert {e} down") left round-to-nearest: no calibration row
+    # was routed to that expert
+    round_to_nearest: list[tuple[int, str]] = field(default_factory=list)
 
 
 # -- the source ------------------------------------------------------------------
