@@ -13,10 +13,20 @@ On CPUs the C kernel (kernels/csrc/quant_gguf.c) expands a few weight rows at a 
 into a thread's scratch and multiplies them with up to MAX_KERNEL_ROWS rows of x, so
 each weight byte is read once per 64 rows; larger T runs in calls of 64 rows, which
 keeps every row's result the same whatever the batch (prefill and decode rows alike).
-bf16 x multiplies the weights as bf16 rounds them (a model dequantized to bf16 holds the
-same values), fp32 x the fp32 weights. Every other device, and FUSEGEN_KERNELS=reference,
-take the reference: dequantize a tile of output rows and multiply it with torch in fp32
-(never a dense copy of the whole layer).
+fp32 x multiplies the fp32 weights (exactly a dequantized model's numbers).
+
+bf16 x, on CPUs with AVX512_VNNI (kernels/quant_vnni.py, csrc/quant_vnni.c): x is
+quantized to int8 per block of 32 values (one fp32 scale each, as llama.cpp's Q8_0) and
+multiplied with the weight codes in integers, every row count in one call, each row's
+result independent of the batch. A kept bf16 model's numbers therefore differ from a
+dequantized bf16 model's by the activations' int8 rounding. Without VNNI, bf16 x takes
+the kernel above, which multiplies the weights as bf16 rounds them (a model dequantized
+to bf16 holds the same values).
+
+Every other device, and FUSEGEN_KERNELS=reference, take the reference: dequantize a tile
+of output rows and multiply it with torch in fp32 (never a dense copy of the whole layer).
+The choice depends on the CPU's flags, x's dtype and, in calls that need not be
+batch-invariant, the row count; never on a timing.
 """
 from __future__ import annotations
 
@@ -26,6 +36,7 @@ import numpy as np
 import torch
 
 from fusegen.kernels import use_native
+from fusegen.kernels.quant_vnni import q8_available, quant_linear_q8
 
 # GGMLQuantizationType values (gguf.constants), kept here so the dispatcher needs no
 # gguf import on its hot path.
@@ -94,6 +105,12 @@ def quant_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features
                             in_features, batch_invariant)
         return rows.view(*x.shape[:-1], out_features)
     native = has_kernel(qtype, x.dtype) and use_native(x)  # has_kernel: cached, checks dtype
+    if native and x.dtype == torch.bfloat16 and x.shape[0] and q8_available(qtype):
+        out = quant_linear_q8(x if x.stride(-1) == 1 else x.contiguous(),
+                              blocks if blocks.is_contiguous() else blocks.contiguous(),
+                              qtype, out_features)
+        if out is not None:
+            return out
     if native and not batch_invariant and x.shape[0] >= DENSE_FROM_ROWS:
         return _dense_tiles(x, blocks, qtype, out_features, in_features)
     if x.shape[0] and native:

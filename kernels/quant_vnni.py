@@ -17,17 +17,23 @@ import functools
 
 import torch
 
-from fusegen.kernels.quant_linear import SUPPORTED, _library, check, dequantize_rows
-
 BLOCK = 32  # activation values per int8 block
 
 
 @functools.cache
+def _library():
+    from fusegen.kernels import native
+
+    lib = native.library()
+    return lib if lib is not None and hasattr(lib, "quant_gguf_q8_available") else None
+
+
+@functools.cache
 def q8_available(qtype: int) -> bool:
-    """Whether this machine's build has the int8 product for `qtype` (AVX512_VNNI)."""
+    """Whether this machine's build has the int8 product for `qtype` (AVX512_VNNI; the
+    C side knows the types quant_linear.SUPPORTED lists)."""
     lib = _library()
-    return (qtype in SUPPORTED and lib is not None
-            and hasattr(lib, "quant_gguf_q8_available") and bool(lib.quant_gguf_q8_available(qtype)))
+    return lib is not None and bool(lib.quant_gguf_q8_available(qtype))
 
 
 def quant_linear_q8(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features: int) -> torch.Tensor:
@@ -44,6 +50,8 @@ def quant_linear_q8(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_featu
 def quant_linear_q8_native(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features: int,
                            in_features: int) -> torch.Tensor:
     """The C kernel alone (tests, benchmarks); RuntimeError where this build has none."""
+    from fusegen.kernels.quant_linear import SUPPORTED, check
+
     check(blocks, qtype, out_features, in_features, x)
     if x.dim() != 2 or x.dtype != torch.bfloat16:
         raise ValueError(f"x must be bf16 rows [T, {in_features}]; got {x.dtype} {list(x.shape)}")
@@ -91,6 +99,8 @@ def quant_linear_q8_reference(x: torch.Tensor, blocks: torch.Tensor, qtype: int,
     fp64 (each product of an int8 code, its fp32 d and an fp32 weight is exact there but
     for the last of 53 bits). The kernel's fp32 sums of the blocks differ from it by their
     rounding only, then by one rounding to bf16."""
+    from fusegen.kernels.quant_linear import check, dequantize_rows
+
     check(blocks, qtype, out_features, in_features, x)
     q, d = quantize_rows(x.reshape(-1, in_features))
     xq = (q.double().reshape(q.shape[0], -1, BLOCK) * d.double()[..., None]).reshape(q.shape)
