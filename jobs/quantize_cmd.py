@@ -58,6 +58,9 @@ def quantize(model, bits, group_size, symmetric, method, calibration, calibratio
     for (layer, group), (alpha, error, rtn) in sorted(report.searches.items()):
         click.echo(f"awq layer {layer} {group}: alpha {alpha:.2f}, output error "
                    f"{error:.4g} (round-to-nearest {rtn:.4g})")
+    for layer, group in report.round_to_nearest:
+        click.echo(f"awq layer {layer} {group}: no calibration rows routed to this expert, "
+                   "round-to-nearest")
     click.echo(f"quantized {report.num_quantized} tensors to int{bits} (group {group_size}, "
                f"{'symmetric' if symmetric else 'asymmetric'}, {method}); copied "
                f"{report.num_copied}; weights {_size(report.bytes_before)} -> "

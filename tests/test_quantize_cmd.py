@@ -1,8 +1,9 @@
 """`fusegen quantize` (jobs/quantize_cmd.py, engine/weights/quantize.py): what it writes
 (codes equal to quantize_group's, the config entry, untouched tensors byte for byte,
 tied embeddings, MoE experts, a GGUF source, shards), AWQ (its search never above
-round-to-nearest, its folding leaving the fp32 model's logits as they were), and each
-bad argument's error."""
+round-to-nearest, its folding leaving the fp32 model's logits as they were, MoE experts
+and routers included; an expert without calibration rows left round-to-nearest), and
+each bad argument's error."""
 import json
 from pathlib import Path
 
@@ -219,7 +220,7 @@ def down_error(dense_dir: Path, quantized_dir: Path, layer: int, spec) -> float:
     """Mean squared error of layer `layer`'s down projection on its calibration rows (run
     through `dense_dir`): x @ w.T against x @ dequantized.T, w from `dense_dir` and the
     codes from `quantized_dir`."""
-    _, rows = awq.calibrate(qz.open_source(dense_dir), PROMPTS)[layer, "down"]
+    rows = awq.calibrate(qz.open_source(dense_dir), PROMPTS)[layer, "down", None].rows
     base = f"model.layers.{layer}.mlp.down_proj"
     w = read_all(dense_dir)[base + ".weight"].float()
     codes = read_all(quantized_dir)
@@ -255,30 +256,126 @@ def test_awq_error_not_above_round_to_nearest(wide_dir, tmp_path):
         assert rtn_error == pytest.approx(report.searches[i, "down"][2], rel=1e-3)
 
 
+def moe_groups(num_experts: int) -> set[str]:
+    return {"qkv", "o", "moe gate_up"} | {f"expert {e} down" for e in range(num_experts)}
+
+
 @pytest.mark.parametrize("arch,overrides", [
     ("llama", {}),  # 2 kv heads for 4 query heads: o's scales shared per kv head
     ("qwen2", {"num_key_value_heads": 4}),  # o's scales through v's rows and bias
     ("gemma3", {"num_key_value_heads": 4}),  # norms applied as (1 + w)
     ("phi3", {}),  # q/k/v and gate/up in one tensor each
-    ("qwen3_moe", {}),  # attention scaled, experts round-to-nearest
+    ("qwen3_moe", {}),  # experts' gate/up, router and each expert's up / down rows
+    ("mixtral", {}),
 ])
 def test_awq_folding_keeps_fp32_logits(tmp_path, arch, overrides):
     src = make_hf_checkpoint(tmp_path / "src", arch, **MOE.get(arch, {}), **overrides)
     spec = qz.QuantizeSpec(4, 32, False, "awq")
     report = qz.quantize_checkpoint(src, tmp_path / "fold", spec, prompts=PROMPTS, dense=True)
     groups = {g for _, g in report.searches}
-    assert groups == ({"qkv", "o"} if arch == "qwen3_moe" else {"qkv", "o", "gate_up", "down"})
+    assert groups == (moe_groups(4) if arch in MOE else {"qkv", "o", "gate_up", "down"})
+    assert set(report.searches) == {(i, g) for i in (0, 1) for g in groups}
+    assert report.round_to_nearest == []  # every expert got calibration rows
+    for alpha, error, rtn in report.searches.values():  # alpha 0 is round-to-nearest
+        assert error <= rtn and 0.0 <= alpha <= 1.0
     for group in groups:  # each kind of folding exercised: some layer's alpha above 0
         assert any(alpha > 0 for (_, g), (alpha, _, _) in report.searches.items() if g == group)
     assert "quantization_config" not in json.loads((tmp_path / "fold" / "config.json").read_text())
     folded, source = read_all(tmp_path / "fold"), source_tensors(src)
     assert any(not torch.equal(folded[name], source[name])  # scales were folded in
                for name in source if name.endswith("layernorm.weight"))
+    if arch in MOE:  # the routers' columns took the experts' gate/up scales
+        routers = [name for name in source if name.endswith(".gate.weight")]
+        assert len(routers) == 2
+        assert all(not torch.equal(folded[name], source[name]) for name in routers)
     ids = torch.tensor([[3, 17, 55, 101, 7, 9, 200, 12, 40, 41]])
     with torch.no_grad():
         want = load_hf(src)(ids).logits
         got = load_hf(tmp_path / "fold")(ids).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+def expert_down_error(dense_dir: Path, quantized_dir: Path, layer: int, expert: int,
+                      spec) -> float:
+    """As `down_error`, for a Qwen3-MoE expert's down on the rows routed to it."""
+    rows = awq.calibrate(qz.open_source(dense_dir), PROMPTS)[layer, "down", expert].rows
+    base = f"model.layers.{layer}.mlp.experts.{expert}.down_proj"
+    w = read_all(dense_dir)[base + ".weight"].float()
+    codes = read_all(quantized_dir)
+    dense = dequantize_group(codes[base + ".qweight"], codes[base + ".scales"],
+                             codes.get(base + ".zeros"), spec.bits, spec.group_size,
+                             w.shape[1])
+    return (rows @ w.t() - rows @ dense.t()).pow(2).mean().item()
+
+
+def test_awq_expert_errors_from_files(tmp_path):
+    """Each expert's down error recomputed from the written codes on its routed rows:
+    AWQ's (the folded model's weight and inputs) and round-to-nearest's equal the
+    report's, AWQ's below."""
+    src = make_hf_checkpoint(tmp_path / "src", "qwen3_moe", **MOE["qwen3_moe"])
+    spec = qz.QuantizeSpec(4, 32, False, "awq")
+    report = qz.quantize_checkpoint(src, tmp_path / "awq", spec, prompts=PROMPTS)
+    qz.quantize_checkpoint(src, tmp_path / "fold", spec, prompts=PROMPTS, dense=True)
+    qz.quantize_checkpoint(src, tmp_path / "rtn", qz.QuantizeSpec(4, 32, False))
+    for e in range(4):
+        _, error, rtn = report.searches[1, f"expert {e} down"]
+        awq_error = expert_down_error(tmp_path / "fold", tmp_path / "awq", 1, e, spec)
+        rtn_error = expert_down_error(src, tmp_path / "rtn", 1, e, spec)
+        assert awq_error < rtn_error
+        assert awq_error == pytest.approx(error, rel=1e-3)
+        assert rtn_error == pytest.approx(rtn, rel=1e-3)
+
+
+def test_awq_expert_without_calibration_rows_is_round_to_nearest(tmp_path):
+    """Layer 0's router never picks expert 4 (its row zero; the others v, -v, u, -u, so
+    the top 2 logits are |x.v| and |x.u|, above 0): that expert's down is written as
+    round-to-nearest's codes, reported so; its gate/up still take the shared scale."""
+    from safetensors.torch import load_file, save_file
+
+    src = make_hf_checkpoint(tmp_path / "src", "qwen3_moe",
+                             **{**MOE["qwen3_moe"], "num_experts": 5})
+    state = load_file(src / "model.safetensors")
+    router = state["model.layers.0.mlp.gate.weight"]  # [5, h]
+    v, u = router[0].clone(), router[2].clone()
+    state["model.layers.0.mlp.gate.weight"] = torch.stack([v, -v, u, -u, 0 * v])
+    save_file(state, src / "model.safetensors", metadata={"format": "pt"})
+
+    calibration = tmp_path / "prompts.txt"
+    calibration.write_text("\n".join(PROMPTS) + "\n")
+    result = run_cli("--model", src, "--bits", 4, "--group-size", 32, "--method", "awq",
+                     "--calibration", calibration, "--output", tmp_path / "cli")
+    assert result.exit_code == 0, result.output
+    assert "awq layer 0 expert 4 down: no calibration rows routed to this expert, " \
+        "round-to-nearest" in result.output
+    assert "awq layer 0 moe gate_up: alpha" in result.output
+    assert "awq layer 0 expert 3 down: alpha" in result.output
+    spec = qz.QuantizeSpec(4, 32, False, "awq")
+    report = qz.quantize_checkpoint(src, tmp_path / "awq", spec, prompts=PROMPTS)
+    assert report.round_to_nearest == [(0, "expert 4 down")]
+    assert set(report.searches) == {(i, g) for i in (0, 1) for g in moe_groups(5)} - {
+        (0, "expert 4 down")}
+    for alpha, error, rtn in report.searches.values():
+        assert error <= rtn
+    base = "model.layers.0.mlp.experts.4.down_proj"
+    written = read_all(tmp_path / "awq")
+    source = source_tensors(src)
+    want = quantize_group(source[base + ".weight"].float(), 4, 32, False)
+    assert all(same_bytes(written[base + suffix], t)
+               for suffix, t in zip((".qweight", ".scales", ".zeros"), want))
+    # its up rows are not divided (no down scale), its gate / up columns are scaled
+    qz.quantize_checkpoint(src, tmp_path / "fold", spec, prompts=PROMPTS, dense=True)
+    folded = read_all(tmp_path / "fold")
+    s = folded["model.layers.0.mlp.experts.4.gate_proj.weight"] / \
+        source["model.layers.0.mlp.experts.4.gate_proj.weight"]  # [I, h]: s in every row
+    torch.testing.assert_close(folded["model.layers.0.mlp.experts.4.up_proj.weight"],
+                               source["model.layers.0.mlp.experts.4.up_proj.weight"] * s[0])
+    assert not torch.allclose(s[0], torch.ones_like(s[0]))
+    ids = torch.tensor([[3, 17, 55, 101, 7, 9, 200, 12, 40, 41]])
+    with torch.no_grad():
+        want_logits = load_hf(src)(ids).logits
+        got = load_hf(tmp_path / "fold")(ids).logits
+    torch.testing.assert_close(got, want_logits, rtol=1e-4,
+                               atol=1e-4 * want_logits.abs().max().item())
 
 
 # -- errors ---------------------------------------------------------------------------
@@ -382,7 +479,7 @@ def test_calibration_files_read(tmp_path):
 
 @pytest.mark.parametrize("arch,bits,symmetric,method", [
     ("wide", 8, True, "rtn"), ("wide", 4, False, "rtn"), ("wide", 4, True, "awq"),
-    ("qwen3_moe", 4, False, "awq"), ("gemma3", 4, False, "awq")])
+    ("qwen3_moe", 4, False, "awq"), ("mixtral", 4, True, "awq"), ("gemma3", 4, False, "awq")])
 def test_written_checkpoint_runs_as_dequantized(wide_dir, tmp_path, arch, bits, symmetric,
                                                 method):
     """fusegen runs the written checkpoint compressed and gives the greedy fp32 tokens of
