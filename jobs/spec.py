@@ -1,4 +1,8 @@
-"""The job spec: one validated dataclass that the CLI flags and the job file both build."""
+"""The job spec: one validated dataclass that the CLI flags and the job file both build.
+
+Its keys are the job's own fields, the engine's options (`EngineOptions`, held as
+`JobSpec.engine`) and the rows' sampling defaults (`SamplingParams`, held as
+`JobSpec.sampling`): each option is declared once, in its own class, with its help."""
 from __future__ import annotations
 
 import copy
@@ -29,12 +33,7 @@ OUTPUT_COLUMNS = ("generated_text", "finish_reason", "num_prompt_tokens",
                   "error_code", "logprobs", "prompt_logprobs", "structured_valid")
 ROW_ID_COLUMN = "row_id"  # added when --id-column is not given (`jobs/rows.py`)
 MESSAGES_COLUMN = "messages"
-_ENGINE_FIELD = {f.name: f for f in ENGINE_FIELDS}
-_SAMPLING_FIELD = {f.name: f for f in SAMPLING_PARAMS_FIELDS}
 
-
-# A field of a job's own that can change what it generates: part of its fingerprint.
-OUTPUT = {"affects_output": True}
 # Where a job's engine defaults differ from the engine's: jobs run batch-invariant, so a
 # resumed job equals an uninterrupted one byte for byte (it costs ~13% of throughput:
 # docs/performance.md).
@@ -42,6 +41,12 @@ ENGINE_DEFAULTS = {"deterministic": True}
 # The engine options a job takes: all but the engine-wide seed, which goes unused (each
 # row samples with its own seed, derived from the job's `seed`: `jobs/rows.py`).
 JOB_ENGINE_OPTIONS = tuple(n for n in ENGINE_OPTIONS if n != "seed")
+
+
+def _output(default=dataclasses.MISSING):
+    """A field of the job's own that can change what it generates: part of its identity
+    (`OUTPUT_FIELDS`), as EngineOptions' `affects_output` and every sampling field."""
+    return field(default=default, metadata={"affects_output": True})
 
 
 @dataclass(slots=True, init=False)
@@ -52,39 +57,33 @@ class JobSpec:
     with its help, in its own class. Built from the flat keys that the job file and the
     flags give: `JobSpec(model=..., input=..., output=..., max_tokens=8, dtype="float32")`
     (`FIELD_NAMES`); `engine=` / `sampling=` start from those objects instead."""
-    model: str = field(metadata=OUTPUT)  # local checkpoint path, or a hub id (org/name)
+    model: str = _output()  # local checkpoint path, or a hub id (org/name)
     input: str  # Parquet file, directory or glob at any fsspec URL
     output: str  # directory URL for the output parts and _manifest.json
     # prompts
-    prompt_column: str = field(default="prompt", metadata=OUTPUT)
-    # names rows in error messages; must exist when set
-    id_column: str | None = field(default=None, metadata=OUTPUT)
-    # Jinja over the row's columns; replaces prompt_column
-    prompt_template: str | None = field(default=None, metadata=OUTPUT)
-    # chat template over `messages`, or the prompt as one user turn
-    chat: bool = field(default=False, metadata=OUTPUT)
+    prompt_column: str = _output("prompt")
+    id_column: str | None = _output(None)  # names rows in error messages; must exist when set
+    prompt_template: str | None = _output(None)  # Jinja over the row's columns
+    chat: bool = _output(False)  # chat template over `messages`, or the prompt as one user turn
     # A column of message lists (list<struct<role, content>>, or JSON text) rendered by
     # the chat template; replaces prompt_column and prompt_template.
-    messages_column: str | None = field(default=None, metadata=OUTPUT)
+    messages_column: str | None = _output(None)
     # OpenAI's response_format (an object or its JSON text): its schema becomes the rows'
     # json_schema; the other sampling defaults are `sampling`'s.
-    response_format: dict | str | None = field(default=None, metadata=OUTPUT)
-    # Jinja text or a file holding it; the model's otherwise
-    chat_template: str | None = field(default=None, metadata=OUTPUT)
-    # a system turn before each conversation; implies chat
-    system_prompt: str | None = field(default=None, metadata=OUTPUT)
+    response_format: dict | str | None = _output(None)
+    chat_template: str | None = _output(None)  # Jinja text or a file holding it
+    system_prompt: str | None = _output(None)  # a system turn first; implies chat
     # The per-row parameter columns, exactly; None: every column named like a parameter
     # that the prompt is not made of (`jobs/params.py`).
-    param_columns: list[str] | None = field(default=None, metadata=OUTPUT)
-    # add a generated_token_ids list column
-    output_token_ids: bool = field(default=False, metadata=OUTPUT)
-    output_format: str = field(default="parquet", metadata=OUTPUT)  # parquet or jsonl parts
+    param_columns: list[str] | None = _output(None)
+    output_token_ids: bool = _output(False)  # add a generated_token_ids list column
+    output_format: str = _output("parquet")  # parquet or jsonl parts
     report: bool = False  # write _report.html, an HTML job summary, beside the manifest
     # execution
     scheduler: str | None = None  # address of an existing Dask scheduler
     workers: int = 1  # local cluster only: >1 starts that many worker processes
     partitions_per_worker: int = 4  # partitions in flight per worker, all feeding one engine
-    partition_rows: int = field(default=1000, metadata=OUTPUT)
+    partition_rows: int = _output(1000)  # rows per partition and per output part
     overwrite: bool = False
     storage_options: dict = field(default_factory=dict, repr=False)  # fsspec; may hold secrets
     progress: str = "auto"  # auto: a bar on a terminal, log lines otherwise
@@ -97,10 +96,10 @@ class JobSpec:
         if unknown:
             raise TypeError(f"JobSpec got an unexpected keyword argument {unknown[0]!r}")
         for name in _OWN_FIELDS:
-            setattr(self, name, values[name] if name in values else _default(name))
+            setattr(self, name, values[name] if name in values else job_default(name))
         engine_values = {**(_fields_of(engine) if engine else ENGINE_DEFAULTS),
                          **{k: v for k, v in values.items() if k in JOB_ENGINE_OPTIONS}}
-        sampling_values = {**(_fields_of(sampling) if sampling else _SAMPLING_DEFAULTS()),
+        sampling_values = {**(_fields_of(sampling) if sampling else _sampling_defaults()),
                            **{k: v for k, v in values.items() if k in SAMPLING_FIELDS}}
         self._check(engine_values, sampling_values)
 
@@ -212,7 +211,7 @@ class JobSpec:
         moves an existing output's fingerprint: it still resumes."""
         values = self.values()
         return {name: values[name] for name in OUTPUT_FIELDS
-                if name in FIRST_OUTPUT_FIELDS or values[name] != _default(name)}
+                if name in FIRST_OUTPUT_FIELDS or values[name] != job_default(name)}
 
     def fingerprint(self, inputs: list, identity=None) -> str:
         """Hash of the output config, the planned inputs (paths, row counts, content) and
@@ -282,6 +281,8 @@ FIELD_NAMES = tuple(dict.fromkeys(
 # affect output, every sampling default.
 OUTPUT_FIELDS = (*(f.name for f in dataclasses.fields(JobSpec)
                    if f.metadata.get("affects_output")), *OUTPUT_NAMES, *SAMPLING_FIELDS)
+_ENGINE_FIELD = {f.name: f for f in ENGINE_FIELDS}
+_SAMPLING_FIELD = {f.name: f for f in SAMPLING_PARAMS_FIELDS}
 # The output fields when fingerprints were introduced: always in a fingerprint. Frozen:
 # any field added since (or later) is in it only when set away from its default, so the
 # outputs written before it keep theirs and still resume.
@@ -295,8 +296,8 @@ def _dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _default(name: str):
-    """A key's default in a job (`FIELD_NAMES`)."""
+def job_default(name: str):
+    """A job-file key's default (`FIELD_NAMES`): the job's where it has its own."""
     if name in SAMPLING_FIELDS:
         return copy.copy(_SAMPLING_FIELD[name].metadata["job_default"])
     if name in JOB_ENGINE_OPTIONS:
@@ -307,13 +308,8 @@ def _default(name: str):
     return "" if f.default_factory is dataclasses.MISSING else f.default_factory()
 
 
-def job_default(name: str):
-    """A job-file key's default, as `fusegen run --help` shows it."""
-    return _default(name)
-
-
-def _SAMPLING_DEFAULTS() -> dict:
-    return {name: _default(name) for name in SAMPLING_FIELDS}
+def _sampling_defaults() -> dict:
+    return {name: job_default(name) for name in SAMPLING_FIELDS}
 
 
 def _fields_of(options) -> dict:

@@ -65,3 +65,28 @@ def test_default_output_config_is_pinned():
         "chat": False, "max_tokens": 64, "temperature": 1.0, "top_p": 1.0, "top_k": -1,
         "seed": 0, "stop": [], "output_token_ids": False, "dtype": "auto", "block_size": 16,
         "max_model_len": None, "deterministic": True, "partition_rows": 1000}
+
+
+# A value away from its default for every output field added after fingerprints were.
+LATER_VALUES = {
+    "messages_column": "msgs", "response_format": {"type": "json_object"},
+    "chat_template": "{{ messages }}", "system_prompt": "Be brief.",
+    "param_columns": ["seed"], "output_format": "jsonl", "revision": "v2",
+    "tokenizer": "/tok", "quantization": "int8", "tensor_parallel_size": 2, "min_p": 0.1,
+    "stop_token_ids": [2], "ignore_eos": True, "n": 2, "json_schema": {"type": "object"},
+    "regex": "a+", "choice": ["a"], "grammar": 'root ::= "a"', "presence_penalty": 0.5,
+    "frequency_penalty": 0.5, "repetition_penalty": 1.1, "min_tokens": 1,
+    "logit_bias": {5: 1.0}, "bad_words": ["foo"], "logprobs": 1, "prompt_logprobs": 1}
+
+
+def test_fields_after_the_first_enter_the_fingerprint_only_when_set():
+    from fusegen.jobs.spec import FIRST_OUTPUT_FIELDS, OUTPUT_FIELDS
+
+    assert FIRST_OUTPUT_FIELDS <= set(OUTPUT_FIELDS)
+    assert set(_spec().output_config()) == FIRST_OUTPUT_FIELDS
+    assert set(LATER_VALUES) == set(OUTPUT_FIELDS) - FIRST_OUTPUT_FIELDS
+    default = _spec().fingerprint(INPUTS, IDENTITY)
+    for name, value in LATER_VALUES.items():
+        spec = _spec(**{name: value})
+        assert spec.output_config()[name] == value, name
+        assert spec.fingerprint(INPUTS, IDENTITY) != default, name
