@@ -91,13 +91,13 @@ class _Recorder(torch.nn.Module):
         return {None: self.seen.inputs()} if self.seen.count else {}
 
 
-class _ExpertRecorder(_Recorder):
-    """Wraps an `ExpertLinear`: `forward(x, expert)` gets expert `expert`'s routed rows,
-    recorded per expert."""
+class _ExpertRecorder(torch.nn.Module):
+    """Wraps an `ExpertLinear` as `_Recorder` wraps a linear: `forward(x, expert)` gets
+    expert `expert`'s routed rows, recorded per expert."""
 
     def __init__(self, inner, stride: int):
-        torch.nn.Module.__init__(self)
-        self.inner, self.num_experts = inner, inner.num_experts
+        super().__init__()
+        self.inner, self.num_experts = inner, inner.num_experts  # run_experts reads it
         self.seen = [_Rows(stride) for _ in range(inner.num_experts)]
 
     def forward(self, x, expert: int):
@@ -105,6 +105,9 @@ class _ExpertRecorder(_Recorder):
         return self.inner(x, expert)
 
     __call__ = forward
+
+    def set_weight(self, name, tensor):
+        self.inner.set_weight(name, tensor)
 
     def inputs(self) -> dict[int | None, Inputs]:
         return {e: rows.inputs() for e, rows in enumerate(self.seen) if rows.count}
