@@ -22,8 +22,33 @@ def _triton_available() -> bool:
     return True
 
 
+# FUSEGEN_KERNELS is read on every kernel call (a decode step makes a few hundred), and a
+# test may change it between two calls. os.environ.get costs a couple of microseconds a
+# call (it encodes the key and decodes the value); `os.environ` keeps what it holds in
+# its `_data` dict under encoded keys, updated by every os.environ change (putenv
+# included), so one lookup there by a key encoded once gives the same answer.
+_ENVIRON = getattr(os.environ, "_data", None)
+try:
+    _MODE_KEY = os.environ.encodekey("FUSEGEN_KERNELS")
+    _MODES = {os.environ.encodevalue(m): m for m in ("auto", "reference", "triton")}
+except AttributeError:  # an os.environ without the mapping: read it the ordinary way
+    _ENVIRON = None
+
+
+def kernels_mode() -> str:
+    """FUSEGEN_KERNELS as it is now: "auto" (unset), "reference", "triton", or whatever
+    else it holds (which no dispatcher takes as a choice)."""
+    if _ENVIRON is None:
+        return os.environ.get("FUSEGEN_KERNELS", "auto")
+    raw = _ENVIRON.get(_MODE_KEY)
+    if raw is None:
+        return "auto"
+    mode = _MODES.get(raw)
+    return mode if mode is not None else os.environ.decodevalue(raw)
+
+
 def use_triton(tensor) -> bool:
-    mode = os.environ.get("FUSEGEN_KERNELS", "auto")
+    mode = kernels_mode()
     if mode == "reference":
         return False
     if mode == "triton":
@@ -31,14 +56,18 @@ def use_triton(tensor) -> bool:
     return tensor.is_cuda and _triton_available()
 
 
+_native = None  # the module kernels.native, imported on first use
+
+
 def use_native(tensor) -> bool:
     """The C kernels serve CPU tensors unless FUSEGEN_KERNELS says otherwise or they
     cannot be built here."""
-    if tensor.device.type != "cpu" or os.environ.get("FUSEGEN_KERNELS", "auto") != "auto":
+    global _native
+    if not tensor.is_cpu or kernels_mode() != "auto":
         return False
-    from fusegen.kernels import native
-
-    return native.library() is not None
+    if _native is None:
+        from fusegen.kernels import native as _native
+    return _native.library() is not None
 
 
 def as_rows(tensor, width: int):

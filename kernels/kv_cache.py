@@ -17,7 +17,7 @@ import ctypes
 
 import torch
 
-from fusegen.kernels import use_native, use_triton
+from fusegen.kernels import native, use_native, use_triton
 
 try:
     import triton
@@ -45,6 +45,9 @@ class CacheStrides(ctypes.Structure):
 
 
 _NATIVE_CACHE = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+_NATIVE_NAME = {dtype: "rotary_cache_" + suffix for dtype, suffix in _NATIVE_CACHE.items()}
+# (CacheStrides struct, its address) by the strides it holds: built once, not per call
+_STRIDES: dict[tuple, tuple[CacheStrides, int]] = {}
 
 
 def rotary_cache_native(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> None:
@@ -53,39 +56,52 @@ def rotary_cache_native(positions, q, k, v, cos, sin, k_cache, v_cache, slot_map
     each token's key and value written to its slot of the cache (as `write_kv_cache`; a
     negative slot is padding, not stored). Same dtype everywhere; fp16 without rotary.
     The C side checks every position and slot before it writes anything."""
-    from fusegen.kernels import native
-
     num_tokens, num_kv_heads, head_dim = k.shape
     rotate = positions is not None
-    tensors = (k, v, k_cache, v_cache) + ((q, cos, sin) if rotate else ())
-    dtype = k.dtype  # one pass of checks: a decode step makes this call once a layer
-    assert all(t.dtype == dtype and t.is_cpu and t.stride(-1) == 1 for t in tensors), \
-        f"one CPU dtype for all of {[(tuple(t.shape), t.dtype) for t in tensors]}, " \
-        f"each with a contiguous head dimension"
+    dtype = k.dtype  # the checks are one pass: a decode step makes this call once a layer
+    k_strides, v_strides = k.stride(), v.stride()
+    kc_strides, vc_strides = k_cache.stride(), v_cache.stride()
+    q_strides, cos_strides = (q.stride(), cos.stride()) if rotate else ((0, 0, 1), (0, 1))
+    layout_ok = (v.dtype == k_cache.dtype == v_cache.dtype == dtype
+                 and k.is_cpu and v.is_cpu and k_cache.is_cpu and v_cache.is_cpu
+                 and k_strides[-1] == v_strides[-1] == kc_strides[-1] == vc_strides[-1] == 1)
+    if rotate:
+        layout_ok = (layout_ok and q.dtype == cos.dtype == sin.dtype == dtype
+                     and q.is_cpu and cos.is_cpu and sin.is_cpu
+                     and q_strides[-1] == cos_strides[-1] == sin.stride(-1) == 1)
+    if not layout_ok:
+        tensors = (k, v, k_cache, v_cache) + ((q, cos, sin) if rotate else ())
+        raise AssertionError(f"one CPU dtype for all of "
+                             f"{[(tuple(t.shape), t.dtype) for t in tensors]}, each with a "
+                             f"contiguous head dimension")
     assert v.shape == k.shape and k_cache.shape == v_cache.shape and \
         k_cache.shape[2:] == (num_kv_heads, head_dim), \
         f"key {tuple(k.shape)}, value {tuple(v.shape)}, caches {tuple(k_cache.shape)}"
     assert slot_mapping.shape == (num_tokens,), \
         f"slot_mapping {tuple(slot_mapping.shape)} != ({num_tokens},)"
     slots = slot_mapping.to(torch.int64).contiguous()
-    half, num_heads, q_strides = 0, 0, (0, 0)
+    half, num_heads = 0, 0
     if rotate:
-        assert k.dtype != torch.float16, "fp16 has no C rotary: rotate with the reference"
+        assert dtype != torch.float16, "fp16 has no C rotary: rotate with the reference"
         num_heads, half = q.shape[1], cos.shape[-1]
-        assert 2 * half <= head_dim and cos.stride() == sin.stride(), \
+        assert 2 * half <= head_dim and cos_strides == sin.stride(), \
             f"rotary width {2 * half} > head_dim {head_dim}, or cos/sin strides differ"
         positions = positions.to(torch.int64).contiguous()
-        q_strides = q.stride()[:2]
-    strides = CacheStrides(*q_strides, *k.stride()[:2], *v.stride()[:2],
-                           *k_cache.stride()[:3], *v_cache.stride()[:3],
-                           cos.stride(0) if rotate else 0)
+    key = (q_strides, k_strides, v_strides, kc_strides, vc_strides, cos_strides[0])
+    strides = _STRIDES.get(key)
+    if strides is None:
+        if len(_STRIDES) >= 256:  # a few per model: never many
+            _STRIDES.clear()
+        struct = CacheStrides(*q_strides[:2], *k_strides[:2], *v_strides[:2], *kc_strides[:3],
+                              *vc_strides[:3], cos_strides[0])
+        strides = _STRIDES[key] = (struct, ctypes.addressof(struct))
     block_size = k_cache.shape[1]
-    failed = getattr(native.library(), f"rotary_cache_{_NATIVE_CACHE[k.dtype]}")(
+    failed = getattr(native.library(), _NATIVE_NAME[dtype])(
         positions.data_ptr() if rotate else None, q.data_ptr() if rotate else None,
         k.data_ptr(), v.data_ptr(), cos.data_ptr() if rotate else None,
         sin.data_ptr() if rotate else None, k_cache.data_ptr(), v_cache.data_ptr(),
         slots.data_ptr(), num_tokens, num_heads, num_kv_heads, half, head_dim,
-        ctypes.byref(strides), cos.shape[0] if rotate else 0,
+        strides[1], cos.shape[0] if rotate else 0,
         k_cache.shape[0] * block_size, block_size, torch.get_num_threads())
     if failed == 1:
         raise IndexError(f"positions {int(positions.min())}..{int(positions.max())} outside "

@@ -64,11 +64,14 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
                                       max_seq_len=max_seq_len, scale=scale,
                                       sliding_window=sliding_window, softcap=softcap,
                                       deterministic=deterministic)
-    if deterministic:
+    native = not softcap and use_native(q)
+    # A decode step (one query row per sequence) through the C decode kernel already
+    # reduces each row as the row-wise path would, with the same call: no detour.
+    if deterministic and not (native and max_query_len == 1):
         return paged_attention_rowwise(q, k_cache, v_cache, block_tables, seq_lens,
                                        query_start_loc, scale=scale,
                                        sliding_window=sliding_window, softcap=softcap)
-    if use_native(q) and not softcap:
+    if native:
         return paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens,
                                    query_start_loc, max_query_len=max_query_len,
                                    max_seq_len=max_seq_len, scale=scale,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -122,40 +123,83 @@ def paged_prefill_native(q, k_cache, v_cache, block_tables, seq_lens, query_star
 
 def _call(name, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, scale,
           sliding_window, seq_ids, num_threads) -> int:
-    """Check what the C kernels index unchecked, then call `name`; its return code."""
+    """Check what the C kernels index unchecked, then call `name`; its return code.
+    Every layer of a step makes this call with the step's metadata: what is derived
+    from it alone (int32 copies, pointers, the bounds check) is derived once a step."""
     num_heads, head_dim = q.shape[1:]
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    assert q.dtype == k_cache.dtype == v_cache.dtype == out.dtype, \
-        f"dtypes q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}, out {out.dtype}"
-    for label, t in (("q", q), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
-        assert t.device.type == "cpu" and t.stride(-1) == 1, \
-            f"{label} must be a CPU tensor with a contiguous head dimension"
-    block_tables = _int32(block_tables)
-    assert block_tables.stride(1) == 1, "block_tables rows must be contiguous"
-    seq_lens, query_start_loc = _int32(seq_lens).contiguous(), _int32(query_start_loc).contiguous()
-    if seq_ids is not None:
-        seq_ids = _int32(torch.as_tensor(seq_ids)).contiguous()
-    num_items = seq_lens.shape[0] if seq_ids is None else seq_ids.shape[0]
-    if num_items == 0:
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    if not q.dtype == k_cache.dtype == v_cache.dtype == out.dtype:
+        raise AssertionError(f"dtypes q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}, "
+                             f"out {out.dtype}")
+    q_strides, out_strides = q.stride(), out.stride()
+    k_strides, v_strides = k_cache.stride(), v_cache.stride()
+    if not (q.is_cpu and out.is_cpu and k_cache.is_cpu and v_cache.is_cpu
+            and q_strides[-1] == out_strides[-1] == k_strides[-1] == v_strides[-1] == 1):
+        bad = next(label for label, t in (("q", q), ("out", out), ("k_cache", k_cache),
+                                          ("v_cache", v_cache))
+                   if not t.is_cpu or t.stride(-1) != 1)
+        raise AssertionError(f"{bad} must be a CPU tensor with a contiguous head dimension")
+    if seq_ids is not None and not isinstance(seq_ids, torch.Tensor):
+        seq_ids = torch.as_tensor(seq_ids)
+    key = ("args", name, num_blocks, block_size, seq_ids is None)
+    tensors = (block_tables, seq_lens, query_start_loc) + (() if seq_ids is None else (seq_ids,))
+    args = _per_step((key, *tensors), lambda: _step_args(num_blocks, block_size, *tensors))
+    if args.problem:
+        raise IndexError(args.problem)
+    if args.num_items == 0:
         return 0
-    # The C kernels index unchecked: refuse what would read outside the cache (checked
-    # once per step's tables and cache size, not once per layer).
-    problem = _per_step((("bounds", k_cache.shape[0], block_size), block_tables, seq_lens),
-                        lambda: _bounds_problem(block_tables, seq_lens, k_cache.shape[0],
-                                                block_size))
-    if problem:
-        raise IndexError(problem)
-    strides = native.Strides(q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                             *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0))
+    stride_key = (q_strides, out_strides, k_strides, v_strides, args.table_stride)
+    strides = _STRIDES.get(stride_key)
+    if strides is None:
+        if len(_STRIDES) >= 256:  # a few per model and table width: never many
+            _STRIDES.clear()
+        strides = _STRIDES[stride_key] = native.Strides(
+            *q_strides[:2], *out_strides[:2], *k_strides[:3], *v_strides[:3], args.table_stride)
     failed = getattr(native.library(), name)(
         q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        block_tables.data_ptr(), seq_lens.data_ptr(), query_start_loc.data_ptr(),
-        None if seq_ids is None else seq_ids.data_ptr(), num_items, num_heads, num_kv_heads,
-        head_dim, block_size, sliding_window, scale, ctypes.byref(strides),
+        args.block_tables, args.seq_lens, args.query_start_loc, args.seq_ids, args.num_items,
+        num_heads, num_kv_heads, head_dim, block_size, sliding_window, scale, strides,
         num_threads or torch.get_num_threads())
     if failed == 2:
         raise MemoryError(f"the CPU attention kernel {name} could not allocate its scratch")
     return failed
+
+
+# kernels' Strides structs by (q, out, k_cache, v_cache strides, block table row stride);
+# ctypes passes a struct by reference where the argument is declared a pointer to it
+_STRIDES: dict[tuple, ctypes.Structure] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class _StepArgs:
+    """A step's metadata as the C attention kernels take it: pointers to int32 tensors
+    (`keep` holds those tensors), the block tables' row stride, the number of
+    sequences to compute, and what is wrong with the tables (None: they fit the cache)."""
+    block_tables: int
+    seq_lens: int
+    query_start_loc: int
+    seq_ids: int | None
+    table_stride: int
+    num_items: int
+    problem: str | None
+    keep: tuple
+
+
+def _step_args(num_blocks: int, block_size: int, block_tables, seq_lens, query_start_loc,
+               seq_ids=None) -> _StepArgs:
+    block_tables = _int32(block_tables)
+    if block_tables.stride(1) != 1:
+        raise AssertionError("block_tables rows must be contiguous")
+    seq_lens, query_start_loc = _int32(seq_lens).contiguous(), _int32(query_start_loc).contiguous()
+    if seq_ids is not None:
+        seq_ids = _int32(seq_ids).contiguous()
+    num_items = seq_lens.shape[0] if seq_ids is None else seq_ids.shape[0]
+    # The C kernels index unchecked: refuse what would read outside the cache.
+    problem = _bounds_problem(block_tables, seq_lens, num_blocks, block_size) \
+        if num_items else None
+    return _StepArgs(block_tables.data_ptr(), seq_lens.data_ptr(), query_start_loc.data_ptr(),
+                     None if seq_ids is None else seq_ids.data_ptr(), block_tables.stride(0),
+                     num_items, problem, (block_tables, seq_lens, query_start_loc, seq_ids))
 
 
 def _bounds_problem(block_tables, seq_lens, num_blocks: int, block_size: int) -> str | None:

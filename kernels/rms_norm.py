@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from fusegen.kernels import as_rows, use_native, use_triton
+from fusegen.kernels import as_rows, native, use_native, use_triton
 
 try:
     import triton
@@ -27,6 +27,7 @@ except ImportError:  # no Triton on this platform: the reference still serves
 
 # The C kernels' storage types: fp32, and bf16 rounded where the reference rounds.
 _NATIVE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_NATIVE_NAME = {dtype: "rms_norm_" + suffix for dtype, suffix in _NATIVE_SUFFIX.items()}
 # torch sums a row of floats in vectors of 8 and then across the lanes; the C kernel adds
 # in the same order, so its mean of squares, and every bf16 rounding after it, is the
 # reference's to the bit. 8 on AVX-512 CPUs too: ATen registers sum_stub with
@@ -49,24 +50,30 @@ def rms_norm(x, weight, eps: float, residual=None):
 def rms_norm_native(x, weight, eps: float, residual=None):
     """fp32 or bf16 CPU tensors, rows contiguous along the hidden dimension
     (kernels/csrc/elementwise.c)."""
-    from fusegen.kernels import native
-
     hidden = x.shape[-1]
-    assert x.dtype == weight.dtype and x.dtype in _NATIVE_SUFFIX and weight.is_contiguous()
+    if not (x.dtype == weight.dtype and x.dtype in _NATIVE_SUFFIX and weight.is_contiguous()):
+        raise AssertionError(f"x {x.dtype} and a contiguous weight {weight.dtype}: one of "
+                             f"fp32 or bf16")
     x2 = as_rows(x, hidden)
-    assert x2.stride(-1) == 1, "the hidden dimension must be contiguous"
+    x_strides = x2.stride()
+    assert x_strides[1] == 1, "the hidden dimension must be contiguous"
     # outputs in x's shape, rows `hidden` apart: no view back at the end
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    if residual is not None:
-        res2 = as_rows(residual, hidden)
-        assert res2.shape == x2.shape and res2.dtype == x.dtype and res2.stride(-1) == 1
-        res_out = torch.empty_like(out)
-    kernel = getattr(native.library(), f"rms_norm_{_NATIVE_SUFFIX[x.dtype]}")
-    kernel(x2.data_ptr(), None if residual is None else res2.data_ptr(), weight.data_ptr(),
-           out.data_ptr(), None if residual is None else res_out.data_ptr(), x2.shape[0],
-           hidden, eps, x2.stride(0), 0 if residual is None else res2.stride(0), hidden,
+    kernel = getattr(native.library(), _NATIVE_NAME[x.dtype])
+    if residual is None:
+        kernel(x2.data_ptr(), None, weight.data_ptr(), out.data_ptr(), None, x2.shape[0],
+               hidden, eps, x_strides[0], 0, hidden, hidden, _SUM_LANES,
+               torch.get_num_threads())
+        return out
+    res2 = as_rows(residual, hidden)
+    res_strides = res2.stride()
+    assert res2.shape == x2.shape and res2.dtype == x.dtype and res_strides[1] == 1, \
+        f"residual {res2.dtype}{tuple(res2.shape)} does not fit x {x.dtype}{tuple(x2.shape)}"
+    res_out = torch.empty_like(out)
+    kernel(x2.data_ptr(), res2.data_ptr(), weight.data_ptr(), out.data_ptr(),
+           res_out.data_ptr(), x2.shape[0], hidden, eps, x_strides[0], res_strides[0], hidden,
            hidden, _SUM_LANES, torch.get_num_threads())
-    return out if residual is None else (out, res_out)
+    return out, res_out
 
 
 @triton.jit

@@ -51,8 +51,9 @@ def rotary_and_cache(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mappin
     """`rotary_embedding` on q and k, then `write_kv_cache` of k and v: on CPUs in one
     C pass over the tokens (kv_cache.rotary_cache_native), elsewhere one after the
     other. Same results either way, to the bit."""
-    if not use_triton(q) and q.dtype in _NATIVE_SUFFIX and use_native(q) and all(
-            t.dtype == q.dtype for t in (k, v, cos, sin, k_cache, v_cache)):
+    if q.dtype in _NATIVE_SUFFIX and \
+            q.dtype == k.dtype == v.dtype == cos.dtype == sin.dtype == k_cache.dtype == \
+            v_cache.dtype and not use_triton(q) and use_native(q):
         return rotary_cache_native(positions, q, k, v, cos, sin, k_cache, v_cache,
                                    slot_mapping)
     rotary_embedding(positions, q, k, cos, sin)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from fusegen.kernels import as_rows, use_native, use_triton
+from fusegen.kernels import as_rows, native, use_native, use_triton
 import torch.nn.functional as F
 
 try:
@@ -25,6 +25,7 @@ except ImportError:  # no Triton on this platform: the reference still serves
 
 # The C kernels' storage types: fp32, and bf16 rounded where the reference rounds.
 _NATIVE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_NATIVE_NAME = {dtype: "silu_mul_" + suffix for dtype, suffix in _NATIVE_SUFFIX.items()}
 
 
 def silu_and_mul(x) -> torch.Tensor:
@@ -39,16 +40,15 @@ def silu_and_mul(x) -> torch.Tensor:
 
 def silu_and_mul_native(x) -> torch.Tensor:
     """fp32 or bf16 CPU tensors, rows contiguous (kernels/csrc/elementwise.c)."""
-    from fusegen.kernels import native
-
     intermediate = x.shape[-1] // 2
     x2 = as_rows(x, 2 * intermediate)
-    assert x2.dtype in _NATIVE_SUFFIX and x2.stride(-1) == 1, \
-        f"rows must be contiguous fp32 or bf16, got {x2.dtype} with strides {x2.stride()}"
+    x_strides = x2.stride()
+    assert x2.dtype in _NATIVE_SUFFIX and x_strides[1] == 1, \
+        f"rows must be contiguous fp32 or bf16, got {x2.dtype} with strides {x_strides}"
     out = torch.empty((*x.shape[:-1], intermediate), dtype=x.dtype)  # rows I apart
-    kernel = getattr(native.library(), f"silu_mul_{_NATIVE_SUFFIX[x.dtype]}")
-    kernel(x2.data_ptr(), out.data_ptr(), x2.shape[0], intermediate, x2.stride(0),
-           intermediate, torch.get_num_threads())
+    getattr(native.library(), _NATIVE_NAME[x.dtype])(
+        x2.data_ptr(), out.data_ptr(), x2.shape[0], intermediate, x_strides[0], intermediate,
+        torch.get_num_threads())
     return out
 
 

@@ -58,3 +58,35 @@ def test_every_split_of_a_prompt_gives_the_same_bits(monkeypatch, kernels, dtype
     assert torch.equal(mixed[:1], _attend(batch, [(1, 19, 20)], window))
     assert torch.equal(mixed[16:], _attend(batch, [(2, 0, 5)], window))
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 7])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_decode_step_takes_the_decode_kernel_with_the_row_wise_bits(monkeypatch, dtype,
+                                                                       window, threads):
+    """A step whose every query is one row goes straight to the C decode kernel in
+    deterministic mode: the row-wise path's bits, and each row's bits alone."""
+    from fusegen.kernels import native
+    from fusegen.kernels.paged_attention_cpu import paged_attention_rowwise
+
+    if native.library() is None:
+        pytest.skip("no C compiler here: the row-wise path runs in torch")
+    monkeypatch.delenv("FUSEGEN_KERNELS", raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    lens = [37, 20, 5, 64, 1]
+    batch = _make_batch([1] * len(lens), lens, 8, 2, 64, 4, dtype=dtype)
+    args = (batch["q"], batch["k_cache"], batch["v_cache"], batch["block_tables"],
+            batch["seq_lens"], batch["query_start_loc"])
+    step = paged_attention(*args, max_query_len=1, max_seq_len=64, scale=batch["scale"],
+                           sliding_window=window, deterministic=True)
+    rowwise = paged_attention_rowwise(*args, scale=batch["scale"], sliding_window=window)
+    assert torch.equal(step, rowwise)
+    batch["full_q"] = [batch["q"][i:i + 1].expand(n, -1, -1) for i, n in enumerate(lens)]
+    for i, n in enumerate(lens):
+        alone = _attend(batch, [(i, n - 1, n)], window)
+        assert torch.equal(step[i:i + 1], alone)
+    # the same rows inside a step with a prefill: the row-wise path
+    mixed = _attend(batch, [(0, 36, 37), (3, 60, 64), (4, 0, 1)], window)
+    assert torch.equal(mixed[:1], step[:1]) and torch.equal(mixed[4:5], step[3:4])
+    assert torch.equal(mixed[5:], step[4:])

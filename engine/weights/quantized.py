@@ -384,22 +384,22 @@ class GGUFLinear(CompressedLinear):
         return kept
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if on_triton(x, self.qtype):
+        qtype = self.params[0]
+        if on_triton(x, qtype):
             # The Triton kernel's tiles: batch-invariant ones (kernels/triton_quant.py)
             # in deterministic mode, so no row tiling is needed there.
-            out = _triton().gguf_linear_triton(x, self.blocks, self.qtype, self.out_features,
+            out = _triton().gguf_linear_triton(x, self.blocks, qtype, self.out_features,
                                                self.in_features,
                                                batch_invariant=self.row_tile is not None)
-        elif self.row_tile is not None and not (use_native(x)
-                                                and has_kernel(self.qtype, x.dtype)):
+        elif self.row_tile is not None and not (use_native(x) and has_kernel(qtype, x.dtype)):
             # The C kernel sums each row in one order whatever the call's row count
             # (64-row calls past that), so it is batch-invariant as it is; the reference
             # (torch's GEMM) orders its sums by the call's shape: exactly `row_tile` rows
             # per call make a row's result independent of the rows batched with it.
             return row_tiled(x, self._matmul, self.out_features, self.bias, self.row_tile)
         else:
-            out = quant_linear(x, self.blocks, self.qtype, self.out_features,
-                               self.in_features, batch_invariant=self.row_tile is not None)
+            out = quant_linear(x, self.blocks, qtype, self.out_features, self.in_features,
+                               batch_invariant=self.row_tile is not None)
         if self.bias is not None:
             out += self.bias
         return out
