@@ -319,7 +319,7 @@ def test_no_prefix_caching_flag_reaches_the_job(monkeypatch):
                         (None, True)):
         args = ["run", "--model", "m", "--input", "i", "--output", "o"] + ([flag] if flag else [])
         CliRunner().invoke(main, args)
-        assert seen.pop().enable_prefix_caching is value
+        assert seen.pop().engine.enable_prefix_caching is value
 
 
 # -- fusegen bench: the labelling preset, caching on and off in one run ---------------
