@@ -64,8 +64,7 @@ int quant_gguf_q8_available(int qtype) {
 }
 
 #if HAS_VNNI
-#define NG 2   /* groups of four columns per chunk */
-#define NC (4 * NG)
+#define NC 16  /* columns per chunk: one a dword lane */
 #define RMAX 4 /* rows of x per micro-kernel call */
 
 /* x quantized: per row k codes, per 32 values d and d * sum(q), per 16 values sum(q) */
@@ -75,18 +74,6 @@ typedef struct {
     int32_t *s16;
     int64_t k;
 } xq_t;
-
-static inline float fp16(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
-
-static inline uint32_t load32(const uint8_t *p) {
-    uint32_t v;
-    memcpy(&v, p, 4);
-    return v;
-}
 
 /* one row: k bf16 values -> codes, d, d * sum, sums per 16 */
 static void quantize_row(const uint16_t *x, int64_t k, int8_t *q, float *d, float *ds,
@@ -112,217 +99,260 @@ static void quantize_row(const uint16_t *x, int64_t k, int8_t *q, float *d, floa
     }
 }
 
-/* One 32-value unit of four columns: a = codes of values 0..15, b = 16..31 (one column a
- * 128-bit lane); s = d_w (each column's lane), t = the min (lane 0 of each column, 0
- * elsewhere) or, for Q6_K, the second 16 values' d_w. */
+/* One 32-value unit of NC = 16 columns: q[i] holds values 4i..4i+3 of every column (column
+ * c in dword c, one value a byte: unsigned codes); s = each column's d_w, t its min (Q4_1,
+ * Q5_1, K-quants), or for Q6_K the d_w of values 16..31 (s then those of 0..15). */
 typedef struct {
-    __m512i a, b;
+    __m512i q[8];
     __m512 s, t;
 } unit_t;
 
-static inline __m512i load4x16(const uint8_t *const p[4], int off) {
-    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(p[0] + off)));
-    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p[1] + off)), 1);
-    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p[2] + off)), 2);
-    return _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p[3] + off)), 3);
+/* T[i] dword c = the 4 bytes at col[c] + off + 4 i: 16 columns' 16 bytes transposed */
+static inline void t16(const uint8_t *const col[NC], int64_t off, __m512i T[4]) {
+    __m512i z[4]; /* z[g]'s 128-bit lane l: column 4 l + g, so that T's dword c is column c */
+    for (int g = 0; g < 4; g++) {
+        z[g] = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(col[g] + off)));
+        for (int l = 1; l < 4; l++)
+            z[g] = _mm512_inserti32x4(z[g], _mm_loadu_si128((const __m128i *)(col[4 * l + g] + off)), l);
+    }
+    const __m512i a = _mm512_unpacklo_epi32(z[0], z[1]), b = _mm512_unpackhi_epi32(z[0], z[1]);
+    const __m512i c = _mm512_unpacklo_epi32(z[2], z[3]), d = _mm512_unpackhi_epi32(z[2], z[3]);
+    T[0] = _mm512_unpacklo_epi64(a, c), T[1] = _mm512_unpackhi_epi64(a, c);
+    T[2] = _mm512_unpacklo_epi64(b, d), T[3] = _mm512_unpackhi_epi64(b, d);
 }
 
-/* four floats -> each broadcast over its column's lane (`mask` 0x1111: lane 0 only) */
-static inline __m512 spread(__m128 f, __mmask16 mask) {
-    const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    return _mm512_maskz_permutexvar_ps(mask, idx, _mm512_castps128_ps512(f));
+/* the 4 bytes at col[c] + off, dword c (vindex: each column's offset from col[0]) */
+static inline __m512i gather(const uint8_t *const col[NC], __m512i vindex, int64_t off) {
+    return _mm512_i32gather_epi32(vindex, (const void *)(col[0] + off), 1);
 }
 
-/* the four columns' fp16 at byte `off` of their blocks */
-static inline __m128 half4(const uint8_t *const p[4], int off) {
-    uint16_t h[4];
-    for (int c = 0; c < 4; c++) memcpy(h + c, p[c] + off, 2);
-    uint64_t v;
-    memcpy(&v, h, 8);
-    return _mm_cvtph_ps(_mm_cvtsi64_si128((long long)v));
+/* fp16 in the low (high = 0) or high half of each dword -> fp32 */
+static inline __m512 halves(__m512i v, const int high) {
+    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(high ? _mm512_srli_epi32(v, 16) : v));
 }
 
 static inline __m512i low4(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi8(0xf)); }
-static inline __m512i high4(__m512i v) { return low4(_mm512_srli_epi16(v, 4)); }
+static inline __m512i high4(__m512i v) { return low4(_mm512_srli_epi32(v, 4)); }
 
-/* value j's fifth bit (bit j of each column's 32-bit qh at `off`), j in [first, first+16) */
-static inline __m512i fifth(__m512i v, const uint8_t *const p[4], int off, int first) {
-    uint64_t m = 0;
-    for (int c = 0; c < 4; c++) m |= (uint64_t)((load32(p[c] + off) >> first) & 0xffff) << (16 * c);
-    return _mm512_mask_add_epi8(v, (__mmask64)m, v, _mm512_set1_epi8(16));
+/* bits 4 i .. 4 i + 3 of each dword of qh as 16 added to the 4 bytes of q */
+static inline __m512i fifth(__m512i q, __m512i qh, int i) {
+    const __m512i spread = _mm512_set4_epi32(0x0c0c0c0c, 0x08080808, 0x04040404, 0x00000000);
+    const __m512i bits = _mm512_shuffle_epi8(_mm512_srli_epi32(qh, 4 * i), spread);
+    const __mmask64 set = _mm512_test_epi8_mask(bits, _mm512_set1_epi32(0x08040201));
+    return _mm512_mask_add_epi8(q, set, q, _mm512_set1_epi8(16));
 }
 
-/* Q4_K / Q5_K: sub-blocks `run`, `run` + 1's d * scale and dmin * min, each column */
-static inline void k4_factors(const uint8_t *const p[4], int run, __m512 f[4]) {
-    float v[4][4];
-    for (int c = 0; c < 4; c++) {
-        const uint8_t *b = p[c], *q = b + 4;
-        const float d = fp16(b), dmin = fp16(b + 2);
-        for (int h = 0; h < 2; h++) {
-            const int j = run + h;
-            int sc, mn;
-            if (j < 4) {
-                sc = q[j] & 63, mn = q[j + 4] & 63;
-            } else {
-                sc = (q[j + 4] & 0xf) | (q[j - 4] >> 6) << 4;
-                mn = (q[j + 4] >> 4) | (q[j] >> 6) << 4;
-            }
-            v[2 * h][c] = d * (float)sc, v[2 * h + 1][c] = -(dmin * (float)mn);
-        }
-    }
-    for (int i = 0; i < 4; i++)
-        f[i] = spread(_mm_loadu_ps(v[i]), i & 1 ? 0x1111 : 0xffff);
+/* signed byte `b` of each dword -> fp32 */
+static inline __m512 sbyte(__m512i v, int b) {
+    return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * b), 24));
 }
 
-/* Units per expansion call, and the offset folded into the integer sums */
+/* unsigned bits [shift, shift + width) of each dword */
+static inline __m512i bits(__m512i v, int shift, int mask) {
+    return _mm512_and_si512(_mm512_srli_epi32(v, shift), _mm512_set1_epi32(mask));
+}
+
+/* Units per expansion step, steps per block, and the offset folded into the integer sums */
 #define UNITS(QT) ((QT) == Q6_K ? 4 : (QT) == Q4_K || (QT) == Q5_K ? 2 : 1)
+#define STEPS(QT) ((QT) == Q6_K ? 2 : (QT) == Q4_K || (QT) == Q5_K ? 4 : 1)
 #define OFFSET(QT) ((QT) == Q4_0 ? 8 : (QT) == Q5_0 ? 16 : (QT) == Q8_0 ? 128 : (QT) == Q6_K ? 32 : 0)
 #define HAS_MIN(QT) ((QT) == Q4_1 || (QT) == Q5_1 || (QT) == Q4_K || (QT) == Q5_K)
 
-/* Units [step * UNITS, (step + 1) * UNITS) of the four columns' blocks at p */
+/* Units [step * UNITS, (step + 1) * UNITS) of the 16 columns' blocks (col: each column's
+ * current block) */
 static inline __attribute__((always_inline)) void
-expand(const int QT, const uint8_t *const p[4], int step, unit_t *u) {
+expand(const int QT, const uint8_t *const col[NC], __m512i vindex, int step, unit_t *u) {
+    __m512i T[4], U[4];
     if (QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1) {
         const int qoff = QT == Q4_0 ? 2 : QT == Q4_1 ? 4 : QT == Q5_0 ? 6 : 8;
-        const __m512i v = load4x16(p, qoff);
-        u->a = low4(v), u->b = high4(v);
+        t16(col, qoff, T);
+        const __m512i g = gather(col, vindex, 0);
+        for (int i = 0; i < 4; i++) u->q[i] = low4(T[i]), u->q[4 + i] = high4(T[i]);
         if (QT == Q5_0 || QT == Q5_1) {
-            const int hoff = QT == Q5_0 ? 2 : 4;
-            u->a = fifth(u->a, p, hoff, 0), u->b = fifth(u->b, p, hoff, 16);
+            const __m512i qh = gather(col, vindex, QT == Q5_0 ? 2 : 4);
+            for (int i = 0; i < 8; i++) u->q[i] = fifth(u->q[i], qh, i);
         }
-        u->s = spread(half4(p, 0), 0xffff);
-        u->t = HAS_MIN(QT) ? spread(half4(p, 2), 0x1111) : _mm512_setzero_ps();
+        u->s = halves(g, 0);
+        u->t = HAS_MIN(QT) ? halves(g, 1) : _mm512_setzero_ps();
     } else if (QT == Q8_0) {
         const __m512i flip = _mm512_set1_epi8((char)0x80);
-        u->a = _mm512_xor_si512(load4x16(p, 2), flip);
-        u->b = _mm512_xor_si512(load4x16(p, 18), flip);
-        u->s = spread(half4(p, 0), 0xffff), u->t = _mm512_setzero_ps();
-    } else if (QT == Q4_K || QT == Q5_K) { /* step: run pair, 32 bytes of nibbles */
+        t16(col, 2, T);
+        t16(col, 18, U);
+        for (int i = 0; i < 4; i++)
+            u->q[i] = _mm512_xor_si512(T[i], flip), u->q[4 + i] = _mm512_xor_si512(U[i], flip);
+        u->s = halves(gather(col, vindex, 0), 0), u->t = _mm512_setzero_ps();
+    } else if (QT == Q4_K || QT == Q5_K) { /* step: sub-blocks 2 step, 2 step + 1 */
         const int qoff = (QT == Q5_K ? 48 : 16) + 32 * step;
-        const __m512i v0 = load4x16(p, qoff), v1 = load4x16(p, qoff + 16);
-        u[0].a = low4(v0), u[0].b = low4(v1), u[1].a = high4(v0), u[1].b = high4(v1);
+        t16(col, qoff, T);
+        t16(col, qoff + 16, U);
+        for (int i = 0; i < 4; i++) {
+            u[0].q[i] = low4(T[i]), u[0].q[4 + i] = low4(U[i]);
+            u[1].q[i] = high4(T[i]), u[1].q[4 + i] = high4(U[i]);
+        }
         if (QT == Q5_K) {
-            const __m512i h0 = load4x16(p, 16), h1 = load4x16(p, 32), sixteen = _mm512_set1_epi8(16);
-            for (int i = 0; i < 2; i++) {
-                const __m512i bit = _mm512_set1_epi8((char)(1 << (2 * step + i)));
-                u[i].a = _mm512_mask_add_epi8(u[i].a, _mm512_test_epi8_mask(h0, bit), u[i].a, sixteen);
-                u[i].b = _mm512_mask_add_epi8(u[i].b, _mm512_test_epi8_mask(h1, bit), u[i].b, sixteen);
+            __m512i H[8];
+            t16(col, 16, H);
+            t16(col, 32, H + 4);
+            const __m512i sixteen = _mm512_set1_epi8(16);
+            for (int j = 0; j < 2; j++) {
+                const __m512i bit = _mm512_set1_epi8((char)(1 << (2 * step + j)));
+                for (int i = 0; i < 8; i++)
+                    u[j].q[i] = _mm512_mask_add_epi8(u[j].q[i], _mm512_test_epi8_mask(H[i], bit),
+                                                     u[j].q[i], sixteen);
             }
         }
-        __m512 f[4];
-        k4_factors(p, 2 * step, f);
-        u[0].s = f[0], u[0].t = f[1], u[1].s = f[2], u[1].t = f[3];
-    } else { /* Q6_K, step: half of 128 values; unit j its quarter j */
-        const __m512i l0 = load4x16(p, 64 * step), l1 = load4x16(p, 64 * step + 16);
-        const __m512i l2 = load4x16(p, 64 * step + 32), l3 = load4x16(p, 64 * step + 48);
-        const __m512i h0 = load4x16(p, 128 + 32 * step), h1 = load4x16(p, 128 + 32 * step + 16);
-        const __m512i three = _mm512_set1_epi8(3);
-        float sc[8][4];
-        for (int c = 0; c < 4; c++) {
-            const float d = fp16(p[c] + 208);
-            const int8_t *s = (const int8_t *)(p[c] + 192 + 8 * step);
-            for (int i = 0; i < 8; i++) sc[i][c] = d * (float)s[i];
+        const __m512i g = gather(col, vindex, 0);
+        const __m512 d = halves(g, 0), dmin = halves(g, 1);
+        for (int j = 0; j < 2; j++) { /* sub-block 2 step + j's 6-bit scale and min */
+            const int sb = 2 * step + j;
+            __m512i sc, mn;
+            if (sb < 4) {
+                sc = bits(gather(col, vindex, 4), 8 * sb, 63);
+                mn = bits(gather(col, vindex, 8), 8 * sb, 63);
+            } else {
+                const __m512i hi = gather(col, vindex, 12);
+                sc = _mm512_or_si512(bits(hi, 8 * (sb - 4), 0xf),
+                                     _mm512_slli_epi32(bits(gather(col, vindex, 4), 8 * (sb - 4) + 6, 3), 4));
+                mn = _mm512_or_si512(bits(hi, 8 * (sb - 4) + 4, 0xf),
+                                     _mm512_slli_epi32(bits(gather(col, vindex, 8), 8 * (sb - 4) + 6, 3), 4));
+            }
+            u[j].s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+            u[j].t = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn)));
         }
+    } else { /* Q6_K, step: the half of 128 values; unit j its quarter j */
+        __m512i L[16], H[8];
+        for (int i = 0; i < 4; i++) t16(col, 64 * step + 16 * i, L + 4 * i);
+        t16(col, 128 + 32 * step, H);
+        t16(col, 128 + 32 * step + 16, H + 4);
+        const __m512 d = halves(gather(col, vindex, 206), 1);
+        const __m512i sc[2] = {gather(col, vindex, 192 + 8 * step), gather(col, vindex, 196 + 8 * step)};
         for (int j = 0; j < 4; j++) {
-            const __m512i a = j & 1 ? l2 : l0, b = j & 1 ? l3 : l1;
-            const __m512i ha = _mm512_and_si512(_mm512_srli_epi16(h0, 2 * j), three);
-            const __m512i hb = _mm512_and_si512(_mm512_srli_epi16(h1, 2 * j), three);
-            u[j].a = _mm512_or_si512(j >> 1 ? high4(a) : low4(a), _mm512_slli_epi16(ha, 4));
-            u[j].b = _mm512_or_si512(j >> 1 ? high4(b) : low4(b), _mm512_slli_epi16(hb, 4));
-            u[j].s = spread(_mm_loadu_ps(sc[2 * j]), 0xffff);
-            u[j].t = spread(_mm_loadu_ps(sc[2 * j + 1]), 0xffff);
+            for (int i = 0; i < 8; i++) { /* values 4 i.. of the quarter: ql bytes 32 (j & 1) + 4 i */
+                const __m512i lo = L[4 * ((j & 1) * 2 + i / 4) + i % 4];
+                const __m512i hb = _mm512_and_si512(_mm512_srli_epi32(H[i], 2 * j), _mm512_set1_epi8(3));
+                u[j].q[i] = _mm512_or_si512(j >> 1 ? high4(lo) : low4(lo), _mm512_slli_epi32(hb, 4));
+            }
+            u[j].s = _mm512_mul_ps(d, sbyte(sc[j >> 1], (2 * j) & 3));
+            u[j].t = _mm512_mul_ps(d, sbyte(sc[j >> 1], (2 * j + 1) & 3));
         }
     }
 }
 
-/* (l0 + l2) + (l1 + l3) of each column's lane -> four floats */
-static inline __m128 column_sums(__m512 v) {
-    const __m512 t = _mm512_add_ps(v, _mm512_permute_ps(v, 0x4e));
-    return _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, _mm512_add_ps(t, _mm512_permute_ps(t, 0xb1))));
+/* 16 floats -> bf16, nearest even (as torch rounds), NaN kept quiet */
+static inline __m256i to_bf16x16(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
 }
 
-/* 8 floats -> bf16, nearest even (as torch rounds), NaN kept quiet */
-static inline __m128i to_bf16x8(__m256 f) {
-    const __m256i u = _mm256_castps_si256(f);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd), 16);
-    const __mmask8 nan = _mm256_cmp_ps_mask(f, f, _CMP_UNORD_Q);
-    r = _mm256_mask_or_epi32(r, nan, _mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-    return _mm256_cvtepi32_epi16(r);
+static inline __m512i bcast32(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
 }
 
-/* Rows [r0, r0 + R) of x against the chunk's columns (pointers `col`, one per column),
- * `nb` blocks: out's columns [0, ncols). */
+/* one row's unit against the 16 columns: acc += its fp32 terms (the same operations, in
+ * the same order, for every row count and path) */
+static inline __attribute__((always_inline)) __m512
+unit_dot(const int QT, const unit_t *u, const xq_t *xq, int64_t row, int64_t unit, __m512 acc) {
+    const int64_t at = row * (xq->k / 32) + unit;
+    const int8_t *q = xq->q + row * xq->k + unit * 32;
+    const __m512 dx = _mm512_set1_ps(xq->d[at]);
+    const int32_t sa = xq->s16[2 * at], sb = xq->s16[2 * at + 1];
+    if (QT == Q6_K) { /* two 16-value halves, each its own scale */
+        __m512i ia = _mm512_set1_epi32(-OFFSET(QT) * sa), ib = _mm512_set1_epi32(-OFFSET(QT) * sb);
+        for (int i = 0; i < 4; i++) {
+            ia = _mm512_dpbusd_epi32(ia, u->q[i], bcast32(q + 4 * i));
+            ib = _mm512_dpbusd_epi32(ib, u->q[4 + i], bcast32(q + 16 + 4 * i));
+        }
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_mul_ps(u->s, dx), acc);
+        return _mm512_fmadd_ps(_mm512_cvtepi32_ps(ib), _mm512_mul_ps(u->t, dx), acc);
+    }
+    /* two chains of integer sums (exact: their order is free), then one fp32 term */
+    __m512i i0 = OFFSET(QT) ? _mm512_set1_epi32(-OFFSET(QT) * (sa + sb)) : _mm512_setzero_si512();
+    __m512i i1 = _mm512_setzero_si512();
+    for (int i = 0; i < 8; i += 2) {
+        i0 = _mm512_dpbusd_epi32(i0, u->q[i], bcast32(q + 4 * i));
+        i1 = _mm512_dpbusd_epi32(i1, u->q[i + 1], bcast32(q + 4 * i + 4));
+    }
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)), _mm512_mul_ps(u->s, dx), acc);
+    if (HAS_MIN(QT)) acc = _mm512_fmadd_ps(u->t, _mm512_set1_ps(xq->ds[at]), acc);
+    return acc;
+}
+
+static inline void store_row(uint16_t *out, __m512 acc, int ncols) {
+    _mm256_mask_storeu_epi16(out, (__mmask16)((1u << ncols) - 1), to_bf16x16(acc));
+}
+
+/* Rows [r0, r0 + R) against the chunk, each block expanded in registers as it comes */
 static inline __attribute__((always_inline)) void
-micro(const int QT, const int R, const xq_t *xq, int64_t r0, const uint8_t *const col[NC],
-      int64_t nb, int bytes, uint16_t *out, int64_t ldo, int ncols) {
-    const int UB = QT == Q4_K || QT == Q5_K || QT == Q6_K ? 8 : 1, US = UNITS(QT);
-    const int64_t nu = xq->k / 32;
-    __m512 acc[RMAX][NG];
-    for (int r = 0; r < R; r++)
-        for (int g = 0; g < NG; g++) acc[r][g] = _mm512_setzero_ps();
+micro_direct(const int QT, const int R, const xq_t *xq, int64_t r0, const uint8_t *const col0[NC],
+             __m512i vindex, int64_t nb, int bytes, uint16_t *out, int64_t ldo, int ncols) {
+    const int US = UNITS(QT);
+    __m512 acc[RMAX];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    /* the next chunk's rows follow this chunk's in memory (NC * nb * bytes of them): a
+     * block's worth of them prefetched a block */
+    const char *next = (const char *)col0[0] + NC * nb * bytes;
     for (int64_t i = 0; i < nb; i++) {
-        const uint8_t *p[NG][4];
-        for (int g = 0; g < NG; g++)
-            for (int c = 0; c < 4; c++) {
-                p[g][c] = col[4 * g + c] + i * bytes;
-                _mm_prefetch((const char *)p[g][c] + 4 * bytes, _MM_HINT_T0);
-            }
-        for (int step = 0; step < UB / US; step++) {
-            unit_t w[NG][4];
-            for (int g = 0; g < NG; g++) expand(QT, p[g], step, w[g]);
-            for (int j = 0; j < US; j++) {
-                const int64_t unit = i * UB + step * US + j;
-                for (int r = 0; r < R; r++) {
-                    const int64_t row = r0 + r, at = row * nu + unit;
-                    const int8_t *q = xq->q + row * xq->k + unit * 32;
-                    const __m512i xa = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)q));
-                    const __m512i xb = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(q + 16)));
-                    const __m512 dx = _mm512_set1_ps(xq->d[at]);
-                    const int32_t sa = xq->s16[2 * at], sb = xq->s16[2 * at + 1];
-                    for (int g = 0; g < NG; g++) {
-                        const unit_t *u = &w[g][j];
-                        if (QT == Q6_K) {
-                            const __m512i ia = _mm512_dpbusd_epi32(
-                                _mm512_maskz_set1_epi32(0x1111, -OFFSET(QT) * sa), u->a, xa);
-                            const __m512i ib = _mm512_dpbusd_epi32(
-                                _mm512_maskz_set1_epi32(0x1111, -OFFSET(QT) * sb), u->b, xb);
-                            acc[r][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_mul_ps(u->s, dx), acc[r][g]);
-                            acc[r][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ib), _mm512_mul_ps(u->t, dx), acc[r][g]);
-                        } else {
-                            __m512i is = OFFSET(QT) ? _mm512_maskz_set1_epi32(0x1111, -OFFSET(QT) * (sa + sb))
-                                                    : _mm512_setzero_si512();
-                            is = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(is, u->a, xa), u->b, xb);
-                            acc[r][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(u->s, dx), acc[r][g]);
-                            if (HAS_MIN(QT))
-                                acc[r][g] = _mm512_fmadd_ps(u->t, _mm512_set1_ps(xq->ds[at]), acc[r][g]);
-                        }
-                    }
-                }
-            }
+        const uint8_t *col[NC];
+        for (int c = 0; c < NC; c++) col[c] = col0[c] + i * bytes;
+        for (int64_t b = 0; b < NC * bytes; b += 64) _mm_prefetch(next + i * NC * bytes + b, _MM_HINT_T0);
+        for (int step = 0; step < STEPS(QT); step++) {
+            unit_t u[4];
+            expand(QT, col, vindex, step, u);
+            for (int j = 0; j < US; j++)
+                for (int r = 0; r < R; r++)
+                    acc[r] = unit_dot(QT, &u[j], xq, r0 + r, (i * STEPS(QT) + step) * US + j, acc[r]);
         }
     }
-    const __mmask8 keep = (__mmask8)((1u << ncols) - 1);
-    for (int r = 0; r < R; r++) {
-        const __m256 s = _mm256_insertf128_ps(_mm256_castps128_ps256(column_sums(acc[r][0])),
-                                              column_sums(acc[r][1]), 1);
-        _mm_mask_storeu_epi16(out + r * ldo, keep, to_bf16x8(s));
-    }
+    for (int r = 0; r < R; r++) store_row(out + r * ldo, acc[r], ncols);
 }
 
-/* every row of x against one chunk of columns, RMAX rows a call */
+/* Rows [r0, r0 + R) against the chunk's units expanded beforehand (`units`, nu of them) */
 static inline __attribute__((always_inline)) void
-chunk_rows(const int QT, const xq_t *xq, int64_t rows, const uint8_t *const col[NC], int64_t nb,
-           int bytes, uint16_t *out, int64_t ldo, int ncols) {
+micro_units(const int QT, const int R, const xq_t *xq, int64_t r0, const unit_t *units, int64_t nu,
+            uint16_t *out, int64_t ldo, int ncols) {
+    __m512 acc[RMAX];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t unit = 0; unit < nu; unit++)
+        for (int r = 0; r < R; r++) acc[r] = unit_dot(QT, &units[unit], xq, r0 + r, unit, acc[r]);
+    for (int r = 0; r < R; r++) store_row(out + r * ldo, acc[r], ncols);
+}
+
+/* every row of x against one chunk of 16 columns: up to RMAX rows straight from the
+ * blocks, more through the chunk's units expanded once into `units` */
+static inline __attribute__((always_inline)) void
+chunk_rows(const int QT, const xq_t *xq, int64_t rows, const uint8_t *const col[NC], __m512i vindex,
+           int64_t nb, int bytes, unit_t *units, uint16_t *out, int64_t ldo, int ncols) {
+#define CASES(CALL) \
+    switch ((int)(rows - r0)) { \
+    case 4: CALL(4); break; case 3: CALL(3); break; case 2: CALL(2); break; \
+    case 1: CALL(1); break; default: break; }
     int64_t r0 = 0;
-    for (; r0 + RMAX <= rows; r0 += RMAX)
-        micro(QT, RMAX, xq, r0, col, nb, bytes, out + r0 * ldo, ldo, ncols);
-    switch ((int)(rows - r0)) {
-    case 3: micro(QT, 3, xq, r0, col, nb, bytes, out + r0 * ldo, ldo, ncols); break;
-    case 2: micro(QT, 2, xq, r0, col, nb, bytes, out + r0 * ldo, ldo, ncols); break;
-    case 1: micro(QT, 1, xq, r0, col, nb, bytes, out + r0 * ldo, ldo, ncols); break;
-    default: break;
+    if (rows <= RMAX) {
+#define DIRECT(R) micro_direct(QT, R, xq, 0, col, vindex, nb, bytes, out, ldo, ncols)
+        CASES(DIRECT)
+#undef DIRECT
+        return;
     }
+    const int US = UNITS(QT);
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t *c[NC];
+        for (int j = 0; j < NC; j++) c[j] = col[j] + i * bytes;
+        for (int step = 0; step < STEPS(QT); step++)
+            expand(QT, c, vindex, step, units + (i * STEPS(QT) + step) * US);
+    }
+    const int64_t nu = xq->k / 32;
+    for (; r0 + RMAX <= rows; r0 += RMAX)
+        micro_units(QT, RMAX, xq, r0, units, nu, out + r0 * ldo, ldo, ncols);
+#define UNITS_(R) micro_units(QT, R, xq, r0, units, nu, out + r0 * ldo, ldo, ncols)
+    CASES(UNITS_)
+#undef UNITS_
+#undef CASES
 }
 
 static void quantize_rows(const uint16_t *x, int64_t rows, int64_t ldx, const xq_t *xq) {
@@ -333,24 +363,34 @@ static void quantize_rows(const uint16_t *x, int64_t rows, int64_t ldx, const xq
                      xq->s16 + 2 * r * nu);
 }
 
-static void all_chunks(int qtype, const xq_t *xq, int64_t rows, const uint8_t *w, int64_t n,
-                       int64_t nb, int bytes, uint16_t *out, int64_t ldo) {
+static int all_chunks(int qtype, const xq_t *xq, int64_t rows, const uint8_t *w, int64_t n,
+                      int64_t nb, int bytes, uint16_t *out, int64_t ldo) {
     const int64_t row_bytes = nb * bytes, chunks = (n + NC - 1) / NC;
+    /* a thread's units of one chunk, for calls of more than RMAX rows */
+    unit_t *units = rows > RMAX ? aligned_alloc(64, (size_t)(xq->k / 32) * sizeof(unit_t)) : 0;
+    const int failed = rows > RMAX && !units; /* still takes part in the omp for */
     _Pragma("omp for schedule(static)")
     for (int64_t ch = 0; ch < chunks; ch++) {
+        if (failed) continue;
         const int64_t first = ch * NC;
         const int ncols = n - first < NC ? (int)(n - first) : NC;
         const uint8_t *col[NC];
-        for (int c = 0; c < NC; c++) /* a last chunk's missing columns repeat its last one */
-            col[c] = w + (first + (c < ncols ? c : ncols - 1)) * row_bytes;
+        int32_t offsets[NC];
+        for (int c = 0; c < NC; c++) { /* a last chunk's missing columns repeat its last one */
+            offsets[c] = (int32_t)((c < ncols ? c : ncols - 1) * row_bytes);
+            col[c] = w + first * row_bytes + offsets[c];
+        }
+        const __m512i vindex = _mm512_loadu_si512(offsets);
         uint16_t *o = out + first;
         switch (qtype) {
-#define TYPE(Q) case Q: chunk_rows(Q, xq, rows, col, nb, bytes, o, ldo, ncols); break;
+#define TYPE(Q) case Q: chunk_rows(Q, xq, rows, col, vindex, nb, bytes, units, o, ldo, ncols); break;
         TYPE(Q4_0) TYPE(Q4_1) TYPE(Q5_0) TYPE(Q5_1) TYPE(Q8_0) TYPE(Q4_K) TYPE(Q5_K) TYPE(Q6_K)
 #undef TYPE
         default: break;
         }
     }
+    free(units);
+    return failed;
 }
 
 static int alloc_xq(xq_t *xq, int64_t rows, int64_t k) {
@@ -379,13 +419,14 @@ int quant_gguf_q8_bf16(int qtype, const uint16_t *x, int64_t rows, int64_t ldx,
 #if HAS_VNNI
     xq_t xq;
     if (alloc_xq(&xq, rows, k)) return -1;
-    _Pragma("omp parallel num_threads(num_threads)")
+    int failed = 0;
+    _Pragma("omp parallel num_threads(num_threads) reduction(|:failed)")
     {
         quantize_rows(x, rows, ldx, &xq); /* the omp for's barrier: every row ready */
-        all_chunks(qtype, &xq, rows, w, n, k / block, bytes, out, ldo);
+        failed = all_chunks(qtype, &xq, rows, w, n, k / block, bytes, out, ldo);
     }
     free(xq.q);
-    return 0;
+    return failed ? -1 : 0;
 #else
     (void)x, (void)ldx, (void)w, (void)out, (void)ldo, (void)num_threads;
     return -1;
