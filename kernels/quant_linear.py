@@ -58,7 +58,9 @@ REFERENCE_TILE_ROWS = 256  # output rows dequantized at a time by the reference
 # Rows of x from which a call that need not be batch-invariant (`batch_invariant=False`)
 # expands the weight to x's dtype, DENSE_TILE_ROWS output rows at a time, and multiplies
 # it with torch's GEMM (oneDNN): prefill-sized calls, where the GEMM's blocking beats
-# the kernel's 64-row calls and the expansion is a small share of the work.
+# the kernel's 64-row calls and the expansion is a small share of the work. Not for bf16
+# x where the int8 product runs: it is faster than expansion + GEMM at 256 and 2,048
+# rows on SmolLM2's shapes (docs/performance.md).
 DENSE_FROM_ROWS = 256
 DENSE_TILE_ROWS = 4096
 _NATIVE = {torch.float32: ("quant_gguf_f32", 1), torch.bfloat16: ("quant_gguf_bf16", 2)}
@@ -94,11 +96,13 @@ def _row_bytes(qtype: int, in_features: int) -> int:
 
 def quant_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features: int,
                  in_features: int, batch_invariant: bool = True) -> torch.Tensor:
-    """Dispatcher: the C kernel where this build has one for (qtype, x.dtype), else the
-    reference. x [..., in_features] is taken as rows [T, in_features]. With
-    `batch_invariant=False` a call of DENSE_FROM_ROWS rows or more multiplies expanded
-    tiles of the weight with torch's GEMM instead (faster; a row's result then depends
-    on the call's row count, as any BLAS's does)."""
+    """Dispatcher: bf16 x on a CPU with AVX512_VNNI takes the int8 product (any row
+    count, batch-invariant either way); otherwise the C kernel where this build has one
+    for (qtype, x.dtype), else the reference. x [..., in_features] is taken as rows
+    [T, in_features]. With `batch_invariant=False` the other C-kernel calls of
+    DENSE_FROM_ROWS rows or more multiply expanded tiles of the weight with torch's GEMM
+    instead (faster; a row's result then depends on the call's row count, as any BLAS's
+    does)."""
     check(blocks, qtype, out_features, in_features, x)
     if x.dim() != 2:
         rows = quant_linear(x.reshape(-1, in_features), blocks, qtype, out_features,
