@@ -298,6 +298,38 @@ def test_decode_kernel_on_any_thread_count(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1024, 512), (192, 577), (130, 64)])
+def test_deterministic_calls_take_the_decode_kernel_and_are_batch_invariant(dtype, shape,
+                                                                             monkeypatch):
+    """Deterministic mode: every call through fusegen's kernel with one blocking, no
+    padded row tiles; a row's bits alone are its bits inside calls of 2, 7, 64, 300 and
+    more than DP_ROWS rows, on one thread or two."""
+    dense = _typed_linear(dtype, *shape, bias=True)
+    dense.row_tile = 64
+    packed = PackedLinear.pack(dense, batch_hint=256)
+    assert packed.k_blocks is not None
+    monkeypatch.setattr(packed_module, "row_tiled", lambda *a: pytest.fail("row tiles used"))
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(300, shape[1], generator=gen).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([packed(x[i:i + 1]) for i in range(300)])
+        for num_threads in (1, 2):
+            torch.set_num_threads(num_threads)
+            for rows in (2, 7, 64, 300):
+                got = torch.cat([packed(x[s:s + rows]) for s in range(0, 300, rows)])
+                assert torch.equal(got, alone), (num_threads, rows)
+            big = packed(x.repeat(4, 1))  # 1,200 rows: calls of DP_ROWS and the rest
+            assert torch.equal(big, alone.repeat(4, 1)), num_threads
+    finally:
+        torch.set_num_threads(threads)
+    want = F.linear(x.float(), dense.weight.float(), dense.bias.float())
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(alone.float(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_kernel_takes_strided_rows_and_leaves_large_calls_to_onednn(dtype, monkeypatch):
     packed = PackedLinear.pack(_typed_linear(dtype, 256, 64), batch_hint=64)
     x = torch.randn(9, 128).to(dtype)[:, 32:96]  # rows of 64 with a stride of 128

@@ -28,6 +28,13 @@ streamed the KV cache); fusegen's takes a decode step's bf16 linears from 1,233 
 the layout and finds oneDNN's blocking over the input channels (for one row and for
 more: oneDNN blocks fp32 rows differently when there is one); a shape that does not
 match to the bit stays with oneDNN.
+
+Deterministic mode (`row_tile` set) needs a row's result to be the same whatever rows
+share its call. fusegen's kernel gives that by construction when every call uses one
+blocking over the channels, so such a weight takes it for calls of any row count
+(`_dp_invariant`); a weight it does not serve is multiplied by oneDNN in calls of
+exactly `row_tile` rows (`row_tiled`, zero padding), which costs up to `row_tile` times
+the work of a small step.
 """
 from __future__ import annotations
 
@@ -79,16 +86,20 @@ class PackedLinear(Linear):
         return packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fits_dp = self.k_blocks is not None and x.dim() == 2 and x.dtype == self.dtype
         if self.row_tile is not None:
+            if fits_dp:
+                return self._dp_invariant(x)
             return row_tiled(x, self._matmul, self.out_features, self.bias, self.row_tile)
-        if self.k_blocks is not None and x.dim() == 2 and x.shape[0] <= DP_ROWS \
-                and x.dtype == self.dtype:
+        if fits_dp and x.shape[0] <= DP_ROWS:
             return self._dp(x)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
-    def _dp(self, x: torch.Tensor, k_block: int | None = None) -> torch.Tensor:
+    def _dp(self, x: torch.Tensor, k_block: int | None = None,
+            out: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, in] -> [T, out] through fusegen's kernel (kernels/csrc/gemm_tiles.c);
-        `k_block`: its blocking over the channels, else the one found for T rows."""
+        `k_block`: its blocking over the channels, else the one found for T rows; `out`:
+        rows [T, out] to write, contiguous, else new ones."""
         from fusegen.kernels import native
 
         if x.stride(-1) != 1:
@@ -96,11 +107,26 @@ class PackedLinear(Linear):
         rows = x.shape[0]
         if k_block is None:
             k_block = self.k_blocks[0 if rows == 1 else 1]
-        out = torch.empty(rows, self.out_features, dtype=self.dtype)
+        if out is None:
+            out = torch.empty(rows, self.out_features, dtype=self.dtype)
         getattr(native.library(), _DP_DTYPES[self.dtype][0])(
             x.data_ptr(), rows, x.stride(0), self.weight_ptr, self.out_features,
             self.in_features, k_block, None if self.bias is None else self.bias.data_ptr(),
             out.data_ptr(), self.out_features, torch.get_num_threads())
+        return out
+
+    def _dp_invariant(self, x: torch.Tensor) -> torch.Tensor:
+        """Deterministic mode's product: fusegen's kernel with one blocking over the
+        channels for every call (the one oneDNN's multi-row calls use), DP_ROWS rows a
+        call. The kernel sums each row alone, in the same order whatever rows and
+        threads share its call (threads split tiles and row blocks, never a row's
+        sums), so a row's bits depend on the row alone: no padding to row tiles."""
+        rows, k_block = x.shape[0], self.k_blocks[1]
+        if rows <= DP_ROWS:
+            return self._dp(x, k_block)
+        out = torch.empty(rows, self.out_features, dtype=self.dtype)
+        for start in range(0, rows, DP_ROWS):
+            self._dp(x[start:start + DP_ROWS], k_block, out[start:start + DP_ROWS])
         return out
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
