@@ -66,6 +66,7 @@ int quant_gguf_q8_available(int qtype) {
 #if HAS_VNNI
 #define NC 16  /* columns per chunk: one a dword lane */
 #define RMAX 4 /* rows of x per micro-kernel call */
+#define SERIAL_QUANTIZE 65536 /* values of x quantized by the calling thread alone */
 
 /* x quantized: per row k codes, per 32 values d and d * sum(q), per 16 values sum(q) */
 typedef struct {
@@ -369,7 +370,7 @@ static int all_chunks(int qtype, const xq_t *xq, int64_t rows, const uint8_t *w,
     /* a thread's units of one chunk, for calls of more than RMAX rows */
     unit_t *units = rows > RMAX ? aligned_alloc(64, (size_t)(xq->k / 32) * sizeof(unit_t)) : 0;
     const int failed = rows > RMAX && !units; /* still takes part in the omp for */
-    _Pragma("omp for schedule(static)")
+    _Pragma("omp for schedule(static) nowait") /* the parallel region's end waits */
     for (int64_t ch = 0; ch < chunks; ch++) {
         if (failed) continue;
         const int64_t first = ch * NC;
@@ -419,10 +420,13 @@ int quant_gguf_q8_bf16(int qtype, const uint16_t *x, int64_t rows, int64_t ldx,
 #if HAS_VNNI
     xq_t xq;
     if (alloc_xq(&xq, rows, k)) return -1;
+    /* decode-sized x is quantized before the threads start: one barrier fewer a call */
+    const int serial = rows * k <= SERIAL_QUANTIZE;
+    if (serial) quantize_rows(x, rows, ldx, &xq);
     int failed = 0;
     _Pragma("omp parallel num_threads(num_threads) reduction(|:failed)")
     {
-        quantize_rows(x, rows, ldx, &xq); /* the omp for's barrier: every row ready */
+        if (!serial) quantize_rows(x, rows, ldx, &xq); /* the omp for's barrier: rows ready */
         failed = all_chunks(qtype, &xq, rows, w, n, k / block, bytes, out, ldo);
     }
     free(xq.q);
