@@ -10,6 +10,8 @@ compiled on first use; `reference` skips them too."""
 import functools
 import os
 
+import torch
+
 
 @functools.cache
 def _triton_available() -> bool:
@@ -68,6 +70,19 @@ def use_native(tensor) -> bool:
     if _native is None:
         from fusegen.kernels import native as _native
     return _native.library() is not None
+
+
+# Values an elementwise C kernel's pass must cover before it runs on several threads: a
+# parallel region's start and join (waking the other threads, tens of microseconds
+# where they have been descheduled) cost more than a decode step's norm or SiLU over a
+# few rows, which one thread does in a few microseconds.
+PARALLEL_FROM = 32768
+
+
+def elementwise_threads(num_values: int) -> int:
+    """Threads for an elementwise C kernel's pass over `num_values` values (each row's
+    result is the same on any number)."""
+    return torch.get_num_threads() if num_values >= PARALLEL_FROM else 1
 
 
 def as_rows(tensor, width: int):

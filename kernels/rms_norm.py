@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from fusegen.kernels import as_rows, native, use_native, use_triton
+from fusegen.kernels import as_rows, elementwise_threads, native, use_native, use_triton
 
 try:
     import triton
@@ -60,10 +60,10 @@ def rms_norm_native(x, weight, eps: float, residual=None):
     # outputs in x's shape, rows `hidden` apart: no view back at the end
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     kernel = getattr(native.library(), _NATIVE_NAME[x.dtype])
+    threads = elementwise_threads(out.numel())
     if residual is None:
         kernel(x2.data_ptr(), None, weight.data_ptr(), out.data_ptr(), None, x2.shape[0],
-               hidden, eps, x_strides[0], 0, hidden, hidden, _SUM_LANES,
-               torch.get_num_threads())
+               hidden, eps, x_strides[0], 0, hidden, hidden, _SUM_LANES, threads)
         return out
     res2 = as_rows(residual, hidden)
     res_strides = res2.stride()
@@ -72,7 +72,7 @@ def rms_norm_native(x, weight, eps: float, residual=None):
     res_out = torch.empty_like(out)
     kernel(x2.data_ptr(), res2.data_ptr(), weight.data_ptr(), out.data_ptr(),
            res_out.data_ptr(), x2.shape[0], hidden, eps, x_strides[0], res_strides[0], hidden,
-           hidden, _SUM_LANES, torch.get_num_threads())
+           hidden, _SUM_LANES, threads)
     return out, res_out
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from fusegen.kernels import as_rows, native, use_native, use_triton
+from fusegen.kernels import as_rows, elementwise_threads, native, use_native, use_triton
 import torch.nn.functional as F
 
 try:
@@ -48,7 +48,7 @@ def silu_and_mul_native(x) -> torch.Tensor:
     out = torch.empty((*x.shape[:-1], intermediate), dtype=x.dtype)  # rows I apart
     getattr(native.library(), _NATIVE_NAME[x.dtype])(
         x2.data_ptr(), out.data_ptr(), x2.shape[0], intermediate, x_strides[0], intermediate,
-        torch.get_num_threads())
+        elementwise_threads(x2.numel()))
     return out
 
 
