@@ -341,9 +341,11 @@ chunk_rows(const int QT, const xq_t *xq, int64_t rows, const uint8_t *const col[
         return;
     }
     const int US = UNITS(QT);
+    const char *next = (const char *)col[0] + NC * nb * bytes; /* as micro_direct */
     for (int64_t i = 0; i < nb; i++) {
         const uint8_t *c[NC];
         for (int j = 0; j < NC; j++) c[j] = col[j] + i * bytes;
+        for (int64_t b = 0; b < NC * bytes; b += 64) _mm_prefetch(next + i * NC * bytes + b, _MM_HINT_T1);
         for (int step = 0; step < STEPS(QT); step++)
             expand(QT, c, vindex, step, units + (i * STEPS(QT) + step) * US);
     }
