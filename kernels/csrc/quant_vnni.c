@@ -16,14 +16,18 @@
  * Activations keep one d per 32 values for every type (not llama.cpp's Q8_K, one per
  * 256): the K-quants' sub-block scales then sit in the fp32 factor, not the integer sum.
  *
- * Layout in registers: a zmm holds four weight rows (output columns), 16 codes each per
- * 128-bit lane; x's 16 codes are broadcast to the four lanes, so vpdpbusd leaves four
- * int32 partial sums per column. Those are converted and accumulated in fp32 per lane,
- * and each column's four lanes are added at the end ((l0 + l2) + (l1 + l3)).
- * A chunk of NG * 4 columns is expanded one block at a time in registers and used for
- * up to RMAX rows of x; threads split the chunks. An element's value depends on its row
- * of x and its weight row only: the same operations in the same order whatever the row
- * count, the row's place, the thread count or which R-variant ran it (batch-invariant).
+ * Layout in registers: a zmm holds 16 weight rows (output columns), one a 32-bit lane;
+ * a block's codes are transposed 4 bytes at a time as it is expanded (q[i]'s lane c:
+ * column c's values 4i..4i+3), so vpdpbusd with one broadcast dword of x adds 4 values
+ * of 16 columns, and a unit of 32 values leaves each column's exact int32 sum in its own
+ * lane: no reduction across lanes, one fp32 multiply-add a block (two for the minimum,
+ * two for Q6_K's halves). Threads split the output columns in chunks of NC = 16. A call
+ * of up to RMAX rows expands each block in registers as it comes; a larger call expands
+ * a chunk's blocks once into a per-thread scratch and runs RMAX rows of x at a time over
+ * it. The next chunk's bytes, which follow this chunk's in memory, are prefetched in
+ * order. An element's value depends on its row of x and its weight row only: the same
+ * operations in the same order whatever the row count, the row's place, the thread
+ * count, the path or which R-variant ran it (batch-invariant).
  */
 #include <stdint.h>
 #include <stdlib.h>
