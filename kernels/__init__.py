@@ -26,9 +26,10 @@ def _triton_available() -> bool:
 
 # FUSEGEN_KERNELS is read on every kernel call (a decode step makes a few hundred), and a
 # test may change it between two calls. os.environ.get costs a couple of microseconds a
-# call (it encodes the key and decodes the value); `os.environ` keeps what it holds in
-# its `_data` dict under encoded keys, updated by every os.environ change (putenv
-# included), so one lookup there by a key encoded once gives the same answer.
+# call (it encodes the key and decodes the value). `os.environ` keeps its contents in its
+# `_data` dict under encoded keys, which every change made through os.environ updates
+# (monkeypatch.setenv's too), so one lookup there by a key encoded once gives
+# os.environ.get's answer.
 _ENVIRON = getattr(os.environ, "_data", None)
 try:
     _MODE_KEY = os.environ.encodekey("FUSEGEN_KERNELS")
