@@ -216,12 +216,14 @@ def test_interrupted_run_leaves_nothing(wide_dir, tmp_path, monkeypatch):
 
 # -- AWQ ------------------------------------------------------------------------------
 
-def down_error(dense_dir: Path, quantized_dir: Path, layer: int, spec) -> float:
-    """Mean squared error of layer `layer`'s down projection on its calibration rows (run
-    through `dense_dir`): x @ w.T against x @ dequantized.T, w from `dense_dir` and the
-    codes from `quantized_dir`."""
-    rows = awq.calibrate(qz.open_source(dense_dir), PROMPTS)[layer, "down", None].rows
-    base = f"model.layers.{layer}.mlp.down_proj"
+def down_error(dense_dir: Path, quantized_dir: Path, layer: int, spec,
+               expert: int | None = None) -> float:
+    """Mean squared error of layer `layer`'s down projection (a Qwen3-MoE `expert`'s, on
+    the rows routed to it) on its calibration rows (run through `dense_dir`): x @ w.T
+    against x @ dequantized.T, w from `dense_dir` and the codes from `quantized_dir`."""
+    rows = awq.calibrate(qz.open_source(dense_dir), PROMPTS)[layer, "down", expert].rows
+    mlp = "mlp" if expert is None else f"mlp.experts.{expert}"
+    base = f"model.layers.{layer}.{mlp}.down_proj"
     w = read_all(dense_dir)[base + ".weight"].float()
     codes = read_all(quantized_dir)
     dense = dequantize_group(codes[base + ".qweight"], codes[base + ".scales"],
@@ -295,19 +297,6 @@ def test_awq_folding_keeps_fp32_logits(tmp_path, arch, overrides):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
-def expert_down_error(dense_dir: Path, quantized_dir: Path, layer: int, expert: int,
-                      spec) -> float:
-    """As `down_error`, for a Qwen3-MoE expert's down on the rows routed to it."""
-    rows = awq.calibrate(qz.open_source(dense_dir), PROMPTS)[layer, "down", expert].rows
-    base = f"model.layers.{layer}.mlp.experts.{expert}.down_proj"
-    w = read_all(dense_dir)[base + ".weight"].float()
-    codes = read_all(quantized_dir)
-    dense = dequantize_group(codes[base + ".qweight"], codes[base + ".scales"],
-                             codes.get(base + ".zeros"), spec.bits, spec.group_size,
-                             w.shape[1])
-    return (rows @ w.t() - rows @ dense.t()).pow(2).mean().item()
-
-
 def test_awq_expert_errors_from_files(tmp_path):
     """Each expert's down error recomputed from the written codes on its routed rows:
     AWQ's (the folded model's weight and inputs) and round-to-nearest's equal the
@@ -319,8 +308,8 @@ def test_awq_expert_errors_from_files(tmp_path):
     qz.quantize_checkpoint(src, tmp_path / "rtn", qz.QuantizeSpec(4, 32, False))
     for e in range(4):
         _, error, rtn = report.searches[1, f"expert {e} down"]
-        awq_error = expert_down_error(tmp_path / "fold", tmp_path / "awq", 1, e, spec)
-        rtn_error = expert_down_error(src, tmp_path / "rtn", 1, e, spec)
+        awq_error = down_error(tmp_path / "fold", tmp_path / "awq", 1, spec, expert=e)
+        rtn_error = down_error(src, tmp_path / "rtn", 1, spec, expert=e)
         assert awq_error < rtn_error
         assert awq_error == pytest.approx(error, rel=1e-3)
         assert rtn_error == pytest.approx(rtn, rel=1e-3)
