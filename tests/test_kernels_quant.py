@@ -121,9 +121,10 @@ def test_kernel_is_batch_and_thread_invariant(qtype):
 @needs_library
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: ql.SUPPORTED[q])
 def test_bf16_rows_are_batch_and_thread_invariant(qtype):
-    """bf16 x: decode calls (up to 6 rows, expanded in registers) and larger ones (through
-    the scratch) give each row the same bits, alone or among 63 / 64 / 65 rows (a second
-    64-row call), at 1-3 threads; and equal the reference within tolerance."""
+    """bf16 x through the dispatcher (the int8 product where the CPU has AVX512_VNNI, the
+    bf16 expansion kernel elsewhere: decode calls in registers, larger ones through the
+    scratch, 64 rows a call) gives each row the same bits, alone or among 63 / 64 / 65
+    rows, at 1-3 threads; and equals the reference within tolerance."""
     block = ql.BLOCK_SIZES[qtype][0]
     n, k = 37, 3 * block  # a last group of one weight row
     blocks = make_blocks(qtype, n, k, seed=11)
