@@ -1,5 +1,6 @@
-"""The engine step: `scheduler.schedule()` -> `runner.run(batch)` -> `scheduler.update()`,
-plus what turns prompts into requests (validation) and finished requests into outputs."""
+"""The engine step: `scheduler.schedule()` -> `runner.submit(batch)` ... `runner.collect()`
+-> `scheduler.update()`, plus what turns prompts into requests (validation) and finished
+requests into outputs."""
 from __future__ import annotations
 
 import dataclasses

@@ -15,8 +15,6 @@ import torch
 
 @functools.cache
 def _triton_available() -> bool:
-    if os.environ.get("FUSEGEN_DISABLE_TRITON"):
-        return False
     try:
         import triton  # noqa: F401
     except ImportError:

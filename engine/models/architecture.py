@@ -40,8 +40,15 @@ class Architecture:
 
     def fixed_tensors(self, cfg: ModelConfig) -> list[TensorSpec]:
         """The tensors outside the layers, the embedding first, then those after the
-        layers (final norm, LM head unless tied)."""
-        raise NotImplementedError
+        layers: Hugging Face's names for the final norm and the LM head (unless tied: the
+        embedding serves as the head). An architecture that names them otherwise
+        overrides this."""
+        vocab, h = cfg.vocab_size, cfg.hidden_size
+        tensors = [("model.embed_tokens.weight", (vocab, h), "embed"),
+                   ("model.norm.weight", (h,), "norm")]
+        if not cfg.tie_word_embeddings:
+            tensors.append(("lm_head.weight", (vocab, h), "lm_head.weight"))
+        return tensors
 
     def layer_tensors(self, cfg: ModelConfig) -> list[TensorSpec]:
         """One layer's tensors (names after `layer_prefix`) in the order transformers

@@ -151,14 +151,6 @@ class GemmaFamily(Architecture):
                 "tie_word_embeddings": bool(raw.get("tie_word_embeddings", True)),
                 "attn_scale": float(raw.get("query_pre_attn_scalar", 256)) ** -0.5}
 
-    def fixed_tensors(self, cfg: ModelConfig) -> list[TensorSpec]:
-        vocab, h = cfg.vocab_size, cfg.hidden_size
-        tensors = [("model.embed_tokens.weight", (vocab, h), "embed"),
-                   ("model.norm.weight", (h,), "norm")]
-        if not cfg.tie_word_embeddings:
-            tensors.append(("lm_head.weight", (vocab, h), "lm_head.weight"))
-        return tensors
-
     def layer_tensors(self, cfg: ModelConfig) -> list[TensorSpec]:
         h, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         q, kv, bias = cfg.num_heads * d, cfg.num_kv_heads * d, cfg.qkv_bias

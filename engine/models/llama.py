@@ -31,14 +31,6 @@ class Llama(Architecture):
         return {"qkv_bias": bias, "o_bias": bias, "mlp_bias": bool(raw.get("mlp_bias", False)),
                 "sliding_window": int(raw.get("sliding_window") or 0)}  # 0: full attention
 
-    def fixed_tensors(self, cfg: ModelConfig) -> list[TensorSpec]:
-        vocab, h = cfg.vocab_size, cfg.hidden_size
-        tensors = [("model.embed_tokens.weight", (vocab, h), "embed"),
-                   ("model.norm.weight", (h,), "norm")]
-        if not cfg.tie_word_embeddings:  # tied: the embedding serves as the head
-            tensors.append(("lm_head.weight", (vocab, h), "lm_head.weight"))
-        return tensors
-
     def layer_tensors(self, cfg: ModelConfig) -> list[TensorSpec]:
         h, inter = cfg.hidden_size, cfg.intermediate_size
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim

@@ -92,10 +92,6 @@ class ParallelRunner:
             tokens += self.sampler.sample(logits[start:start + len(chunk)], chunk).tolist()
         return tokens
 
-    def run(self, batch: ScheduledBatch) -> list[int | None]:
-        self.submit(batch)
-        return self.collect()
-
     def stage_trace(self) -> dict[int, list[tuple[int, float, float, float]]]:
         """Per rank, per step it ran: (step, started waiting for its input, compute
         start, compute end), in seconds of the machine's monotonic clock (the ranks

@@ -194,9 +194,3 @@ PRESETS["labelling"] = replace(
 PRESETS["gpu-8b-1k"] = replace(
     PRESETS["gpu-8b"], name="gpu-8b-1k", num_requests=512,
     prompt_len=LengthDist("uniform", 1000, 1000), output_len=LengthDist("uniform", 1000, 1000))
-
-
-def get_preset(name: str) -> Preset:
-    if name not in PRESETS:
-        raise KeyError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
-    return PRESETS[name]
