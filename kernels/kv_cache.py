@@ -14,6 +14,7 @@ slot to be valid.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -46,8 +47,13 @@ class CacheStrides(ctypes.Structure):
 
 _NATIVE_CACHE = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 _NATIVE_NAME = {dtype: "rotary_cache_" + suffix for dtype, suffix in _NATIVE_CACHE.items()}
-# (CacheStrides struct, its address) by the strides it holds: built once, not per call
-_STRIDES: dict[tuple, tuple[CacheStrides, int]] = {}
+
+
+@functools.lru_cache(maxsize=256)  # a few layouts per model: built once, not per call
+def _cache_strides(q, k, v, k_cache, v_cache, cos_row: int) -> tuple[CacheStrides, int]:
+    """The CacheStrides struct of these tensors' strides, and its address."""
+    struct = CacheStrides(*q[:2], *k[:2], *v[:2], *k_cache[:3], *v_cache[:3], cos_row)
+    return struct, ctypes.addressof(struct)
 
 
 def rotary_cache_native(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> None:
@@ -87,14 +93,8 @@ def rotary_cache_native(positions, q, k, v, cos, sin, k_cache, v_cache, slot_map
         assert 2 * half <= head_dim and cos_strides == sin.stride(), \
             f"rotary width {2 * half} > head_dim {head_dim}, or cos/sin strides differ"
         positions = positions.to(torch.int64).contiguous()
-    key = (q_strides, k_strides, v_strides, kc_strides, vc_strides, cos_strides[0])
-    strides = _STRIDES.get(key)
-    if strides is None:
-        if len(_STRIDES) >= 256:  # a few per model: never many
-            _STRIDES.clear()
-        struct = CacheStrides(*q_strides[:2], *k_strides[:2], *v_strides[:2], *kc_strides[:3],
-                              *vc_strides[:3], cos_strides[0])
-        strides = _STRIDES[key] = (struct, ctypes.addressof(struct))
+    strides = _cache_strides(q_strides, k_strides, v_strides, kc_strides, vc_strides,
+                             cos_strides[0])
     block_size = k_cache.shape[1]
     failed = getattr(native.library(), _NATIVE_NAME[dtype])(
         positions.data_ptr() if rotate else None, q.data_ptr() if rotate else None,

@@ -9,7 +9,7 @@ compiler and for tests.
 """
 from __future__ import annotations
 
-import ctypes
+import functools
 import threading
 from dataclasses import dataclass
 
@@ -148,13 +148,7 @@ def _call(name, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, ou
         raise IndexError(args.problem)
     if args.num_items == 0:
         return 0
-    stride_key = (q_strides, out_strides, k_strides, v_strides, args.table_stride)
-    strides = _STRIDES.get(stride_key)
-    if strides is None:
-        if len(_STRIDES) >= 256:  # a few per model and table width: never many
-            _STRIDES.clear()
-        strides = _STRIDES[stride_key] = native.Strides(
-            *q_strides[:2], *out_strides[:2], *k_strides[:3], *v_strides[:3], args.table_stride)
+    strides = _strides(q_strides, out_strides, k_strides, v_strides, args.table_stride)
     failed = getattr(native.library(), name)(
         q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         args.block_tables, args.seq_lens, args.query_start_loc, args.seq_ids, args.num_items,
@@ -165,9 +159,11 @@ def _call(name, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, ou
     return failed
 
 
-# kernels' Strides structs by (q, out, k_cache, v_cache strides, block table row stride);
-# ctypes passes a struct by reference where the argument is declared a pointer to it
-_STRIDES: dict[tuple, ctypes.Structure] = {}
+@functools.lru_cache(maxsize=256)  # a few per model and table width: built once
+def _strides(q, out, k_cache, v_cache, table_row: int) -> native.Strides:
+    """The kernels' Strides struct of these tensors' strides (ctypes passes it by
+    reference where the argument is declared a pointer to it)."""
+    return native.Strides(*q[:2], *out[:2], *k_cache[:3], *v_cache[:3], table_row)
 
 
 @dataclass(frozen=True, slots=True)
