@@ -29,7 +29,7 @@ import logging
 import torch
 
 from fusegen.engine.models.decoder import AttentionMetadata
-from fusegen.engine.runner import host_rows
+from fusegen.engine.model_runner import host_rows
 from fusegen.kernels.paged_attention import decode_kv_splits
 
 log = logging.getLogger("fusegen.engine")
@@ -63,7 +63,7 @@ def small_inputs(inputs, bucket: int, with_lengths: bool) -> torch.Tensor:
 
 
 class DecodeGraphs:
-    """The recorded decode steps of one ModelRunner (engine/runner.py) on a GPU."""
+    """The recorded decode steps of one ModelRunner (engine/model_runner.py) on a GPU."""
 
     def __init__(self, runner, max_rows: int, max_model_len: int):
         self.runner = runner

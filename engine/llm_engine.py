@@ -19,8 +19,8 @@ from fusegen.engine.detokenizer import IncrementalDetokenizer
 from fusegen.engine.models.rope import recompute_length
 from fusegen.engine.outputs import RequestGroup, RequestOutput
 from fusegen.engine.request import Request
-from fusegen.engine.parallel.runner import make_runner
-from fusegen.engine.runner import ModelRunner
+from fusegen.engine.parallel.parallel_runner import make_runner
+from fusegen.engine.model_runner import ModelRunner
 from fusegen.engine.sampling_params import SamplingParams
 from fusegen.engine.scheduler import ScheduledBatch, Scheduler
 from fusegen.engine.logits_processors import bad_words_token_ids, vocabulary_problem

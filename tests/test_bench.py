@@ -292,7 +292,7 @@ def test_recorded_decode_steps_are_counted(cache_dir, tmp_path, monkeypatch):
     # tests/test_engine_graphs.py): the report says how many of the timed run's decode
     # steps replayed a graph; an engine without graphs reports none.
     from fusegen.engine.graphs import DecodeGraphs
-    from fusegen.engine.runner import ModelRunner
+    from fusegen.engine.model_runner import ModelRunner
     from test_engine_graphs import replaying
 
     # a GPU's decision, less the device: enforce_eager still says no

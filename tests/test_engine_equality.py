@@ -56,7 +56,7 @@ def test_preemption_equals_transformers(mistral_sp_dir):
 def test_logits_in_chunks_equal_transformers(llama_dir, monkeypatch, head):
     # Sampled rows through the LM head 3 at a time: 7 requests, 3 chunks per step; through
     # the logits and the sampler, or (greedy rows, fusegen's CPU GEMM) the head's argmax.
-    from fusegen.engine import runner
+    from fusegen.engine import model_runner as runner
     from fusegen.engine.models.decoder import CausalLM
     from fusegen.engine.weights.packed import NativeLinear, _native_gemm
     monkeypatch.setattr(runner, "LOGITS_CHUNK", 3)

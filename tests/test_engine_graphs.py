@@ -7,7 +7,7 @@ import torch
 from checkpoints import hf_greedy, make_hf_checkpoint
 from fusegen.engine import LLM, EngineConfigError, SamplingParams
 from fusegen.engine.graphs import PAD, DecodeGraphs, bucket_for, decode_buckets, small_inputs
-from fusegen.engine.runner import StepInputs
+from fusegen.engine.model_runner import StepInputs
 from test_engine_equality import PROMPTS
 from test_models_gemma import gemma2_dir  # noqa: F401 - the fixture
 from test_models_phi3 import (ORIGINAL, RECOMPUTES_AT_THE_SWITCH, longrope,  # noqa: F401
@@ -71,7 +71,7 @@ def test_cpu_engines_and_eager_gpu_engines_record_nothing(llama_dir):
 def test_models_with_host_syncs_or_streamed_layers_are_not_recorded(llama_dir, monkeypatch):
     # The decision, on a CPU engine made to look like a GPU one.
     from fusegen.engine.models.moe import MoeLayer
-    from fusegen.engine.runner import ModelRunner
+    from fusegen.engine.model_runner import ModelRunner
 
     assert MoeLayer.graphable is False
     with LLM(str(llama_dir), dtype="float32", device="cpu") as llm:

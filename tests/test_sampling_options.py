@@ -206,7 +206,7 @@ def test_mixed_batch_rows_get_their_tokens_alone(llm):
 
 
 def test_option_free_batch_builds_nothing_new(llm, monkeypatch):
-    from fusegen.engine import runner, sampler
+    from fusegen.engine import model_runner as runner, sampler
     calls = []
     for module, name in ((sampler, "apply_logits_processors"), (sampler, "record_sampled"),
                          (runner, "record_prompt_logprobs")):

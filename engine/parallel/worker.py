@@ -33,7 +33,7 @@ from fusegen.engine.parallel.layers import (RowParallelLinear, TPGroup, VocabPar
 from fusegen.engine.parallel.plan import RankInfo
 from fusegen.engine.parallel.shard import (rank_model_config, shard_fixed_sources,
                                            shard_kept, shard_layer_sources, vocab_range)
-from fusegen.engine.runner import ModelRunner, StepInputs
+from fusegen.engine.model_runner import ModelRunner, StepInputs
 from fusegen.engine.weights.packed import pack_linear
 from fusegen.engine.weights.quantized import split_kept
 from fusegen.kernels.argmax import argmax

@@ -20,7 +20,7 @@ from fusegen.engine.models import get_architecture
 from fusegen.engine.parallel.group import DeviceGroup, check_shared_memory
 from fusegen.engine.parallel.plan import model_stages, rank_devices, rank_infos
 from fusegen.engine.parallel.worker import shared_logits
-from fusegen.engine.runner import ModelRunner, step_inputs
+from fusegen.engine.model_runner import ModelRunner, step_inputs
 from fusegen.engine.sampler import Sampler
 from fusegen.engine.scheduler import ScheduledBatch
 
