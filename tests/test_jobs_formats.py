@@ -10,7 +10,7 @@ import pytest
 
 from fusegen.jobs.errors import JobError
 from fusegen.jobs.plan import plan_partitions
-from fusegen.jobs.runner import run_job
+from fusegen.jobs.driver import run_job
 from fusegen.jobs.spec import JobSpec
 from fusegen.jobs.storage import filesystem, list_input_files, read_partition
 from jobs_fixtures import fake_engine, read_output  # noqa: F401

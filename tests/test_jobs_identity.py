@@ -14,7 +14,7 @@ from fusegen.jobs import engines
 from fusegen.jobs.errors import JobError
 from fusegen.jobs.identity import JobIdentity, model_identity
 from fusegen.jobs.output import output_fingerprint
-from fusegen.jobs.runner import run_job
+from fusegen.jobs.driver import run_job
 from fusegen.jobs.spec import JobSpec
 from jobs_fixtures import FakeLLM, fake_engine, tiny_model_dir, write_prompts  # noqa: F401
 
@@ -320,16 +320,16 @@ def test_a_dead_worker_or_a_failed_load_leaves_the_manifest_failed(fake_engine, 
                                                                      monkeypatch):
     from distributed import KilledWorker
 
-    from fusegen.jobs import runner
+    from fusegen.jobs import driver
 
-    real = runner.run_partition
+    real = driver.run_partition
 
     def dies_on_second(spec, part, *args):
         if part.index == 1:
             raise KilledWorker("fusegen-part-00001", SimpleNamespace(address="inproc://w"), 3)
         return real(spec, part, *args)
 
-    monkeypatch.setattr(runner, "run_partition", dies_on_second)
+    monkeypatch.setattr(driver, "run_partition", dies_on_second)
     write_prompts(tmp_path / "in.parquet", 10)
     spec = _spec(fake_engine, tmp_path, partitions_per_worker=1)
     with pytest.raises(JobError, match="killed its worker repeatedly"):

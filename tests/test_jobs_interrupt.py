@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from fusegen.jobs import runner
+from fusegen.jobs import driver
 from fusegen.jobs.cli import main
 from fusegen.jobs.interrupt import Interrupted, JobInterrupted
 from fusegen.jobs.progress import Progress
@@ -49,7 +49,7 @@ def test_an_interrupted_job_marks_its_manifest_and_resumes(fake_engine, tmp_path
                    max_tokens=3, partition_rows=4, partitions_per_worker=1, progress="none")
     _interrupt_after(monkeypatch, 2, exc)
     with pytest.raises(JobInterrupted) as info:
-        runner.run_job(spec)
+        driver.run_job(spec)
     committed = _parts(out)
     assert 2 <= len(committed) < 10
     got = info.value
@@ -60,7 +60,7 @@ def test_an_interrupted_job_marks_its_manifest_and_resumes(fake_engine, tmp_path
     assert [p["name"] for p in manifest["parts"]] == committed
     assert manifest["runs"][-1]["status"] == "interrupted"
     assert not (out / "_lease.json").exists()
-    result = runner.run_job(spec)  # the interrupt fired once: this run goes to the end
+    result = driver.run_job(spec)  # the interrupt fired once: this run goes to the end
     assert (result.num_parts_skipped, result.num_rows) == (len(committed), 40)
     assert read_output(out).column("id").to_pylist() == list(range(40))
     assert json.loads((out / "_manifest.json").read_text())["status"] == "complete"
@@ -76,7 +76,7 @@ def test_the_cli_says_what_is_committed_and_the_exact_command_that_resumes(fake_
     def interrupted(spec, *args, **kwargs):
         raise JobInterrupted(signal.SIGTERM, spec.output, num_committed=3, num_parts=7)
 
-    monkeypatch.setattr(runner, "run_job", interrupted)
+    monkeypatch.setattr(driver, "run_job", interrupted)
     args = ["run", str(job), "--input", str(tmp_path / "in.parquet"), "--output",
             str(tmp_path / "o u t"), "--overwrite", "--stop", "a", "--stop", "b",
             "--chat", "--storage-option", "client_kwargs.token=tok-s3cr3t-123"]
@@ -95,7 +95,7 @@ def test_an_interrupt_before_the_output_is_touched(fake_engine, tmp_path, monkey
     def stop(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(runner, "list_input_files", stop)
+    monkeypatch.setattr(driver, "list_input_files", stop)
     res = CliRunner().invoke(main, ["run", "--model", fake_engine, "--input", "in.parquet",
                                     "--output", str(tmp_path / "out")])
     assert res.exit_code == 130

@@ -17,7 +17,7 @@ import pytest
 from fusegen.jobs import engines, lease
 from fusegen.jobs.errors import JobError
 from fusegen.jobs.output import Output, PartStats
-from fusegen.jobs.runner import run_job
+from fusegen.jobs.driver import run_job
 from fusegen.jobs.spec import JobSpec
 from jobs_fixtures import FakeLLM, fake_engine, read_output, write_prompts  # noqa: F401
 

@@ -10,7 +10,7 @@ from fusegen.engine import LLM, SamplingParams
 from fusegen.jobs.openai_batch import (BODY_FIELDS, chat_logprobs, completion_logprobs,
                                        parse_request)
 from fusegen.jobs.rows import row_seed
-from fusegen.jobs.runner import run_job
+from fusegen.jobs.driver import run_job
 from fusegen.jobs.spec import JobSpec
 from jobs_fixtures import fake_engine, tiny_model_dir  # noqa: F401
 

@@ -6,7 +6,7 @@ import pyarrow.parquet as pq
 
 from fusegen.engine import LLM, SamplingParams
 from fusegen.jobs.rows import row_seed
-from fusegen.jobs.runner import run_job
+from fusegen.jobs.driver import run_job
 from fusegen.jobs.spec import JobSpec
 from fusegen.jobs.task import engine_load
 from jobs_fixtures import read_output, tiny_model_dir

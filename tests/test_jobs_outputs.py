@@ -15,7 +15,7 @@ from fusegen.jobs.parts import OutputShape, output_table, part_stats
 from fusegen.jobs.progress import JobResult, Progress
 from fusegen.jobs.report import render_report, throughput_rates
 from fusegen.jobs.rows import RowRequest
-from fusegen.jobs.runner import run_job
+from fusegen.jobs.driver import run_job
 from fusegen.jobs.spec import JobSpec
 from fusegen.jobs.task import engine_load
 from jobs_fixtures import fake_engine, read_output, write_prompts  # noqa: F401

@@ -197,7 +197,7 @@ FLAG_VALUES = {  # field -> (command-line words, the SamplingParams value they m
 
 
 def _run_flags(monkeypatch, words):
-    from fusegen.jobs import runner
+    from fusegen.jobs import driver
 
     seen = {}
 
@@ -205,7 +205,7 @@ def _run_flags(monkeypatch, words):
         seen["spec"] = spec
         return JobResult("o")
 
-    monkeypatch.setattr(runner, "run_job", fake_run_job)
+    monkeypatch.setattr(driver, "run_job", fake_run_job)
     res = CliRunner().invoke(main, ["run", "--model", "/m", "--input", "i", "--output", "o",
                                     *words])
     return res, seen.get("spec")

@@ -10,7 +10,7 @@ import pytest
 from fusegen.engine.tokenizer import PromptLimit
 from fusegen.jobs.params import MAX_DEPTH, TooDeep, coerce, read_json
 from fusegen.jobs.rows import RowPreparer
-from fusegen.jobs.runner import run_job
+from fusegen.jobs.driver import run_job
 from fusegen.jobs.spec import JobSpec
 from jobs_fixtures import fake_engine, read_output  # noqa: F401
 

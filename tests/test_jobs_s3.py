@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from fusegen.jobs.errors import JobError
-from fusegen.jobs.runner import run_job
+from fusegen.jobs.driver import run_job
 from fusegen.jobs.spec import JobSpec
 from jobs_fixtures import fake_engine, read_output  # noqa: F401
 

@@ -12,7 +12,7 @@ from fusegen.jobs import formats
 from fusegen.jobs.formats import mark_line_errors
 from fusegen.jobs.plan import plan_partitions
 from fusegen.jobs.rows import RowPreparer
-from fusegen.jobs.runner import run_job
+from fusegen.jobs.driver import run_job
 from fusegen.jobs.spec import JobSpec
 from fusegen.jobs.storage import filesystem, list_input_files, read_partition
 from jobs_fixtures import fake_engine, read_output  # noqa: F401

@@ -13,7 +13,7 @@ import pytest
 from fusegen.jobs import engines
 from fusegen.jobs.cluster import worker_devices
 from fusegen.jobs.errors import JobError
-from fusegen.jobs.runner import run_job
+from fusegen.jobs.driver import run_job
 from fusegen.jobs.spec import JobSpec
 from jobs_fixtures import read_output, tiny_model_dir, write_prompts
 

@@ -280,7 +280,7 @@ def test_job_reports_cached_prompt_tokens_and_matches_uncached(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from fusegen.jobs.runner import run_job
+    from fusegen.jobs.driver import run_job
     from fusegen.jobs.spec import JobSpec
     from jobs_fixtures import read_output, tiny_model_dir
 
@@ -310,11 +310,11 @@ def test_job_reports_cached_prompt_tokens_and_matches_uncached(tmp_path):
 def test_no_prefix_caching_flag_reaches_the_job(monkeypatch):
     from click.testing import CliRunner
 
-    from fusegen.jobs import runner
+    from fusegen.jobs import driver
     from fusegen.jobs.cli import main
 
     seen = []
-    monkeypatch.setattr(runner, "run_job", lambda spec, **_: seen.append(spec) or 1 / 0)
+    monkeypatch.setattr(driver, "run_job", lambda spec, **_: seen.append(spec) or 1 / 0)
     for flag, value in (("--no-prefix-caching", False), ("--enable-prefix-caching", True),
                         (None, True)):
         args = ["run", "--model", "m", "--input", "i", "--output", "o"] + ([flag] if flag else [])

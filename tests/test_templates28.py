@@ -20,7 +20,7 @@ from fusegen.jobs.cli import main
 from fusegen.jobs.engines import close_engines
 from fusegen.jobs.errors import JobError
 from fusegen.jobs.rows import RowPreparer
-from fusegen.jobs.runner import run_job
+from fusegen.jobs.driver import run_job
 from fusegen.jobs.spec import JobSpec
 from fusegen.jobs.template import PromptTemplate
 from jobs_fixtures import read_output, tiny_model_dir

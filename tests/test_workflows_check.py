@@ -11,7 +11,7 @@ from fusegen.jobs.cli import main
 from fusegen.workflows.errors import ValidationError
 from fusegen.workflows.expr import Expression, ExpressionError
 from fusegen.workflows.resolve import resolve
-from fusegen.workflows.runner import run_workflow
+from fusegen.workflows.run import run_workflow
 from fusegen.workflows.spec import load_workflow, parse_workflow
 from fusegen.workflows.store import open_store
 from jobs_fixtures import tiny_model_dir

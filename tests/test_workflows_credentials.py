@@ -144,7 +144,7 @@ def test_resume_refuses_to_change_a_recorded_param(tmp_path, seen_passwords):
 def test_scheduled_runs_store_credentials_masked_and_resume_with_the_real_ones(tmp_path):
     from datetime import datetime, timezone
 
-    from fusegen.workflows.scheduler import Scheduler
+    from fusegen.workflows.daemon import CronDaemon
 
     def at(hour):
         return datetime(2024, 5, 1, hour, tzinfo=timezone.utc)
@@ -157,7 +157,7 @@ def test_scheduled_runs_store_credentials_masked_and_resume_with_the_real_ones(t
     store = open_store(tmp_path / "runs.db")
     now = [at(0)]
     seen = []
-    first = Scheduler([wf], store, params={"secret": SECRET}, clock=lambda: now[0],
+    first = CronDaemon([wf], store, params={"secret": SECRET}, clock=lambda: now[0],
                       execute=lambda t: seen.append(t.params))
     now[0] = at(1)
     [lost] = first.tick()  # started; its scheduler dies before running it
@@ -165,7 +165,7 @@ def test_scheduled_runs_store_credentials_masked_and_resume_with_the_real_ones(t
     assert SECRET.encode() not in (tmp_path / "runs.db").read_bytes()
 
     now[0] = at(3)  # the lost run's lock is two hours old
-    second = Scheduler([wf], store, params={"secret": SECRET}, clock=lambda: now[0],
+    second = CronDaemon([wf], store, params={"secret": SECRET}, clock=lambda: now[0],
                        execute=lambda t: seen.append(t.params), lease_seconds=600)
     [resumed] = second.tick()
     assert resumed.resumes == lost.run_id

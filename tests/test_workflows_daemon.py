@@ -1,5 +1,5 @@
-"""The scheduler on an injected clock: cron times, missed windows under skip and catch_up,
-no overlap, and a restart (a new Scheduler on the same store) that picks up. No sleeping:
+"""The cron daemon on an injected clock: cron times, missed windows under skip and catch_up,
+no overlap, and a restart (a new CronDaemon on the same store) that picks up. No sleeping:
 the fake clock is moved by hand and runs are executed with run_next()."""
 import os
 import signal
@@ -13,8 +13,8 @@ from click.testing import CliRunner
 from fusegen.jobs.cli import main
 
 from fusegen.workflows.errors import WorkflowError
-from fusegen.workflows.schedule import decide, latest_fire, next_fire
-from fusegen.workflows.scheduler import Scheduler
+from fusegen.workflows.fire_times import decide, latest_fire, next_fire
+from fusegen.workflows.daemon import CronDaemon
 from fusegen.workflows.spec import Schedule, parse_workflow
 from fusegen.workflows.store import new_owner, open_store
 
@@ -53,7 +53,7 @@ class Recorder:
 
 def _scheduler(store, clock, missed="catch_up", **kw):
     rec = Recorder()
-    return Scheduler([_workflow(missed, **kw)], store, clock=clock, execute=rec), rec
+    return CronDaemon([_workflow(missed, **kw)], store, clock=clock, execute=rec), rec
 
 
 def _drain(sched):
@@ -185,7 +185,7 @@ def test_failed_run_is_recorded_and_the_schedule_goes_on(store):
     def boom(ticket):
         raise RuntimeError("model missing")
 
-    sched = Scheduler([_workflow()], store, clock=clock, execute=boom)
+    sched = CronDaemon([_workflow()], store, clock=clock, execute=boom)
     clock.now = utc(1)
     _drain(sched)
     clock.now = utc(2)
@@ -220,7 +220,7 @@ def test_decide_is_pure_policy():
 def test_serve_runs_and_stops_cleanly(store):
     clock = Clock(utc(0, 30))
     done = threading.Event()
-    sched = Scheduler([_workflow()], store, clock=clock, execute=lambda t: done.set())
+    sched = CronDaemon([_workflow()], store, clock=clock, execute=lambda t: done.set())
     clock.now = utc(1, 0, 1)
     thread = threading.Thread(target=sched.serve, kwargs={"poll_seconds": 0.05})
     thread.start()
@@ -234,7 +234,7 @@ def test_serve_runs_and_stops_cleanly(store):
 def test_scheduler_needs_a_schedule(store):
     wf = parse_workflow({"steps": {"a": {"input": "x", "filter": "n > 0"}}}, "plain.yaml")
     with pytest.raises(WorkflowError, match="has no `schedule:`"):
-        Scheduler([wf], store)
+        CronDaemon([wf], store)
 
 
 def test_cli_schedule_stops_on_sigterm(tmp_path):
@@ -280,7 +280,7 @@ def test_a_scheduled_run_executes_the_steps_for_its_run_date(tmp_path, store):
                           "output": str(tmp_path / "out" / "{{ run_date }}")}},
     }, "daily.yaml")
     clock = Clock(datetime(2024, 4, 30, 12, tzinfo=timezone.utc))
-    sched = Scheduler([wf], store, clock=clock)
+    sched = CronDaemon([wf], store, clock=clock)
     clock.now = datetime(2024, 5, 2, 7, tzinfo=timezone.utc)  # two fires due: catch up
     _drain(sched)
     counts = [(r.run_date, r.status, store.steps(r.run_id)[0].num_rows)

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import yaml
 
 from jobs_fixtures import read_output, sigkill_when, tiny_model_dir
-from fusegen.workflows.runner import run_workflow
+from fusegen.workflows.run import run_workflow
 from fusegen.workflows.spec import load_workflow
 from fusegen.workflows.store import open_store
 

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from fusegen.jobs.cli import main
 from fusegen.workflows import steps as wf_steps
 from fusegen.workflows.errors import WorkflowError
-from fusegen.workflows.runner import run_workflow, utc_now
+from fusegen.workflows.run import run_workflow, utc_now
 from fusegen.workflows.spec import load_workflow
 from fusegen.workflows.store import new_owner, open_store
 from jobs_fixtures import read_output
@@ -44,7 +44,7 @@ def _kill_holding_the_lock(store_url: str, wf: str) -> None:
     """A process that starts a run of `wf` (taking its lock) and is SIGKILLed in it."""
     code = ("import os, signal\n"
             "from fusegen.workflows.spec import load_workflow\n"
-            "from fusegen.workflows.runner import utc_now\n"
+            "from fusegen.workflows.run import utc_now\n"
             "from fusegen.workflows.store import open_store, new_owner\n"
             f"wf = load_workflow({wf!r})\n"
             f"open_store({store_url!r}).start_run(wf.name, source=wf.path, "

@@ -12,7 +12,7 @@ from fusegen.workflows import steps as wf_steps
 from fusegen.jobs.cli import main
 from jobs_fixtures import read_output, tiny_model_dir
 from fusegen.workflows.errors import WorkflowError
-from fusegen.workflows.runner import run_workflow
+from fusegen.workflows.run import run_workflow
 from fusegen.workflows.spec import load_workflow
 from fusegen.workflows.store import open_store
 

@@ -51,7 +51,7 @@ def run(file, params, run_date, overwrite, store_url):
     Every step is a resumable job: if a run fails or is killed, the same command (same
     --param values and --run-date) continues where it stopped."""
     from fusegen.jobs import setup_logging
-    from fusegen.workflows.runner import default_run_date, run_workflow
+    from fusegen.workflows.run import default_run_date, run_workflow
     from fusegen.workflows.spec import load_workflow
     from fusegen.workflows.store import open_store
 
@@ -105,7 +105,7 @@ def resume(run_id, params, overwrite, store_url):
     every step keeps what it committed and continues where it stopped. A run left
     running by a process that is gone (killed) is taken over."""
     from fusegen.jobs import setup_logging
-    from fusegen.workflows.runner import run_workflow, utc_now
+    from fusegen.workflows.run import run_workflow, utc_now
     from fusegen.workflows.credentials import restore_params
     from fusegen.workflows.spec import load_workflow
     from fusegen.workflows.store import open_store
@@ -142,7 +142,7 @@ def check(file, params, run_date):
     from fusegen.jobs import redact_url
     from fusegen.workflows.preflight import check_models
     from fusegen.workflows.resolve import resolve
-    from fusegen.workflows.runner import default_run_date
+    from fusegen.workflows.run import default_run_date
     from fusegen.workflows.spec import load_workflow
 
     try:
@@ -173,15 +173,15 @@ def schedule(files, params, poll_seconds, store_url):
     file's `missed:` policy and an interrupted run resumes. The first signal stops firing
     and waits for the run in progress; a second gives it up (it resumes next start)."""
     from fusegen.jobs import setup_logging
-    from fusegen.workflows.schedule import next_fire
-    from fusegen.workflows.scheduler import Scheduler
+    from fusegen.workflows.fire_times import next_fire
+    from fusegen.workflows.daemon import CronDaemon
     from fusegen.workflows.spec import load_workflow
     from fusegen.workflows.store import open_store
 
     try:
         workflows = [load_workflow(f) for f in files]
         store = open_store(store_url)
-        sched = Scheduler(workflows, store, params=_params(params))
+        sched = CronDaemon(workflows, store, params=_params(params))
     except (WorkflowError, JobError) as exc:
         _fail(exc)
     setup_logging()

@@ -1,4 +1,5 @@
-"""The scheduler: fires workflow runs on their cron schedules, one run at a time.
+"""The cron daemon (`fusegen workflow schedule`): fires workflow runs on their cron
+schedules, one run at a time.
 
 Plain Python over an injectable clock: `tick()` starts what is due at `clock()`,
 `run_next()` executes one started run, and `serve()` loops the two in real time. Tests
@@ -25,8 +26,8 @@ from typing import Callable
 from fusegen.workflows.errors import WorkflowBusy, WorkflowError
 from fusegen.workflows.preflight import check_models
 from fusegen.workflows.resolve import effective_params, resolve
-from fusegen.workflows.runner import Clock, _message, execute_run, utc_now
-from fusegen.workflows.schedule import decide, next_fire, run_date
+from fusegen.workflows.run import Clock, _message, execute_run, utc_now
+from fusegen.workflows.fire_times import decide, next_fire, run_date
 from fusegen.workflows.credentials import MASK, public_params, secret_params
 from fusegen.workflows.spec import Workflow
 from fusegen.workflows.store import LEASE_SECONDS, RunStore, new_owner
@@ -45,7 +46,7 @@ class Ticket:
     resumes: int | None = None  # the interrupted run it continues
 
 
-class Scheduler:
+class CronDaemon:
     def __init__(self, workflows: list[Workflow], store: RunStore, *,
                  params: dict | None = None, clock: Clock = utc_now,
                  execute: Callable[[Ticket], None] | None = None,
