@@ -76,6 +76,9 @@ _SIGNATURES = {
     **{f"quant_group_{t}": [_I, _I, _P, _L, _L, _P, _P, _P, _L, _L, _P, _L, _I, _I]
        for t in ("f32", "bf16")},
     "quant_group_dequantize_f32": [_I, _I, _P, _P, _P, _L, _L, _P, _I, _I],
+    # csrc/quant_group_vnni.c
+    "quant_group_q8_available": [_I],
+    "quant_group_q8_bf16": [_I, _I, _P, _L, _L, _P, _P, _P, _L, _L, _P, _L, _I],
 }
 
 

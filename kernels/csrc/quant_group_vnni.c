@@ -1,0 +1,336 @@
+/* Integer products against a group-quantized weight (docs/quantization.md), bf16
+ * activations: out [T, N] = x [T, K] W^T with x quantized to int8 per block of 32 values,
+ * as llama.cpp's Q8_0 and kernels/csrc/quant_vnni.c do it, and each block's dot product
+ * taken in int32 by vpdpbusd (AVX512_VNNI: unsigned bytes times signed bytes, four at a
+ * time).
+ *
+ * Weight: W[o, i] = (q[o, i] - zero[o, i / g]) * scale[o, i / g], g = 32, 64 or 128; codes
+ * q uint8, int8 one a byte [N, K], int4 two a byte [N, K / 2] in runs of 32 channels (byte
+ * k: channel k low nibble, k + 16 high, GGUF Q4_0's order); scale fp16 [N, K / g]; zero
+ * uint8 [N, K / g] or none (symmetric: 128 for int8, 8 for int4).
+ *
+ * Numerics, for each row of x and each block b of 32 channels (group g = b * 32 / g):
+ *   d = amax / 127 (fp32, IEEE division), q = round(x * (1 / d)) to the nearest, ties to
+ *   even (vcvtps2dq), d = 0 giving q = 0: bit for bit quant_vnni.c's quantization;
+ *   isum = sum (q_w - zero) * q_x, exact in int32 (the codes unsigned in vpdpbusd, the zero
+ *   point folded in as -zero * sum(q_x));
+ *   acc = fma(float(isum), scale * d, acc) in fp32, blocks in ascending order from 0;
+ * then acc is rounded once to bf16 (nearest even).
+ *
+ * Layout in registers (quant_vnni.c's): a zmm holds 16 weight rows (output columns), one a
+ * 32-bit lane; a unit of 32 channels is transposed 4 bytes at a time as it is expanded, so
+ * vpdpbusd with one broadcast dword of x adds 4 values of 16 columns and each column's
+ * int32 sum stays in its own lane. Threads split the output columns in chunks of NC = 16;
+ * a chunk's scales and zero points are transposed to per-group vectors first. A call of
+ * up to RMAX rows expands each unit in registers as it comes; a larger call expands the
+ * chunk's units once into a per-thread scratch and runs RMAX rows of x at a time over it.
+ * An element's value depends on its row of x and its weight row only: the same operations
+ * in the same order whatever the row count, the row's place, the thread count or the path
+ * (batch-invariant).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* The order of fp32 sums is each element's own (see above) */
+#pragma GCC optimize("no-associative-math")
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__) && defined(__F16C__)
+#define HAS_VNNI 1
+#include <immintrin.h>
+#else
+#define HAS_VNNI 0
+#endif
+
+static int valid_format(int bits, int group, int64_t k) {
+    return (bits == 4 || bits == 8) && (group == 32 || group == 64 || group == 128) && k > 0 &&
+           k % group == 0;
+}
+
+/* 1 where this build has the int8 product for int`bits` codes */
+int quant_group_q8_available(int bits) { return HAS_VNNI && (bits == 4 || bits == 8) ? 1 : 0; }
+
+#if HAS_VNNI
+#define NC 16  /* columns per chunk: one a dword lane */
+#define RMAX 4 /* rows of x per micro-kernel call */
+#define SERIAL_QUANTIZE 65536 /* values of x quantized by the calling thread alone */
+
+/* x quantized: per row k codes, per 32 values d and sum(q) */
+typedef struct {
+    int8_t *q;
+    float *d;
+    int32_t *s;
+    int64_t k;
+} xq_t;
+
+/* one row: k bf16 values -> codes, d and sum(q) per 32 (quant_vnni.c's quantize_row) */
+static void quantize_row(const uint16_t *x, int64_t k, int8_t *q, float *d, int32_t *s) {
+    for (int64_t u = 0; u < k / 32; u++, x += 32, q += 32) {
+        const __m512i raw = _mm512_loadu_si512(x);
+        const __m512 lo = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
+        const __m512 hi = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        /* a division (divss): -ffast-math would otherwise multiply by 1 / 127 */
+        const float dx = _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(amax), _mm_set_ss(127.0f)));
+        const float id = dx != 0.0f ? 1.0f / dx : 0.0f;
+        const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(id)));
+        const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(id)));
+        _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(qlo));
+        _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(qhi));
+        d[u] = dx;
+        s[u] = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+    }
+}
+
+static void quantize_rows(const uint16_t *x, int64_t rows, int64_t ldx, const xq_t *xq) {
+    const int64_t k = xq->k, nu = k / 32;
+    _Pragma("omp for schedule(static)")
+    for (int64_t r = 0; r < rows; r++)
+        quantize_row(x + r * ldx, k, xq->q + r * k, xq->d + r * nu, xq->s + r * nu);
+}
+
+/* One 32-channel unit of NC = 16 columns: q[i] holds channels 4i..4i+3 of every column
+ * (column c in dword c, one unsigned code a byte) */
+typedef struct {
+    __m512i q[8];
+} unit_t;
+
+/* A chunk's group constants: per group, each column's fp32 scale and -zero */
+typedef struct {
+    __m512 s;
+    __m512i z;
+} gconst_t;
+
+/* T[i] dword c = the 4 bytes at col[c] + off + 4 i: 16 columns' 16 bytes transposed */
+static inline void t16(const uint8_t *const col[NC], int64_t off, __m512i T[4]) {
+    __m512i z[4]; /* z[g]'s 128-bit lane l: column 4 l + g, so that T's dword c is column c */
+    for (int g = 0; g < 4; g++) {
+        z[g] = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(col[g] + off)));
+        for (int l = 1; l < 4; l++)
+            z[g] = _mm512_inserti32x4(z[g], _mm_loadu_si128((const __m128i *)(col[4 * l + g] + off)), l);
+    }
+    const __m512i a = _mm512_unpacklo_epi32(z[0], z[1]), b = _mm512_unpackhi_epi32(z[0], z[1]);
+    const __m512i c = _mm512_unpacklo_epi32(z[2], z[3]), d = _mm512_unpackhi_epi32(z[2], z[3]);
+    T[0] = _mm512_unpacklo_epi64(a, c), T[1] = _mm512_unpackhi_epi64(a, c);
+    T[2] = _mm512_unpacklo_epi64(b, d), T[3] = _mm512_unpackhi_epi64(b, d);
+}
+
+/* unit `unit` of the 16 columns (col: each column's codes) */
+static inline __attribute__((always_inline)) void
+expand(const int BITS, const uint8_t *const col[NC], int64_t unit, unit_t *u) {
+    __m512i T[4], U[4];
+    if (BITS == 8) {
+        t16(col, 32 * unit, T);
+        t16(col, 32 * unit + 16, U);
+        for (int i = 0; i < 4; i++) u->q[i] = T[i], u->q[4 + i] = U[i];
+    } else { /* low nibbles: channels 0..15, high: 16..31 */
+        const __m512i mask = _mm512_set1_epi8(0xf);
+        t16(col, 16 * unit, T);
+        for (int i = 0; i < 4; i++)
+            u->q[i] = _mm512_and_si512(T[i], mask),
+            u->q[4 + i] = _mm512_and_si512(_mm512_srli_epi32(T[i], 4), mask);
+    }
+}
+
+/* the chunk's columns' scales (fp32) and -zero points, group by group */
+static void group_consts(const uint16_t *scales, const uint8_t *zeros, int zero, int64_t groups,
+                         const int64_t row[NC], gconst_t *gc) {
+    for (int64_t g = 0; g < groups; g++) {
+        uint16_t h[NC];
+        int32_t z[NC];
+        for (int c = 0; c < NC; c++) {
+            h[c] = scales[row[c] * groups + g];
+            z[c] = -(zeros ? zeros[row[c] * groups + g] : zero);
+        }
+        gc[g].s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
+        gc[g].z = _mm512_loadu_si512(z);
+    }
+}
+
+/* 16 floats -> bf16, nearest even (as torch rounds), NaN kept quiet */
+static inline __m256i to_bf16x16(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+static inline __m512i bcast32(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* one row's unit against the 16 columns: acc += float(isum) * (scale * d) (the same
+ * operations, in the same order, for every row count and path) */
+static inline __attribute__((always_inline)) __m512
+unit_dot(const unit_t *u, const gconst_t *gc, const xq_t *xq, int64_t row, int64_t unit,
+         __m512 acc) {
+    const int64_t at = row * (xq->k / 32) + unit;
+    const int8_t *q = xq->q + row * xq->k + unit * 32;
+    /* two chains of integer sums (exact: their order is free), the first from the zero
+     * point's term */
+    __m512i i0 = _mm512_mullo_epi32(gc->z, _mm512_set1_epi32(xq->s[at]));
+    __m512i i1 = _mm512_setzero_si512();
+    for (int i = 0; i < 8; i += 2) {
+        i0 = _mm512_dpbusd_epi32(i0, u->q[i], bcast32(q + 4 * i));
+        i1 = _mm512_dpbusd_epi32(i1, u->q[i + 1], bcast32(q + 4 * i + 4));
+    }
+    const __m512 sd = _mm512_mul_ps(gc->s, _mm512_set1_ps(xq->d[at]));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)), sd, acc);
+}
+
+static inline void store_row(uint16_t *out, __m512 acc, int ncols) {
+    _mm256_mask_storeu_epi16(out, (__mmask16)((1u << ncols) - 1), to_bf16x16(acc));
+}
+
+/* Rows [0, R) against the chunk, each unit expanded in registers as it comes */
+static inline __attribute__((always_inline)) void
+micro_direct(const int BITS, const int R, const xq_t *xq, const uint8_t *const col[NC],
+             const gconst_t *gc, int64_t upg, int64_t row_bytes, uint16_t *out, int64_t ldo,
+             int ncols) {
+    __m512 acc[RMAX];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    /* the next chunk's rows follow this chunk's in memory: as many of their bytes
+     * prefetched a unit as the unit reads of this chunk's */
+    const char *next = (const char *)col[0] + NC * row_bytes;
+    const int64_t nu = xq->k / 32, ub = BITS * 4; /* bytes a unit of one column */
+    for (int64_t unit = 0; unit < nu; unit++) {
+        for (int64_t b = 0; b < NC * ub; b += 64) _mm_prefetch(next + unit * NC * ub + b, _MM_HINT_T0);
+        unit_t u;
+        expand(BITS, col, unit, &u);
+        for (int r = 0; r < R; r++) acc[r] = unit_dot(&u, &gc[unit / upg], xq, r, unit, acc[r]);
+    }
+    for (int r = 0; r < R; r++) store_row(out + r * ldo, acc[r], ncols);
+}
+
+/* Rows [r0, r0 + R) against the chunk's units expanded beforehand */
+static inline __attribute__((always_inline)) void
+micro_units(const int R, const xq_t *xq, int64_t r0, const unit_t *units, const gconst_t *gc,
+            int64_t upg, uint16_t *out, int64_t ldo, int ncols) {
+    __m512 acc[RMAX];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    const int64_t nu = xq->k / 32;
+    for (int64_t unit = 0; unit < nu; unit++)
+        for (int r = 0; r < R; r++)
+            acc[r] = unit_dot(&units[unit], &gc[unit / upg], xq, r0 + r, unit, acc[r]);
+    for (int r = 0; r < R; r++) store_row(out + r * ldo, acc[r], ncols);
+}
+
+/* every row of x against one chunk of 16 columns */
+static inline __attribute__((always_inline)) void
+chunk_rows(const int BITS, const xq_t *xq, int64_t rows, const uint8_t *const col[NC],
+           const gconst_t *gc, int64_t upg, int64_t row_bytes, unit_t *units, uint16_t *out,
+           int64_t ldo, int ncols) {
+#define CASES(CALL) \
+    switch ((int)(rows - r0)) { \
+    case 4: CALL(4); break; case 3: CALL(3); break; case 2: CALL(2); break; \
+    case 1: CALL(1); break; default: break; }
+    int64_t r0 = 0;
+    if (rows <= RMAX) {
+#define DIRECT(R) micro_direct(BITS, R, xq, col, gc, upg, row_bytes, out, ldo, ncols)
+        CASES(DIRECT)
+#undef DIRECT
+        return;
+    }
+    const int64_t nu = xq->k / 32;
+    const char *next = (const char *)col[0] + NC * row_bytes; /* as micro_direct */
+    for (int64_t unit = 0; unit < nu; unit++) {
+        for (int64_t b = 0; b < NC * BITS * 4; b += 64)
+            _mm_prefetch(next + unit * NC * BITS * 4 + b, _MM_HINT_T1);
+        expand(BITS, col, unit, &units[unit]);
+    }
+    for (; r0 + RMAX <= rows; r0 += RMAX)
+        micro_units(RMAX, xq, r0, units, gc, upg, out + r0 * ldo, ldo, ncols);
+#define UNITS_(R) micro_units(R, xq, r0, units, gc, upg, out + r0 * ldo, ldo, ncols)
+    CASES(UNITS_)
+#undef UNITS_
+#undef CASES
+}
+
+typedef struct {
+    int bits, group;
+    const uint8_t *q;
+    const uint16_t *s;
+    const uint8_t *z;
+    int64_t n, k;
+} weight_t;
+
+static int all_chunks(const weight_t *W, const xq_t *xq, int64_t rows, uint16_t *out, int64_t ldo) {
+    const int64_t row_bytes = W->k * W->bits / 8, chunks = (W->n + NC - 1) / NC;
+    const int64_t groups = W->k / W->group, upg = W->group / 32;
+    /* a thread's group constants of one chunk, and its units for calls of more than RMAX
+     * rows */
+    const size_t unit_bytes = rows > RMAX ? (size_t)(W->k / 32) * sizeof(unit_t) : 0;
+    char *mem = aligned_alloc(64, unit_bytes + (size_t)groups * sizeof(gconst_t));
+    const int failed = !mem; /* still takes part in the omp for */
+    unit_t *units = (unit_t *)mem;
+    gconst_t *gc = (gconst_t *)(mem + unit_bytes);
+    _Pragma("omp for schedule(static) nowait") /* the parallel region's end waits */
+    for (int64_t ch = 0; ch < chunks; ch++) {
+        if (failed) continue;
+        const int64_t first = ch * NC;
+        const int ncols = W->n - first < NC ? (int)(W->n - first) : NC;
+        const uint8_t *col[NC];
+        int64_t row[NC];
+        for (int c = 0; c < NC; c++) { /* a last chunk's missing columns repeat its last one */
+            row[c] = first + (c < ncols ? c : ncols - 1);
+            col[c] = W->q + row[c] * row_bytes;
+        }
+        group_consts(W->s, W->z, W->bits == 8 ? 128 : 8, groups, row, gc);
+        uint16_t *o = out + first;
+        if (W->bits == 8)
+            chunk_rows(8, xq, rows, col, gc, upg, row_bytes, units, o, ldo, ncols);
+        else
+            chunk_rows(4, xq, rows, col, gc, upg, row_bytes, units, o, ldo, ncols);
+    }
+    free(mem);
+    return failed;
+}
+
+static int alloc_xq(xq_t *xq, int64_t rows, int64_t k) {
+    const int64_t nu = k / 32;
+    char *mem = malloc((size_t)(rows * k + rows * nu * 8 + 64));
+    if (!mem) return -1;
+    xq->q = (int8_t *)mem;
+    xq->d = (float *)(mem + (rows * k + 63) / 64 * 64);
+    xq->s = (int32_t *)(xq->d + rows * nu);
+    xq->k = k;
+    return 0;
+}
+#endif
+
+/* x [rows, k] bf16 (row stride ldx) . W^T -> out [rows, n] bf16 (row stride ldo), by int8
+ * products (see the top of this file); W the codes q, scales s and zero points z (0:
+ * symmetric) of n rows. Any row count. Returns -1 for bits other than 4 / 8, a group size
+ * other than 32 / 64 / 128, k not whole groups, a build without AVX512_VNNI or no memory. */
+int quant_group_q8_bf16(int bits, int group, const uint16_t *x, int64_t rows, int64_t ldx,
+                        const uint8_t *q, const uint16_t *s, const uint8_t *z, int64_t n,
+                        int64_t k, uint16_t *out, int64_t ldo, int num_threads) {
+    if (!HAS_VNNI || !valid_format(bits, group, k)) return -1;
+    if (rows <= 0 || n <= 0) return 0;
+#if HAS_VNNI
+    xq_t xq;
+    if (alloc_xq(&xq, rows, k)) return -1;
+    const weight_t W = {bits, group, q, s, z, n, k};
+    /* decode-sized x is quantized before the threads start: one barrier fewer a call */
+    const int serial = rows * k <= SERIAL_QUANTIZE;
+    if (serial) quantize_rows(x, rows, ldx, &xq);
+    int failed = 0;
+    _Pragma("omp parallel num_threads(num_threads) reduction(|:failed)")
+    {
+        if (!serial) quantize_rows(x, rows, ldx, &xq); /* the omp for's barrier: rows ready */
+        failed = all_chunks(&W, &xq, rows, out, ldo);
+    }
+    free(xq.q);
+    return failed ? -1 : 0;
+#else
+    (void)x, (void)ldx, (void)q, (void)s, (void)z, (void)out, (void)ldo, (void)num_threads;
+    return -1;
+#endif
+}
