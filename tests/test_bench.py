@@ -13,12 +13,12 @@ from click.testing import CliRunner
 from fusegen.jobs.bench import checkpoint, flops
 from fusegen.jobs.bench.harness import BenchConfig, workload_for
 from fusegen.jobs.bench.hf_static import batch_inputs
-from fusegen.jobs.bench.presets import PRESETS, LengthDist, ModelShape
+from fusegen.jobs.bench.presets import PRESETS, LengthDist, PresetModel
 from fusegen.jobs.bench.workload import BenchRequest, describe_workload, draw_length, make_workload
 from fusegen.jobs.bench_cmd import bench
 
 # h=64, i=128, 2 layers, 4 heads of 16, 2 KV heads, vocab 100.
-SHAPE = ModelShape(arch="llama", vocab_size=100, hidden_size=64, intermediate_size=128,
+SHAPE = PresetModel(arch="llama", vocab_size=100, hidden_size=64, intermediate_size=128,
                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                    max_position_embeddings=64, dtype="float32")
 

@@ -16,7 +16,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from fusegen.jobs.bench.presets import ModelShape
+from fusegen.jobs.bench.presets import PresetModel
 
 _MARKER = "bench_shape.json"
 _EXPORT_MARKER = "bench_export.json"
@@ -33,7 +33,7 @@ def default_cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "fusegen"
 
 
-def shape_key(shape: ModelShape) -> str:
+def shape_key(shape: PresetModel) -> str:
     # A dense shape hashes without the MoE fields, as before they existed: cached
     # checkpoints stay valid.
     fields = {k: v for k, v in shape.to_dict().items() if v or k not in _MOE_FIELDS}
@@ -41,7 +41,7 @@ def shape_key(shape: ModelShape) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def checkpoint_dir(name: str, shape: ModelShape, cache_dir: Path) -> Path:
+def checkpoint_dir(name: str, shape: PresetModel, cache_dir: Path) -> Path:
     return Path(cache_dir) / "bench" / f"{name}-{shape_key(shape)}"
 
 
@@ -49,7 +49,7 @@ def is_built(path: Path) -> bool:
     return (path / _MARKER).is_file()
 
 
-def ensure_checkpoint(name: str, shape: ModelShape, cache_dir: Path,
+def ensure_checkpoint(name: str, shape: PresetModel, cache_dir: Path,
                       progress: Callable[[str], None] = lambda _: None) -> Path:
     """The checkpoint directory for `shape`, built first when missing."""
     path = checkpoint_dir(name, shape, cache_dir)
@@ -101,7 +101,7 @@ def _build_once(path: Path, build: Callable[[Path], object], marker: str, about:
     return path
 
 
-def _build(path: Path, shape: ModelShape) -> None:
+def _build(path: Path, shape: PresetModel) -> None:
     from fusegen.engine.models.synthetic import build_checkpoint
 
     build_checkpoint(

@@ -27,17 +27,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from fusegen.jobs.bench.presets import ModelShape
+from fusegen.jobs.bench.presets import PresetModel
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def _attention_params(shape: ModelShape) -> int:
+def _attention_params(shape: PresetModel) -> int:
     h, d = shape.hidden_size, shape.head_dim
     return h * shape.num_heads * d + 2 * h * shape.num_kv_heads * d + shape.num_heads * d * h
 
 
-def _mlp_params(shape: ModelShape, num_experts: int) -> int:
+def _mlp_params(shape: PresetModel, num_experts: int) -> int:
     """A dense MLP's weights; of a mixture of experts, the router's and `num_experts`
     experts'."""
     h = shape.hidden_size
@@ -46,17 +46,17 @@ def _mlp_params(shape: ModelShape, num_experts: int) -> int:
     return h * shape.num_experts + num_experts * 3 * h * shape.moe_intermediate_size
 
 
-def layer_linear_params(shape: ModelShape) -> int:
+def layer_linear_params(shape: PresetModel) -> int:
     """Weights of one decoder layer's projections that a token passes through (no norms,
     no biases; of a mixture of experts, the router and the experts it picks)."""
     return _attention_params(shape) + _mlp_params(shape, shape.num_experts_per_tok)
 
 
-def lm_head_params(shape: ModelShape) -> int:
+def lm_head_params(shape: PresetModel) -> int:
     return shape.hidden_size * shape.vocab_size
 
 
-def num_params(shape: ModelShape) -> int:
+def num_params(shape: PresetModel) -> int:
     """Every weight of the checkpoint, norms included (biases: Llama presets have none;
     a real model's biases and extra norms, < 0.1%, are left out)."""
     h = shape.hidden_size
@@ -67,7 +67,7 @@ def num_params(shape: ModelShape) -> int:
     return shape.num_layers * per_layer + embed + head + h  # + final norm
 
 
-def request_flops(shape: ModelShape, num_prompt: int, num_output: int) -> int:
+def request_flops(shape: PresetModel, num_prompt: int, num_output: int) -> int:
     if num_output < 1:
         return 0
     tokens = num_prompt + num_output - 1
@@ -77,14 +77,14 @@ def request_flops(shape: ModelShape, num_prompt: int, num_output: int) -> int:
     return linear + attention + head
 
 
-def workload_flops(shape: ModelShape, counts: Iterable[tuple[int, int]]) -> int:
+def workload_flops(shape: PresetModel, counts: Iterable[tuple[int, int]]) -> int:
     """counts: (prompt tokens, generated tokens) per request."""
     return sum(request_flops(shape, p, n) for p, n in counts)
 
 
 # --- bytes: the memory side of the roofline -------------------------------------------
 
-def weight_bytes(shape: ModelShape, dtype: str) -> int:
+def weight_bytes(shape: PresetModel, dtype: str) -> int:
     """Weights every step reads: all but the embedding table (a step gathers a few rows;
     of a mixture of experts, every expert: a batch's tokens pick most of them)."""
     streamed = num_params(shape) - shape.vocab_size * shape.hidden_size
@@ -93,11 +93,11 @@ def weight_bytes(shape: ModelShape, dtype: str) -> int:
     return streamed * DTYPE_BYTES[dtype]
 
 
-def kv_bytes_per_token(shape: ModelShape, dtype: str) -> int:
+def kv_bytes_per_token(shape: PresetModel, dtype: str) -> int:
     return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * DTYPE_BYTES[dtype]
 
 
-def request_kv_bytes(shape: ModelShape, dtype: str, num_prompt: int, num_output: int) -> int:
+def request_kv_bytes(shape: PresetModel, dtype: str, num_prompt: int, num_output: int) -> int:
     """KV bytes a request must read at least: its prompt's once (prefill), then for each
     generated token fed back (contexts p+1 .. p+n-1) its whole context."""
     fed_back = max(num_output - 1, 0)
@@ -105,7 +105,7 @@ def request_kv_bytes(shape: ModelShape, dtype: str, num_prompt: int, num_output:
     return entries * kv_bytes_per_token(shape, dtype)
 
 
-def memory_bound_seconds(shape: ModelShape, dtype: str, counts: list[tuple[int, int]],
+def memory_bound_seconds(shape: PresetModel, dtype: str, counts: list[tuple[int, int]],
                          num_steps: int, bandwidth: float, step_bytes: int | None = None) -> float:
     """The decode roofline: every step streams the weights once (`step_bytes`, as the
     engine holds them where it reported them: compressed weights read fewer; else the

@@ -21,7 +21,7 @@ from fusegen.jobs.bench.chat_prompts import make_chat_workload
 from fusegen.jobs.bench.checkpoint import default_cache_dir, ensure_checkpoint
 from fusegen.jobs.bench.model import (BenchModel, baseline_dir, load_tokenizer, random_model,
                                       resolve_bench_model)
-from fusegen.jobs.bench.presets import LengthDist, ModelShape, Preset
+from fusegen.jobs.bench.presets import LengthDist, Preset, PresetModel
 from fusegen.jobs.bench.report import build_report
 from fusegen.jobs.bench.results import EngineResult
 from fusegen.jobs.bench.workload import BenchRequest, make_workload, max_context
@@ -116,7 +116,7 @@ class BenchConfig:
         choose_tool(self.llamacpp, fixed)  # ValueError naming the folder and the setup script
 
     @property
-    def shape(self) -> ModelShape:
+    def shape(self) -> PresetModel:
         """The shape FLOPs and bytes are counted over: the real model's, or the preset's."""
         return self.preset.model if self.model is None else self.model.shape
 

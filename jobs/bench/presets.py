@@ -5,9 +5,11 @@ from dataclasses import asdict, dataclass, replace
 
 
 @dataclass(frozen=True, slots=True)
-class ModelShape:
-    """A decoder's shape: a Llama-family one as fusegen.engine.models.synthetic.build_checkpoint
-    takes it, or a real checkpoint's (`jobs/bench/model.py`)."""
+class PresetModel:
+    """The model a benchmark counts FLOPs and bytes over, as config.json numbers: a
+    preset's (a Llama-family shape as fusegen.engine.models.synthetic.build_checkpoint
+    takes it) or a real checkpoint's (`jobs/bench/model.py`, `shape_of`). Not the
+    engine's `ModelShape` (engine/memory), which is the plan's sizes in parameters."""
     arch: str  # config.json's model_type; "llama": the synthetic builder's LlamaForCausalLM
     vocab_size: int
     hidden_size: int
@@ -66,7 +68,7 @@ class OffloadSpec:
 @dataclass(frozen=True, slots=True)
 class Preset:
     name: str
-    model: ModelShape
+    model: PresetModel
     num_requests: int
     prompt_len: LengthDist
     output_len: LengthDist
@@ -105,7 +107,7 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(
         name="tiny",
-        model=ModelShape(arch="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
+        model=PresetModel(arch="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
                          num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                          max_position_embeddings=128, dtype="float32"),
         num_requests=12,
@@ -116,7 +118,7 @@ PRESETS: dict[str, Preset] = {
     ),
     "cpu-small": Preset(
         name="cpu-small",
-        model=ModelShape(arch="llama", vocab_size=32000, hidden_size=512, intermediate_size=1536,
+        model=PresetModel(arch="llama", vocab_size=32000, hidden_size=512, intermediate_size=1536,
                          num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64,
                          max_position_embeddings=1024, dtype="bfloat16"),
         num_requests=256,
@@ -129,7 +131,7 @@ PRESETS: dict[str, Preset] = {
     # ~200 and output mean ~180 with long tails, capped at 1024 each (as vLLM's script does).
     "gpu-8b": Preset(
         name="gpu-8b",
-        model=ModelShape(arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        model=PresetModel(arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                          num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
                          max_position_embeddings=4096, dtype="bfloat16"),
         num_requests=1000,
@@ -141,7 +143,7 @@ PRESETS: dict[str, Preset] = {
     # layers stream from pinned host memory.
     "gpu-offload": Preset(
         name="gpu-offload",
-        model=ModelShape(arch="llama", vocab_size=152064, hidden_size=5120,
+        model=PresetModel(arch="llama", vocab_size=152064, hidden_size=5120,
                          intermediate_size=27648, num_layers=64, num_heads=40, num_kv_heads=8,
                          head_dim=128, max_position_embeddings=4096, dtype="bfloat16"),
         num_requests=512,
@@ -157,7 +159,7 @@ PRESETS: dict[str, Preset] = {
 # 32..256 tokens (mean ~120).
 PRESETS["chat"] = Preset(
     name="chat",
-    model=ModelShape(arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+    model=PresetModel(arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                      num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
                      max_position_embeddings=8192, tie_word_embeddings=True, dtype="auto"),
     num_requests=64,
