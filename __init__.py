@@ -30,6 +30,19 @@ from fusegen.engine import (LLM, CompletionOutput, EngineConfig, EngineConfigErr
                             EngineOptions, LLMEngine, ModelConfig, ModelLoadError,
                             RequestOutput, SamplingParams)
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput",
+
+def _version() -> str:
+    """The installed distribution's version; a checkout run without installing (on
+    PYTHONPATH) has no metadata and says so."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fusegen")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+__version__ = _version()
+__all__ = ["__version__", "LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput",
            "EngineConfig", "EngineOptions",
            "ModelConfig", "ModelLoadError", "EngineConfigError"]

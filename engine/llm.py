@@ -4,19 +4,25 @@ future resolves as soon as its request finishes."""
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, InvalidStateError, as_completed
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, InvalidStateError, wait
 
 from tqdm import tqdm
 
 from fusegen.engine.config import EngineConfig
 from fusegen.engine.llm_engine import LLMEngine, Prompt
-from fusegen.engine.options import EngineOptions, describe
+from fusegen.engine.options import EngineOptions, describe, describe_vllm
 from fusegen.engine.outputs import RequestOutput
 from fusegen.engine.sampling_params import SamplingParams
-from fusegen.engine.tokenizer import PromptError, PromptLimit, messages_problem
+from fusegen.engine.tokenizer import PromptError, PromptLimit, Tokenizer, messages_problem
+
+# Prompts `generate` keeps submitted and unfinished, per request a step runs at most:
+# enough that every step finds a full batch waiting, few enough that an iterable of
+# millions of prompts is never held (nor tokenized) whole.
+_IN_FLIGHT_PER_SEQ = 4
 
 
 class LLM:
@@ -72,36 +78,67 @@ class LLM:
     def stats(self) -> dict:
         return self.engine.stats.as_dict(self.config.max_num_seqs)
 
+    def get_tokenizer(self) -> Tokenizer:
+        """The tokenizer prompts are encoded with (vLLM's `LLM.get_tokenizer`): `encode`,
+        `decode`, `apply_chat_template(messages, tokenize=False,
+        add_generation_prompt=True)` for a conversation's prompt text, `eos_token_ids`."""
+        return self.tokenizer
+
     def memory_report(self) -> dict:
         """Bytes per memory tier (device, host, disk) for weights and KV cache, the
         budgets, and the device peak."""
         return self.engine.memory_report()
+
+    def engine_load(self) -> dict:
+        """Running and waiting requests and the KV cache's used fraction: a snapshot,
+        read without a lock, for a progress line."""
+        return self.engine.load()
 
     @property
     def placement(self):
         """The placement plan (engine.memory.placement.PlacementPlan); `.table()` prints it."""
         return self.config.placement
 
-    def generate(self, prompts: Sequence[Prompt] | Prompt,
+    def generate(self, prompts: Iterable[Prompt] | Prompt,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool | Callable = True) -> list[RequestOutput]:
         """One output per prompt, in input order, as vLLM's `LLM.generate`: a prompt is a
         string, a list of token ids, or a dict with "prompt" or "prompt_token_ids";
-        `sampling_params` one for all or one per prompt (each with its `n` completions
-        in `output.outputs`); `use_tqdm`: a progress bar of finished prompts on stderr
-        (or a tqdm-like class to draw it). A bad prompt gives an output with
-        finish_reason "error"; it never fails the others. Interrupted (Ctrl-C), it drops
-        its requests from the engine before it raises; other callers' go on."""
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+        `prompts` one of them or any iterable of them (a generator included: it is read
+        as the engine takes prompts, a few batches ahead, never whole); `sampling_params`
+        one for all or one per prompt (each with its `n` completions in
+        `output.outputs`); `use_tqdm`: a progress bar of finished prompts on stderr (or a
+        tqdm-like class to draw it). A bad prompt gives an output with finish_reason
+        "error"; it never fails the others. Interrupted (Ctrl-C), it drops its requests
+        from the engine before it raises; other callers' go on."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                                and isinstance(prompts[0], int)):
             prompts = [prompts]
-        prompts = [_prompt_of(p) for p in prompts]
-        params = _params_per_prompt(sampling_params, len(prompts), "prompts")
-        futures = self.submit_many(list(zip(prompts, params)))
+        total = len(prompts) if hasattr(prompts, "__len__") else None
+        pairs = _paired(prompts, sampling_params, total, "prompts")
+        in_flight = _IN_FLIGHT_PER_SEQ * self.config.max_num_seqs
+        with _Progress(use_tqdm, total) as progress:
+            return self._stream(pairs, in_flight, progress)
+
+    def _stream(self, pairs: Iterator[tuple[Prompt, SamplingParams]], in_flight: int,
+                progress: _Progress) -> list[RequestOutput]:
+        """Submit `pairs` as earlier ones finish, `in_flight` prompts unfinished at most;
+        the outputs in input order."""
+        futures: list[Future] = []
+        pending: set[Future] = set()
         try:
-            _progress(futures, use_tqdm)
-            return [f.result() for f in futures]
+            while True:
+                batch = [(_prompt_of(p), params) for p, params in
+                         itertools.islice(pairs, in_flight - len(pending))]
+                submitted = self.submit_many(batch) if batch else []
+                futures += submitted
+                pending.update(submitted)
+                if not pending:
+                    return [f.result() for f in futures]
+                done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                progress.advance(done)
         except BaseException:  # KeyboardInterrupt above all: nobody waits for the rest
-            self._cancel(futures)
+            self._cancel(list(pending))
             raise
 
     def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
@@ -327,6 +364,31 @@ def _prompt_of(prompt):
     return prompt
 
 
+def _paired(prompts: Iterable, params, total: int | None, what: str
+            ) -> Iterator[tuple[Prompt, SamplingParams]]:
+    """(prompt, its SamplingParams) for each of `prompts` (`total` of them, None when
+    unknown until the iterable ends), `params` one for all or one per prompt; a count
+    that differs is a ValueError, before any is submitted when `total` is known."""
+    if params is None or isinstance(params, SamplingParams):
+        return zip(prompts, itertools.repeat(params or SamplingParams()))
+    if total is not None:
+        return zip(prompts, _params_per_prompt(params, total, what))
+    return _zip_counted(prompts, list(params), what)
+
+
+def _zip_counted(prompts: Iterable, params: list[SamplingParams], what: str):
+    count = 0
+    for prompt in prompts:
+        if count == len(params):
+            raise ValueError(f"more {what} than the {len(params)} SamplingParams; pass one "
+                             f"SamplingParams for all, or one per {what[:-1]}")
+        yield prompt, params[count]
+        count += 1
+    if count != len(params):
+        raise ValueError(f"{count} {what} but {len(params)} SamplingParams; pass one "
+                         f"SamplingParams for all, or one per {what[:-1]}")
+
+
 def _params_per_prompt(params, count: int, what: str) -> list[SamplingParams]:
     if params is None or isinstance(params, SamplingParams):
         return [params or SamplingParams()] * count
@@ -336,22 +398,37 @@ def _params_per_prompt(params, count: int, what: str) -> list[SamplingParams]:
     return list(params)
 
 
-def _progress(futures: list[Future], use_tqdm: bool | Callable) -> None:
-    """A bar of finished prompts and generated tokens, drawn by this (the caller's)
-    thread until every future is done; nothing when `use_tqdm` is false."""
-    if not use_tqdm or not futures:
-        return
-    bar_cls = use_tqdm if callable(use_tqdm) else tqdm  # vLLM's form: a tqdm subclass
-    tokens = 0
-    with bar_cls(total=len(futures), desc="Processed prompts", unit="prompt",
-                 dynamic_ncols=True) as bar:
-        for future in as_completed(futures):
+class _Progress:
+    """A bar of finished prompts (of `total`, when known) and output tok/s on stderr,
+    drawn by the caller's thread; `use_tqdm` a tqdm-like class draws it (vLLM's form),
+    and none is drawn when it is false or there are no prompts."""
+
+    def __init__(self, use_tqdm: bool | Callable, total: int | None):
+        self._bar = None
+        self._tokens = 0
+        if use_tqdm and total != 0:
+            bar_cls = use_tqdm if callable(use_tqdm) else tqdm
+            self._bar = bar_cls(total=total, desc="Processed prompts", unit="prompt",
+                                dynamic_ncols=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self._bar is not None:
+            self._bar.close()
+
+    def advance(self, done: set[Future]) -> None:
+        if self._bar is None:
+            return
+        for future in done:
             if not future.cancelled() and future.exception() is None:
-                tokens += future.result().num_generated_tokens
-            elapsed = bar.format_dict.get("elapsed") or 0.0  # a tqdm (sub)class's
-            if elapsed:
-                bar.set_postfix_str(f"output: {tokens / elapsed:.1f} tok/s", refresh=False)
-            bar.update(1)
+                self._tokens += future.result().num_generated_tokens
+        elapsed = self._bar.format_dict.get("elapsed") or 0.0  # a tqdm (sub)class's
+        if elapsed:
+            self._bar.set_postfix_str(f"output: {self._tokens / elapsed:.1f} tok/s",
+                                      refresh=False)
+        self._bar.update(len(done))
 
 
-LLM.__init__.__doc__ += "\n\n" + describe()
+LLM.__init__.__doc__ += "\n\n" + describe() + "\n\n" + describe_vllm()

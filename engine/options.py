@@ -15,6 +15,9 @@ from fusegen.engine.errors import EngineConfigError
 from fusegen.engine.memory.placement import parse_bytes
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# vLLM's (and torch's) other names for them: read as fusegen's, so a job records one name.
+DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp16": "float16", "bf16": "bfloat16",
+                 "fp32": "float32"}
 # vLLM's `quantization=` keyword: None (the checkpoint's own form), and the forms fusegen
 # runs; engine/config.py checks each against the model and device before anything loads.
 QUANTIZATIONS = (None, "dequantize", "gguf", "int8", "int4", "fp8")
@@ -36,7 +39,8 @@ class EngineOptions:
     dtype: str = option(
         "auto", "Weights dtype: auto, float32, bfloat16, float16 (auto: bf16 on GPUs and on "
         "CPUs with bf16 units by their flags (AMX, AVX512_BF16), fp32 elsewhere; a job "
-        "records the dtype it resolved to and resumes only in it).",
+        "records the dtype it resolved to and resumes only in it). vLLM's half and float "
+        "are read as float16 and float32.",
         affects_output=True)
     device: str = option("auto", "Engine device: auto, cpu, cuda, cuda:N, or for a device "
                          "group one GPU per rank, cuda:0,1,... (auto: cuda when present).")
@@ -133,6 +137,8 @@ class EngineOptions:
         kind=int)
 
     def __post_init__(self):
+        if isinstance(self.dtype, str):
+            self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.dtype not in DTYPES:
             raise EngineConfigError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
         device = self.device
@@ -226,9 +232,45 @@ UNSUPPORTED = {
 }
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+
+
+def _is_bool(value) -> bool:
+    return isinstance(value, bool)
+
+
+# vLLM's options that ask for what fusegen does anyway: each name's accepted values (a
+# test of the value, and how the error describes them) and why it changes nothing; any
+# other value is refused with what to do instead.
+NO_OPS = {
+    "swap_space": (_is_number, "a number of GiB >= 0",
+                   "vLLM's V1 engine swaps no KV blocks to the CPU either (it recomputes "
+                   "preempted requests); fusegen's host KV pool is num_host_kv_blocks"),
+    "disable_log_stats": (_is_bool, "true or false",
+                          "fusegen's LLM logs no periodic engine stats; llm.stats() returns "
+                          "them"),
+    "enable_chunked_prefill": (lambda v: v is None or v is True, "True (or None)",
+                               "fusegen always splits a prompt longer than "
+                               "max_num_batched_tokens into chunks; to run each prompt in one "
+                               "step, set max_num_batched_tokens to at least the longest "
+                               "prompt's length instead"),
+    "tokenizer_mode": (lambda v: v in ("auto", "hf"), "'auto' (or 'hf')",
+                       "fusegen reads the model's tokenizer.json with the tokenizers library, "
+                       "as vLLM's auto mode does; it has no slow or mistral tokenizer mode"),
+    "kv_cache_dtype": (lambda v: v == "auto", "'auto'",
+                       "fusegen keeps KV blocks in the dtype the model runs in"),
+    "load_format": (lambda v: v in ("auto", "safetensors", "gguf"),
+                    "'auto', 'safetensors' or 'gguf'",
+                    "fusegen reads the format of the files the model path holds (pickle "
+                    "files with allow_pickle=True)"),
+}
+
+
 def _from_vllm(options: dict) -> dict:
     """`options` with vLLM's names read as fusegen's; a name fusegen does not support,
-    or a value of `UNSUPPORTED` other than its no-op, is an error naming it."""
+    or a value of `UNSUPPORTED` or `NO_OPS` other than the ones that ask for nothing, is
+    an error naming it."""
     out = {k: v for k, v in options.items() if k in NAMES}
     for name, value in options.items():
         if name in NAMES:
@@ -238,13 +280,33 @@ def _from_vllm(options: dict) -> dict:
             if value is not noop and value != noop:
                 raise EngineConfigError(f"{name}={value!r}: fusegen does not support "
                                         f"{name}; {instead}")
+        elif name in NO_OPS:
+            accepts, values, why = NO_OPS[name]
+            if not accepts(value):
+                raise EngineConfigError(f"{name}={value!r}: fusegen accepts {name} only as "
+                                        f"{values}, a no-op: {why}")
         elif name in ALIASES:
             _merge(out, ALIASES[name](value), name)
         else:
             raise EngineConfigError(
                 f"{name}: fusegen does not support this engine option; the options are "
-                f"{', '.join(NAMES)} (and vLLM's {', '.join(ALIASES)})")
+                f"{', '.join(NAMES)} (and vLLM's {', '.join(VLLM_NAMES)})")
     return out
+
+
+# vLLM's keywords `LLM(...)` takes besides fusegen's own.
+VLLM_NAMES = (*ALIASES, *NO_OPS, *UNSUPPORTED)
+
+
+def describe_vllm() -> str:
+    """vLLM's keywords that `LLM(...)` accepts, each with what it does here."""
+    lines = ["    gpu_memory_utilization: read as device_memory, a fraction of the free "
+             "device memory."]
+    lines += [f"    {name} (only {values}): no-op; {why}."
+              for name, (_, values, why) in NO_OPS.items()]
+    lines += [f"    {name} (only {noop!r}): {instead}."
+              for name, (noop, instead) in UNSUPPORTED.items()]
+    return "vLLM's keywords:\n\n" + "\n".join(lines)
 
 
 def _merge(out: dict, mapped: dict, alias: str) -> None:

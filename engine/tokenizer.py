@@ -124,8 +124,10 @@ class Tokenizer:
         return _clean_up_tokenization(text) if self._clean_up_spaces else text
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            chat_template: str | None = None) -> str:
-        """The conversation as the model's template (or `chat_template`) writes it. Keys
+                            chat_template: str | None = None, *, tokenize: bool = False
+                            ) -> str | list[int]:
+        """The conversation as the model's template (or `chat_template`) writes it (with
+        `tokenize`, as transformers' keyword: its ids, `encode_chat`'s). Keys
         whose value is None are left out, as transformers does: a Parquet struct column
         has every field in every row, and templates test for a key, not for None.
 
@@ -133,6 +135,8 @@ class Tokenizer:
         template that runs too long raises TemplateTimeError naming it, one that builds
         too large a value TemplateSizeError, and text longer than the prompt limit
         PromptError (prompt_too_long), as soon as it passes it."""
+        if tokenize:
+            return self.encode_chat(messages, add_generation_prompt, chat_template)
         if not chat_template and self.chat_template is None:
             raise ValueError(self._no_template_message())
         source, origin = self._template(chat_template)

@@ -11,7 +11,7 @@ import pytest
 from checkpoints import hf_greedy
 from fusegen.engine import LLM, SamplingParams
 from fusegen.engine.errors import EngineConfigError, ModelLoadError
-from fusegen.engine.options import NAMES, EngineOptions
+from fusegen.engine.options import NAMES, VLLM_NAMES, EngineOptions
 from fusegen.engine.tokenizer import Tokenizer
 
 PROMPTS = ["Hello there", "The quick brown fox jumps over the lazy dog."]
@@ -243,8 +243,8 @@ REFUSED = [
      "of the free device memory; got 1.5"),
     (dict(gpu_memory_utilization=0.9, device_memory="1GiB"), "gpu_memory_utilization and "
      "device_memory both set the device_memory; pass one"),
-    (dict(swap_space=4), "swap_space: fusegen does not support this engine option; the "
-     f"options are {', '.join(NAMES)} (and vLLM's gpu_memory_utilization)"),
+    (dict(speculative_config={}), "speculative_config: fusegen does not support this "
+     f"engine option; the options are {', '.join(NAMES)} (and vLLM's {', '.join(VLLM_NAMES)})"),
     (dict(tokenizer=""), "tokenizer must be a path or a hub id (org/name); got ''"),
 ]
 
