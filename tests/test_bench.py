@@ -70,7 +70,8 @@ def test_bytes_by_hand():
 
 
 def test_moe_flops_count_the_experts_each_token_runs_through():
-    moe = replace(SHAPE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    moe = replace(SHAPE, arch="mixtral", num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=32)
     # attention 12288 (q 4096 + k 2048 + v 2048 + o 4096) + router 64*4 + 2 experts of 3*64*32
     assert flops.layer_linear_params(moe) == 12288 + 256 + 2 * 6144 == 24832
     assert flops.request_flops(moe, 1, 1) == 2 * 2 * 24832 + 512 + 12800

@@ -54,3 +54,32 @@ def test_mixture_of_experts_is_pinned():
     assert flops.layer_linear_params(moe) == 1576960
     assert flops.weight_bytes(moe, "bfloat16") == 95765504
     assert flops.workload_flops(moe, COUNTS) == 117411627008
+
+
+def test_a_real_models_extra_norms_are_counted():
+    # Qwen3's q/k head norms are in its tensor table, so --model counts them as
+    # transformers does.
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from fusegen.engine.models.config import ModelConfig
+    from fusegen.jobs.bench.model import shape_of
+
+    config = Qwen3Config(vocab_size=100, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, tie_word_embeddings=False)
+    shape = shape_of(ModelConfig.from_dict({**config.to_dict(),
+                                            "architectures": ["Qwen3ForCausalLM"]}))
+    assert shape.arch == "qwen3"
+    assert flops.num_params(shape) == sum(p.numel() for p in Qwen3ForCausalLM(config).parameters())
+    # tiny's numbers with a vocabulary of 100 (embedding and head), plus 2 layers' q and
+    # k norms of 16: what the Llama formula used to give it, and more
+    assert flops.num_params(shape) == PINNED["tiny"][0] - 2 * (512 - 100) * 64 + 2 * 2 * 16
+
+
+def test_experts_on_an_architecture_without_them_are_refused():
+    moe = replace(PRESETS["tiny"].model, num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=32)
+    with pytest.raises(ValueError, match="'llama' has no mixture of experts; num_experts 4"):
+        flops.num_params(moe)
+    with pytest.raises(ValueError, match="model arch 'gpt2' is none fusegen runs"):
+        flops.num_params(replace(PRESETS["tiny"].model, arch="gpt2"))

@@ -5,10 +5,12 @@ FLOPs of one request with `p` prompt tokens and `n` generated tokens (n >= 1):
 - The model runs T = p + n - 1 tokens through its layers: the whole prompt, then every
   generated token but the last (it is sampled and returned, never fed back).
 - Linear layers: 2 FLOPs (a multiply and an add) per weight per token, over the
-  weights of the decoder layers' projections q, k, v, o, gate, up, down. The embedding
-  lookup is a gather (no FLOPs); norms and biases (< 0.1%) are left out.
-      2 * T * num_layers * (h*nh*d + 2*h*nkv*d + nh*d*h + 3*h*i)
-  (a mixture of experts: 3*h*i becomes the router's h*E and k experts' k*3*h*i_expert.)
+  matrices of a decoder layer as its architecture's tensor table lists them
+  (`engine/models`: q, k, v, o, gate, up, down for Llama). The embedding lookup is a
+  gather (no FLOPs); norms and biases (vectors, < 0.1%) are left out.
+      2 * T * num_layers * (h*nh*d + 2*h*nkv*d + nh*d*h + 3*h*i)   (Llama)
+  (a mixture of experts: the MLP's tensors hold all E experts; a token runs through the
+  router and k of them: 3*h*i becomes h*E + k*3*h*i_expert.)
 - Attention: the token at position t (0-based) attends to its context c = t + 1 (itself
   and everything before, causal). Per layer and head, q.K^T is c dot products of length
   d (2*c*d FLOPs) and P.V the same again: 4*c*d. Over positions t = 0..T-1 the contexts
@@ -25,31 +27,42 @@ so engines that pad or recompute get no credit for it.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
+from functools import lru_cache
 
 from fusegen.jobs.bench.presets import PresetModel
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# A mixture of experts' MLP parameters: each holds every expert's tensors (models/moe.py).
+_EXPERT_PARAMS = ("gate_up.weight", "down.weight")
 
 
-def _attention_params(shape: PresetModel) -> int:
-    h, d = shape.hidden_size, shape.head_dim
-    return h * shape.num_heads * d + 2 * h * shape.num_kv_heads * d + shape.num_heads * d * h
+@lru_cache(maxsize=64)
+def _counts(shape: PresetModel) -> tuple[int, int]:
+    """(every weight of the checkpoint, the weights of one layer's matrices a token
+    passes through), from the architecture's tensor tables."""
+    from fusegen.engine.models import get_architecture
 
-
-def _mlp_params(shape: PresetModel, num_experts: int) -> int:
-    """A dense MLP's weights; of a mixture of experts, the router's and `num_experts`
-    experts'."""
-    h = shape.hidden_size
-    if not shape.num_experts:
-        return 3 * h * shape.intermediate_size
-    return h * shape.num_experts + num_experts * 3 * h * shape.moe_intermediate_size
+    cfg = shape.model_config()
+    arch = get_architecture(cfg.architecture)
+    linear = experts = 0
+    for _, dims, param in arch.layer_tensors(cfg):
+        if len(dims) != 2:
+            continue  # a norm or a bias: no matmul
+        if cfg.num_experts and param in _EXPERT_PARAMS:
+            experts += math.prod(dims)
+        else:
+            linear += math.prod(dims)
+    linear += experts * cfg.num_experts_per_tok // max(cfg.num_experts, 1)
+    total = cfg.num_layers * arch.layer_numel(cfg) + arch.fixed_numel(cfg)
+    return total, linear
 
 
 def layer_linear_params(shape: PresetModel) -> int:
     """Weights of one decoder layer's projections that a token passes through (no norms,
     no biases; of a mixture of experts, the router and the experts it picks)."""
-    return _attention_params(shape) + _mlp_params(shape, shape.num_experts_per_tok)
+    return _counts(shape)[1]
 
 
 def lm_head_params(shape: PresetModel) -> int:
@@ -57,14 +70,9 @@ def lm_head_params(shape: PresetModel) -> int:
 
 
 def num_params(shape: PresetModel) -> int:
-    """Every weight of the checkpoint, norms included (biases: Llama presets have none;
-    a real model's biases and extra norms, < 0.1%, are left out)."""
-    h = shape.hidden_size
-    # every expert, + input and post-attention RMSNorm
-    per_layer = _attention_params(shape) + _mlp_params(shape, shape.num_experts) + 2 * h
-    embed = shape.vocab_size * h
-    head = 0 if shape.tie_word_embeddings else lm_head_params(shape)
-    return shape.num_layers * per_layer + embed + head + h  # + final norm
+    """Every weight of the checkpoint its architecture's tensor tables list: norms
+    included, every expert; biases as `model_config` sets them (none)."""
+    return _counts(shape)[0]
 
 
 def request_flops(shape: PresetModel, num_prompt: int, num_output: int) -> int:

@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fusegen.engine.models.config import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +35,36 @@ class PresetModel:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def model_config(self) -> ModelConfig:
+        """The engine's config of a model of these numbers, for its architecture's tensor
+        tables (`engine/models`: what a checkpoint of it holds). Biases off, as the
+        presets' checkpoints have them; a real model's biases are not among the numbers."""
+        from fusegen.engine.models import SUPPORTED_ARCHITECTURES, get_architecture
+        from fusegen.engine.models.config import ModelConfig
+
+        by_type = {get_architecture(name).model_type: name for name in SUPPORTED_ARCHITECTURES}
+        if self.arch not in by_type:
+            raise ValueError(f"model arch {self.arch!r} is none fusegen runs; one of "
+                             f"{', '.join(sorted(by_type))}")
+        from fusegen.engine.models.moe import MoeArchitecture
+
+        if self.num_experts and not isinstance(get_architecture(by_type[self.arch]),
+                                               MoeArchitecture):
+            raise ValueError(f"model arch {self.arch!r} has no mixture of experts; "
+                             f"num_experts {self.num_experts} needs one that does")
+        return ModelConfig(
+            architecture=by_type[self.arch], vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_layers=self.num_layers, num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            max_position_embeddings=self.max_position_embeddings, rms_norm_eps=1e-6,
+            rope_theta=10000.0, rope_scaling=None,
+            tie_word_embeddings=self.tie_word_embeddings, qkv_bias=False, o_bias=False,
+            mlp_bias=False, sliding_window=0, bos_token_id=None, eos_token_ids=[],
+            torch_dtype=self.dtype, num_experts=self.num_experts,
+            num_experts_per_tok=self.num_experts_per_tok,
+            moe_intermediate_size=self.moe_intermediate_size)
 
 
 @dataclass(frozen=True, slots=True)
