@@ -3,8 +3,8 @@
 A CPU step allocates its activations afresh: a 2048-token step of a small model asks
 for tens of [2048, 3072] fp32 buffers (25 MB each). glibc serves requests that large
 with mmap and returns them to the kernel on free, so every step page-faults each of
-them in again and the kernel zeroes every page first: 44,000 faults per step on the
-cpu-prefill benchmark, about a tenth of the step. Raising glibc's mmap threshold to its
+them in again and the kernel zeroes every page first (tens of thousands of faults, a
+sizeable share of a prefill step). Raising glibc's mmap threshold to its
 maximum (32 MiB) and its trim threshold keeps freed buffers in the heap, to be reused by
 the next step (the same reason vLLM's CPU engine preloads tcmalloc). The cost is that
 the heap keeps the step's peak activation memory, which the memory plan reserves anyway.
@@ -13,20 +13,18 @@ Threads share glibc's main arena (M_ARENA_MAX 1, set as `import fusegen` starts,
 torch or numpy start threads: a thread that already holds an arena keeps it, and later
 threads would be handed the arenas there are in turn). A thread of its own, the
 engine's, would get an arena of 64 MiB heaps, which a 2,048-token step's activations
-outgrow, and its buffers land on fresh pages step after step: on the cpu-small
-benchmark one arena takes 100,000 page faults (a quarter) off a run and 2% off its time
-(docs/performance.md). fusegen's threads seldom allocate at the same moment, so they do
-not queue on the arena's lock.
+outgrow, and its buffers would land on fresh pages step after step
+(docs/performance.md has the fault counts). fusegen's threads seldom allocate at the
+same moment, so they do not queue on the arena's lock.
 
 The KV cache stays on 4 KiB pages. It is read in blocks scattered over gigabytes, and
 on huge pages (`madvise`, `zeros_lazy(huge=True)`) decode attention reads a few percent
-faster (1-8% measured), but the pool is touched for the first time while the engine
-runs (each prefill writes fresh blocks), and where the kernel has to compact memory to
-find free 2 MiB frames (Linux's default `defrag=madvise` does that for advised
-mappings) a huge page's first touch costs up to ten times what 512 small pages do:
-measured on a 2-core cloud VM, 0.6-4.7 ms against 0.4 ms a 2 MiB, 35 ms of a
-2,048-token prefill step's 220. A probe of a few pages cannot tell: the first few
-frames are often free, the next thousand are not.
+faster, but the pool is touched for the first time while the engine runs (each prefill
+writes fresh blocks), and where the kernel has to compact memory to find free 2 MiB
+frames (Linux's default `defrag=madvise` does that for advised mappings) a huge page's
+first touch can cost ten times what 512 small pages do, a large share of a prefill step
+(docs/performance.md). A probe of a few pages cannot tell: the first few frames are
+often free, the next thousand are not.
 """
 from __future__ import annotations
 

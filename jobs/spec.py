@@ -35,8 +35,8 @@ ROW_ID_COLUMN = "row_id"  # added when --id-column is not given (`jobs/rows.py`)
 MESSAGES_COLUMN = "messages"
 
 # Where a job's engine defaults differ from the engine's: jobs run batch-invariant, so a
-# resumed job equals an uninterrupted one byte for byte (it costs ~13% of throughput:
-# docs/performance.md).
+# resumed job equals an uninterrupted one byte for byte (what that costs depends on the
+# CPU and the weights' form: docs/performance.md).
 ENGINE_DEFAULTS = {"deterministic": True}
 # The engine options a job takes: all but the engine-wide seed, which goes unused (each
 # row samples with its own seed, derived from the job's `seed`: `jobs/rows.py`).

@@ -1,12 +1,11 @@
 """Kernels: one file per operation, each with a Triton kernel, a torch reference and a
-dispatcher that picks Triton on CUDA and the reference elsewhere.
+dispatcher: Triton on CUDA (`use_triton`); on CPUs the C kernel where the operation has
+one (`csrc/`, built by `native.py` on first use: `use_native`), else the reference.
 
-FUSEGEN_KERNELS overrides the choice: `reference` everywhere, or `triton` everywhere,
-which with TRITON_INTERPRET=1 runs the engine's whole Triton path on CPU tensors (how
-the test suite checks the GPU path's logic on a machine without a GPU).
-
-On CPUs, operations that torch cannot do well have C kernels (`kernels/native.py`),
-compiled on first use; `reference` skips them too."""
+FUSEGEN_KERNELS overrides the choice: `reference` everywhere (the C kernels skipped
+too), or `triton` everywhere, which with TRITON_INTERPRET=1 runs the engine's whole
+Triton path on CPU tensors (how the test suite checks the GPU path's logic on a machine
+without a GPU)."""
 import functools
 import os
 

@@ -20,10 +20,10 @@ Batch invariance (deterministic mode): an output element is the sum over k-tiles
 ascending order, of that tile's dot product, and BLOCK_K is one constant (_BLOCK_K,
 whatever M), so the tiles and their order along in_features are the same for a row
 alone and inside any batch. That is not enough on a GPU: the tensor-core instruction
-that sums a k-tile must be the same too. Measured on an H200 (Triton 3.6, int4 [4096 ->
-14336], 2026-11-26): every config with BLOCK_M 16 or 32 (mma.sync) gives the same bits,
-every config with BLOCK_M 64 or 128 (wgmma) gives the same bits, and the two families
-differ in 240 of 256 rows; BLOCK_N, num_warps and num_stages changed nothing. So
+that sums a k-tile must be the same too. On an H200 (Triton 3.6, int4 [4096 -> 14336])
+every config with BLOCK_M 16 or 32 (mma.sync) gives the same bits, every config with
+BLOCK_M 64 or 128 (wgmma) gives the same bits, and the two families differ in most rows;
+BLOCK_N, num_warps and num_stages change nothing. So
 `batch_invariant=True` (the default) keeps BLOCK_M <= 32 for every M, and a row's result
 is bit-identical alone or batched (under the interpreter and on the GPU; tests and
 tests/gpu/quant_bench.py check both). `batch_invariant=False` lets M > 64 take

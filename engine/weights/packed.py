@@ -2,11 +2,10 @@
 
 A BLAS call re-lays out (packs) the weight matrix into the blocks its micro-kernel
 reads on every call. For the engine's shapes (a few hundred rows against a
-[3072, 512] or [32000, 512] weight) that repacking is most of the call: measured on
-a 2-core AVX2 EPYC, torch's fp32 `F.linear` (MKL) reaches 35-60 GFLOP/s at 16-128
-rows where oneDNN on a weight packed once at load reaches 80-125 (docs/performance.md).
-So on CPUs fusegen packs every resident weight at load, with oneDNN's
-`_reorder_linear_weight`, and calls oneDNN's linear on it.
+[3072, 512] or [32000, 512] weight) that repacking is most of the call, so on CPUs
+fusegen packs every resident weight once at load, with oneDNN's
+`_reorder_linear_weight`, and calls oneDNN's linear on it (docs/performance.md has
+the two side by side).
 
 The packed tensor replaces the dense weight (the same bytes; the dense copy is
 freed), so it costs no memory, except for a head tied to the embedding, which keeps
@@ -21,10 +20,10 @@ FUSEGEN_KERNELS=reference turns packing off, like the other CPU kernels.
 On AVX-512 CPUs a call of up to `DP_ROWS` rows (a decode step's) goes to fusegen's own
 kernels (kernels/csrc/gemm_tiles.c) on the same packed weight, oneDNN's result to the
 bit: in fp32, and in bf16 where the CPU has AVX512_BF16 and no AMX (whose tiles oneDNN
-uses). In a decode step oneDNN's call costs 40-60 us more than the same call made
-twice in a row (its state comes back from memory after the attention kernel has
-streamed the KV cache); fusegen's takes a decode step's bf16 linears from 1,233 to
-1,052 us a layer in that state (docs/performance.md). A probe per weight shape checks
+uses). In a decode step oneDNN's call pays for its own state coming back from memory
+(the attention kernel has just streamed the KV cache through the caches); fusegen's
+kernel keeps no such state, which makes it the faster of the two for decode-sized calls
+(docs/performance.md). A probe per weight shape checks
 the layout and finds oneDNN's blocking over the input channels (for one row and for
 more: oneDNN blocks fp32 rows differently when there is one); a shape that does not
 match to the bit stays with oneDNN.
@@ -49,15 +48,15 @@ from fusegen.engine.weights.linear import Linear, row_tiled
 
 log = logging.getLogger("fusegen.engine")
 
-# Rows up to which a call takes fusegen's kernel where it can (module docstring): measured
-# at least as fast as oneDNN up to here for a small model's shapes, slower at 4,096
-# (prefill steps).
+# Rows up to which a call takes fusegen's kernel where it can (module docstring): up to
+# here it is at least as fast as oneDNN for a small model's shapes; prefill steps of
+# thousands of rows are oneDNN's.
 DP_ROWS = 1024
 # Bytes of a weight tile (64 columns by the input channels) up to which it does: the
-# kernel reads a tile once per 6 rows, from L2 while the tile fits there. Past it, a 1B
-# model's bf16 down projection (8,192 channels, 1 MB tiles) ran 25-50% slower than
-# oneDNN's at 8-32 rows, whose blocking over the channels keeps its tiles in cache
-# (docs/performance.md). 4,096 channels in bf16, 2,048 in fp32.
+# kernel reads a tile once per 6 rows, from L2 while the tile fits there. Past it (a 1B
+# model's bf16 down projection: 8,192 channels, 1 MB tiles) oneDNN, whose blocking over
+# the channels keeps its tiles in cache, is the faster. 4,096 channels in bf16, 2,048 in
+# fp32.
 DP_MAX_TILE = 512 * 1024
 # per dtype: the kernel, its bit in gemm_tiles_available(), oneDNN's padding of the channels
 _DP_DTYPES = {torch.bfloat16: ("gemm_tiles_bf16", 1, 32),
@@ -273,8 +272,8 @@ def pack_linear(linear: Linear, batch_hint: int) -> Linear:
 @functools.cache
 def _native_gemm() -> bool:
     """Whether fp32 weights go to fusegen's GEMM: on CPUs whose widest vectors are AVX2's
-    (its micro-kernel's), where it measured faster than oneDNN at every row count; on
-    AVX-512 CPUs oneDNN's 16-lane kernels are the faster choice."""
+    (its micro-kernel's), where it is faster than oneDNN at every row count; on AVX-512
+    CPUs oneDNN's 16-lane kernels are the faster choice."""
     from fusegen.kernels import native
 
     return torch.backends.cpu.get_cpu_capability() == "AVX2" and native.library() is not None

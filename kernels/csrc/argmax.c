@@ -1,13 +1,13 @@
 /* Row-wise argmax of fp32 or bf16 logits: the greedy sampler's token per row.
  *
  * torch's CPU argmax over [N, vocab] logits keeps an index beside every compared
- * value and does not vectorise that loop: 7-15 ms for 125 rows of 32000 on a 2-core
- * AVX2 machine. Two vectorised passes per row instead: the maximum (a plain max
+ * value and does not vectorise that loop, milliseconds a decode step at a 32,000-token
+ * vocabulary. Two vectorised passes per row instead: the maximum (a plain max
  * reduction), then the first index holding it, which is torch's answer on ties.
  * Logits may be -inf (masked tokens; a row a constraint or a logits processor masks
  * whole), so this file keeps infinities out of -ffast-math's finite-math assumption,
- * under which "the first index holding -inf" was never found and the scan ran past
- * the row. NaN is a model fault; the scan still stops at the row's last index.
+ * under which the compiler may drop the comparison that finds "the first index holding
+ * -inf", and the scan would run past the row. NaN is a model fault; the scan still stops at the row's last index.
  * bf16 logits are compared as the fp32 values they widen to, exactly: the answer is
  * argmax_f32's over the widened rows, without writing them. With AVX-512 BW, a bf16
  * row takes one pass over 16-bit keys that order as the values do (32 a vector, where

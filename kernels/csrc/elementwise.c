@@ -356,8 +356,8 @@ static inline void copy_heads(const char *src, int64_t src_h, char *dst, int64_t
  * returns 1 when a position is outside the rotary table's num_positions rows, 2 when a
  * slot is at or past num_slots, 0 when done. Steps under 32 tokens stay on the calling
  * thread. A decode step's writes land on scattered slots, each a cache miss and some a
- * fresh page, so from 32 rows on two threads pay: 93 to 60 us a layer for cpu-small's
- * ~135 decode rows in the engine (docs/performance.md). */
+ * fresh page, so from 32 rows on, several threads keep more of those misses in flight
+ * and pay for their start (docs/performance.md). */
 #define DEFINE_ROTARY_CACHE(SUFFIX, T, BF16)                                                \
 int rotary_cache_##SUFFIX(const int64_t *positions, T *q, T *k, const T *v, const T *cos_t, \
                           const T *sin_t, T *k_cache, T *v_cache, const int64_t *slots,     \

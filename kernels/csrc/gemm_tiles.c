@@ -18,8 +18,8 @@
  *
  * Why not oneDNN for these calls: in a decode step each linear runs after attention has
  * streamed tens of megabytes of KV cache through the caches, and oneDNN's call then
- * costs 40-60 us more than the same call back to back (its dispatch, primitive and
- * scratch state come back from memory). These kernels are a few kilobytes of code and
+ * costs far more than the same call back to back: its dispatch, primitive and scratch
+ * state come back from memory. These kernels are a few kilobytes of code and
  * keep no state; they ask for the next tile's weights while they work on the current
  * one. Threads split the tiles (and the rows, where there are fewer tiles than twice the
  * threads). A tile is read once per 6 rows, from L2 while it fits there: the caller

@@ -195,10 +195,10 @@ static inline __attribute__((always_inline)) v8f load8(const void *p, int64_t i,
 #endif
     } else {
 #if defined(__AVX2__)
-        /* one unaligned load: for AVX2 targets (-march=znver3, haswell) GCC turned the
+        /* one unaligned load: for AVX2 targets (-march=znver3, haswell) GCC can turn the
          * memcpy into two 16-byte halves stored to the stack and read back as one
-         * 32-byte vector, a failed store forward per row: fp32 decode attention read
-         * 3 GB/s of KV instead of 21 on a CPU that does both (docs/performance.md) */
+         * 32-byte vector, a failed store forward per row that slows the KV read several
+         * times over (docs/performance.md) */
         f = (v8f)_mm256_loadu_ps((const float *)p + i);
 #else
         memcpy(&f, (const float *)p + i, sizeof f);
@@ -299,8 +299,8 @@ static inline __attribute__((always_inline)) void decode_x8_item(
          * the hardware prefetcher cannot follow: ask for its rows while this one runs,
          * its keys during the key pass and its values during the value pass. A core has
          * few misses in flight (its L1 miss buffers); asking for both in the key pass
-         * filled them there and left the value pass with nothing in flight: 26 against
-         * 35 GB/s for a step of 984 sequences, 16..768 tokens (docs/performance.md). */
+         * would fill them there and leave the value pass with nothing in flight
+         * (docs/performance.md). */
         const int has_next = pos + n < len;
         const int64_t next = has_next ? table[(pos + n) / block_size] : 0;
         const char *kn = (const char *)kc + next * k_b * es;
@@ -384,12 +384,8 @@ static inline __attribute__((always_inline)) void decode_x8_item(
  * AVX512_BF16: the scores by vdpbf16ps on the bf16 queries and keys as stored (exact
  * products summed in fp32, 32 channels an instruction; no key is widened), scaled once;
  * the values widened into 16-lane vectors once for two queries of the group, whose
- * accumulators stay in registers. Taken for groups of 2 query heads and more: 117
- * sequences of 100..700 tokens, head_dim 64, 12 query heads over 4: 1.68 -> 1.39 ms;
- * 32 over 4 at head_dim 128: 5.74 -> 3.58 ms. For pairs it read as fast as the 8-lane
- * item's pair path while both asked for a block's values with its keys; since each
- * pass asks for its own, it is ~3% faster (cpu-small's decode attention in the
- * engine, docs/performance.md). */
+ * accumulators stay in registers. Taken for groups of 2 query heads and more, where it
+ * is faster than the 8-lane item (docs/performance.md has the group sizes measured). */
 static inline __attribute__((always_inline)) __m512 widen16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));

@@ -9,15 +9,15 @@
  * online softmax in fp32. The item's queries are transposed once, so that rows lie in
  * vector lanes: per block, scores are outer products (four key values broadcast against
  * two vectors of rows), the masks and the softmax run across rows in vectors, and the
- * values are accumulated two rows at a time with the accumulators in registers. Against
- * gathering the blocks for torch's flash attention: 1.1-1.3x for prompts up to 512
- * tokens, even at 1024 (docs/performance.md).
+ * values are accumulated two rows at a time with the accumulators in registers, with no
+ * gather of the blocks into a contiguous copy as torch's flash attention would need
+ * (docs/performance.md compares the two).
  *
  * bf16 tensors are computed in fp32 as well: an item's queries are widened as they are
  * transposed, each block's keys and values are widened into the item's scratch once (every
  * one of them then serves all R rows), and the output is rounded to bf16 once at the end,
  * where torch's fused attention rounds it. Where the CPU has AVX512_BF16 both products
- * run on vdpbf16ps instead, 1.7x faster for the whole kernel: the scores from the bf16
+ * run on vdpbf16ps instead, with half the bytes widened and moved: the scores from the bf16
  * queries and keys as stored (block_scores_dp: the same exact products, summed in fp32 in
  * pairs), the values against the probabilities rounded to bf16 (block_values_dp), as
  * torch's fused CPU attention rounds them for bf16 inputs (its error against the exact

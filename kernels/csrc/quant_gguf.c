@@ -18,8 +18,8 @@
  *
  * How: threads split the output rows in groups of NR. Decode calls of bf16 x (at most MR
  * rows, with AVX512_BF16; not Q8_0) expand each block of the group's rows to bf16 in
- * registers and multiply it at once (`direct_product`: no scratch round trip, 1.2-1.3x
- * the scratch path at one to six rows). Otherwise a group's NR weight rows are
+ * registers and multiply it at once (`direct_product`: no scratch round trip, the faster
+ * path at one to six rows). Otherwise a group's NR weight rows are
  * expanded into the thread's scratch (each block read once per call; a row of K values
  * stays in L1/L2: bf16 straight from the register expansion with AVX512_BF16, else
  * fp32), then a micro-kernel multiplies MR rows of x at a time with the NR expanded rows,
@@ -948,8 +948,8 @@ int quant_gguf_bf16(int qtype, const uint16_t *x, int64_t rows, int64_t ldx, con
     if (rows > MAX_ROWS) return -1;
     if (rows <= 0 || n <= 0) return quant_gguf_f32(qtype, 0, 0, 0, w, n, k, 0, 0, 0, plain);
 #if HAS_BF16DOT
-    /* Q8_0 decode calls too take the scratch (measured faster on SmolLM2's Q8_0 head:
-     * 1.97 against 2.23 ms at one row, 3.55 against 4.11 at six, one thread) */
+    /* Q8_0 decode calls take the scratch too: for Q8_0 the register path is the slower
+     * of the two at every decode row count (docs/performance.md) */
     if (!plain && rows <= MR && qtype != Q8_0)
         return direct_product(qtype, x, rows, ldx, w, n, k, out, ldo, num_threads);
     return product(qtype, x, rows, ldx, w, n, k, out, ldo, num_threads, plain, 1);
