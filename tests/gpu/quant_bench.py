@@ -21,23 +21,12 @@
 Prints a table and writes $OUT_DIR/quant_bench.json. About 60-90 s on an H100, most of it
 Triton compiling one kernel per (kernel, M bucket, BLOCK_N).
 
-Measured 2026-11-26 14:07 UTC on an H200 (torch 2.11, Triton 3.6), median us, bf16 x;
-all checks passed, the default kernels batch-invariant on the device:
-
-  [4096 -> 14336]    M=1    16     64    256        [14336 -> 4096]  M=1    16     64    256
-  bf16 F.linear     40.6  40.4   41.9   48.9                         40.7  41.2   44.5   53.3
-  int4 g128 sym     39.0  45.0   92.3  309.2                         58.5  61.0  126.1  303.4
-    fast (M > 64)                      160.7                                            183.2
-  int8 g128 asym    36.2  37.0  102.6  339.2                         55.6  55.6   99.2  335.7
-    fast (M > 64)                      118.8                                            132.6
-  fp8 _scaled_mm   125.4  63.2   64.1   77.1                         75.3  73.9   78.9  114.8
-
-After that run the 17..64-row tiles became 32 x 64 (measured: int4 80.9 / 126.3 us, int8
-78.8 / 99.5 us at M=64) and fp8's row quantization one Triton launch (not re-measured:
-the device time ran out). Decode at up-projection shape is at bf16's time or better with
-4x / 2x fewer weight bytes; the down projection (4,096 outputs: 128 programs, each a
-112-step loop over in_features, no split-K by design) and prefill are slower than
-cuBLAS bf16: these kernels save memory, not yet time, past one row tile.
+Its figures on an H200, and what changed after them, are in docs/performance.md (the
+fourth GPU run, and the H200 table of its current figures). At decode sizes the int4 /
+int8 kernels are level with cuBLAS bf16 on the up projection with 4x / 2x fewer weight
+bytes; the down projection (4,096 outputs: 128 programs, each a loop over in_features,
+no split-K by design) and prefill are slower: these kernels save memory, not yet time,
+past one row tile.
 """
 from __future__ import annotations
 
