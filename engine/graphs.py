@@ -25,12 +25,17 @@ on events), device groups and deterministic mode.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from fusegen.engine.models.decoder import AttentionMetadata
-from fusegen.engine.model_runner import host_rows
+from fusegen.engine.step_inputs import StepInputs, host_rows
 from fusegen.kernels.paged_attention import decode_kv_splits
+
+if TYPE_CHECKING:
+    from fusegen.engine.config import EngineConfig
+    from fusegen.engine.models.decoder import CausalLM
 
 log = logging.getLogger("fusegen.engine")
 
@@ -62,14 +67,29 @@ def small_inputs(inputs, bucket: int, with_lengths: bool) -> torch.Tensor:
     return torch.tensor([list(row) + [p] * pad for row, p in zip(rows, PAD)], dtype=torch.int64)
 
 
-class DecodeGraphs:
-    """The recorded decode steps of one ModelRunner (engine/model_runner.py) on a GPU."""
+class GraphedRunner(Protocol):
+    """What `DecodeGraphs` reads of the runner whose steps it records (`ModelRunner`,
+    engine/model_runner.py): the model with its rotary tables and KV caches, and the
+    shapes its buffers take."""
+    config: EngineConfig
+    device: torch.device
+    block_size: int
+    uses_request_lengths: bool
+    model: CausalLM
+    cos_sin: list  # a rotary table per base (Gemma 3: the sliding-window layers' own)
+    kv_caches: list
 
-    def __init__(self, runner, max_rows: int, max_model_len: int):
+
+class DecodeGraphs:
+    """The recorded decode steps of one runner on a GPU: `serves` says which steps a
+    graph runs, `run` runs one; `replays`, `graphs` (by (bucket, splits)) and `failed`
+    say what they did."""
+
+    def __init__(self, runner: GraphedRunner, max_rows: int, max_model_len: int):
         self.runner = runner
         self.buckets = decode_buckets(max_rows)
         device, top = runner.device, self.buckets[-1]
-        self.with_lengths = runner.model_uses_request_lengths
+        self.with_lengths = runner.uses_request_lengths
         self.small = torch.tensor([[p] * top for p in PAD], dtype=torch.int64, device=device)
         width = -(-max_model_len // runner.block_size)
         self.block_tables = torch.zeros(top, width, dtype=torch.int32, device=device)
@@ -81,12 +101,12 @@ class DecodeGraphs:
         self.replays = 0
         self.failed: str | None = None  # why recording failed; then every step is eager
 
-    def serves(self, inputs) -> bool:
+    def serves(self, inputs: StepInputs) -> bool:
         return (self.failed is None and inputs.max_query_len == 1
                 and len(inputs.input_ids) <= self.buckets[-1]
                 and len(inputs.block_tables[0]) <= self.block_tables.shape[1])
 
-    def run(self, inputs):
+    def run(self, inputs: StepInputs):
         """The step's (x, residual) [B, h] each, through the step's graph."""
         rows = len(inputs.input_ids)
         bucket = bucket_for(self.buckets, rows)

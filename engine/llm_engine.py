@@ -20,7 +20,7 @@ from fusegen.engine.models.rope import recompute_length
 from fusegen.engine.outputs import RequestGroup, RequestOutput
 from fusegen.engine.request import Request
 from fusegen.engine.parallel.parallel_runner import make_runner
-from fusegen.engine.model_runner import ModelRunner
+from fusegen.engine.runner_api import Runner
 from fusegen.engine.sampling_params import SamplingParams
 from fusegen.engine.scheduler import ScheduledBatch, Scheduler
 from fusegen.engine.logits_processors import bad_words_token_ids, vocabulary_problem
@@ -91,11 +91,11 @@ class LLMEngine:
         self.config = config
         self.tokenizer = _load_tokenizer(config)
         self.eos_token_ids = frozenset(_eos_token_ids(config, self.tokenizer))
-        self.runner = make_runner(config)
+        self.runner: Runner = make_runner(config)
         recompute_at = recompute_length(config.model_config, config.max_model_len)
         # LongRoPE's keys depend on the whole request's length, not on the prefix alone
         caching = config.options.enable_prefix_caching and not recompute_at \
-            and not self.runner.model_uses_request_lengths
+            and not self.runner.uses_request_lengths
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, self.runner.num_host_blocks, caching,
             cache_salt=f"{config.model}|{config.options.revision}|{config.torch_dtype}|"
@@ -148,8 +148,7 @@ class LLMEngine:
             problem = vocabulary_problem(params, self.vocab_size)
             error = problem and f"invalid_params: {problem}"
         if error is None and params.prompt_logprobs is not None \
-                and not isinstance(self.runner, ModelRunner):
-            # a device group returns the sampled rows' logits only
+                and not self.runner.supports_prompt_logprobs:
             error = ("invalid_params: prompt_logprobs needs every prompt row's logits, which "
                      "a device group (tensor_parallel_size x pipeline_parallel_size > 1) "
                      "does not return; run without it, or on one device")
@@ -278,6 +277,15 @@ class LLMEngine:
 
     def memory_report(self) -> dict:
         return self.runner.memory_report()
+
+    def load(self) -> dict:
+        """Running and waiting (swapped included) requests and the KV cache's used
+        fraction, read without a lock: a snapshot for a progress line, safe from any
+        thread."""
+        sched = self.scheduler
+        blocks = sched.block_manager
+        return {"running": len(sched.running), "waiting": len(sched.waiting) + len(sched.swapped),
+                "kv_used": (blocks.num_blocks - blocks.num_free_blocks) / max(blocks.num_blocks, 1)}
 
     def close(self) -> None:
         self.runner.close()

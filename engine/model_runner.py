@@ -4,10 +4,8 @@ tokens."""
 from __future__ import annotations
 
 import functools
-from collections import Counter
-from dataclasses import dataclass
+from collections import Counter, deque
 
-import numpy as np
 import torch
 
 from fusegen.engine.config import COMPRESSED, EngineConfig
@@ -17,13 +15,21 @@ from fusegen.engine.models import get_architecture
 from fusegen.engine.models.decoder import AttentionMetadata
 from fusegen.engine.models.rope import cos_sin_tables
 from fusegen.engine.memory.offload import DiskPart, Stream, WeightStreamer
-from fusegen.engine.memory.plan import LOGITS_CHUNK, activation_bytes
+from fusegen.engine.memory.plan import activation_bytes
 from fusegen.engine.weights.linear import ROW_TILE
 from fusegen.engine.weights.packed import can_pack, pack_linear, pack_linears
 from fusegen.engine.weights.quantized import compress_shell, keep_blocks, split_kept
 from fusegen.engine.logprobs import record_prompt_logprobs
 from fusegen.engine.sampler import Sampler
+from fusegen.engine.graphs import DecodeGraphs
+from fusegen.engine.runner_api import Runner
 from fusegen.engine.scheduler import ScheduledBatch
+from fusegen.engine.step_inputs import StepInputs, host_rows, step_inputs
+
+# Sampled rows go through the LM head and the sampler this many at a time, so the
+# logits of a 1024-request decode step never exist at once (the memory plan's
+# activation reserve counts at most this many [vocab] rows whatever max_num_seqs is).
+LOGITS_CHUNK = 256
 
 
 def _checkpoint_tensors(config: EngineConfig, dtype: torch.dtype) -> dict:
@@ -38,61 +44,14 @@ def _component(source, name: str) -> torch.Tensor:
     return source.load()[name]
 
 
-@dataclass(slots=True)
-class StepInputs:
-    """A step's batch as plain lists: what the forward pass needs (the controller of a
-    device group sends exactly this to its ranks, engine/parallel)."""
-    input_ids: list[int]
-    positions: list[int]
-    slots: list[int]  # each token's KV cache slot
-    block_tables: list[list[int]]  # padded to one width
-    seq_lens: list[int]
-    query_start: list[int]
-    sample_rows: list[int]  # rows of the requests whose last uncomputed token runs
-    sample_reqs: list[int]  # their indexes in the batch
-    max_query_len: int
-    request_lengths: list[int] | None  # each request's whole length, where the model uses it
-    swap_out: list[tuple[int, int]]
-    swap_in: list[tuple[int, int]]
-
-
-def step_inputs(batch: ScheduledBatch, block_size: int, with_lengths: bool) -> StepInputs:
-    bs = block_size
-    input_ids, positions, slots, seq_lens = [], [], [], []
-    query_start = [0]
-    sample_rows, sample_reqs = [], []
-    for i, (req, n) in enumerate(zip(batch.requests, batch.num_scheduled_tokens)):
-        start, end = req.num_computed_tokens, req.num_computed_tokens + n
-        input_ids += req.token_ids[start:end]
-        positions += range(start, end)
-        table = req.block_table
-        slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-        query_start.append(query_start[-1] + n)
-        seq_lens.append(end)
-        if end == req.num_tokens:
-            sample_rows.append(query_start[-1] - 1)
-            sample_reqs.append(i)
-    width = max(len(r.block_table) for r in batch.requests)
-    tables = [r.block_table + [0] * (width - len(r.block_table)) for r in batch.requests]
-    lengths = [r.num_tokens for r in batch.requests] if with_lengths else None
-    return StepInputs(input_ids, positions, slots, tables, seq_lens, query_start, sample_rows,
-                      sample_reqs, max(batch.num_scheduled_tokens), lengths,
-                      batch.swap_out, batch.swap_in)
-
-
-def host_rows(rows: list[list[int]]) -> torch.Tensor:
-    """[len(rows), width] int32 on the host from equal-length lists of ints (a step's
-    block tables): through numpy, which converts nested lists about 3x faster than
-    torch.tensor (256 rows of 24 blocks: 90 against 250 us)."""
-    return torch.from_numpy(np.array(rows, dtype=np.int32))
-
-
-class ModelRunner:
+class ModelRunner(Runner):
     """The whole model in this process. A rank of a device group runs a subclass
     (engine/parallel/worker.py) that holds its slice: the hooks `_model_config`,
     `_build_model`, `_fixed_sources`, `_layer_sources`, `_layer_parts`,
     `_keep_compressed`, `_pack_head` and `layer_range`."""
-    max_in_flight = 1  # batches submitted before the first is collected
+    max_in_flight = 1  # a batch runs as it is submitted: nothing to overlap it with
+    supports_prompt_logprobs = True
+    failed = None  # a failed step raises; the next one runs (after reset_streams)
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -111,7 +70,7 @@ class ModelRunner:
         self.plan = config.placement
         self.arch = get_architecture(cfg.architecture)
         self.model = self._build_model(cfg)
-        self.model_uses_request_lengths = getattr(self.model, "uses_request_lengths", False)
+        self.uses_request_lengths = self.arch.uses_request_lengths(cfg)
         if config.options.deterministic:
             self.model.make_deterministic(ROW_TILE)
         self.model.load_fixed(self._fixed_sources(state), self.device, self.dtype)
@@ -143,10 +102,12 @@ class ModelRunner:
         self.peak_device_bytes = sum(self.memory["device"].values())
         self.graphs = None
         if self._records_decode_steps():
-            from fusegen.engine.graphs import DecodeGraphs  # it builds on this module
-
             self.graphs = DecodeGraphs(self, config.max_num_seqs, config.max_model_len)
-        self._submitted: list[ScheduledBatch] = []
+        self._tokens: deque[list[int | None]] = deque()  # submitted batches' results
+
+    @property
+    def streamer(self) -> WeightStreamer | None:
+        return self.model.streamer
 
     def _records_decode_steps(self) -> bool:
         """CUDA graphs for decode steps (engine/graphs.py): on a GPU, unless asked not
@@ -299,6 +260,19 @@ class ModelRunner:
                                   "stall_seconds": streamer.stall_seconds}
         return report
 
+    def step_weight_bytes(self) -> int:
+        """Every tier's weights but an embedding table that only the lookup reads (the
+        head reads a tied table whole where it is the head's own storage)."""
+        model = self.model
+        total = sum(self.memory[tier]["weights"] for tier in ("device", "host", "disk"))
+        table = model.embed_blocks.blocks if model.embed_blocks is not None else model.embed
+        head = getattr(model.lm_head, "blocks", None)
+        if head is None:
+            head = getattr(model.lm_head, "weight", None)
+        shared = isinstance(head, torch.Tensor) and not head.is_mkldnn \
+            and head.numel() and head.data_ptr() == table.data_ptr()
+        return total if shared else total - table.numel() * table.element_size()
+
     def _step_bytes(self, num_tokens: int, num_sampled: int) -> int:
         """Device bytes in use during a step: every tensor allocated at start-up, plus
         the step's activations and logits (the shape-based estimate the plan
@@ -320,16 +294,17 @@ class ModelRunner:
                 self.device, non_blocking=True)
 
     def submit(self, batch: ScheduledBatch) -> None:
-        self._submitted.append(batch)
+        """Run the batch now; `collect` hands back its tokens."""
+        self._tokens.append(self.run(batch))
 
     def collect(self) -> list[int | None]:
-        return self.run(self._submitted.pop(0))
+        return self._tokens.popleft()
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int | None]:
         """One forward pass over the batch's ragged tokens; a sampled token for each
         request whose last uncomputed token ran, None for the others."""
-        inputs = step_inputs(batch, self.block_size, self.model_uses_request_lengths)
+        inputs = step_inputs(batch, self.block_size, self.uses_request_lengths)
         self.swap(inputs.swap_out, to_host=True)
         self.swap(inputs.swap_in, to_host=False)
         self.peak_device_bytes = max(self.peak_device_bytes, self._step_bytes(
@@ -406,7 +381,9 @@ class ModelRunner:
         return t
 
     def reset_streams(self) -> None:
-        """After a failed step: restart the weight ring from a clean state."""
+        """After a failed step: no tokens left to collect, and the weight ring restarted
+        from a clean state."""
+        self._tokens.clear()
         if self.model.streamer is not None:
             self.model.streamer.reset()
 

@@ -61,7 +61,7 @@ def drop_engine(model: str, engine_kwargs: dict) -> None:
     key = _key(model, _on_worker_device(engine_kwargs))
     with _lock:
         llm = _engines.get(key)
-        if llm is None or not getattr(llm.engine.runner, "failed", None):
+        if llm is None or not llm.engine.runner.failed:
             return
         del _engines[key]
     llm.close()

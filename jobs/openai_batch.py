@@ -238,7 +238,7 @@ def run_batch_partition(spec, part, llm, table, fingerprint: str, owner, wait,
     """Generate every request of a partition read from a batch file (`line`, `request`
     columns) and commit its output and errors files. `wait(futures, num_rejected)`: the
     futures' results, reporting progress meanwhile."""
-    base, limit = spec.sampling_params(), getattr(llm, "prompt_limit", None)  # None: a fake
+    base, limit = spec.sampling_params(), llm.prompt_limit
     chat = _chat_fn(llm, spec)
     checks = part.text.checks  # the plan's, for this partition's lines
     lines = table.column("line").to_pylist()

@@ -72,7 +72,7 @@ def _run_partition(spec: JobSpec, part: Partition, fingerprint: str,
                 futures, _reporter(progress_topic, part.index, llm, rejected)), start)
     preparer = RowPreparer(spec, chat=lambda messages: _chat_ids(llm, messages,
                                                                  spec.chat_template),
-                           prompt_limit=getattr(llm, "prompt_limit", None))  # None: tests' fake
+                           prompt_limit=llm.prompt_limit)
     requests = mark_line_errors(preparer.prepare(table, part.first_row), line_errors)
     valid = [r for r in requests if r.error is None]
     futures = llm.submit_many([(r.prompt, r.params) for r in valid])
@@ -121,19 +121,7 @@ def _reporter(topic: str | None, index: int, llm, num_rejected: int):
         "index": index, "rows": len(done) + num_rejected,
         "tokens": sum(o.num_generated_tokens for o in done),
         "errors": num_rejected + sum(o.error is not None for o in done),
-        "worker": worker.address, "engine": engine_load(llm)})
-
-
-def engine_load(llm) -> dict | None:
-    """Running and waiting requests and the KV cache's used fraction, read without a
-    lock (a snapshot for the progress line); None for an engine without a scheduler."""
-    scheduler = getattr(getattr(llm, "engine", None), "scheduler", None)
-    if scheduler is None:
-        return None
-    blocks = scheduler.block_manager
-    return {"running": len(scheduler.running),
-            "waiting": len(scheduler.waiting) + len(getattr(scheduler, "swapped", ())),
-            "kv_used": (blocks.num_blocks - blocks.num_free_blocks) / max(blocks.num_blocks, 1)}
+        "worker": worker.address, "engine": llm.engine_load()})
 
 
 def _chat_ids(llm, messages, chat_template: str | None = None) -> list[int]:

@@ -16,10 +16,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from fusegen.engine.outputs import CompletionOutput, RequestOutput
+from fusegen.engine.tokenizer import PromptLimit
 
 
 class FakeTokenizer:
     chat_template = "{{ messages }}"
+    max_token_bytes = 4  # a token per character: at most 4 bytes of UTF-8
 
     def encode(self, text, add_special_tokens=True):
         return ([1] if add_special_tokens else []) + [ord(c) % 1000 for c in text]
@@ -38,7 +40,8 @@ class FakeTokenizer:
 
 class FakeLLM:
     """Iteration-level batching like the engine: every step, waiting requests join the
-    running batch (up to max_num_seqs) and each running request gains one token."""
+    running batch (up to max_num_seqs) and each running request gains one token. It has
+    every member of `LLM` that jobs use."""
 
     instances: list = []
 
@@ -80,6 +83,13 @@ class FakeLLM:
 
     def submit_many(self, requests):
         return [self.submit(p, s) for p, s in requests]
+
+    @property
+    def prompt_limit(self) -> PromptLimit:
+        return PromptLimit(self.max_model_len, self.tokenizer.max_token_bytes)
+
+    def engine_load(self) -> None:
+        return None  # no scheduler or KV cache to report: the progress line shows none
 
     class placement:  # the engine's placement plan, as the job prints it
         @staticmethod

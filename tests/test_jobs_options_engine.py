@@ -8,7 +8,6 @@ from fusegen.engine import LLM, SamplingParams
 from fusegen.jobs.rows import row_seed
 from fusegen.jobs.driver import run_job
 from fusegen.jobs.spec import JobSpec
-from fusegen.jobs.task import engine_load
 from jobs_fixtures import read_output, tiny_model_dir
 
 
@@ -30,7 +29,7 @@ def test_option_columns_match_the_engine_alone(tmp_path):
               SamplingParams(n=3, stop_token_ids=[7], seed=row_seed(4, 3), **common)]
     with LLM(tiny_model_dir()) as llm:
         expected = llm.generate(prompts, params)
-        assert engine_load(llm) == {"running": 0, "waiting": 0, "kv_used": 0.0}
+        assert llm.engine_load() == {"running": 0, "waiting": 0, "kv_used": 0.0}
     completions = [(i, c) for i, e in enumerate(expected) for c in e.outputs]
     assert out.column("row_id").to_pylist() == [i for i, _ in completions] == [0, 0, 1, 2, 3, 3, 3]
     assert out.column("completion_index").to_pylist() == [c.index for _, c in completions]

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from fusegen.engine.llm_engine import LLMEngine
 from fusegen.engine.outputs import CompletionOutput, RequestOutput
 from fusegen.jobs.cluster import dashboard_link
 from fusegen.jobs.parts import OutputShape, output_table, part_stats
@@ -17,7 +18,6 @@ from fusegen.jobs.report import render_report, throughput_rates
 from fusegen.jobs.rows import RowRequest
 from fusegen.jobs.driver import run_job
 from fusegen.jobs.spec import JobSpec
-from fusegen.jobs.task import engine_load
 from jobs_fixtures import fake_engine, read_output, write_prompts  # noqa: F401
 
 
@@ -171,9 +171,8 @@ def test_engine_load_reads_the_schedulers_queues_and_free_blocks():
     blocks = SimpleNamespace(num_blocks=200, num_free_blocks=150)
     scheduler = SimpleNamespace(running=[1, 2], waiting=[3], swapped=[4, 5],
                                 block_manager=blocks)
-    llm = SimpleNamespace(engine=SimpleNamespace(scheduler=scheduler))
-    assert engine_load(llm) == {"running": 2, "waiting": 3, "kv_used": 0.25}
-    assert engine_load(SimpleNamespace()) is None
+    engine = SimpleNamespace(scheduler=scheduler)
+    assert LLMEngine.load(engine) == {"running": 2, "waiting": 3, "kv_used": 0.25}
 
 
 def test_dashboard_link_only_when_the_scheduler_serves_one(monkeypatch):

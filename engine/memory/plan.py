@@ -17,10 +17,6 @@ from fusegen.engine.memory.placement import (BudgetTooSmall, ModelSizes, Placeme
 _CPU_KV_FRACTION = 0.3  # of available host memory for KV, when no budget is given
 _GPU_FREE_FRACTION = 0.9  # of free device memory, when no device budget is given
 _HOST_FRACTION = 0.5  # of available host memory for the host tier, when not given
-# Sampled rows go through the LM head and the sampler this many at a time, so the
-# logits of a 1024-request decode step never exist at once: the activation reserve
-# counts at most this many [vocab] rows whatever max_num_seqs is.
-LOGITS_CHUNK = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,8 +111,9 @@ def model_sizes(options, shape: ModelShape, limits: tuple[int, int],
 
 def activation_bytes(shape: ModelShape, num_tokens: int, num_sampled: int) -> int:
     """A step's transient tensors: per token the activation width (fp32 at most), and
-    per sampled row (at most LOGITS_CHUNK at a time) the logits and the sampler's two
-    working copies."""
+    per sampled row (at most the runner's LOGITS_CHUNK at a time) the logits and the
+    sampler's two working copies."""
+    from fusegen.engine.model_runner import LOGITS_CHUNK  # that module imports this one
     return (num_tokens * shape.activation_width * 4
             + min(num_sampled, LOGITS_CHUNK) * shape.vocab_size * 4 * 3)
 

@@ -61,6 +61,12 @@ class Architecture:
         `decoder.CausalLM` has them."""
         raise NotImplementedError
 
+    def uses_request_lengths(self, cfg: ModelConfig) -> bool:
+        """Whether the decoder reads each request's whole length in a step
+        (`AttentionMetadata.num_tokens`): a model whose rotation depends on it (LongRoPE)
+        overrides this; the runners fill the lengths only then."""
+        return False
+
     def synthetic_config(self, num_layers: int, attention_bias: bool | None) -> dict:
         """config.json keys transformers writes for this class beyond the common ones
         (`attention_bias` None: the class's default). ValueError for what the class

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fusegen.engine.errors import ModelLoadError
-from fusegen.engine.models import SUPPORTED_ARCHITECTURES, get_architecture
+from fusegen.engine.models.registry import SUPPORTED_ARCHITECTURES, get_architecture
 
 # Bounds on what a config may claim before anything is sized from it (per-layer lists,
 # rotary tables, the memory plan). The longest context in circulation (Llama 4 Scout's

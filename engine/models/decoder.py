@@ -35,7 +35,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     # [B] int32, each request's whole length (prompt and generated tokens, computed or
-    # not); filled only for a model that sets `uses_request_lengths` (LongRoPE picks
+    # not); filled only where `Architecture.uses_request_lengths` (LongRoPE picks
     # its factors by it, models/phi3.py)
     num_tokens: torch.Tensor | None = None
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fusegen.engine.models import register
+from fusegen.engine.models.registry import register
 from fusegen.engine.models.gemma import GemmaCausalLM, GemmaFamily, softcap_flag
 
 if TYPE_CHECKING:

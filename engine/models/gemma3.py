@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fusegen.engine.models import register
+from fusegen.engine.models.registry import register
 from fusegen.engine.models.config import FULL, SLIDING, rope_scaling_of
 from fusegen.engine.models.decoder import empty_param
 from fusegen.engine.models.gemma import (GemmaCausalLM, GemmaDecoderLayer, GemmaFamily,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fusegen.engine.models import register
+from fusegen.engine.models.registry import register
 from fusegen.engine.models.architecture import Architecture, TensorSpec
 from fusegen.engine.models.decoder import CausalLM
 

@@ -1,5 +1,5 @@
 """Mistral: Llama's decoder and weight names, with sliding-window attention."""
-from fusegen.engine.models import register
+from fusegen.engine.models.registry import register
 from fusegen.engine.models.llama import Llama
 
 

@@ -9,7 +9,7 @@ writes (and published checkpoints use): `block_sparse_moe.gate` (the router) and
 """
 from __future__ import annotations
 
-from fusegen.engine.models import register
+from fusegen.engine.models.registry import register
 from fusegen.engine.models.mistral import Mistral
 from fusegen.engine.models.moe import MoeArchitecture, moe_flags
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fusegen.engine.models import register
+from fusegen.engine.models.registry import register
 from fusegen.engine.models.architecture import TensorSpec
 from fusegen.engine.models.decoder import AttentionMetadata, CausalLM
 from fusegen.engine.models.llama import Llama
@@ -71,10 +71,11 @@ class Phi3(Llama):
                 ("mlp.gate_up_proj.weight", (2 * inter, h), "gate_up.weight"),
                 ("mlp.down_proj.weight", (h, inter), "down.weight")]
 
+    def uses_request_lengths(self, cfg: ModelConfig) -> bool:
+        return cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "longrope"
+
     def build_model(self, cfg: ModelConfig) -> CausalLM:
-        if cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "longrope":
-            return LongRopeCausalLM(cfg)
-        return CausalLM(cfg)
+        return LongRopeCausalLM(cfg) if self.uses_request_lengths(cfg) else CausalLM(cfg)
 
     def synthetic_config(self, num_layers: int, attention_bias: bool | None) -> dict:
         if attention_bias:
@@ -106,9 +107,8 @@ class LongRopeCausalLM(CausalLM):
     """Llama's decoder that rotates each token by the short or the long factors, as
     the module docstring says. The rotary table (rope.py) holds the short rows, then
     from row `original` on the long rows, so a token's row is its position, or
-    original + its position."""
-
-    uses_request_lengths = True  # the runner fills AttentionMetadata.num_tokens
+    original + its position. It reads AttentionMetadata.num_tokens, which the runners
+    fill for it (`Phi3.uses_request_lengths`)."""
 
     def forward(self, input_ids, positions, cos_sin, kv_caches, meta: AttentionMetadata,
                 **stage):

@@ -1,5 +1,5 @@
 """Qwen2: Llama's decoder and weight names, with q/k/v biases."""
-from fusegen.engine.models import register
+from fusegen.engine.models.registry import register
 from fusegen.engine.models.llama import Llama
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fusegen.engine.models import register
+from fusegen.engine.models.registry import register
 from fusegen.engine.models.config import FULL, SLIDING, check_layer_types
 from fusegen.engine.models.decoder import CausalLM, DecoderLayer, empty_param
 from fusegen.engine.models.llama import Llama

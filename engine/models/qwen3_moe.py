@@ -13,7 +13,7 @@ give layers of two sizes, which the memory pool's per-layer placement does not h
 """
 from __future__ import annotations
 
-from fusegen.engine.models import register
+from fusegen.engine.models.registry import register
 from fusegen.engine.models.decoder import CausalLM
 from fusegen.engine.models.moe import MoeArchitecture, MoeLayer, moe_flags
 from fusegen.engine.models.qwen3 import Qwen3, Qwen3DecoderLayer

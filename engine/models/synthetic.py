@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors, trainers
 
-from fusegen.engine.models import SUPPORTED_ARCHITECTURES, get_architecture
+from fusegen.engine.models.registry import SUPPORTED_ARCHITECTURES, get_architecture
 from fusegen.engine.models.architecture import Architecture
 from fusegen.engine.models.config import ModelConfig
 

@@ -15,24 +15,29 @@ from collections import deque
 import torch
 
 from fusegen.engine.config import EngineConfig
-from fusegen.engine.memory.plan import LOGITS_CHUNK
 from fusegen.engine.models import get_architecture
 from fusegen.engine.parallel.group import DeviceGroup, check_shared_memory
 from fusegen.engine.parallel.plan import model_stages, rank_devices, rank_infos
 from fusegen.engine.parallel.worker import shared_logits
-from fusegen.engine.model_runner import ModelRunner, step_inputs
+from fusegen.engine.model_runner import LOGITS_CHUNK, ModelRunner
+from fusegen.engine.runner_api import Runner
 from fusegen.engine.sampler import Sampler
 from fusegen.engine.scheduler import ScheduledBatch
+from fusegen.engine.step_inputs import step_inputs
 
 
-def make_runner(config: EngineConfig):
+def make_runner(config: EngineConfig) -> Runner:
     """The engine's runner: the whole model in this process, or a device group."""
     if config.options.tensor_parallel_size * config.options.pipeline_parallel_size == 1:
         return ModelRunner(config)
     return ParallelRunner(config)
 
 
-class ParallelRunner:
+class ParallelRunner(Runner):
+    supports_prompt_logprobs = False  # the last stage returns the sampled rows' logits only
+    streamer = None  # each rank streams its own layers (its memory report says)
+    graphs = None  # the ranks run every step eagerly
+
     def __init__(self, config: EngineConfig):
         options, cfg = config.options, config.model_config
         self.config = config
@@ -42,8 +47,7 @@ class ParallelRunner:
         self.num_blocks = config.placement.num_device_kv_blocks
         self.num_host_blocks = config.placement.num_host_kv_blocks
         arch = get_architecture(cfg.architecture)
-        self.model_uses_request_lengths = getattr(arch.build_model(cfg), "uses_request_lengths",
-                                                  False)
+        self.uses_request_lengths = arch.uses_request_lengths(cfg)
         world = self.tp * self.pp
         stages = list(config.stages) or model_stages(arch.layer_numel(cfg), cfg.num_layers,
                                                      cfg.vocab_size * cfg.hidden_size, self.pp)
@@ -64,7 +68,7 @@ class ParallelRunner:
         return self.infos[-1].rank - self.tp + 1  # the last stage's first rank
 
     def submit(self, batch: ScheduledBatch) -> None:
-        inputs = step_inputs(batch, self.block_size, self.model_uses_request_lengths)
+        inputs = step_inputs(batch, self.block_size, self.uses_request_lengths)
         reqs = [batch.requests[i] for i in inputs.sample_reqs]
         greedy = Sampler.plain_greedy(reqs)
         index, self._num_steps = self._num_steps, self._num_steps + 1
@@ -117,6 +121,9 @@ class ParallelRunner:
                                       if i.tp_rank == 0],
                            "devices": [i.device for i in self.infos]}
         return report
+
+    def step_weight_bytes(self) -> None:
+        return None  # the ranks hold the weights
 
     @property
     def failed(self) -> str | None:

@@ -27,13 +27,13 @@ from multiprocessing.shared_memory import SharedMemory
 import torch
 import torch.distributed as dist
 
-from fusegen.engine.memory.plan import LOGITS_CHUNK
 from fusegen.engine.parallel.layers import (RowParallelLinear, TPGroup, VocabParallelHead,
                                             parallelize)
 from fusegen.engine.parallel.plan import RankInfo
 from fusegen.engine.parallel.shard import (rank_model_config, shard_fixed_sources,
                                            shard_kept, shard_layer_sources, vocab_range)
-from fusegen.engine.model_runner import ModelRunner, StepInputs
+from fusegen.engine.model_runner import LOGITS_CHUNK, ModelRunner
+from fusegen.engine.step_inputs import StepInputs
 from fusegen.engine.weights.packed import pack_linear
 from fusegen.engine.weights.quantized import split_kept
 from fusegen.kernels.argmax import argmax

@@ -6,8 +6,6 @@ from collections.abc import Callable
 from concurrent.futures import as_completed
 from pathlib import Path
 
-import torch
-
 from fusegen.jobs.bench.results import EngineResult
 from fusegen.jobs.bench.workload import BenchRequest
 
@@ -45,10 +43,10 @@ def run_fusegen(model_dir: Path, requests: list[BenchRequest], warmup: list[Benc
         # untimed; with a schema, its compilation and the grammar tokenizer's too
         llm.generate(*_prompts_and_params(warmup, schema), use_tqdm=False)
         before = llm.stats()
-        # a device group's ranks stream for themselves (their memory reports say)
-        streamer = getattr(getattr(llm.engine.runner, "model", None), "streamer", None)
+        runner = llm.engine.runner
+        streamer = runner.streamer  # a device group's ranks stream for themselves
         stall_before = streamer.stall_seconds if streamer is not None else 0.0
-        graphs = getattr(llm.engine.runner, "graphs", None)  # GPUs: recorded decode steps
+        graphs = runner.graphs  # GPUs: recorded decode steps
         replays_before = graphs.replays if graphs is not None else 0
         progress(f"fusegen: generating {len(requests)} requests "
                  f"(max_num_seqs {llm.config.max_num_seqs}, "
@@ -65,8 +63,9 @@ def run_fusegen(model_dir: Path, requests: list[BenchRequest], warmup: list[Benc
         delta = _stats_delta(before, after)
         if streamer is not None:
             delta["copy_stall_s"] = streamer.stall_seconds - stall_before
-        offload = _offload_figures(llm, delta)
+        offload = _offload_figures(llm, streamer, delta)
         memory = llm.memory_report()
+        weight_bytes = runner.step_weight_bytes()
         cuda_graphs = None if graphs is None else {
             "replays": graphs.replays - replays_before, "recorded": len(graphs.graphs),
             "failed": graphs.failed}
@@ -88,7 +87,7 @@ def run_fusegen(model_dir: Path, requests: list[BenchRequest], warmup: list[Benc
         "quantization": llm.config.quantization,  # the form the weights ran in, resolved
         # allocated at load (sized from free memory unless kv_cache_memory says)
         "kv_cache_bytes": memory["device"]["kv_cache"] + memory["host"]["kv_cache"],
-        "weight_bytes": _step_weight_bytes(llm, memory),
+        "weight_bytes": weight_bytes,
         **offload,
         **({} if cuda_graphs is None else {"cuda_graphs": cuda_graphs}),
     }
@@ -97,24 +96,6 @@ def run_fusegen(model_dir: Path, requests: list[BenchRequest], warmup: list[Benc
         result.extra["num_constrained"] = len(constrained)
         result.extra["num_structured_valid"] = sum(c.structured_valid is True for c in constrained)
     return result
-
-
-def _step_weight_bytes(llm, memory: dict) -> int | None:
-    """The weight bytes a decode step reads, as the engine holds them (compressed where
-    kept): every tier's weights but an embedding table that only the lookup reads (the
-    head reads a tied table whole where it is the head's own storage). None where the
-    runner holds no model of its own (a device group's ranks do)."""
-    model = getattr(llm.engine.runner, "model", None)
-    if model is None:
-        return None
-    total = sum(tier.get("weights", 0) for tier in memory.values() if isinstance(tier, dict))
-    table = model.embed_blocks.blocks if model.embed_blocks is not None else model.embed
-    head = getattr(model.lm_head, "blocks", None)
-    if head is None:
-        head = getattr(model.lm_head, "weight", None)
-    shared = isinstance(head, torch.Tensor) and not head.is_mkldnn \
-        and head.numel() and head.data_ptr() == table.data_ptr()
-    return total if shared else total - table.numel() * table.element_size()
 
 
 def _forget_parsed_gguf(model: Path) -> None:
@@ -129,10 +110,10 @@ def _forget_parsed_gguf(model: Path) -> None:
         GGUFFile._parse.cache_clear()
 
 
-def _offload_figures(llm, stats: dict) -> dict:
-    """With streamed layers: the measured transfer rate, the transfer bound of a decode
-    step (the streamed bytes over that rate) and how close the decode steps came to it."""
-    streamer = getattr(getattr(llm.engine.runner, "model", None), "streamer", None)
+def _offload_figures(llm, streamer, stats: dict) -> dict:
+    """With streamed layers (`streamer`, the runner's weight ring): the measured transfer
+    rate, the transfer bound of a decode step (the streamed bytes over that rate) and how
+    close the decode steps came to it."""
     if streamer is None:
         return {}
     report = llm.memory_report()
