@@ -19,6 +19,7 @@ the manifest, so that a resume across a change is refused naming it.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import threading
 from dataclasses import dataclass
@@ -30,6 +31,13 @@ _STAMPS = ("mtime", "LastModified", "last_modified", "modified", "created")
 _cache: dict[tuple, str] = {}  # (protocol, path, size, stamp) -> content hash
 _cache_lock = threading.Lock()
 _MAX_CACHED = 100_000
+
+
+def output_fingerprint(config: dict, inputs: list) -> str:
+    """Hash of an output's config and its planned inputs (`input_records`): a rerun with
+    the same fingerprint resumes, another one is another output."""
+    blob = json.dumps([config, inputs], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def content_version(fs, path: str, info: dict, footer_size: int) -> str:
@@ -183,8 +191,6 @@ class JobIdentity:
         """The fingerprint an output written before fusegen recorded dtypes and model files
         has when it holds this job (its parts are kept), else None. `config`: this job's
         output config (the dtype as asked)."""
-        from fusegen.jobs.output import output_fingerprint
-
         if "dtype" in old or "fingerprint" not in old or inputs is None:
             return None
         option = old.get("config", {}).get("dtype", self.option)

@@ -30,7 +30,6 @@ commit (a file without one is redone). An OpenAI batch job's part files live und
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -39,6 +38,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fusegen.jobs.errors import JobError
+from fusegen.jobs.identity import output_fingerprint  # noqa: F401 - where callers find it
 from fusegen.jobs.lease import Lease, check_holder
 from fusegen.jobs.plan import Partition
 from fusegen.jobs.redact import redact_url
@@ -74,13 +74,6 @@ class PartStats:
     @property
     def rows_read(self) -> int:
         return self.num_rows if self.num_input_rows is None else self.num_input_rows
-
-
-def output_fingerprint(config: dict, inputs: list) -> str:
-    """Hash of an output's config and its planned inputs (`input_records`): a rerun with
-    the same fingerprint resumes, another one is another output."""
-    blob = json.dumps([config, inputs], sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def input_records(files) -> list[dict]:
