@@ -29,6 +29,8 @@ _one_malloc_arena()
 from fusegen.engine import (LLM, CompletionOutput, EngineConfig, EngineConfigError,  # noqa: E402
                             EngineOptions, LLMEngine, ModelConfig, ModelLoadError,
                             RequestOutput, SamplingParams)
+from fusegen.engine.sampling_params import (GuidedDecodingParams,  # noqa: E402
+                                            StructuredOutputsParams)
 
 
 def _version() -> str:
@@ -44,5 +46,5 @@ def _version() -> str:
 
 __version__ = _version()
 __all__ = ["__version__", "LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput",
-           "EngineConfig", "EngineOptions",
+           "EngineConfig", "EngineOptions", "StructuredOutputsParams", "GuidedDecodingParams",
            "ModelConfig", "ModelLoadError", "EngineConfigError"]

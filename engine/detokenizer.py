@@ -10,6 +10,10 @@ offsets advance only when the window's text ends in a whole character.
 
 The result equals decode(prompt + output) minus decode(prompt), as transformers'
 pipelines compute it.
+
+A finished request's text (`output_text`) is vLLM's: special tokens left out unless
+`skip_special_tokens` is False, and the stop string or stop token that ended it (an
+end-of-sequence or `stop_token_ids` token) left out unless `include_stop_str_in_output`.
 """
 from __future__ import annotations
 
@@ -21,9 +25,10 @@ _REPLACEMENT = "\ufffd"  # what the decoders emit for an incomplete UTF-8 sequen
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str],
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, include_stop_str: bool = False):
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
+        self._include_stop = include_stop_str  # the text ends after the stop string, not before
         self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])  # the window never looks further back
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -86,9 +91,37 @@ class IncrementalDetokenizer:
         found = [(i, s) for s in self._stop if (i := self._committed.find(s, start)) != -1]
         if found:
             at, self.stop_string = min(found, key=lambda hit: hit[0])  # first listed on ties
+            if self._include_stop:
+                at += len(self.stop_string)
             self._committed = self._committed[:at]
             self._pending = ""
             self.stopped = True
+
+
+def output_text(tokenizer: Tokenizer, request) -> str:
+    """A finished request's text: its detokenizer's (cut at the stop string) or the
+    output decoded once, without the text of the stop token that ended it unless its
+    params include it."""
+    params, output_ids = request.params, request.output_token_ids
+    detok = request.detokenizer
+    if detok is not None and detok.stopped:
+        return detok.text
+    if ended_by_stop_token(request) and not params.include_stop_str_in_output:
+        output_ids = output_ids[:-1]
+    elif detok is not None:
+        return detok.text
+    return detokenize(tokenizer, request.prompt_token_ids, output_ids,
+                      params.skip_special_tokens)
+
+
+def ended_by_stop_token(request) -> bool:
+    """Whether the request's last token is the end-of-sequence or `stop_token_ids` token
+    that stopped it."""
+    if request.finish_reason != "stop" or not request.output_token_ids:
+        return False
+    last, params = request.output_token_ids[-1], request.params
+    return last in params.stop_token_ids or (not params.ignore_eos
+                                             and last in request.eos_token_ids)
 
 
 def detokenize(tokenizer: Tokenizer, prompt_ids: list[int], output_ids: list[int],

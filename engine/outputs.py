@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from fusegen.engine.detokenizer import detokenize
+from fusegen.engine.detokenizer import output_text
 
 if TYPE_CHECKING:
     from fusegen.engine.logprobs import Logprob
@@ -115,11 +115,10 @@ class RequestOutput:
 def completion(request: Request, tokenizer: Tokenizer,
                decode: _TokenText | None = None) -> CompletionOutput:
     """A finished request's completion. With stop strings its detokenizer holds the text,
-    already cut at the match; without, the whole output is decoded once, here."""
+    already cut at the match; without, the whole output is decoded once, here
+    (`output_text`)."""
     output_ids = request.output_token_ids
-    detok = request.detokenizer
-    text = detok.text if detok is not None else \
-        detokenize(tokenizer, request.prompt_token_ids, output_ids)
+    text = output_text(tokenizer, request)
     decode = decode or _TokenText(tokenizer)
     return CompletionOutput(request.index, text, output_ids, request.finish_reason,
                             cumulative_logprob=request.cumulative_logprob,

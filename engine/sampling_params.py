@@ -2,12 +2,16 @@
 how the job layer reads it (`param`). A job's per-row columns, its flags and job-file
 keys, and the OpenAI batch body fields are derived from these fields (`jobs/params.py`,
 `jobs/flags.py`, `jobs/spec.py`, `jobs/openai_batch.py`); a new parameter is one field
-here, plus its check in `validate()`."""
+here, plus its check in `validate()`.
+
+vLLM's keywords that are no fields (`guided_decoding=` / `structured_outputs=`, read as
+the constraint fields; `spaces_between_special_tokens=`, a no-op) are init-only: a job
+never sees them."""
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 # The most top tokens logprobs / prompt_logprobs may ask for (vLLM's default, OpenAI's limit).
 MAX_LOGPROBS = 20
@@ -100,8 +104,29 @@ class SamplingParams:
     prompt_logprobs: int | None = param(
         None, "Top-k logprobs per prompt token, as a `prompt_logprobs` list column.",
         kind=int)
+    # vLLM's detokenizer options (engine/detokenizer.py): the text leaves special tokens
+    # out, and ends before the stop string or stop token that ended it.
+    skip_special_tokens: bool = param(
+        True, "Leave special tokens (<|im_end|>, </s>...) out of the generated text.",
+        kind=bool, body=("skip_special_tokens",))
+    include_stop_str_in_output: bool = param(
+        False, "Keep the stop string (or the stop token's text) that ended a row at the end "
+        "of its text.", kind=bool, body=("include_stop_str_in_output",))
+    # vLLM's structured-output objects (GuidedDecodingParams / StructuredOutputsParams):
+    # read into json_schema, regex, choice or grammar (engine/structured.py).
+    guided_decoding: InitVar[object] = None
+    structured_outputs: InitVar[object] = None
+    # vLLM (as transformers) applies it to slow tokenizers only; fusegen's tokenizers are
+    # the `tokenizers` library's fast ones, whose decode it does not change.
+    spaces_between_special_tokens: InitVar[bool] = True
 
-    def __post_init__(self):
+    def __post_init__(self, guided_decoding=None, structured_outputs=None,
+                      spaces_between_special_tokens=True):
+        if not isinstance(spaces_between_special_tokens, bool):
+            raise ValueError("spaces_between_special_tokens must be true or false, got "
+                             f"{_show(spaces_between_special_tokens)}")
+        if guided_decoding is not None or structured_outputs is not None:
+            self._read_vllm_constraint(guided_decoding, structured_outputs)
         # Only None, one string or a collection become a list: anything else (a number, a
         # mapping whose keys would pass as strings) stays as given for validate() to name.
         self.stop = _as_list([self.stop] if isinstance(self.stop, str) else self.stop)
@@ -111,6 +136,22 @@ class SamplingParams:
         if isinstance(self.logit_bias, dict):  # JSON objects have string keys: "50256"
             self.logit_bias = {int(k) if isinstance(k, str) and k.isdigit() else k: v
                                for k, v in self.logit_bias.items()}
+
+    def _read_vllm_constraint(self, guided_decoding, structured_outputs) -> None:
+        """vLLM's constraint object as this request's constraint field; ValueError (as
+        vLLM raises) for what fusegen cannot honour, naming what to use instead."""
+        from fusegen.engine.structured import vllm_constraint
+
+        if guided_decoding is not None and structured_outputs is not None:
+            raise ValueError("guided_decoding and structured_outputs both set a constraint; "
+                             "pass one")
+        name = "guided_decoding" if guided_decoding is not None else "structured_outputs"
+        field_name, value = vllm_constraint(guided_decoding or structured_outputs, name)
+        given = [n for n in ("json_schema", "regex", "choice", "grammar")
+                 if getattr(self, n) is not None]
+        if given:
+            raise ValueError(f"{name} and {given[0]} both set a constraint; pass one")
+        setattr(self, field_name, value)
 
     @property
     def needs_logits_processing(self) -> bool:
@@ -155,11 +196,41 @@ class SamplingParams:
                 not _is_int(t) or t < 0 for t in self.stop_token_ids):
             return ("stop_token_ids must be non-negative integers, got "
                     f"{_show(self.stop_token_ids)}")
+        for name in ("skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                return f"{name} must be true or false, got {_show(getattr(self, name))}"
         return _processor_problem(self) or _structured_problem(self)
 
 
 FIELDS = tuple(dataclasses.fields(SamplingParams))
 NAMES = tuple(f.name for f in FIELDS)
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """vLLM's structured-output request (`SamplingParams(structured_outputs=...)`, or
+    `guided_decoding=` under its older name, GuidedDecodingParams), one constraint of:
+    `json` (a JSON schema: a dict, its JSON text, or a pydantic model class), `regex`,
+    `choice` (a list of strings), `grammar` (Lark or GBNF), `json_object` (True: any JSON
+    object). fusegen compiles every one with llguidance (vLLM's "guidance" backend), so
+    `backend` and `disable_fallback` change nothing; its JSON is laid out as json.dumps
+    writes it, never with free whitespace, as `disable_any_whitespace=True` asks.
+    `whitespace_pattern`, `structural_tag` and `disable_additional_properties=True` are
+    refused with what to use instead (engine/structured.py: `vllm_constraint`)."""
+    json: dict | str | type | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    backend: str | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's name before 0.11
 
 
 def _processor_problem(params: SamplingParams) -> str | None:

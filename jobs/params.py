@@ -37,8 +37,7 @@ ROW_PARAM_COLUMNS = SAMPLING_FIELDS + (RESPONSE_FORMAT,)
 # so is surely meant as one, and is reported rather than silently kept as data.
 FOREIGN_PARAMS = frozenset({
     "best_of", "use_beam_search", "length_penalty", "early_stopping", "max_new_tokens",
-    "max_completion_tokens", "include_stop_str_in_output", "skip_special_tokens",
-    "spaces_between_special_tokens", "truncate_prompt_tokens", "guided_json",
+    "max_completion_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens", "guided_json",
     "guided_regex", "guided_choice", "guided_grammar", "top_logprobs", "do_sample",
     "typical_p", "num_return_sequences", "no_repeat_ngram_size", "min_new_tokens"})
 # The parameters whose text cells are read as numbers or words (`SamplingParams` kinds).

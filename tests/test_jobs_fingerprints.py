@@ -76,7 +76,8 @@ LATER_VALUES = {
     "stop_token_ids": [2], "ignore_eos": True, "n": 2, "json_schema": {"type": "object"},
     "regex": "a+", "choice": ["a"], "grammar": 'root ::= "a"', "presence_penalty": 0.5,
     "frequency_penalty": 0.5, "repetition_penalty": 1.1, "min_tokens": 1,
-    "logit_bias": {5: 1.0}, "bad_words": ["foo"], "logprobs": 1, "prompt_logprobs": 1}
+    "logit_bias": {5: 1.0}, "bad_words": ["foo"], "logprobs": 1, "prompt_logprobs": 1,
+    "skip_special_tokens": False, "include_stop_str_in_output": True}
 
 
 def test_fields_after_the_first_enter_the_fingerprint_only_when_set():

@@ -31,7 +31,8 @@ CELLS = {
     "bad_words": ('["foo", "bar baz"]', ["foo", "bar baz"]), "logprobs": (3.0, 3),
     "prompt_logprobs": (0, 0), "json_schema": ('{"type": "object"}', {"type": "object"}),
     "regex": ("[a-z]+", "[a-z]+"), "choice": ('["yes", "no"]', ["yes", "no"]),
-    "grammar": ('start: "a"', 'start: "a"'),
+    "grammar": ('start: "a"', 'start: "a"'), "skip_special_tokens": ("false", False),
+    "include_stop_str_in_output": (True, True),
 }
 
 
@@ -193,6 +194,8 @@ FLAG_VALUES = {  # field -> (command-line words, the SamplingParams value they m
     "json_schema": (["--json-schema", '{"type": "object"}'], {"type": "object"}),
     "regex": (["--regex", "a+"], "a+"), "choice": (["--choice", "x", "--choice", "y"], ["x", "y"]),
     "grammar": (["--grammar", 'start: "a"'], 'start: "a"'),
+    "skip_special_tokens": (["--no-skip-special-tokens"], False),
+    "include_stop_str_in_output": (["--include-stop-str-in-output"], True),
 }
 
 
