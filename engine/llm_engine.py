@@ -174,7 +174,9 @@ class LLMEngine:
         request = Request(request_id, prompt_ids, params, self.eos_token_ids, prompt=text,
                           group=group, index=index)
         if params.stop:  # it decodes the prompt's tail: here, off the step loop
-            request.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
+            request.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens,
+                params.include_stop_str_in_output)
         if params.bad_words:  # tokenized here, once, off the step loop
             request.bad_words_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         if structured is not None:
