@@ -2,7 +2,10 @@
 
 A request line is `{"custom_id", "method": "POST", "url", "body"}` with url
 `/v1/chat/completions` (body.messages, through the chat template) or `/v1/completions`
-(body.prompt: text or token ids). Body fields map onto SamplingParams (BODY_FIELDS); a
+(body.prompt: text or token ids). A message's content is its text, or a list of text
+parts (`[{"type": "text", "text": ...}]`) joined with newlines as vLLM's OpenAI server
+joins them; a part of another type (an image, audio, a file) fails its line
+(`unsupported_content`). Body fields map onto SamplingParams (BODY_FIELDS); a
 field missing from the body takes the job's value (its flags), the seed being the row's
 own as in any job. `body.model` is ignored: every request runs on the job's --model (the
 scan warns once, naming the models the file asks for). Any other field fails its line.
@@ -49,8 +52,11 @@ IGNORED = frozenset({"model", "user", "metadata", "store", "service_tier", "stre
 # Fields that are fine at these values only.
 NEUTRAL = {"stream": (False, None), "echo": (False, None), "suffix": (None,),
            "best_of": (None, 1), "tools": (None, []), "tool_choice": (None, "none"),
-           "parallel_tool_calls": (None, True, False)}
+           "parallel_tool_calls": (None, True, False),
+           # vLLM's: it changes the decode of slow tokenizers only, never fusegen's
+           "spaces_between_special_tokens": (None, True, False)}
 INVALID_REQUEST, UNSUPPORTED = "invalid_request", "unsupported_field"
+UNSUPPORTED_CONTENT = "unsupported_content"  # a message part that is not text
 DUPLICATE = "duplicate_custom_id"  # OpenAI's code for it
 
 
@@ -145,8 +151,8 @@ def _envelope_problem(obj: dict) -> str | None:
 
 def _prompt(url: str, body: dict, chat, system_prompt: str | None, limit: PromptLimit | None):
     if url == CHAT:
-        messages, problem = conversation(body.get("messages"), "body.messages", system_prompt,
-                                         limit)
+        messages, problem = conversation(_text_content(body.get("messages")), "body.messages",
+                                         system_prompt, limit)
         if problem:
             code, message = problem
             raise _LineError(INVALID_REQUEST if code == errors.INVALID_PROMPT else code, message)
@@ -167,6 +173,35 @@ def _prompt(url: str, body: dict, chat, system_prompt: str | None, limit: Prompt
         raise _LineError(INVALID_REQUEST, "body.prompt must be a non-empty string or a list "
                          "of token ids (one prompt per request line)")
     return prompt
+
+
+def _text_content(messages):
+    """`messages` with each content given as a list of parts (OpenAI's form) as its text,
+    the text parts joined with newlines; any other shape is left for `conversation` to
+    name. A part that is not text fails the line."""
+    if not isinstance(messages, list):
+        return messages
+    joined = []
+    for i, message in enumerate(messages):
+        parts = message.get("content") if isinstance(message, dict) else None
+        if isinstance(parts, list):
+            message = {**message, "content": "\n".join(
+                _part_text(part, f"body.messages[{i}].content[{j}]")
+                for j, part in enumerate(parts))}
+        joined.append(message)
+    return joined
+
+
+def _part_text(part, where: str) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and isinstance(part.get("text"), str):
+        return part["text"]
+    if isinstance(kind, str) and kind != "text":
+        raise _LineError(UNSUPPORTED_CONTENT, f"{where} is a {_show(kind)} part; fusegen "
+                         "runs text models: send text parts ({\"type\": \"text\", "
+                         "\"text\": ...}) or the content as a string")
+    raise _LineError(INVALID_REQUEST, f"{where} must be a part such as {{\"type\": "
+                     f"\"text\", \"text\": \"...\"}}, got {_show(part)}")
 
 
 def _params(url: str, body: dict, base: SamplingParams, index: int):
@@ -347,7 +382,9 @@ def response_line(req: BatchRequest, out, model: str, created: int, text_of,
             "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": model, "choices": choices,
             "usage": {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": generated,
-                      "total_tokens": out.num_prompt_tokens + generated}}
+                      "total_tokens": out.num_prompt_tokens + generated,
+                      # the prompt tokens whose KV blocks came from the prefix cache
+                      "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}}
     return {"id": _id("batch_req_", fingerprint, req.line), "custom_id": req.custom_id,
             "response": {"status_code": 200, "request_id": _id("req_", fingerprint, req.line),
                          "body": body}, "error": None}

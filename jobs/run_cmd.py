@@ -32,7 +32,8 @@ _OPTIONS = [
             "when missing; --revision pins it). Required, here or in the job file."),
     _job_option("--input", "Input Parquet file, directory or glob at any fsspec URL (local, "
             "memory://, s3://...). Required."),
-    _job_option("--output", "Output directory URL: parts, then _manifest.json. Required."),
+    _job_option("--output", "Output directory URL: parts, then _manifest.json (an OpenAI "
+            "batch file's results in output.jsonl and errors.jsonl in it). Required."),
     _job_option("--prompt-column", "Column holding the prompt text."),
     _job_option("--id-column", "Column naming rows in error messages (must exist when given)."),
     _job_option("--prompt-template", "Jinja template over the row's columns, e.g. "
@@ -107,6 +108,7 @@ def run(job_file, storage_option, **flags):
                 flags["storage_options"] = options
             _dequantize_flag(flags)
             spec = build_spec(file_values, flags)
+            _check_output_is_a_directory(spec)
             setup_logging()
             from fusegen.jobs import driver
 
@@ -119,6 +121,25 @@ def run(job_file, storage_option, **flags):
     except KeyboardInterrupt as exc:
         _stopped(exc, spec, job_file, file_values.get("overwrite") if spec else None)
     click.echo(result.summary())
+
+
+def _check_output_is_a_directory(spec) -> None:
+    """A job writes a directory at --output (its parts and _manifest.json, which a rerun
+    resumes from): an output named like a JSONL file that is not already a job's
+    directory would silently be one. JobError saying where the results go instead."""
+    if not spec.output.rstrip("/").endswith(".jsonl"):
+        return
+    from fusegen.jobs.storage import filesystem
+
+    fs, path = filesystem(spec.output, spec.storage_options)
+    if fs.isdir(path):  # an output written before: it resumes as it is
+        return
+    url = redact_url(spec.output.rstrip("/"))
+    stem = url.removesuffix(".jsonl")
+    raise JobError(f"--output {url} names a file, but a job's output is a directory: its "
+                   "parts and _manifest.json, from which a rerun resumes, and for an OpenAI "
+                   "batch file output.jsonl and errors.jsonl; pass a directory, --output "
+                   f"{stem}, and read {stem}/output.jsonl")
 
 
 def _dequantize_flag(flags: dict) -> None:

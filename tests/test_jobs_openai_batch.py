@@ -132,10 +132,13 @@ def test_batch_file_round_trip_matches_the_engine_alone(tmp_path):
             assert [c["token_ids"] for c in body["choices"]] == [c.token_ids for c in e.outputs]
             assert [c["index"] for c in body["choices"]] == list(range(len(e.outputs)))
             assert [c["finish_reason"] for c in body["choices"]] == ["length"] * len(e.outputs)
+            cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
             assert body["usage"] == {
                 "prompt_tokens": e.num_prompt_tokens,
                 "completion_tokens": e.num_generated_tokens,
-                "total_tokens": e.num_prompt_tokens + e.num_generated_tokens}
+                "total_tokens": e.num_prompt_tokens + e.num_generated_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+            assert 0 <= cached < e.num_prompt_tokens
     assert [o["response"]["body"]["object"] for o in out] == [
         "chat.completion", "text_completion", "chat.completion"]
     assert [o["response"]["body"]["id"].split("-")[0] for o in out] == [
