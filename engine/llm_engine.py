@@ -17,8 +17,8 @@ from fusegen.engine.config import EngineConfig
 from fusegen.engine.errors import ModelLoadError
 from fusegen.engine.detokenizer import IncrementalDetokenizer
 from fusegen.engine.models.rope import recompute_length
-from fusegen.engine.outputs import RequestGroup, RequestOutput
-from fusegen.engine.request import Request
+from fusegen.engine.outputs import RequestOutput
+from fusegen.engine.request import Request, RequestGroup
 from fusegen.engine.parallel.parallel_runner import make_runner
 from fusegen.engine.runner_api import Runner
 from fusegen.engine.sampling_params import SamplingParams

@@ -4,20 +4,14 @@ the runner, as one dict per position, {token id: Logprob}, holding the chosen to
 sampled one, or the prompt's next one) and the top k."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from fusegen.engine.request import Logprob
+
 if TYPE_CHECKING:
     from fusegen.engine.request import Request
-
-
-@dataclass(slots=True)
-class Logprob:
-    logprob: float
-    rank: int | None = None  # 1-based place among the vocabulary, most likely first
-    decoded_token: str | None = None  # the token's text, filled when the output is made
 
 
 def position_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor,

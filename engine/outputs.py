@@ -3,10 +3,11 @@
 plus fusegen's own fields (`error`, `num_cached_tokens`, `structured_valid`)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fusegen.engine.detokenizer import output_text
+from fusegen.engine.request import RequestGroup  # noqa: F401 - where callers found it
 
 if TYPE_CHECKING:
     from fusegen.engine.logprobs import Logprob
@@ -15,20 +16,6 @@ if TYPE_CHECKING:
 
 # One dict per position: the sampled (or prompt) token and the top-k, by token id.
 PositionLogprobs = dict[int, "Logprob"]
-
-
-@dataclass(slots=True, eq=False)
-class RequestGroup:
-    """The n requests of one prompt (n > 1): the id its one output carries, and those
-    finished so far. Held by the requests alone, so an aborted group leaves with them."""
-    request_id: int
-    n: int
-    finished: list[Request] = field(default_factory=list)
-
-    def add(self, request: Request) -> bool:
-        """Record a finished request; True once all n have finished."""
-        self.finished.append(request)
-        return len(self.finished) == self.n
 
 
 @dataclass(slots=True)

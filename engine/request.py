@@ -18,8 +18,6 @@ if TYPE_CHECKING:  # the scheduler and block manager import this module: no torc
 
     from fusegen.engine.detokenizer import IncrementalDetokenizer
     from fusegen.engine.logits_processors import LogitsState
-    from fusegen.engine.logprobs import Logprob
-    from fusegen.engine.outputs import RequestGroup
     from fusegen.engine.structured import StructuredState
 
 
@@ -28,6 +26,28 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     SWAPPED = "swapped"  # preempted with its KV blocks copied to the host pool
     FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Logprob:
+    """One token's entry at one position (vLLM's shape; engine/logprobs.py fills them)."""
+    logprob: float
+    rank: int | None = None  # 1-based place among the vocabulary, most likely first
+    decoded_token: str | None = None  # the token's text, filled when the output is made
+
+
+@dataclass(slots=True, eq=False)
+class RequestGroup:
+    """The n requests of one prompt (n > 1): the id its one output carries, and those
+    finished so far. Held by the requests alone, so an aborted group leaves with them."""
+    request_id: int
+    n: int
+    finished: list[Request] = field(default_factory=list)
+
+    def add(self, request: Request) -> bool:
+        """Record a finished request; True once all n have finished."""
+        self.finished.append(request)
+        return len(self.finished) == self.n
 
 
 @dataclass(slots=True, eq=False)
