@@ -18,6 +18,15 @@ runs in calls of 64 rows, and every output element is summed in one order, so a 
 result is the same whatever its batch and the thread count. Every other device, and
 FUSEGEN_KERNELS=reference, take the reference: a tile of output rows dequantized to fp32
 and multiplied with torch in fp32 (never a dense copy of the whole layer).
+
+bf16 x, on CPUs with AVX512_VNNI (kernels/group_vnni.py, csrc/quant_group_vnni.c): x is
+quantized to int8 per block of 32 values (one fp32 scale each, as llama.cpp's Q8_0) and
+multiplied with the codes in integers, every row count in one call, each row's result
+independent of the batch. It reads the codes once a call and multiplies 64 byte pairs an
+instruction (vdpbf16ps: 32 bf16 pairs, after expanding each code), faster than the bf16
+kernel at every row count (docs/performance.md). A bf16 model kept as codes then differs
+from one dequantized to bf16 by the activations' int8 rounding. fp32 x keeps the exact
+kernel; without VNNI bf16 x takes the bf16 kernel above.
 """
 from __future__ import annotations
 
@@ -26,6 +35,7 @@ import functools
 import torch
 
 from fusegen.kernels import use_native
+from fusegen.kernels.group_vnni import group_linear_q8, q8_available
 
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
@@ -76,14 +86,22 @@ def _check_format(bits: int, group_size: int, in_features: int) -> None:
 def group_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                  zeros: torch.Tensor | None, bits: int, group_size: int, out_features: int,
                  in_features: int) -> torch.Tensor:
-    """Dispatcher: the C kernel where this build has one for (bits, x.dtype), else the
+    """Dispatcher: bf16 x on a CPU with AVX512_VNNI takes the int8 product (any row
+    count); otherwise the C kernel where this build has one for (bits, x.dtype), else the
     reference. x [..., in_features] is taken as rows [T, in_features]."""
     check(qweight, scales, zeros, bits, group_size, out_features, in_features, x)
     if x.dim() != 2:
         rows = group_linear(x.reshape(-1, in_features), qweight, scales, zeros, bits,
                             group_size, out_features, in_features)
         return rows.view(*x.shape[:-1], out_features)
-    if x.shape[0] and x.dtype in _NATIVE and use_native(x) and has_kernel(bits, x.dtype):
+    native = x.shape[0] and x.dtype in _NATIVE and use_native(x) and has_kernel(bits, x.dtype)
+    if native and x.dtype == torch.bfloat16 and q8_available(bits):
+        out = group_linear_q8(x if x.stride(-1) == 1 else x.contiguous(), _contiguous(qweight),
+                              _contiguous(scales), _contiguous(zeros), bits, group_size,
+                              out_features)
+        if out is not None:
+            return out
+    if native:
         out = _group_linear_native(x, qweight, scales, zeros, bits, group_size, out_features,
                                    in_features)
         if out is not None:
