@@ -20,7 +20,7 @@ setup(
     # The CPU kernels' C source is compiled on first use (kernels/native.py), so it
     # ships as data: installing fusegen needs no compiler.
     # py.typed: type checkers read fusegen's annotations (PEP 561).
-    package_data={"fusegen": ["py.typed"], "fusegen.kernels": ["csrc/*.c"]},
+    package_data={"fusegen": ["py.typed"], "fusegen.kernels": ["csrc/*.c", "csrc/*.h"]},
     install_requires=[
         # A range, never a pin: on a CPU-only machine install the CPU build first
         # (`pip install torch==2.13.0`) and this range keeps pip from replacing it.

@@ -28,6 +28,7 @@ from pathlib import Path
 log = logging.getLogger("fusegen.kernels")
 
 _SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.c"))
+_HEADERS = sorted((Path(__file__).with_name("csrc")).glob("*.h"))  # in the build's key too
 # -ffast-math lets reductions reassociate into vector lanes and expf vectorise (glibc's
 # libmvec); the kernels never rely on inf/NaN arithmetic. It is a compile flag only:
 # linking with it adds crtfastmath.o, whose constructor would switch the loading thread
@@ -114,8 +115,8 @@ def build(sources: list[Path] = _SOURCES) -> Path:
     except OSError as exc:
         raise RuntimeError(f"the C compiler {cc} cannot run: {exc}") from exc
     key = hashlib.sha256("\0".join(
-        [*(p.read_text() for p in sources), " ".join(_FLAGS + _LINK_FLAGS), version,
-         _cpu_flags()]
+        [*(p.read_text() for p in [*sources, *_HEADERS]), " ".join(_FLAGS + _LINK_FLAGS),
+         version, _cpu_flags()]
     ).encode()).hexdigest()[:16]
     target = _cache_dir() / f"fusegen-cpu-{key}.so"
     if target.exists():

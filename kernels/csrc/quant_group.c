@@ -35,61 +35,24 @@
  * lane-wise over K in steps of the vector width (products of channel pairs for
  * vdpbf16ps), then the lanes. A row's result is therefore independent of its batch.
  */
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
-/* Sums keep the order written (the lanes of each vector last, in a fixed order), so an
- * element's value cannot depend on which inlined copy of a kernel computed it;
- * multiply-adds still contract (fp-contract is its own flag). */
+/* Sums keep the order written (common.h): an element's value cannot depend on which
+ * inlined copy of a kernel computed it. */
 #pragma GCC optimize("no-associative-math")
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <immintrin.h>
-#define HAS_AVX512 1
-#else
-#define HAS_AVX512 0
-#endif
-#if !HAS_AVX512 && defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define HAS_AVX2 1
-#else
-#define HAS_AVX2 0
-#endif
-#if defined(__F16C__)
-#include <immintrin.h>
-#endif
-#if HAS_AVX512 && defined(__AVX512BF16__)
-#define HAS_BF16DOT 1 /* bf16 x: weights as bf16, pairs multiplied by vdpbf16ps */
-#else
-#define HAS_BF16DOT 0
-#endif
+#include "common.h"
 
-#define MAX_ROWS 64
 #define RUN 32 /* channels a step: one int4 run, one vdpbf16ps */
-
 #if HAS_AVX512
-#define VL 16 /* floats per vector */
-#define NR 4  /* weight rows per group */
-#define MR 6  /* x rows per micro-kernel call: 24 sums + 4 weight vectors in 32 zmm */
 /* calls of up to this many rows expand in registers: on Zen 4 (4096 x 4096, one thread)
  * that takes half the scratch path's time at 2-3 rows, as much at 4 (int4) */
 #define DIRECT_ROWS 4
-#else
-#if defined(__AVX__) || defined(__aarch64__)
-#define VL 8  /* a ymm, or a pair of NEON registers */
-#else
-#define VL 4  /* baseline x86-64: one xmm */
-#endif
-#define NR 2  /* 16 ymm (AVX2): 8 sums, 2 weight vectors, the x vector */
-#define MR 4
-#if HAS_AVX2
+#elif HAS_AVX2
 #define DIRECT_ROWS 2 /* 4 sums, a run's 4 weight vectors, x, the group's constants */
 #else
 #define DIRECT_ROWS 0
 #endif
-#endif
-typedef float vf __attribute__((vector_size(VL * 4)));
 
 /* how the product multiplies: fp32 x and weights; bf16 x widened to fp32 against weights
  * rounded to bf16 precision; bf16 x and bf16 weights by vdpbf16ps */
@@ -103,41 +66,12 @@ typedef struct {
     int64_t k, groups, row_bytes;
 } layout_t;
 
-static inline float fp16(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, man = h & 0x3ff;
-    uint32_t u;
-    if (e == 0x1f) {
-        u = sign | 0x7f800000u | man << 13;
-    } else if (e == 0) { /* zero or subnormal: man x 2^-24 */
-        const float f = (float)man * (1.0f / 16777216.0f);
-        return sign ? -f : f;
-    } else {
-        u = sign | (e + 112) << 23 | man << 13;
-    }
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-#endif
-}
-
 static inline float scale_of(const layout_t *L, int64_t o, int64_t g) {
     return fp16(L->s + 2 * (o * L->groups + g));
 }
 
 static inline int zero_of(const layout_t *L, int64_t o, int64_t g) {
     return L->z ? L->z[o * L->groups + g] : (L->bits == 8 ? 128 : 8);
-}
-
-static inline uint16_t to_bf16(float f) { /* nearest even, as torch rounds; NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)(u >> 16 | 0x40);
-    return (uint16_t)((u + 0x7fff + (u >> 16 & 1)) >> 16);
 }
 
 /* ---- plain-C expansion of weight row o into y[k] (fp32) ------------------------------ */
@@ -349,118 +283,6 @@ int quant_group_available(int bits) {
 }
 
 /* ---- the product ---------------------------------------------------------------------- */
-
-static inline vf loadv(const float *p) {
-    vf v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline vf fmav(vf c, vf a, vf b) { /* c + a b, one rounding, on every path */
-#if HAS_AVX512
-    return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#elif HAS_AVX2
-    return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#else
-    return c + a * b; /* contracted to an FMA where the target has one (fp-contract) */
-#endif
-}
-
-/* One x row's NR sums, each vector's lanes added (in one fixed order per element), stored
- * as fp32 or rounded to bf16: columns [0, ncols) of `out`. */
-static inline __attribute__((always_inline)) void
-store_sums(const vf c[NR], void *out, int ncols, const int TO_BF16) {
-    float s[NR];
-#if HAS_AVX512
-    /* NR == 4: halves added, then three hadds give the four sums in one xmm */
-    __m256 t[4];
-    for (int j = 0; j < 4; j++) {
-        const __m512 v = (__m512)c[j];
-        t[j] = _mm256_add_ps(_mm512_castps512_ps256(v),
-                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-    }
-    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(t[0], t[1]), _mm256_hadd_ps(t[2], t[3]));
-    const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-#if HAS_BF16DOT
-    if (TO_BF16) { /* vcvtneps2bf16: nearest even, as to_bf16 */
-        _mm_mask_storeu_epi16(out, (__mmask8)((1u << ncols) - 1), (__m128i)_mm_cvtneps_pbh(sums));
-        return;
-    }
-#endif
-    _mm_storeu_ps(s, sums);
-#else
-    for (int j = 0; j < NR; j++) {
-        s[j] = 0.0f;
-        for (int l = 0; l < VL; l++) s[j] += c[j][l];
-    }
-#endif
-    for (int j = 0; j < ncols; j++) {
-        if (TO_BF16)
-            ((uint16_t *)out)[j] = to_bf16(s[j]);
-        else
-            ((float *)out)[j] = s[j];
-    }
-}
-
-/* out rows [0, R) x columns [0, ncols) = x rows . the NR expanded weight rows (k apart in
- * `w`: fp32, or bf16 for MODE BF16). x and out fp32, or bf16 for MODE BF16. */
-static inline __attribute__((always_inline)) void
-micro(const void *x, int64_t ldx, const void *w, int64_t k, void *out, int64_t ldo, int ncols,
-      const int R, const int MODE) {
-    vf c[MR][NR];
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < NR; j++) c[r][j] = (vf){0};
-#if HAS_BF16DOT
-    if (MODE == BF16) {
-        const uint16_t *xb = x, *wb = w;
-        for (int64_t i = 0; i < k; i += RUN) {
-            __m512bh wv[NR];
-            for (int j = 0; j < NR; j++) wv[j] = (__m512bh)_mm512_loadu_si512(wb + j * k + i);
-            for (int r = 0; r < R; r++) {
-                const __m512bh a = (__m512bh)_mm512_loadu_si512(xb + r * ldx + i);
-                for (int j = 0; j < NR; j++)
-                    c[r][j] = (vf)_mm512_dpbf16_ps((__m512)c[r][j], a, wv[j]);
-            }
-        }
-    } else
-#endif
-    {
-        const float *xf = x, *wf = w;
-        for (int64_t i = 0; i < k; i += VL) {
-            vf wv[NR];
-            for (int j = 0; j < NR; j++) wv[j] = loadv(wf + j * k + i);
-            for (int r = 0; r < R; r++) {
-                const vf a = loadv(xf + r * ldx + i);
-                for (int j = 0; j < NR; j++) c[r][j] = fmav(c[r][j], a, wv[j]);
-            }
-        }
-    }
-    const int64_t es = MODE == BF16 ? 2 : 4;
-    for (int r = 0; r < R; r++)
-        store_sums(c[r], (char *)out + r * ldo * es, ncols, MODE == BF16);
-}
-
-static inline __attribute__((always_inline)) void
-rows_against(const void *x, int64_t rows, int64_t ldx, const void *w, int64_t k, void *out,
-             int64_t ldo, int ncols, const int MODE) {
-    const int64_t es = MODE == BF16 ? 2 : 4;
-    for (int64_t r0 = 0; r0 < rows; r0 += MR) {
-        const char *xr = (const char *)x + r0 * ldx * es;
-        char *o = (char *)out + r0 * ldo * es;
-#define MICRO(RR) micro(xr, ldx, w, k, o, ldo, ncols, RR, MODE)
-        switch (rows - r0 < MR ? (int)(rows - r0) : MR) {
-#if MR > 4
-        case 6: MICRO(6); break;
-        case 5: MICRO(5); break;
-#endif
-        case 4: MICRO(4); break;
-        case 3: MICRO(3); break;
-        case 2: MICRO(2); break;
-        default: MICRO(1); break;
-        }
-#undef MICRO
-    }
-}
 
 /* Rows [first, first + ncols) expanded into `scratch` (NR rows k apart): fp32, rounded to
  * bf16 precision for F32_ROUNDED, or bf16 for BF16 (through `tmp`, one fp32 row). */
@@ -686,7 +508,7 @@ one_group(const call_t *c, int64_t g, char *scratch, int64_t scratch_bytes, cons
 #endif
     expand_group(c->L, c->expand, first, ncols, scratch, (float *)(scratch + scratch_bytes),
                  MODE);
-    rows_against(c->x, c->rows, c->ldx, scratch, c->L->k, o, c->ldo, ncols, MODE);
+    rows_against(c->x, c->rows, c->ldx, scratch, c->L->k, o, c->ldo, ncols, MODE == BF16);
 }
 
 /* one function per mode: the parallel region's body is compiled apart from its caller, and
