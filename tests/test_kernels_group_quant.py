@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from fusegen.kernels import group_linear as gl
+from fusegen.kernels import group_vnni
 from fusegen.kernels import native, use_native
 
 FORMATS = [(bits, sym, g) for bits in (8, 4) for sym in (True, False) for g in (32, 64, 128)]
@@ -301,7 +302,10 @@ def test_dispatcher(dtype, rows, monkeypatch):
     got = gl.group_linear(x, *call)
     assert got.shape == (rows, 33) and got.dtype == dtype
     assert_close(got, ref, x, gl.dequantize_group(qweight, scales, zeros, 4, 32, 64))
-    if use_native(x) and rows:
+    if use_native(x) and rows and x.dtype == torch.bfloat16 and gl.q8_available(4):
+        # bf16 x on VNNI CPUs: the int8 product (tests/test_kernels_group_vnni.py)
+        assert torch.equal(got, group_vnni.group_linear_q8_native(x, *call))
+    elif use_native(x) and rows:
         assert torch.equal(got, torch.cat([gl.group_linear_native(x[i:i + 64], *call)
                                            for i in range(0, rows, 64)]))
     monkeypatch.setenv("FUSEGEN_KERNELS", "reference")
