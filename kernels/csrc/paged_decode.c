@@ -20,32 +20,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "common.h" /* strides_t, bf16 conversions */
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
-
-typedef struct {
-    int64_t q_t, q_h;     /* q strides: token, head */
-    int64_t o_t, o_h;     /* out strides */
-    int64_t k_b, k_s, k_h; /* k cache strides: block, slot, head */
-    int64_t v_b, v_s, v_h;
-    int64_t bt;           /* block_tables row stride */
-} strides_t;
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN */
-    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
 
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 256

@@ -34,13 +34,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "common.h" /* strides_t, bf16 conversions */
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
-
-typedef struct {
-    int64_t q_t, q_h, o_t, o_h, k_b, k_s, k_h, v_b, v_s, v_h, bt;
-} strides_t; /* the same struct as paged_decode.c's (kernels/native.py Strides) */
 
 /* VL fp32 lanes a vector: 16 where the build targets AVX-512 (twice the work an
  * instruction), else 8 (AVX2; NEON pairs on Arm). A tile holds 2 * VL query positions,
@@ -63,21 +61,6 @@ typedef struct {
 } item_t;
 
 static const float zero_row[MAX_HEAD_DIM];  /* stands in for keys past a block's end */
-
-static inline float bf16_to_f32(uint16_t x) {
-    const uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN */
-    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
 
 /* exp(x) for the softmax, x <= 0, with arguments below -80 taken at -80 (a result under
  * 2e-35, beside terms of at least 1: the running max's own); masked scores (-FLT_MAX) and

@@ -42,11 +42,11 @@
  */
 #include <stdlib.h>
 
-/* Sums keep the order written (common.h): an element's value cannot depend on which
+/* Sums keep the order written (expand.h): an element's value cannot depend on which
  * inlined copy of the micro-kernel computed it. */
 #pragma GCC optimize("no-associative-math")
 
-#include "common.h"
+#include "expand.h"
 
 /* ---- plain-C expansion, one row of `nb` blocks into y ---------------------------- */
 
@@ -729,7 +729,7 @@ int quant_gguf_bf16(int qtype, const uint16_t *x, int64_t rows, int64_t ldx, con
         status = product(qtype, xf, rows, k, w, n, k, of, n, num_threads, plain, 0);
         if (status == 0)
             for (int64_t r = 0; r < rows; r++)
-                for (int64_t j = 0; j < n; j++) out[r * ldo + j] = to_bf16(of[r * n + j]);
+                for (int64_t j = 0; j < n; j++) out[r * ldo + j] = f32_to_bf16(of[r * n + j]);
     }
     free(xf);
     free(of);

@@ -37,11 +37,11 @@
  */
 #include <stdlib.h>
 
-/* Sums keep the order written (common.h): an element's value cannot depend on which
+/* Sums keep the order written (expand.h): an element's value cannot depend on which
  * inlined copy of a kernel computed it. */
 #pragma GCC optimize("no-associative-math")
 
-#include "common.h"
+#include "expand.h"
 
 #define RUN 32 /* channels a step: one int4 run, one vdpbf16ps */
 #if HAS_AVX512
@@ -615,7 +615,7 @@ int quant_group_bf16(int bits, int group, const uint16_t *x, int64_t rows, int64
         status = product(&L, xf, rows, k, n, of, n, num_threads, plain, F32_ROUNDED);
         if (status == 0)
             for (int64_t r = 0; r < rows; r++)
-                for (int64_t j = 0; j < n; j++) out[r * ldo + j] = to_bf16(of[r * n + j]);
+                for (int64_t j = 0; j < n; j++) out[r * ldo + j] = f32_to_bf16(of[r * n + j]);
     }
     free(xf);
     free(of);
