@@ -69,6 +69,27 @@ static inline vf fmav(vf c, vf a, vf b) { /* c + a b, one rounding, on every pat
 #endif
 }
 
+/* finite fp32 values rounded to bf16 precision (nearest even), lane-wise */
+static inline vf round_bf16(vf v) {
+    typedef uint32_t vu __attribute__((vector_size(VL * 4)));
+    const vu u = (vu)v;
+    return (vf)((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
+}
+
+/* bf16 rows x [rows, k] (row stride ldx) widened to fp32 xf [rows, k] */
+static inline void widen_rows(const uint16_t *x, int64_t rows, int64_t ldx, int64_t k,
+                              float *xf) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < k; i++) xf[r * k + i] = bf16_to_f32(x[r * ldx + i]);
+}
+
+/* fp32 rows of [rows, n] rounded to bf16 out (row stride ldo) */
+static inline void round_rows(const float *of, int64_t rows, int64_t n, uint16_t *out,
+                              int64_t ldo) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < n; j++) out[r * ldo + j] = f32_to_bf16(of[r * n + j]);
+}
+
 /* One x row's NR sums, each vector's lanes added (in one fixed order per element), stored
  * as fp32 or rounded to bf16: columns [0, ncols) of `out`. */
 static inline __attribute__((always_inline)) void

@@ -273,27 +273,28 @@ static inline void row_k4(const uint8_t *b, int64_t nb, float *y, const int five
 static void row_q4_k_v(const uint8_t *b, int64_t nb, float *y) { row_k4(b, nb, y, 0); }
 static void row_q5_k_v(const uint8_t *b, int64_t nb, float *y) { row_k4(b, nb, y, 1); }
 
-static void row_q6_k_v(const uint8_t *b, int64_t nb, float *y) {
+/* Q6_K: the 6-bit codes of values 16 s .. 16 s + 15 of each quarter of a half (ql its 64
+ * low-nibble bytes, qh its 32 high-bit bytes), quarter j in q[j] */
+static inline void q6k_codes(const uint8_t *ql, const uint8_t *qh, int s, __m128i q[4]) {
     const __m128i low4 = _mm_set1_epi8(0xf), low2 = _mm_set1_epi8(3);
+    const __m128i a = _mm_loadu_si128((const __m128i *)(ql + 16 * s));
+    const __m128i c = _mm_loadu_si128((const __m128i *)(ql + 32 + 16 * s));
+    const __m128i h = _mm_loadu_si128((const __m128i *)(qh + 16 * s));
+    const __m128i lo[4] = {a, c, _mm_srli_epi16(a, 4), _mm_srli_epi16(c, 4)};
+    for (int j = 0; j < 4; j++)
+        q[j] = _mm_or_si128(_mm_and_si128(lo[j], low4),
+                            _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 2 * j), low2), 4));
+}
+
+static void row_q6_k_v(const uint8_t *b, int64_t nb, float *y) {
     for (int64_t i = 0; i < nb; i++, b += 210) {
         const float d = fp16(b + 208);
         const uint8_t *ql = b, *qh = b + 128;
         const int8_t *sc = (const int8_t *)(b + 192);
         for (int half = 0; half < 2; half++, ql += 64, qh += 32, sc += 8, y += 128)
             for (int s = 0; s < 2; s++) { /* 16 values of each quarter: one scale each */
-                const __m128i a = _mm_loadu_si128((const __m128i *)(ql + 16 * s));
-                const __m128i c = _mm_loadu_si128((const __m128i *)(ql + 32 + 16 * s));
-                const __m128i h = _mm_loadu_si128((const __m128i *)(qh + 16 * s));
-                const __m128i q[4] = {
-                    _mm_or_si128(_mm_and_si128(a, low4),
-                                 _mm_slli_epi16(_mm_and_si128(h, low2), 4)),
-                    _mm_or_si128(_mm_and_si128(c, low4),
-                                 _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 2), low2), 4)),
-                    _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), low4),
-                                 _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 4), low2), 4)),
-                    _mm_or_si128(_mm_and_si128(_mm_srli_epi16(c, 4), low4),
-                                 _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 6), low2), 4)),
-                };
+                __m128i q[4];
+                q6k_codes(ql, qh, s, q);
                 for (int j = 0; j < 4; j++) {
                     const float ds = d * (float)sc[s + 2 * j];
                     const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q[j]));
@@ -478,25 +479,14 @@ static inline void bf_q5_k(const uint8_t *b, __m512bh *v) { bf_k4(b, v, 1); }
 
 /* row_q6_k_v's values: quarter j of each half as one vector (its s = 0 then s = 1 16) */
 static inline void bf_q6_k(const uint8_t *b, __m512bh *v) {
-    const __m128i low4 = _mm_set1_epi8(0xf), low2 = _mm_set1_epi8(3);
     const float d = fp16(b + 208);
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t *sc = (const int8_t *)(b + 192);
     for (int half = 0; half < 2; half++, ql += 64, qh += 32, sc += 8, v += 4) {
         __m512 f[2][4];
         for (int s = 0; s < 2; s++) {
-            const __m128i a = _mm_loadu_si128((const __m128i *)(ql + 16 * s));
-            const __m128i c = _mm_loadu_si128((const __m128i *)(ql + 32 + 16 * s));
-            const __m128i h = _mm_loadu_si128((const __m128i *)(qh + 16 * s));
-            const __m128i q[4] = {
-                _mm_or_si128(_mm_and_si128(a, low4), _mm_slli_epi16(_mm_and_si128(h, low2), 4)),
-                _mm_or_si128(_mm_and_si128(c, low4),
-                             _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 2), low2), 4)),
-                _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), low4),
-                             _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 4), low2), 4)),
-                _mm_or_si128(_mm_and_si128(_mm_srli_epi16(c, 4), low4),
-                             _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 6), low2), 4)),
-            };
+            __m128i q[4];
+            q6k_codes(ql, qh, s, q);
             for (int j = 0; j < 4; j++) {
                 const float ds = d * (float)sc[s + 2 * j];
                 f[s][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q[j])),
@@ -721,15 +711,9 @@ int quant_gguf_bf16(int qtype, const uint16_t *x, int64_t rows, int64_t ldx, con
     float *xf = malloc((size_t)rows * k * 4), *of = malloc((size_t)rows * n * 4);
     int status = -1;
     if (xf && of) {
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t i = 0; i < k; i++) {
-                const uint32_t u = (uint32_t)x[r * ldx + i] << 16;
-                memcpy(xf + r * k + i, &u, 4);
-            }
+        widen_rows(x, rows, ldx, k, xf);
         status = product(qtype, xf, rows, k, w, n, k, of, n, num_threads, plain, 0);
-        if (status == 0)
-            for (int64_t r = 0; r < rows; r++)
-                for (int64_t j = 0; j < n; j++) out[r * ldo + j] = f32_to_bf16(of[r * n + j]);
+        if (status == 0) round_rows(of, rows, n, out, ldo);
     }
     free(xf);
     free(of);

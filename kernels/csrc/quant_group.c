@@ -322,14 +322,6 @@ expand_group(const layout_t *L, row_fn expand, int64_t first, int ncols, void *s
 }
 
 #if HAS_AVX512
-/* finite fp32 values rounded to bf16 precision (nearest even), as expand_group rounds them */
-static inline __m512 round_bf16(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd);
-    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
-}
-
 /* channels [i, i + 32) of the NR rows (codes q, group constants k) into the sums c of R x
  * rows */
 static inline __attribute__((always_inline)) void
@@ -350,7 +342,8 @@ direct_run(const uint8_t *const q[NR], int64_t i, const gconst_t k[NR], const vo
     for (int j = 0; j < NR; j++) {
         __m512 w[2];
         run_f32(q[j], i, &k[j], BITS, w);
-        if (MODE == F32_ROUNDED) w[0] = round_bf16(w[0]), w[1] = round_bf16(w[1]);
+        if (MODE == F32_ROUNDED)
+            w[0] = (__m512)round_bf16((vf)w[0]), w[1] = (__m512)round_bf16((vf)w[1]);
         for (int r = 0; r < R; r++) {
             const float *xr = (const float *)x + r * ldx + i;
             c[r][j] = fmav(c[r][j], loadv(xr), (vf)w[0]);
@@ -425,14 +418,6 @@ typedef struct {
 } call_t;
 
 #if HAS_AVX2
-/* finite fp32 values rounded to bf16 precision (nearest even), as expand_group rounds them */
-static inline __m256 round_bf16(__m256 v) {
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    const __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd);
-    return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u)));
-}
-
 /* Decode with AVX2: as the AVX-512 direct (the same sums as expand_group + micro), each run
  * expanded as row_avx2 expands it, into four ymm */
 static inline __attribute__((always_inline)) void
@@ -470,7 +455,7 @@ direct(const layout_t *L, int64_t first, int ncols, const void *x, int64_t ldx, 
                 }
                 for (int h = 0; h < 4; h++) {
                     __m256 w = eight(b[h], sv[j], cv[j]);
-                    if (MODE == F32_ROUNDED) w = round_bf16(w);
+                    if (MODE == F32_ROUNDED) w = (__m256)round_bf16((vf)w);
                     for (int r = 0; r < R; r++)
                         c[r][j] = fmav(c[r][j], loadv((const float *)x + r * ldx + i + 8 * h),
                                        (vf)w);
@@ -607,15 +592,9 @@ int quant_group_bf16(int bits, int group, const uint16_t *x, int64_t rows, int64
     float *xf = malloc((size_t)rows * k * 4), *of = malloc((size_t)rows * n * 4);
     int status = -1;
     if (xf && of) {
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t i = 0; i < k; i++) {
-                const uint32_t u = (uint32_t)x[r * ldx + i] << 16;
-                memcpy(xf + r * k + i, &u, 4);
-            }
+        widen_rows(x, rows, ldx, k, xf);
         status = product(&L, xf, rows, k, n, of, n, num_threads, plain, F32_ROUNDED);
-        if (status == 0)
-            for (int64_t r = 0; r < rows; r++)
-                for (int64_t j = 0; j < n; j++) out[r * ldo + j] = f32_to_bf16(of[r * n + j]);
+        if (status == 0) round_rows(of, rows, n, out, ldo);
     }
     free(xf);
     free(of);
