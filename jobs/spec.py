@@ -227,7 +227,7 @@ class JobSpec:
         resolved here, on the driver, once: its workers get the dtype resolved, so that
         none elsewhere resolves "auto" otherwise. On an external cluster with device auto
         the dtype follows this machine's device and CPU."""
-        from fusegen.engine.config import cpu_supports_bf16, default_device, resolve_dtype
+        from fusegen.engine.memory.device import cpu_supports_bf16, default_device, resolve_dtype
         from fusegen.engine.errors import EngineConfigError, ModelLoadError
         from fusegen.jobs.identity import JobIdentity, model_identity
 

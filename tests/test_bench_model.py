@@ -155,7 +155,7 @@ def test_model_runs_instead_of_the_random_checkpoint(kind, llama_dir, tiny_gguf,
 def _auto_dtype() -> str:
     """The dtype a GGUF model's bench runs in ("auto"): bf16 on CPUs where it pays, so
     the baselines' export is made in it."""
-    from fusegen.engine.config import resolve_dtype
+    from fusegen.engine.memory.device import resolve_dtype
 
     return str(resolve_dtype("auto", "cpu")).removeprefix("torch.")
 

@@ -3,7 +3,7 @@ AVX512_BF16), fp32 elsewhere. Nothing is timed: the choice is the same on every 
 import pytest
 import torch
 
-from fusegen.engine import config
+from fusegen.engine.memory import device
 
 
 def _flags(monkeypatch, amx: bool, avx512_bf16: bool):
@@ -14,8 +14,8 @@ def _flags(monkeypatch, amx: bool, avx512_bf16: bool):
 
 def test_gpus_run_bf16(monkeypatch):
     _flags(monkeypatch, amx=False, avx512_bf16=False)
-    assert config.resolve_dtype("auto", "cuda:1") == torch.bfloat16
-    assert config.resolve_dtype("auto", "cuda:0,1") == torch.bfloat16
+    assert device.resolve_dtype("auto", "cuda:1") == torch.bfloat16
+    assert device.resolve_dtype("auto", "cuda:0,1") == torch.bfloat16
 
 
 @pytest.mark.parametrize("amx, avx512_bf16, want", [
@@ -26,7 +26,7 @@ def test_gpus_run_bf16(monkeypatch):
 ])
 def test_cpus_follow_their_flags_only(monkeypatch, amx, avx512_bf16, want):
     _flags(monkeypatch, amx, avx512_bf16)
-    assert config.resolve_dtype("auto", "cpu") == want
+    assert device.resolve_dtype("auto", "cpu") == want
 
 
 def test_nothing_is_timed_or_computed(monkeypatch):
@@ -41,12 +41,12 @@ def test_nothing_is_timed_or_computed(monkeypatch):
         monkeypatch.setattr(torch, name, lambda *a, n=name, **k: pytest.fail(f"torch.{n}"))
     monkeypatch.setattr(torch.nn.functional, "linear",
                         lambda *a, **k: pytest.fail("linear called"))
-    assert [config.resolve_dtype("auto", "cpu") for _ in range(3)] == [torch.bfloat16] * 3
-    assert not hasattr(config, "matmul_seconds") and not hasattr(config, "cpu_prefers_bf16")
+    assert [device.resolve_dtype("auto", "cpu") for _ in range(3)] == [torch.bfloat16] * 3
+    assert not hasattr(device, "matmul_seconds") and not hasattr(device, "cpu_prefers_bf16")
 
 
 def test_explicit_dtypes_are_kept(monkeypatch):
     _flags(monkeypatch, amx=False, avx512_bf16=False)
-    assert config.resolve_dtype("float16", "cpu") == torch.float16
-    assert config.resolve_dtype("bfloat16", "cpu") == torch.bfloat16
-    assert config.resolve_dtype(torch.bfloat16, "cpu") == torch.bfloat16
+    assert device.resolve_dtype("float16", "cpu") == torch.float16
+    assert device.resolve_dtype("bfloat16", "cpu") == torch.bfloat16
+    assert device.resolve_dtype(torch.bfloat16, "cpu") == torch.bfloat16

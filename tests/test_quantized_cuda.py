@@ -15,7 +15,8 @@ from checkpoints import make_hf_checkpoint
 from gguf_checkpoints import Q, write_gguf
 from test_kernels_triton_quant import make_blocks
 from fusegen.engine import EngineConfigError
-from fusegen.engine.config import compressed_layer_bytes, read_model_config, resolve_quantization
+from fusegen.engine.config import read_model_config, resolve_quantization
+from fusegen.engine.memory.shape import compressed_layer_bytes
 from fusegen.engine.models import get_architecture
 from fusegen.engine.options import EngineOptions
 from fusegen.engine.weights import quantized

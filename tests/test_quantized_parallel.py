@@ -169,7 +169,7 @@ def test_pipeline_stages_balance_compressed_bytes(tmp_path):
     (18): by parameter counts (every layer alike, the head at half on the last stage) two
     stages take 2 + 2 layers; by the bytes the layers load as, 3 + 1, and the group runs
     those stages and makes the single process's tokens."""
-    from fusegen.engine.config import compressed_layer_bytes
+    from fusegen.engine.memory.shape import compressed_layer_bytes
     from fusegen.engine.parallel.plan import model_stages
 
     deep = make_hf_checkpoint(tmp_path / "deep", "llama", "bpe", seed=5, num_hidden_layers=4,

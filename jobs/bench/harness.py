@@ -69,7 +69,7 @@ class BenchConfig:
 
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.dtype == "auto":
-            from fusegen.engine.config import resolve_dtype
+            from fusegen.engine.memory.device import resolve_dtype
 
             self.dtype = str(on_a_passing_thread(resolve_dtype, "auto", self.device)
                              ).removeprefix("torch.")
@@ -171,7 +171,7 @@ def run_benchmark(config: BenchConfig, progress: Progress = lambda _: None) -> d
                         progress=progress)]
     _done(results[-1], progress)
     if config.deterministic_too:
-        _free_memory(config.device)
+        _release_memory(config.device)
         progress("fusegen: again in deterministic (batch-invariant) mode")
         results.append(_fusegen(
             model_dir, requests, warmup, dtype=config.dtype, device=config.device,
@@ -181,7 +181,7 @@ def run_benchmark(config: BenchConfig, progress: Progress = lambda _: None) -> d
     if config.structured == "half":
         from fusegen.jobs.bench.fusegen_runner import LABEL_SCHEMA
 
-        _free_memory(config.device)
+        _release_memory(config.device)
         progress("fusegen: again with every other request constrained by a JSON schema")
         results.append(_fusegen(
             model_dir, requests, warmup, dtype=config.dtype, device=config.device,
@@ -194,7 +194,7 @@ def run_benchmark(config: BenchConfig, progress: Progress = lambda _: None) -> d
             config, (model_dir, requests, warmup), progress, "with prefix caching off",
             {**engine_options, "enable_prefix_caching": False},
             name="fusegen_no_prefix_cache", label="fusegen, no prefix cache"))
-    _free_memory(config.device)  # fusegen's weights and KV pool, before vLLM and transformers
+    _release_memory(config.device)  # fusegen's weights and KV pool, before vLLM and transformers
     results += _run_llamacpp(config, model, requests, warmup, ceiling.num_threads,
                              results[0], progress)
     hf_on = config.hf_static or config.hf_continuous
@@ -220,7 +220,7 @@ def run_benchmark(config: BenchConfig, progress: Progress = lambda _: None) -> d
 def _fusegen_again(config: BenchConfig, run: tuple, progress: Progress, what: str,
                    engine_options: dict, **kwargs) -> EngineResult:
     """fusegen once more on the same (model_dir, requests, warmup), `what` told apart."""
-    _free_memory(config.device)
+    _release_memory(config.device)
     progress(f"fusegen: again {what}")
     result = _fusegen(*run, dtype=config.dtype, device=config.device, progress=progress,
                       engine_options={**config.engine_options, **engine_options}, **kwargs)
@@ -245,7 +245,7 @@ def _time_hf_gguf_load(config: BenchConfig, model: BenchModel, progress: Progres
         return {"transformers_error": f"{type(exc).__name__}: {exc}"}
     seconds = time.perf_counter() - start
     del loaded
-    _free_memory(config.device)
+    _release_memory(config.device)
     progress(f"transformers: GGUF load took {seconds:.2f}s")
     return {"transformers_s": seconds}
 
@@ -361,7 +361,7 @@ def _run_baselines(config: BenchConfig, model_dir: Path, requests, warmup,
                                        progress=progress)
         _done(continuous, progress)
     del model
-    _free_memory(config.device)
+    _release_memory(config.device)
     for result in (static, continuous):
         result.load_s = load_s if result.skipped is None else 0.0
     return [static, continuous]
@@ -431,11 +431,12 @@ def _run_offload_baseline(config: BenchConfig, model_dir: Path, requests, warmup
     result.load_s = load_s
     _done(result, progress)
     del model
-    _free_memory(config.device)
+    _release_memory(config.device)
     return [result]
 
 
-def _free_memory(device: str) -> None:
+def _release_memory(device: str) -> None:
+    """Give back what the last engine held (its objects, the CUDA cache) before the next."""
     gc.collect()
     if device.startswith("cuda"):
         import torch

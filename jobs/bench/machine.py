@@ -9,6 +9,8 @@ from importlib import metadata
 
 import torch
 
+from fusegen.engine.memory.device import cpu_features
+
 
 def _cpu_model() -> str:
     try:
@@ -19,14 +21,6 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-def _cpu_matrix_features() -> list[str]:
-    """The CPU features that decide the bf16 ceiling (bf16 is emulated without them)."""
-    cpu = getattr(torch, "cpu", None)
-    checks = {"avx2": "_is_avx2_supported", "avx512": "_is_avx512_supported",
-              "avx512_bf16": "_is_avx512_bf16_supported", "amx": "_is_amx_tile_supported"}
-    return [name for name, fn in checks.items() if getattr(cpu, fn, lambda: False)()]
 
 
 def _version(package: str) -> str | None:
@@ -43,7 +37,7 @@ def describe_machine(device: str) -> dict:
         "platform": platform.platform(),
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),
-        "cpu_features": _cpu_matrix_features(),
+        "cpu_features": cpu_features(),  # the flags that decide the bf16 ceiling
         "torch_threads": torch.get_num_threads(),
         "memory_bytes": psutil.virtual_memory().total,
         "device": device,
