@@ -1,8 +1,10 @@
 """Options -> the engine's batch limits and memory placement, in one pure function.
 
 `plan_engine(options, shape, free)` is plain arithmetic over the user's options, the
-model's sizes (`ModelShape`) and the memory the machine has free (`FreeMemory`); the
-caller measures the machine, the engine freezes what comes back. Nothing is set twice:
+model's sizes (`ModelShape`, made by shape.py) and the memory the machine has free
+(`FreeMemory`, measured by device.py); the engine freezes what comes back (config.py
+gathers the inputs). Both input types are declared here as plain data: the plan is
+unit-tested over made-up sizes without a model or a machine. Nothing is set twice:
 a plan that streams layers and leaves the batch limits to fusegen is planned again with
 larger limits, and the result is whichever of the two fits.
 """
