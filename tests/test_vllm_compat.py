@@ -3,7 +3,7 @@ fusegen's, or accepted as no-ops where they ask for what fusegen does anyway, re
 with what to use instead otherwise), `LLM.get_tokenizer()`, prompts from any iterable
 (a generator streamed, a bounded number in flight), `fusegen.__version__`, `py.typed`."""
 import importlib.metadata
-import pathlib
+import zipfile
 
 import pytest
 
@@ -144,11 +144,12 @@ def test_progress_bar_counts_a_generators_prompts(llm, capsys):
     assert "Processed prompts: " in err and "4prompt" in err.replace(" ", "")
 
 
-def test_version_and_typed_marker():
+def test_version_and_typed_marker_in_the_wheel(tmp_path):
     import fusegen
+    from test_namespace import _build_wheel
 
     assert fusegen.__version__ == importlib.metadata.version("fusegen")
-    root = pathlib.Path(fusegen.__file__).parent
-    assert (root / "py.typed").is_file()
-    setup = (root / "setup.py").read_text()
-    assert '"fusegen": ["py.typed"]' in setup
+    with zipfile.ZipFile(_build_wheel(tmp_path)) as wheel:
+        assert wheel.read("fusegen/py.typed") == b""  # PEP 561's marker
+        version = wheel.read("fusegen-0.1.0.dist-info/METADATA").decode()
+    assert f"\nVersion: {fusegen.__version__}\n" in version
