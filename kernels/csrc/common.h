@@ -19,6 +19,38 @@ typedef struct {
     int64_t bt;            /* block_tables row stride */
 } strides_t;
 
+/* One sequence's cached positions [pos, len) walked a run at a time, each run the
+ * positions that share one cache block: its block id, first slot and length. A sliding
+ * window starts the walk at len - window. */
+typedef struct {
+    const int32_t *table; /* the sequence's block table row */
+    int block_size, pos, len;
+    int64_t block; /* the current run: its block, first slot, length */
+    int slot0, n;
+} walk_t;
+
+static inline walk_t walk_begin(const int32_t *table, int block_size, int len, int window) {
+    const int first = window > 0 && len > window ? len - window : 0;
+    const walk_t w = {table, block_size, first, len, 0, 0, 0};
+    return w;
+}
+
+/* moves to the next run: 1, or 0 past the end */
+static inline int walk_next(walk_t *w) {
+    w->pos += w->n;
+    if (w->pos >= w->len) return 0;
+    w->block = w->table[w->pos / w->block_size];
+    w->slot0 = w->pos % w->block_size;
+    w->n = w->block_size - w->slot0 < w->len - w->pos ? w->block_size - w->slot0 : w->len - w->pos;
+    return 1;
+}
+
+/* the block of the run after the current one, or -1 at the last run */
+static inline int64_t walk_peek(const walk_t *w) {
+    const int next = w->pos + w->n;
+    return next < w->len ? w->table[next / w->block_size] : -1;
+}
+
 static inline float bf16_to_f32(uint16_t x) {
     const uint32_t u = (uint32_t)x << 16;
     float f;

@@ -51,14 +51,11 @@ static void NAME##_item(const T *q, T *out, const T *kc, const T *vc,           
         m[i] = -FLT_MAX; /* -inf would break under -ffast-math */                         \
         l[i] = 0.0f;                                                                        \
     }                                                                                       \
-    const int len = seq_lens[seq];                                                          \
-    int pos = (window > 0 && len > window) ? len - window : 0;                              \
     const int32_t *table = block_tables + (int64_t)seq * st->bt;                           \
     float kv[MAX_HEAD_DIM];                                                                 \
-    while (pos < len) {                                                                     \
-        const int64_t block = table[pos / block_size];                                     \
-        const int slot0 = pos % block_size;                                                 \
-        const int n = (block_size - slot0 < len - pos) ? block_size - slot0 : len - pos;   \
+    for (walk_t w = walk_begin(table, block_size, seq_lens[seq], window); walk_next(&w);) { \
+        const int64_t block = w.block;                                                      \
+        const int slot0 = w.slot0, n = w.n;                                                 \
         for (int j = 0; j < n; j++) {                                                       \
             for (int h = h0; h < h1; h++) {                                                 \
                 const T *kp = kc + block * st->k_b + (int64_t)(slot0 + j) * st->k_s        \
@@ -101,7 +98,6 @@ static void NAME##_item(const T *q, T *out, const T *kc, const T *vc,           
                 }                                                                           \
             }                                                                               \
         }                                                                                   \
-        pos += n;                                                                           \
     }                                                                                       \
     for (int i = 0; i < nq; i++) {                                                          \
         T *op = out + row * st->o_t + (int64_t)(h0 * group + i) * st->o_h;                 \
@@ -265,13 +261,10 @@ static inline __attribute__((always_inline)) void decode_x8_item(
         m[i] = -FLT_MAX;
         l[i] = 0.0f;
     }
-    const int len = seq_lens[seq];
-    int pos = (window > 0 && len > window) ? len - window : 0;
     const int32_t *table = block_tables + (int64_t)seq * st->bt;
-    while (pos < len) {
-        const int64_t block = table[pos / block_size];
-        const int slot0 = pos % block_size;
-        const int n = (block_size - slot0 < len - pos) ? block_size - slot0 : len - pos;
+    for (walk_t w = walk_begin(table, block_size, seq_lens[seq], window); walk_next(&w);) {
+        const int64_t block = w.block;
+        const int slot0 = w.slot0, n = w.n;
         const int64_t kb = block * k_b + (int64_t)slot0 * k_s;  /* element offsets */
         const int64_t vb = block * v_b + (int64_t)slot0 * v_s;
         /* The next block is elsewhere in the cache (its id comes from the table), where
@@ -280,8 +273,9 @@ static inline __attribute__((always_inline)) void decode_x8_item(
          * few misses in flight (its L1 miss buffers); asking for both in the key pass
          * would fill them there and leave the value pass with nothing in flight
          * (docs/performance.md). */
-        const int has_next = pos + n < len;
-        const int64_t next = has_next ? table[(pos + n) / block_size] : 0;
+        const int64_t peek = walk_peek(&w);
+        const int has_next = peek >= 0;
+        const int64_t next = has_next ? peek : 0;
         const char *kn = (const char *)kc + next * k_b * es;
         const char *vn = (const char *)vc + next * v_b * es;
         for (int j = 0; j < n; j++) {
@@ -343,7 +337,6 @@ static inline __attribute__((always_inline)) void decode_x8_item(
                                       bf16, ahead);
             }
         }
-        pos += n;
     }
     for (int i = 0; i < nq; i++) {
         const int64_t at = row * st->o_t + (int64_t)(h0 * group + i) * st->o_h;
@@ -392,18 +385,16 @@ static inline __attribute__((always_inline)) void decode_dp_item(
         m[i] = -FLT_MAX;
         l[i] = 0.0f;
     }
-    const int len = seq_lens[seq];
-    int pos = (window > 0 && len > window) ? len - window : 0;
     const int32_t *table = block_tables + (int64_t)seq * st->bt;
-    while (pos < len) {
-        const int64_t block = table[pos / block_size];
-        const int slot0 = pos % block_size;
-        const int n = (block_size - slot0 < len - pos) ? block_size - slot0 : len - pos;
+    for (walk_t w = walk_begin(table, block_size, seq_lens[seq], window); walk_next(&w);) {
+        const int64_t block = w.block;
+        const int slot0 = w.slot0, n = w.n;
         const int64_t kb = block * k_b + (int64_t)slot0 * k_s;
         const int64_t vb = block * v_b + (int64_t)slot0 * v_s;
         /* the next block's rows asked for while this one runs (see decode_x8_item) */
-        const int has_next = pos + n < len;
-        const int64_t next = has_next ? table[(pos + n) / block_size] : 0;
+        const int64_t peek = walk_peek(&w);
+        const int has_next = peek >= 0;
+        const int64_t next = has_next ? peek : 0;
         const uint16_t *kn = kc + next * k_b, *vn = vc + next * v_b;
         for (int j = 0; j < n; j++)
             for (int h = h0; h < h1; h++) {
@@ -462,7 +453,6 @@ static inline __attribute__((always_inline)) void decode_dp_item(
                 }
             }
         }
-        pos += n;
     }
     for (int i = 0; i < nq; i++) {
         const int64_t at = row * st->o_t + (int64_t)(h0 * group + i) * st->o_h;
