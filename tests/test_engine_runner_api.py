@@ -3,6 +3,7 @@ member themselves (none falls back to the protocol's empty body), and the engine
 and the bench read a runner through it alone."""
 import ast
 import inspect
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,7 @@ def own_members(cls) -> set[str]:
     found = set()
     for klass in cls.__mro__[:cls.__mro__.index(Runner)]:
         found |= set(vars(klass))
-        init = ast.parse(inspect.getsource(klass.__init__).strip().replace("\n    ", "\n"))
+        init = ast.parse(textwrap.dedent(inspect.getsource(klass.__init__)))
         found |= {t.attr for node in ast.walk(init) if isinstance(node, (ast.Assign,
                                                                          ast.AnnAssign))
                   for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
