@@ -63,14 +63,18 @@ class SamplingParams:
                    kind=int, body=("n",))
     # Structured output (engine/structured.py), at most one of the four: the output is
     # constrained token by token to a JSON schema (a dict, or its JSON text), a regular
-    # expression, one of a list of strings, or a Lark / GBNF grammar.
+    # expression, one of a list of strings, or a Lark / GBNF grammar. (The guided_* body
+    # fields are vLLM's OpenAI server's.)
     json_schema: dict | str | None = param(
         None, "Constrain output to a JSON Schema: its JSON text or a file holding it.",
-        body=("response_format",))
-    regex: str | None = param(None, "Constrain output to this regular expression.")
+        body=("response_format", "guided_json"))
+    regex: str | None = param(None, "Constrain output to this regular expression.",
+                              body=("guided_regex",))
     choice: list[str] | None = param(
-        None, "Constrain output to one of these strings; repeat for each.", kind=list)
-    grammar: str | None = param(None, "Constrain output to this Lark or GBNF grammar.")
+        None, "Constrain output to one of these strings; repeat for each.", kind=list,
+        body=("guided_choice",))
+    grammar: str | None = param(None, "Constrain output to this Lark or GBNF grammar.",
+                                body=("guided_grammar",))
     # Logits processors (engine/logits_processors.py), vLLM's and OpenAI's definitions:
     # penalties over generated tokens (logit -= presence * (count > 0) + frequency * count),
     presence_penalty: float = param(

@@ -47,6 +47,7 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 # body field -> SamplingParams field, from each field's `body` names (OpenAI's, and the
 # ones vLLM's OpenAI server takes besides: top_k, min_p, repetition_penalty, ...).
 BODY_FIELDS = {key: f.name for f in FIELDS for key in f.metadata["body"]}
+CONSTRAINTS = ("json_schema", "regex", "choice", "grammar")  # at most one per request
 # Fields that do not change what is generated; ignored.
 IGNORED = frozenset({"model", "user", "metadata", "store", "service_tier", "stream_options"})
 # Fields that are fine at these values only.
@@ -208,8 +209,13 @@ def _params(url: str, body: dict, base: SamplingParams, index: int):
     """(SamplingParams, top logprobs to show or None)."""
     seed = None if base.seed is None else row_seed(base.seed, index)
     changes = {"seed": seed}
-    if body.get("response_format") is not None:  # the line's constraint replaces the job's
-        changes.update(dict.fromkeys(("json_schema", "regex", "choice", "grammar")))
+    constraints = [k for k, v in body.items() if BODY_FIELDS.get(k) in CONSTRAINTS
+                   and v is not None]
+    if len(constraints) > 1:
+        raise _LineError(INVALID_REQUEST, f"body.{constraints[0]} and body.{constraints[1]} "
+                         "both constrain the output; give one")
+    if constraints:  # the line's constraint replaces the job's
+        changes.update(dict.fromkeys(CONSTRAINTS))
     logprobs = _logprobs(url, body)
     if logprobs is not None:
         changes["logprobs"] = logprobs

@@ -135,3 +135,25 @@ def test_output_named_like_a_jsonl_file_is_refused_with_where_results_go(fake_en
                                     "--progress", "none"])
     assert res.exit_code == 0, res.output
     assert (target / "_manifest.json").is_file()
+
+
+def test_vllm_guided_body_fields_constrain_the_line():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    base = SamplingParams(max_tokens=8, regex="[0-9]+")  # the job's constraint
+
+    def params(**body):
+        req = parse_request(_line("a", messages=[{"role": "user", "content": "x"}], **body),
+                            1, base, 0, _chat)
+        return req.error or {k: getattr(req.params, k) for k in
+                             ("json_schema", "regex", "choice", "grammar")}
+
+    none = dict.fromkeys(("json_schema", "regex", "choice", "grammar"))
+    assert params(guided_json=schema) == {**none, "json_schema": schema}
+    assert params(guided_json=json.dumps(schema)) == {**none, "json_schema": schema}
+    assert params(guided_choice=["yes", "no"]) == {**none, "choice": ["yes", "no"]}
+    assert params(guided_regex="[a-z]+") == {**none, "regex": "[a-z]+"}
+    assert params(guided_grammar='start: "x"') == {**none, "grammar": 'start: "x"'}
+    assert params() == {**none, "regex": "[0-9]+"}  # the job's
+    assert params(guided_regex="a", guided_choice=["b"]) == {
+        "code": "invalid_request", "message": "line 1 (custom_id 'a'): body.guided_regex and "
+        "body.guided_choice both constrain the output; give one"}
