@@ -74,6 +74,20 @@ static inline int zero_of(const layout_t *L, int64_t o, int64_t g) {
     return L->z ? L->z[o * L->groups + g] : (L->bits == 8 ? 128 : 8);
 }
 
+#if DIRECT_ROWS > 0
+/* A decode group's rows o (a last group's missing rows repeat its last row), their codes q
+ * and R rows of zeroed sums c */
+static inline __attribute__((always_inline)) void
+direct_begin(const layout_t *L, int64_t first, int ncols, const int R, int64_t o[NR],
+             const uint8_t *q[NR], vf c[DIRECT_ROWS][NR]) {
+    for (int j = 0; j < NR; j++) {
+        o[j] = first + (j < ncols ? j : ncols - 1);
+        q[j] = L->q + o[j] * L->row_bytes;
+        for (int r = 0; r < R; r++) c[r][j] = (vf){0};
+    }
+}
+#endif
+
 /* ---- plain-C expansion of weight row o into y[k] (fp32) ------------------------------ */
 
 static void row_plain(const layout_t *L, int64_t o, float *y) {
@@ -361,11 +375,7 @@ direct(const layout_t *L, int64_t first, int ncols, const void *x, int64_t ldx, 
     vf c[DIRECT_ROWS][NR];
     const uint8_t *q[NR];
     int64_t o[NR];
-    for (int j = 0; j < NR; j++) { /* a last group's missing rows repeat its last row */
-        o[j] = first + (j < ncols ? j : ncols - 1);
-        q[j] = L->q + o[j] * L->row_bytes;
-        for (int r = 0; r < R; r++) c[r][j] = (vf){0};
-    }
+    direct_begin(L, first, ncols, R, o, q, c);
     float s[NR][16], cz[NR][16]; /* 16 groups' scales and -zero * scale, per row */
     for (int64_t g0 = 0, i = 0; g0 < L->groups; g0 += 16) {
         const int count = L->groups - g0 < 16 ? (int)(L->groups - g0) : 16;
@@ -426,11 +436,7 @@ direct(const layout_t *L, int64_t first, int ncols, const void *x, int64_t ldx, 
     vf c[DIRECT_ROWS][NR];
     const uint8_t *q[NR];
     int64_t o[NR];
-    for (int j = 0; j < NR; j++) { /* a last group's missing rows repeat its last row */
-        o[j] = first + (j < ncols ? j : ncols - 1);
-        q[j] = L->q + o[j] * L->row_bytes;
-        for (int r = 0; r < R; r++) c[r][j] = (vf){0};
-    }
+    direct_begin(L, first, ncols, R, o, q, c);
     const __m128i mask = _mm_set1_epi8(0xf);
     for (int64_t g = 0, i = 0; g < L->groups; g++) {
         __m256 sv[NR], cv[NR];
