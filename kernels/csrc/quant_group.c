@@ -190,55 +190,48 @@ run_bf16(const uint8_t *q, int64_t i, const gconst_t *k, const int BITS) {
     run_f32(q, i, k, BITS, w);
     return _mm512_cvtne2ps_pbh(w[1], w[0]);
 }
-
-/* row o as bf16 into y (int4 runs in PERM4's order) */
-static inline __attribute__((always_inline)) void
-row_bf16_bits(const layout_t *L, int64_t o, uint16_t *y, const int BITS) {
-    const uint8_t *q = L->q + o * L->row_bytes;
-    float s[16], c[16];
-    for (int64_t g0 = 0, i = 0; g0 < L->groups; g0 += 16) {
-        const int count = L->groups - g0 < 16 ? (int)(L->groups - g0) : 16;
-        group_block(L, o, g0, count, s, c);
-        for (int g = 0; g < count; g++) {
-            const gconst_t k = group_consts(s[g], c[g], BITS, 1);
-            for (const int64_t end = i + L->group; i < end; i += RUN)
-                _mm512_storeu_si512(y + i, (__m512i)run_bf16(q, i, &k, BITS));
-        }
-    }
-}
-
-static void row_bf16(const layout_t *L, int64_t o, uint16_t *y) {
-    if (L->bits == 4)
-        row_bf16_bits(L, o, y, 4);
-    else
-        row_bf16_bits(L, o, y, 8);
-}
 #endif
 
+/* row o expanded into y: fp32, or bf16 for TO_BF16 (int4 runs in PERM4's order) */
 static inline __attribute__((always_inline)) void
-row_bits(const layout_t *L, int64_t o, float *y, const int BITS) {
+row_bits(const layout_t *L, int64_t o, void *y, const int BITS, const int TO_BF16) {
     const uint8_t *q = L->q + o * L->row_bytes;
     float s[16], c[16];
     for (int64_t g0 = 0, i = 0; g0 < L->groups; g0 += 16) {
         const int count = L->groups - g0 < 16 ? (int)(L->groups - g0) : 16;
         group_block(L, o, g0, count, s, c);
         for (int g = 0; g < count; g++) {
-            const gconst_t k = group_consts(s[g], c[g], BITS, 0);
+            const gconst_t k = group_consts(s[g], c[g], BITS, TO_BF16);
             for (const int64_t end = i + L->group; i < end; i += RUN) {
+#if HAS_BF16DOT
+                if (TO_BF16) {
+                    _mm512_storeu_si512((uint16_t *)y + i, (__m512i)run_bf16(q, i, &k, BITS));
+                    continue;
+                }
+#endif
                 __m512 w[2];
                 run_f32(q, i, &k, BITS, w);
-                _mm512_storeu_ps(y + i, w[0]);
-                _mm512_storeu_ps(y + i + 16, w[1]);
+                _mm512_storeu_ps((float *)y + i, w[0]);
+                _mm512_storeu_ps((float *)y + i + 16, w[1]);
             }
         }
     }
 }
 
+#if HAS_BF16DOT
+static void row_bf16(const layout_t *L, int64_t o, uint16_t *y) {
+    if (L->bits == 4)
+        row_bits(L, o, y, 4, 1);
+    else
+        row_bits(L, o, y, 8, 1);
+}
+#endif
+
 static void row_avx512(const layout_t *L, int64_t o, float *y) {
     if (L->bits == 4)
-        row_bits(L, o, y, 4);
+        row_bits(L, o, y, 4, 0);
     else
-        row_bits(L, o, y, 8);
+        row_bits(L, o, y, 8, 0);
 }
 #define row_vector row_avx512
 #endif
