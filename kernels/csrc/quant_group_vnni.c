@@ -53,19 +53,23 @@ int quant_group_q8_available(int bits) { return HAS_VNNI && (bits == 4 || bits =
 
 #if HAS_VNNI
 #define NC 16  /* columns per chunk: one a dword lane */
-#define RMAX 4 /* rows of x per micro-kernel call */
+#define RMAX 4 /* rows of x per micro-kernel call (6 or 8 measured no faster) */
 #define SERIAL_QUANTIZE 65536 /* values of x quantized by the calling thread alone */
 
-/* x quantized: per row k codes, per 32 values d and sum(q) */
+/* x quantized: per row k codes, per 32 values d and sum(q) * mult (symmetric weights:
+ * mult = -zero, the zero point's whole term; else 1) */
 typedef struct {
     int8_t *q;
     float *d;
     int32_t *s;
     int64_t k;
+    int32_t mult;
 } xq_t;
 
-/* one row: k bf16 values -> codes, d and sum(q) per 32 (quant_vnni.c's quantize_row) */
-static void quantize_row(const uint16_t *x, int64_t k, int8_t *q, float *d, int32_t *s) {
+/* one row: k bf16 values -> codes, d and mult * sum(q) per 32 (the codes and d:
+ * quant_vnni.c's quantize_row) */
+static void quantize_row(const uint16_t *x, int64_t k, int8_t *q, float *d, int32_t *s,
+                         int32_t mult) {
     for (int64_t u = 0; u < k / 32; u++, x += 32, q += 32) {
         const __m512i raw = _mm512_loadu_si512(x);
         const __m512 lo = _mm512_castsi512_ps(
@@ -81,7 +85,7 @@ static void quantize_row(const uint16_t *x, int64_t k, int8_t *q, float *d, int3
         _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(qlo));
         _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(qhi));
         d[u] = dx;
-        s[u] = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+        s[u] = mult * _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
     }
 }
 
@@ -89,7 +93,7 @@ static void quantize_rows(const uint16_t *x, int64_t rows, int64_t ldx, const xq
     const int64_t k = xq->k, nu = k / 32;
     _Pragma("omp for schedule(static)")
     for (int64_t r = 0; r < rows; r++)
-        quantize_row(x + r * ldx, k, xq->q + r * k, xq->d + r * nu, xq->s + r * nu);
+        quantize_row(x + r * ldx, k, xq->q + r * k, xq->d + r * nu, xq->s + r * nu, xq->mult);
 }
 
 /* One 32-channel unit of NC = 16 columns: q[i] holds channels 4i..4i+3 of every column
@@ -169,13 +173,14 @@ static inline __m512i bcast32(const int8_t *p) {
 /* one row's unit against the 16 columns: acc += float(isum) * (scale * d) (the same
  * operations, in the same order, for every row count and path) */
 static inline __attribute__((always_inline)) __m512
-unit_dot(const unit_t *u, const gconst_t *gc, const xq_t *xq, int64_t row, int64_t unit,
-         __m512 acc) {
+unit_dot(const int SYM, const unit_t *u, const gconst_t *gc, const xq_t *xq, int64_t row,
+         int64_t unit, __m512 acc) {
     const int64_t at = row * (xq->k / 32) + unit;
     const int8_t *q = xq->q + row * xq->k + unit * 32;
     /* two chains of integer sums (exact: their order is free), the first from the zero
-     * point's term */
-    __m512i i0 = _mm512_mullo_epi32(gc->z, _mm512_set1_epi32(xq->s[at]));
+     * point's term, -zero * sum(q) */
+    __m512i i0 = SYM ? _mm512_set1_epi32(xq->s[at])
+                     : _mm512_mullo_epi32(gc->z, _mm512_set1_epi32(xq->s[at]));
     __m512i i1 = _mm512_setzero_si512();
     for (int i = 0; i < 8; i += 2) {
         i0 = _mm512_dpbusd_epi32(i0, u->q[i], bcast32(q + 4 * i));
@@ -191,7 +196,7 @@ static inline void store_row(uint16_t *out, __m512 acc, int ncols) {
 
 /* Rows [0, R) against the chunk, each unit expanded in registers as it comes */
 static inline __attribute__((always_inline)) void
-micro_direct(const int BITS, const int R, const xq_t *xq, const uint8_t *const col[NC],
+micro_direct(const int BITS, const int SYM, const int R, const xq_t *xq, const uint8_t *const col[NC],
              const gconst_t *gc, int64_t upg, int64_t row_bytes, uint16_t *out, int64_t ldo,
              int ncols) {
     __m512 acc[RMAX];
@@ -204,27 +209,27 @@ micro_direct(const int BITS, const int R, const xq_t *xq, const uint8_t *const c
         for (int64_t b = 0; b < NC * ub; b += 64) _mm_prefetch(next + unit * NC * ub + b, _MM_HINT_T0);
         unit_t u;
         expand(BITS, col, unit, &u);
-        for (int r = 0; r < R; r++) acc[r] = unit_dot(&u, &gc[unit / upg], xq, r, unit, acc[r]);
+        for (int r = 0; r < R; r++) acc[r] = unit_dot(SYM, &u, &gc[unit / upg], xq, r, unit, acc[r]);
     }
     for (int r = 0; r < R; r++) store_row(out + r * ldo, acc[r], ncols);
 }
 
 /* Rows [r0, r0 + R) against the chunk's units expanded beforehand */
 static inline __attribute__((always_inline)) void
-micro_units(const int R, const xq_t *xq, int64_t r0, const unit_t *units, const gconst_t *gc,
+micro_units(const int SYM, const int R, const xq_t *xq, int64_t r0, const unit_t *units, const gconst_t *gc,
             int64_t upg, uint16_t *out, int64_t ldo, int ncols) {
     __m512 acc[RMAX];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     const int64_t nu = xq->k / 32;
     for (int64_t unit = 0; unit < nu; unit++)
         for (int r = 0; r < R; r++)
-            acc[r] = unit_dot(&units[unit], &gc[unit / upg], xq, r0 + r, unit, acc[r]);
+            acc[r] = unit_dot(SYM, &units[unit], &gc[unit / upg], xq, r0 + r, unit, acc[r]);
     for (int r = 0; r < R; r++) store_row(out + r * ldo, acc[r], ncols);
 }
 
 /* every row of x against one chunk of 16 columns */
 static inline __attribute__((always_inline)) void
-chunk_rows(const int BITS, const xq_t *xq, int64_t rows, const uint8_t *const col[NC],
+chunk_rows(const int BITS, const int SYM, const xq_t *xq, int64_t rows, const uint8_t *const col[NC],
            const gconst_t *gc, int64_t upg, int64_t row_bytes, unit_t *units, uint16_t *out,
            int64_t ldo, int ncols) {
 #define CASES(CALL) \
@@ -233,7 +238,7 @@ chunk_rows(const int BITS, const xq_t *xq, int64_t rows, const uint8_t *const co
     case 1: CALL(1); break; default: break; }
     int64_t r0 = 0;
     if (rows <= RMAX) {
-#define DIRECT(R) micro_direct(BITS, R, xq, col, gc, upg, row_bytes, out, ldo, ncols)
+#define DIRECT(R) micro_direct(BITS, SYM, R, xq, col, gc, upg, row_bytes, out, ldo, ncols)
         CASES(DIRECT)
 #undef DIRECT
         return;
@@ -246,8 +251,8 @@ chunk_rows(const int BITS, const xq_t *xq, int64_t rows, const uint8_t *const co
         expand(BITS, col, unit, &units[unit]);
     }
     for (; r0 + RMAX <= rows; r0 += RMAX)
-        micro_units(RMAX, xq, r0, units, gc, upg, out + r0 * ldo, ldo, ncols);
-#define UNITS_(R) micro_units(R, xq, r0, units, gc, upg, out + r0 * ldo, ldo, ncols)
+        micro_units(SYM, RMAX, xq, r0, units, gc, upg, out + r0 * ldo, ldo, ncols);
+#define UNITS_(R) micro_units(SYM, R, xq, r0, units, gc, upg, out + r0 * ldo, ldo, ncols)
     CASES(UNITS_)
 #undef UNITS_
 #undef CASES
@@ -284,10 +289,12 @@ static int all_chunks(const weight_t *W, const xq_t *xq, int64_t rows, uint16_t 
         }
         group_consts(W->s, W->z, W->bits == 8 ? 128 : 8, groups, row, gc);
         uint16_t *o = out + first;
+#define CHUNK(B, S) chunk_rows(B, S, xq, rows, col, gc, upg, row_bytes, units, o, ldo, ncols)
         if (W->bits == 8)
-            chunk_rows(8, xq, rows, col, gc, upg, row_bytes, units, o, ldo, ncols);
+            W->z ? CHUNK(8, 0) : CHUNK(8, 1);
         else
-            chunk_rows(4, xq, rows, col, gc, upg, row_bytes, units, o, ldo, ncols);
+            W->z ? CHUNK(4, 0) : CHUNK(4, 1);
+#undef CHUNK
     }
     free(mem);
     return failed;
@@ -301,6 +308,7 @@ static int alloc_xq(xq_t *xq, int64_t rows, int64_t k) {
     xq->d = (float *)(mem + (rows * k + 63) / 64 * 64);
     xq->s = (int32_t *)(xq->d + rows * nu);
     xq->k = k;
+    xq->mult = 1;
     return 0;
 }
 #endif
@@ -318,6 +326,7 @@ int quant_group_q8_bf16(int bits, int group, const uint16_t *x, int64_t rows, in
     xq_t xq;
     if (alloc_xq(&xq, rows, k)) return -1;
     const weight_t W = {bits, group, q, s, z, n, k};
+    if (!z) xq.mult = bits == 8 ? -128 : -8;
     /* decode-sized x is quantized before the threads start: one barrier fewer a call */
     const int serial = rows * k <= SERIAL_QUANTIZE;
     if (serial) quantize_rows(x, rows, ldx, &xq);
