@@ -75,15 +75,20 @@ static inline int zero_of(const layout_t *L, int64_t o, int64_t g) {
 }
 
 #if DIRECT_ROWS > 0
-/* A decode group's rows o (a last group's missing rows repeat its last row), their codes q
- * and R rows of zeroed sums c */
+/* A decode group: its rows o (a last group's missing rows repeat its last row), their codes
+ * q, and R rows of sums c */
+typedef struct {
+    vf c[DIRECT_ROWS][NR];
+    const uint8_t *q[NR];
+    int64_t o[NR];
+} direct_t;
+
 static inline __attribute__((always_inline)) void
-direct_begin(const layout_t *L, int64_t first, int ncols, const int R, int64_t o[NR],
-             const uint8_t *q[NR], vf c[DIRECT_ROWS][NR]) {
+direct_begin(const layout_t *L, int64_t first, int ncols, const int R, direct_t *d) {
     for (int j = 0; j < NR; j++) {
-        o[j] = first + (j < ncols ? j : ncols - 1);
-        q[j] = L->q + o[j] * L->row_bytes;
-        for (int r = 0; r < R; r++) c[r][j] = (vf){0};
+        d->o[j] = first + (j < ncols ? j : ncols - 1);
+        d->q[j] = L->q + d->o[j] * L->row_bytes;
+        for (int r = 0; r < R; r++) d->c[r][j] = (vf){0};
     }
 }
 #endif
@@ -365,14 +370,12 @@ direct_run(const uint8_t *const q[NR], int64_t i, const gconst_t k[NR], const vo
 static inline __attribute__((always_inline)) void
 direct(const layout_t *L, int64_t first, int ncols, const void *x, int64_t ldx, void *out,
        int64_t ldo, const int R, const int BITS, const int MODE) {
-    vf c[DIRECT_ROWS][NR];
-    const uint8_t *q[NR];
-    int64_t o[NR];
-    direct_begin(L, first, ncols, R, o, q, c);
+    direct_t d;
+    direct_begin(L, first, ncols, R, &d);
     float s[NR][16], cz[NR][16]; /* 16 groups' scales and -zero * scale, per row */
     for (int64_t g0 = 0, i = 0; g0 < L->groups; g0 += 16) {
         const int count = L->groups - g0 < 16 ? (int)(L->groups - g0) : 16;
-        for (int j = 0; j < NR; j++) group_block(L, o[j], g0, count, s[j], cz[j]);
+        for (int j = 0; j < NR; j++) group_block(L, d.o[j], g0, count, s[j], cz[j]);
         for (int g = 0; g < count; g++) {
             gconst_t k[NR];
             for (int j = 0; j < NR; j++)
@@ -383,15 +386,15 @@ direct(const layout_t *L, int64_t first, int ncols, const void *x, int64_t ldx, 
                  * prefetcher keeps too little ahead of four interleaved streams) */
                 if (i % (512 / BITS) == 0)
                     for (int j = 0; j < NR; j++)
-                        _mm_prefetch((const char *)q[j] + i * BITS / 8 + NR * L->row_bytes,
+                        _mm_prefetch((const char *)d.q[j] + i * BITS / 8 + NR * L->row_bytes,
                                      _MM_HINT_T0);
-                direct_run(q, i, k, x, ldx, c, R, BITS, MODE);
+                direct_run(d.q, i, k, x, ldx, d.c, R, BITS, MODE);
             }
         }
     }
     const int64_t es = MODE == BF16 ? 2 : 4;
     for (int r = 0; r < R; r++)
-        store_sums(c[r], (char *)out + r * ldo * es, ncols, MODE == BF16);
+        store_sums(d.c[r], (char *)out + r * ldo * es, ncols, MODE == BF16);
 }
 
 static inline __attribute__((always_inline)) void
@@ -426,29 +429,27 @@ typedef struct {
 static inline __attribute__((always_inline)) void
 direct(const layout_t *L, int64_t first, int ncols, const void *x, int64_t ldx, void *out,
        int64_t ldo, const int R, const int BITS, const int MODE) {
-    vf c[DIRECT_ROWS][NR];
-    const uint8_t *q[NR];
-    int64_t o[NR];
-    direct_begin(L, first, ncols, R, o, q, c);
+    direct_t d;
+    direct_begin(L, first, ncols, R, &d);
     const __m128i mask = _mm_set1_epi8(0xf);
     for (int64_t g = 0, i = 0; g < L->groups; g++) {
         __m256 sv[NR], cv[NR];
         for (int j = 0; j < NR; j++) {
-            const float sc = scale_of(L, o[j], g);
-            sv[j] = _mm256_set1_ps(sc), cv[j] = _mm256_set1_ps(-(float)zero_of(L, o[j], g) * sc);
+            const float sc = scale_of(L, d.o[j], g);
+            sv[j] = _mm256_set1_ps(sc), cv[j] = _mm256_set1_ps(-(float)zero_of(L, d.o[j], g) * sc);
         }
         for (const int64_t end = i + L->group; i < end; i += RUN) {
             if (i % (512 / BITS) == 0) /* as the AVX-512 direct: the next rows' line */
                 for (int j = 0; j < NR; j++)
-                    _mm_prefetch((const char *)q[j] + i * BITS / 8 + NR * L->row_bytes,
+                    _mm_prefetch((const char *)d.q[j] + i * BITS / 8 + NR * L->row_bytes,
                                  _MM_HINT_T0);
             for (int j = 0; j < NR; j++) {
                 __m128i b[4]; /* 8 codes in the low bytes of each */
                 if (BITS == 8) {
                     for (int h = 0; h < 4; h++)
-                        b[h] = _mm_loadl_epi64((const __m128i *)(q[j] + i + 8 * h));
+                        b[h] = _mm_loadl_epi64((const __m128i *)(d.q[j] + i + 8 * h));
                 } else {
-                    const __m128i v = _mm_loadu_si128((const __m128i *)(q[j] + i / 2));
+                    const __m128i v = _mm_loadu_si128((const __m128i *)(d.q[j] + i / 2));
                     b[0] = _mm_and_si128(v, mask), b[2] = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
                     b[1] = _mm_srli_si128(b[0], 8), b[3] = _mm_srli_si128(b[2], 8);
                 }
@@ -456,14 +457,14 @@ direct(const layout_t *L, int64_t first, int ncols, const void *x, int64_t ldx, 
                     __m256 w = eight(b[h], sv[j], cv[j]);
                     if (MODE == F32_ROUNDED) w = (__m256)round_bf16((vf)w);
                     for (int r = 0; r < R; r++)
-                        c[r][j] = fmav(c[r][j], loadv((const float *)x + r * ldx + i + 8 * h),
+                        d.c[r][j] = fmav(d.c[r][j], loadv((const float *)x + r * ldx + i + 8 * h),
                                        (vf)w);
                 }
             }
         }
     }
     for (int r = 0; r < R; r++)
-        store_sums(c[r], (char *)out + r * ldo * 4, ncols, 0);
+        store_sums(d.c[r], (char *)out + r * ldo * 4, ncols, 0);
 }
 
 static inline __attribute__((always_inline)) void
