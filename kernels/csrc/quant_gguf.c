@@ -48,52 +48,42 @@
 
 #include "expand.h"
 
-/* ---- plain-C expansion, one row of `nb` blocks into y ---------------------------- */
+/* ---- plain-C expansion, one block into y (ROW below makes a row of them) --------- */
 
-static void row_q8_0(const uint8_t *b, int64_t nb, float *y) {
-    for (int64_t i = 0; i < nb; i++, b += 34, y += 32) {
-        const float d = fp16(b);
-        for (int j = 0; j < 32; j++) y[j] = d * (float)(int8_t)b[2 + j];
-    }
+static inline void blk_q8_0(const uint8_t *b, float *y) {
+    const float d = fp16(b);
+    for (int j = 0; j < 32; j++) y[j] = d * (float)(int8_t)b[2 + j];
 }
 
-static void row_q4_0(const uint8_t *b, int64_t nb, float *y) {
-    for (int64_t i = 0; i < nb; i++, b += 18, y += 32) {
-        const float d = fp16(b);
-        /* low nibbles, then high: one loop each, the form a compiler may vectorise */
-        for (int j = 0; j < 16; j++) y[j] = d * (float)((b[2 + j] & 0xf) - 8);
-        for (int j = 0; j < 16; j++) y[j + 16] = d * (float)((b[2 + j] >> 4) - 8);
-    }
+static inline void blk_q4_0(const uint8_t *b, float *y) {
+    const float d = fp16(b);
+    /* low nibbles, then high: one loop each, the form a compiler may vectorise */
+    for (int j = 0; j < 16; j++) y[j] = d * (float)((b[2 + j] & 0xf) - 8);
+    for (int j = 0; j < 16; j++) y[j + 16] = d * (float)((b[2 + j] >> 4) - 8);
 }
 
-static void row_q4_1(const uint8_t *b, int64_t nb, float *y) {
-    for (int64_t i = 0; i < nb; i++, b += 20, y += 32) {
-        const float d = fp16(b), m = fp16(b + 2);
-        for (int j = 0; j < 16; j++) y[j] = d * (float)(b[4 + j] & 0xf) + m;
-        for (int j = 0; j < 16; j++) y[j + 16] = d * (float)(b[4 + j] >> 4) + m;
-    }
+static inline void blk_q4_1(const uint8_t *b, float *y) {
+    const float d = fp16(b), m = fp16(b + 2);
+    for (int j = 0; j < 16; j++) y[j] = d * (float)(b[4 + j] & 0xf) + m;
+    for (int j = 0; j < 16; j++) y[j + 16] = d * (float)(b[4 + j] >> 4) + m;
 }
 
-static void row_q5_0(const uint8_t *b, int64_t nb, float *y) {
-    for (int64_t i = 0; i < nb; i++, b += 22, y += 32) {
-        const float d = fp16(b);
-        const uint32_t qh = load32(b + 2);
-        for (int j = 0; j < 16; j++) /* codes as int: qh is unsigned */
-            y[j] = d * (float)((int)((b[6 + j] & 0xf) | ((qh >> j) & 1) << 4) - 16);
-        for (int j = 0; j < 16; j++)
-            y[j + 16] = d * (float)((int)((b[6 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4) - 16);
-    }
+static inline void blk_q5_0(const uint8_t *b, float *y) {
+    const float d = fp16(b);
+    const uint32_t qh = load32(b + 2);
+    for (int j = 0; j < 16; j++) /* codes as int: qh is unsigned */
+        y[j] = d * (float)((int)((b[6 + j] & 0xf) | ((qh >> j) & 1) << 4) - 16);
+    for (int j = 0; j < 16; j++)
+        y[j + 16] = d * (float)((int)((b[6 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4) - 16);
 }
 
-static void row_q5_1(const uint8_t *b, int64_t nb, float *y) {
-    for (int64_t i = 0; i < nb; i++, b += 24, y += 32) {
-        const float d = fp16(b), m = fp16(b + 2);
-        const uint32_t qh = load32(b + 4);
-        for (int j = 0; j < 16; j++)
-            y[j] = d * (float)((b[8 + j] & 0xf) | ((qh >> j) & 1) << 4) + m;
-        for (int j = 0; j < 16; j++)
-            y[j + 16] = d * (float)((b[8 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4) + m;
-    }
+static inline void blk_q5_1(const uint8_t *b, float *y) {
+    const float d = fp16(b), m = fp16(b + 2);
+    const uint32_t qh = load32(b + 4);
+    for (int j = 0; j < 16; j++)
+        y[j] = d * (float)((b[8 + j] & 0xf) | ((qh >> j) & 1) << 4) + m;
+    for (int j = 0; j < 16; j++)
+        y[j + 16] = d * (float)((b[8 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4) + m;
 }
 
 /* Q4_K / Q5_K: run j's 6-bit scale and min from the 12 packed bytes (j < 8) */
@@ -116,54 +106,60 @@ static inline void run_factors(const uint8_t *b, int run, float f[4]) {
     f[0] = d * (float)s0, f[1] = dmin * (float)m0, f[2] = d * (float)s1, f[3] = dmin * (float)m1;
 }
 
-static void row_q4_k(const uint8_t *b, int64_t nb, float *y) {
-    for (int64_t i = 0; i < nb; i++, b += 144) {
-        const uint8_t *q = b + 16;
-        for (int run = 0; run < 8; run += 2, q += 32) {
-            float f[4];
-            run_factors(b, run, f);
-            for (int l = 0; l < 32; l++) y[l] = f[0] * (float)(q[l] & 0xf) - f[1];
-            for (int l = 0; l < 32; l++) y[32 + l] = f[2] * (float)(q[l] >> 4) - f[3];
-            y += 64;
-        }
+static inline void blk_q4_k(const uint8_t *b, float *y) {
+    const uint8_t *q = b + 16;
+    for (int run = 0; run < 8; run += 2, q += 32, y += 64) {
+        float f[4];
+        run_factors(b, run, f);
+        for (int l = 0; l < 32; l++) y[l] = f[0] * (float)(q[l] & 0xf) - f[1];
+        for (int l = 0; l < 32; l++) y[32 + l] = f[2] * (float)(q[l] >> 4) - f[3];
     }
 }
 
-static void row_q5_k(const uint8_t *b, int64_t nb, float *y) {
-    for (int64_t i = 0; i < nb; i++, b += 176) {
-        const uint8_t *qh = b + 16, *q = b + 48;
-        for (int run = 0; run < 8; run += 2, q += 32) {
-            float f[4];
-            run_factors(b, run, f);
-            for (int l = 0; l < 32; l++)
-                y[l] = f[0] * (float)((q[l] & 0xf) | ((qh[l] >> run) & 1) << 4) - f[1];
-            for (int l = 0; l < 32; l++)
-                y[32 + l] = f[2] * (float)((q[l] >> 4) | ((qh[l] >> (run + 1)) & 1) << 4) - f[3];
-            y += 64;
-        }
+static inline void blk_q5_k(const uint8_t *b, float *y) {
+    const uint8_t *qh = b + 16, *q = b + 48;
+    for (int run = 0; run < 8; run += 2, q += 32, y += 64) {
+        float f[4];
+        run_factors(b, run, f);
+        for (int l = 0; l < 32; l++)
+            y[l] = f[0] * (float)((q[l] & 0xf) | ((qh[l] >> run) & 1) << 4) - f[1];
+        for (int l = 0; l < 32; l++)
+            y[32 + l] = f[2] * (float)((q[l] >> 4) | ((qh[l] >> (run + 1)) & 1) << 4) - f[3];
     }
 }
 
-static void row_q6_k(const uint8_t *b, int64_t nb, float *y) {
-    for (int64_t i = 0; i < nb; i++, b += 210) {
-        const float d = fp16(b + 208);
-        const uint8_t *ql = b, *qh = b + 128;
-        const int8_t *sc = (const int8_t *)(b + 192);
-        /* each run of 16 values (one scale) its own loop, so a compiler vectorises it:
-         * quarter j of a half takes ql's low (j even) or high nibbles, qh's bits 2j, 2j+1 */
-        for (int half = 0; half < 2; half++, ql += 64, qh += 32, sc += 8, y += 128)
-            for (int j = 0; j < 4; j++)
-                for (int s = 0; s < 2; s++) {
-                    const float ds = d * (float)sc[s + 2 * j];
-                    const uint8_t *lo = ql + 32 * (j & 1) + 16 * s, *hi = qh + 16 * s;
-                    const int shift = 4 * (j >> 1);
-                    float *out = y + 32 * j + 16 * s;
-                    for (int l = 0; l < 16; l++)
-                        out[l] = ds * (float)((((lo[l] >> shift) & 0xf) |
-                                               ((hi[l] >> (2 * j)) & 3) << 4) - 32);
-                }
-    }
+static inline void blk_q6_k(const uint8_t *b, float *y) {
+    const float d = fp16(b + 208);
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    /* each run of 16 values (one scale) its own loop, so a compiler vectorises it:
+     * quarter j of a half takes ql's low (j even) or high nibbles, qh's bits 2j, 2j+1 */
+    for (int half = 0; half < 2; half++, ql += 64, qh += 32, sc += 8, y += 128)
+        for (int j = 0; j < 4; j++)
+            for (int s = 0; s < 2; s++) {
+                const float ds = d * (float)sc[s + 2 * j];
+                const uint8_t *lo = ql + 32 * (j & 1) + 16 * s, *hi = qh + 16 * s;
+                const int shift = 4 * (j >> 1);
+                float *out = y + 32 * j + 16 * s;
+                for (int l = 0; l < 16; l++)
+                    out[l] = ds * (float)((((lo[l] >> shift) & 0xf) |
+                                           ((hi[l] >> (2 * j)) & 3) << 4) - 32);
+            }
 }
+
+/* A row of nb blocks, BYTES each, expanded VALUES floats a block by the block function */
+#define ROW(NAME, VALUES, BYTES, BLK)                                                     \
+    static void NAME(const uint8_t *b, int64_t nb, float *y) {                             \
+        for (int64_t i = 0; i < nb; i++) BLK(b + i * BYTES, y + i * VALUES);               \
+    }
+ROW(row_q8_0, 32, 34, blk_q8_0)
+ROW(row_q4_0, 32, 18, blk_q4_0)
+ROW(row_q4_1, 32, 20, blk_q4_1)
+ROW(row_q5_0, 32, 22, blk_q5_0)
+ROW(row_q5_1, 32, 24, blk_q5_1)
+ROW(row_q4_k, 256, 144, blk_q4_k)
+ROW(row_q5_k, 256, 176, blk_q5_k)
+ROW(row_q6_k, 256, 210, blk_q6_k)
 
 /* ---- AVX-512 expansion: the same values, 16 lanes at a time ------------------------ */
 #if HAS_AVX512
@@ -185,14 +181,11 @@ static inline void nibbles5(const uint8_t *q, __mmask16 bit_lo, __mmask16 bit_hi
     *hi = _mm512_cvtepi32_ps(_mm512_mask_or_epi32(h, bit_hi, h, sixteen));
 }
 
-static void row_q8_0_v(const uint8_t *b, int64_t nb, float *y) {
-    for (int64_t i = 0; i < nb; i++, b += 34, y += 32) {
-        const __m512 d = _mm512_set1_ps(fp16(b));
-        for (int j = 0; j < 2; j++) {
-            const __m128i q = _mm_loadu_si128((const __m128i *)(b + 2 + 16 * j));
-            _mm512_storeu_ps(y + 16 * j,
-                             _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))));
-        }
+static inline void blk_q8_0_v(const uint8_t *b, float *y) {
+    const __m512 d = _mm512_set1_ps(fp16(b));
+    for (int j = 0; j < 2; j++) {
+        const __m128i q = _mm_loadu_si128((const __m128i *)(b + 2 + 16 * j));
+        _mm512_storeu_ps(y + 16 * j, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))));
     }
 }
 
@@ -203,40 +196,15 @@ static inline void store_block(float *y, __m512 lo, __m512 hi, float d, float c)
     _mm512_storeu_ps(y + 16, _mm512_fmadd_ps(hi, dv, cv));
 }
 
-static void row_q4_0_v(const uint8_t *b, int64_t nb, float *y) {
-    for (int64_t i = 0; i < nb; i++, b += 18, y += 32) {
-        __m512 lo, hi;
-        const float d = fp16(b);
-        nibbles(b + 2, &lo, &hi);
-        store_block(y, lo, hi, d, -8.0f * d);
-    }
-}
-
-static void row_q4_1_v(const uint8_t *b, int64_t nb, float *y) {
-    for (int64_t i = 0; i < nb; i++, b += 20, y += 32) {
-        __m512 lo, hi;
-        nibbles(b + 4, &lo, &hi);
-        store_block(y, lo, hi, fp16(b), fp16(b + 2));
-    }
-}
-
-static void row_q5_0_v(const uint8_t *b, int64_t nb, float *y) {
-    for (int64_t i = 0; i < nb; i++, b += 22, y += 32) {
-        __m512 lo, hi;
-        const float d = fp16(b);
-        const uint32_t qh = load32(b + 2);
-        nibbles5(b + 6, (__mmask16)qh, (__mmask16)(qh >> 16), &lo, &hi);
-        store_block(y, lo, hi, d, -16.0f * d);
-    }
-}
-
-static void row_q5_1_v(const uint8_t *b, int64_t nb, float *y) {
-    for (int64_t i = 0; i < nb; i++, b += 24, y += 32) {
-        __m512 lo, hi;
-        const uint32_t qh = load32(b + 4);
-        nibbles5(b + 8, (__mmask16)qh, (__mmask16)(qh >> 16), &lo, &hi);
-        store_block(y, lo, hi, fp16(b), fp16(b + 2));
-    }
+/* a 32-value block of 4-bit codes q (with `five`, qh's fifth bits): w = d q + c */
+static inline void block32(float *y, const uint8_t *q, uint32_t qh, const int five, float d,
+                           float c) {
+    __m512 lo, hi;
+    if (five)
+        nibbles5(q, (__mmask16)qh, (__mmask16)(qh >> 16), &lo, &hi);
+    else
+        nibbles(q, &lo, &hi);
+    store_block(y, lo, hi, d, c);
 }
 
 /* 64 values of a Q4_K / Q5_K run pair: q[32] low nibbles (scale d0, min c0), then high */
@@ -258,20 +226,17 @@ static inline void run_pair(float *y, const uint8_t *q, const uint8_t *qh, int r
     }
 }
 
-static inline void row_k4(const uint8_t *b, int64_t nb, float *y, const int five) {
-    const int bytes = five ? 176 : 144;
-    for (int64_t i = 0; i < nb; i++, b += bytes) {
-        const uint8_t *qh = five ? b + 16 : 0, *q = b + (five ? 48 : 16);
-        for (int run = 0; run < 8; run += 2, q += 32, y += 64) {
-            float f[4];
-            run_factors(b, run, f);
-            run_pair(y, q, qh, run, f[0], f[1], f[2], f[3]);
-        }
+static inline void blk_k4(const uint8_t *b, float *y, const int five) {
+    const uint8_t *qh = five ? b + 16 : 0, *q = b + (five ? 48 : 16);
+    for (int run = 0; run < 8; run += 2, q += 32, y += 64) {
+        float f[4];
+        run_factors(b, run, f);
+        run_pair(y, q, qh, run, f[0], f[1], f[2], f[3]);
     }
 }
 
-static void row_q4_k_v(const uint8_t *b, int64_t nb, float *y) { row_k4(b, nb, y, 0); }
-static void row_q5_k_v(const uint8_t *b, int64_t nb, float *y) { row_k4(b, nb, y, 1); }
+static inline void blk_q4_k_v(const uint8_t *b, float *y) { blk_k4(b, y, 0); }
+static inline void blk_q5_k_v(const uint8_t *b, float *y) { blk_k4(b, y, 1); }
 
 /* Q6_K: the 6-bit codes of values 16 s .. 16 s + 15 of each quarter of a half (ql its 64
  * low-nibble bytes, qh its 32 high-bit bytes), quarter j in q[j] */
@@ -286,25 +251,26 @@ static inline void q6k_codes(const uint8_t *ql, const uint8_t *qh, int s, __m128
                             _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 2 * j), low2), 4));
 }
 
-static void row_q6_k_v(const uint8_t *b, int64_t nb, float *y) {
-    for (int64_t i = 0; i < nb; i++, b += 210) {
-        const float d = fp16(b + 208);
-        const uint8_t *ql = b, *qh = b + 128;
-        const int8_t *sc = (const int8_t *)(b + 192);
-        for (int half = 0; half < 2; half++, ql += 64, qh += 32, sc += 8, y += 128)
-            for (int s = 0; s < 2; s++) { /* 16 values of each quarter: one scale each */
-                __m128i q[4];
-                q6k_codes(ql, qh, s, q);
-                for (int j = 0; j < 4; j++) {
-                    const float ds = d * (float)sc[s + 2 * j];
-                    const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q[j]));
-                    _mm512_storeu_ps(y + 32 * j + 16 * s,
-                                     _mm512_fmadd_ps(v, _mm512_set1_ps(ds),
-                                                     _mm512_set1_ps(-32.0f * ds)));
-                }
+static inline void blk_q6_k_v(const uint8_t *b, float *y) {
+    const float d = fp16(b + 208);
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    for (int half = 0; half < 2; half++, ql += 64, qh += 32, sc += 8, y += 128)
+        for (int s = 0; s < 2; s++) { /* 16 values of each quarter: one scale each */
+            __m128i q[4];
+            q6k_codes(ql, qh, s, q);
+            for (int j = 0; j < 4; j++) {
+                const float ds = d * (float)sc[s + 2 * j];
+                const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q[j]));
+                _mm512_storeu_ps(y + 32 * j + 16 * s, _mm512_fmadd_ps(v, _mm512_set1_ps(ds),
+                                                                      _mm512_set1_ps(-32.0f * ds)));
             }
-    }
+        }
 }
+ROW(row_q8_0_v, 32, 34, blk_q8_0_v)
+ROW(row_q4_k_v, 256, 144, blk_q4_k_v)
+ROW(row_q5_k_v, 256, 176, blk_q5_k_v)
+ROW(row_q6_k_v, 256, 210, blk_q6_k_v)
 #endif
 
 /* ---- AVX2 expansion of Q4_0 / Q4_1 / Q5_0 / Q5_1 (the types compilers leave scalar);
@@ -340,27 +306,32 @@ static inline void block32(float *y, const uint8_t *q, uint32_t qh, const int fi
     store16(y + 16, hi, dv, cv);
 }
 
-static void row_q4_0_v(const uint8_t *b, int64_t nb, float *y) {
-    for (int64_t i = 0; i < nb; i++, b += 18, y += 32)
-        block32(y, b + 2, 0, 0, fp16(b), -8.0f * fp16(b));
-}
-static void row_q4_1_v(const uint8_t *b, int64_t nb, float *y) {
-    for (int64_t i = 0; i < nb; i++, b += 20, y += 32)
-        block32(y, b + 4, 0, 0, fp16(b), fp16(b + 2));
-}
-static void row_q5_0_v(const uint8_t *b, int64_t nb, float *y) {
-    for (int64_t i = 0; i < nb; i++, b += 22, y += 32)
-        block32(y, b + 6, load32(b + 2), 1, fp16(b), -16.0f * fp16(b));
-}
-static void row_q5_1_v(const uint8_t *b, int64_t nb, float *y) {
-    for (int64_t i = 0; i < nb; i++, b += 24, y += 32)
-        block32(y, b + 8, load32(b + 4), 1, fp16(b), fp16(b + 2));
-}
 #define row_q8_0_v row_q8_0
 #define row_q4_k_v row_q4_k
 #define row_q5_k_v row_q5_k
 #define row_q6_k_v row_q6_k
 #endif
+
+#if HAS_AVX512 || HAS_AVX2
+/* the 32-value 4- and 5-bit types through this build's block32 */
+static inline void blk_q4_0_v(const uint8_t *b, float *y) {
+    block32(y, b + 2, 0, 0, fp16(b), -8.0f * fp16(b));
+}
+static inline void blk_q4_1_v(const uint8_t *b, float *y) {
+    block32(y, b + 4, 0, 0, fp16(b), fp16(b + 2));
+}
+static inline void blk_q5_0_v(const uint8_t *b, float *y) {
+    block32(y, b + 6, load32(b + 2), 1, fp16(b), -16.0f * fp16(b));
+}
+static inline void blk_q5_1_v(const uint8_t *b, float *y) {
+    block32(y, b + 8, load32(b + 4), 1, fp16(b), fp16(b + 2));
+}
+ROW(row_q4_0_v, 32, 18, blk_q4_0_v)
+ROW(row_q4_1_v, 32, 20, blk_q4_1_v)
+ROW(row_q5_0_v, 32, 22, blk_q5_0_v)
+ROW(row_q5_1_v, 32, 24, blk_q5_1_v)
+#endif
+#undef ROW
 
 typedef void (*row_fn)(const uint8_t *, int64_t, float *);
 
