@@ -267,10 +267,6 @@ static inline void blk_q6_k_v(const uint8_t *b, float *y) {
             }
         }
 }
-ROW(row_q8_0_v, 32, 34, blk_q8_0_v)
-ROW(row_q4_k_v, 256, 144, blk_q4_k_v)
-ROW(row_q5_k_v, 256, 176, blk_q5_k_v)
-ROW(row_q6_k_v, 256, 210, blk_q6_k_v)
 #endif
 
 /* ---- AVX2 expansion of Q4_0 / Q4_1 / Q5_0 / Q5_1 (the types compilers leave scalar);
@@ -306,14 +302,14 @@ static inline void block32(float *y, const uint8_t *q, uint32_t qh, const int fi
     store16(y + 16, hi, dv, cv);
 }
 
-#define row_q8_0_v row_q8_0
-#define row_q4_k_v row_q4_k
-#define row_q5_k_v row_q5_k
-#define row_q6_k_v row_q6_k
+#define blk_q8_0_v blk_q8_0
+#define blk_q4_k_v blk_q4_k
+#define blk_q5_k_v blk_q5_k
+#define blk_q6_k_v blk_q6_k
 #endif
 
 #if HAS_AVX512 || HAS_AVX2
-/* the 32-value 4- and 5-bit types through this build's block32 */
+/* the vector rows: the 32-value 4- and 5-bit types through this build's block32 */
 static inline void blk_q4_0_v(const uint8_t *b, float *y) {
     block32(y, b + 2, 0, 0, fp16(b), -8.0f * fp16(b));
 }
@@ -326,10 +322,14 @@ static inline void blk_q5_0_v(const uint8_t *b, float *y) {
 static inline void blk_q5_1_v(const uint8_t *b, float *y) {
     block32(y, b + 8, load32(b + 4), 1, fp16(b), fp16(b + 2));
 }
+ROW(row_q8_0_v, 32, 34, blk_q8_0_v)
 ROW(row_q4_0_v, 32, 18, blk_q4_0_v)
 ROW(row_q4_1_v, 32, 20, blk_q4_1_v)
 ROW(row_q5_0_v, 32, 22, blk_q5_0_v)
 ROW(row_q5_1_v, 32, 24, blk_q5_1_v)
+ROW(row_q4_k_v, 256, 144, blk_q4_k_v)
+ROW(row_q5_k_v, 256, 176, blk_q5_k_v)
+ROW(row_q6_k_v, 256, 210, blk_q6_k_v)
 #endif
 #undef ROW
 
