@@ -10,6 +10,14 @@
 #include <immintrin.h>
 #endif
 
+/* GGML's type ids of the block formats fusegen multiplies (layouts: quant_gguf.c), and
+ * X(ID, name, values, bytes) for each: its values and bytes a block */
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+#define GGUF_FORMATS(X)                                                                  \
+    X(Q8_0, q8_0, 32, 34) X(Q4_0, q4_0, 32, 18) X(Q4_1, q4_1, 32, 20)                    \
+    X(Q5_0, q5_0, 32, 22) X(Q5_1, q5_1, 32, 24) X(Q4_K, q4_k, 256, 144)                  \
+    X(Q5_K, q5_k, 256, 176) X(Q6_K, q6_k, 256, 210)
+
 /* element strides of the paged attention kernels' tensors (kernels/native.py Strides) */
 typedef struct {
     int64_t q_t, q_h;      /* q strides: token, head */

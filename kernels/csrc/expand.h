@@ -28,8 +28,6 @@
 #define HAS_AVX2 0
 #endif
 
-/* GGML's type ids of the block formats fusegen multiplies (csrc/quant_gguf.c's layouts) */
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 #define MAX_ROWS 64 /* rows of x a call of the expansion kernels takes */
 
 #if defined(__AVX512F__)

@@ -152,14 +152,9 @@ static inline void blk_q6_k(const uint8_t *b, float *y) {
     static void NAME(const uint8_t *b, int64_t nb, float *y) {                             \
         for (int64_t i = 0; i < nb; i++) BLK(b + i * BYTES, y + i * VALUES);               \
     }
-ROW(row_q8_0, 32, 34, blk_q8_0)
-ROW(row_q4_0, 32, 18, blk_q4_0)
-ROW(row_q4_1, 32, 20, blk_q4_1)
-ROW(row_q5_0, 32, 22, blk_q5_0)
-ROW(row_q5_1, 32, 24, blk_q5_1)
-ROW(row_q4_k, 256, 144, blk_q4_k)
-ROW(row_q5_k, 256, 176, blk_q5_k)
-ROW(row_q6_k, 256, 210, blk_q6_k)
+#define PLAIN_ROW(ID, t, VALUES, BYTES) ROW(row_##t, VALUES, BYTES, blk_##t)
+GGUF_FORMATS(PLAIN_ROW)
+#undef PLAIN_ROW
 
 /* ---- AVX-512 expansion: the same values, 16 lanes at a time ------------------------ */
 #if HAS_AVX512
@@ -322,14 +317,9 @@ static inline void blk_q5_0_v(const uint8_t *b, float *y) {
 static inline void blk_q5_1_v(const uint8_t *b, float *y) {
     block32(y, b + 8, load32(b + 4), 1, fp16(b), fp16(b + 2));
 }
-ROW(row_q8_0_v, 32, 34, blk_q8_0_v)
-ROW(row_q4_0_v, 32, 18, blk_q4_0_v)
-ROW(row_q4_1_v, 32, 20, blk_q4_1_v)
-ROW(row_q5_0_v, 32, 22, blk_q5_0_v)
-ROW(row_q5_1_v, 32, 24, blk_q5_1_v)
-ROW(row_q4_k_v, 256, 144, blk_q4_k_v)
-ROW(row_q5_k_v, 256, 176, blk_q5_k_v)
-ROW(row_q6_k_v, 256, 210, blk_q6_k_v)
+#define VECTOR_ROW(ID, t, VALUES, BYTES) ROW(row_##t##_v, VALUES, BYTES, blk_##t##_v)
+GGUF_FORMATS(VECTOR_ROW)
+#undef VECTOR_ROW
 #endif
 #undef ROW
 
@@ -344,14 +334,10 @@ static row_fn expander(int qtype, int plain, int *block, int *bytes) {
 #define PICK(fn) ((void)plain, fn)
 #endif
     switch (qtype) {
-    case Q8_0: *block = 32, *bytes = 34; return PICK(row_q8_0);
-    case Q4_0: *block = 32, *bytes = 18; return PICK(row_q4_0);
-    case Q4_1: *block = 32, *bytes = 20; return PICK(row_q4_1);
-    case Q5_0: *block = 32, *bytes = 22; return PICK(row_q5_0);
-    case Q5_1: *block = 32, *bytes = 24; return PICK(row_q5_1);
-    case Q4_K: *block = 256, *bytes = 144; return PICK(row_q4_k);
-    case Q5_K: *block = 256, *bytes = 176; return PICK(row_q5_k);
-    case Q6_K: *block = 256, *bytes = 210; return PICK(row_q6_k);
+#define CASE(ID, t, VALUES, BYTES) \
+    case ID: *block = VALUES, *bytes = BYTES; return PICK(row_##t);
+    GGUF_FORMATS(CASE)
+#undef CASE
     default: return 0;
     }
 #undef PICK
@@ -527,26 +513,16 @@ typedef void (*bf_row_fn)(const uint8_t *, int64_t, uint16_t *);
             for (int j = 0; j < BLOCK / 32; j++) _mm512_storeu_si512(y + 32 * j, (__m512i)v[j]); \
         }                                                                                   \
     }
-BF_ROW(bf_row_q8_0, 32, 34, bf_q8_0)
-BF_ROW(bf_row_q4_0, 32, 18, bf_q4_0)
-BF_ROW(bf_row_q4_1, 32, 20, bf_q4_1)
-BF_ROW(bf_row_q5_0, 32, 22, bf_q5_0)
-BF_ROW(bf_row_q5_1, 32, 24, bf_q5_1)
-BF_ROW(bf_row_q4_k, 256, 144, bf_q4_k)
-BF_ROW(bf_row_q5_k, 256, 176, bf_q5_k)
-BF_ROW(bf_row_q6_k, 256, 210, bf_q6_k)
+#define BF16_ROW(ID, t, VALUES, BYTES) BF_ROW(bf_row_##t, VALUES, BYTES, bf_##t)
+GGUF_FORMATS(BF16_ROW)
+#undef BF16_ROW
 #undef BF_ROW
 
 static bf_row_fn bf_expander(int qtype) {
     switch (qtype) {
-    case Q8_0: return bf_row_q8_0;
-    case Q4_0: return bf_row_q4_0;
-    case Q4_1: return bf_row_q4_1;
-    case Q5_0: return bf_row_q5_0;
-    case Q5_1: return bf_row_q5_1;
-    case Q4_K: return bf_row_q4_k;
-    case Q5_K: return bf_row_q5_k;
-    case Q6_K: return bf_row_q6_k;
+#define CASE(ID, t, VALUES, BYTES) case ID: return bf_row_##t;
+    GGUF_FORMATS(CASE)
+#undef CASE
     default: return 0;
     }
 }
