@@ -15,6 +15,15 @@ def make(request_id, prompt_len, max_tokens=8, eos=frozenset()):
     return Request(request_id, list(range(1, prompt_len + 1)), params, eos)
 
 
+def scheduler_with(bm, reqs, max_num_seqs=8, budget=64):
+    """A Scheduler over `bm` (max_model_len 64) with `reqs` added in order."""
+    sched = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                      max_model_len=64)
+    for r in reqs:
+        sched.add(r)
+    return sched
+
+
 def run_step(scheduler, token=7):
     batch = scheduler.schedule()
     sampled = [token if batch.samples(i) else None for i in range(len(batch))]
@@ -110,10 +119,8 @@ def test_preemption_takes_newest_and_recomputes():
     # 5 blocks of 2 tokens. Three requests of 3 prompt tokens take 2 blocks each:
     # only two fit at first.
     bm = BlockManager(num_blocks=5, block_size=2)
-    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
     reqs = [make(i, 3, max_tokens=4) for i in range(3)]
-    for r in reqs:
-        sched.add(r)
+    sched = scheduler_with(bm, reqs)
     batch, _ = run_step(sched)
     assert [r.request_id for r in batch.requests] == [0, 1]
     assert [r.block_table for r in reqs[:2]] == [[0, 1], [2, 3]]
@@ -179,10 +186,8 @@ def test_external_finish_removes_from_queues():
 @pytest.mark.parametrize("budget", [1, 3, 64])
 def test_every_token_computed_exactly_once_per_admission(budget):
     bm = BlockManager(num_blocks=64, block_size=4)
-    sched = Scheduler(bm, max_num_seqs=3, max_num_batched_tokens=budget, max_model_len=64)
     reqs = [make(i, 5 + 3 * i, max_tokens=3) for i in range(5)]
-    for r in reqs:
-        sched.add(r)
+    sched = scheduler_with(bm, reqs, max_num_seqs=3, budget=budget)
     computed = {r.request_id: 0 for r in reqs}
     while sched.num_unfinished:
         batch, _ = run_step(sched)
@@ -197,10 +202,8 @@ def test_swap_out_and_in_exact_blocks():
     # 5 device blocks of 2 tokens, 4 host blocks. As in the recompute test, request 1
     # must give way at step 3, but now its blocks go to the host pool and come back.
     bm = BlockManager(num_blocks=5, block_size=2, num_host_blocks=4)
-    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
     reqs = [make(i, 3, max_tokens=4) for i in range(3)]
-    for r in reqs:
-        sched.add(r)
+    sched = scheduler_with(bm, reqs)
     run_step(sched)
     run_step(sched)
     batch, _ = run_step(sched)
@@ -222,10 +225,8 @@ def test_swap_out_and_in_exact_blocks():
 
 def test_swap_falls_back_to_recompute_when_host_is_full():
     bm = BlockManager(num_blocks=5, block_size=2, num_host_blocks=1)
-    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
     reqs = [make(i, 3, max_tokens=4) for i in range(2)]
-    for r in reqs:
-        sched.add(r)
+    sched = scheduler_with(bm, reqs)
     for _ in range(3):
         batch, _ = run_step(sched)
     assert batch.swap_out == [] and batch.num_preempted == 1
@@ -291,12 +292,8 @@ def prompt_request(request_id, prompt, max_tokens=8):
 def cached_scheduler(prompts, max_num_seqs=8, budget=64):
     """16 blocks of 4 tokens with prefix caching; a waiting request per prompt."""
     bm = cached_manager(16)
-    sched = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                      max_model_len=64)
     reqs = [prompt_request(i, p) for i, p in enumerate(prompts)]
-    for r in reqs:
-        sched.add(r)
-    return bm, sched, reqs
+    return bm, scheduler_with(bm, reqs, max_num_seqs, budget), reqs
 
 
 def test_prefix_cached_admission_schedules_only_the_rest():
@@ -376,10 +373,8 @@ def test_requests_in_flight_are_neither_rescheduled_nor_preempted():
     """A pipeline keeps two batches in flight: the second never holds a request of the
     first, and making room never takes a request whose batch is out."""
     bm = BlockManager(num_blocks=5, block_size=2)
-    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
     reqs = [make(i, 3, max_tokens=4) for i in range(3)]
-    for r in reqs:
-        sched.add(r)
+    sched = scheduler_with(bm, reqs)
     first = _submit(sched.schedule(max_batch_seqs=1))
     second = _submit(sched.schedule(max_batch_seqs=1))
     assert [r.request_id for r in first.requests] == [0]
@@ -413,10 +408,8 @@ def test_requests_in_flight_are_neither_rescheduled_nor_preempted():
 
 def test_request_aborted_in_flight_is_dropped_when_its_batch_returns():
     bm = BlockManager(num_blocks=8, block_size=2)
-    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
     reqs = [make(i, 3) for i in range(2)]
-    for r in reqs:
-        sched.add(r)
+    sched = scheduler_with(bm, reqs)
     batch = _submit(sched.schedule())
     sched.finish([reqs[1]], "abort")
     assert bm.num_free_blocks == 6 and reqs[1].finish_reason == "abort"
