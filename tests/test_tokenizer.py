@@ -126,11 +126,16 @@ def test_chat_template_file_takes_precedence(tmp_path):
     )
 
 
+def _edit_json(path, edit) -> None:
+    """Rewrite the JSON file at `path` with `edit` applied to its object."""
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
 def test_no_chat_template_is_a_clear_error(tmp_path):
     build_tokenizer(tmp_path, "bpe")
-    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    del config["chat_template"]
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    _edit_json(tmp_path / "tokenizer_config.json", lambda config: config.pop("chat_template"))
     tok = Tokenizer.from_dir(tmp_path)
     assert tok.chat_template is None
     with pytest.raises(ValueError, match="no chat template"):
@@ -139,10 +144,9 @@ def test_no_chat_template_is_a_clear_error(tmp_path):
 
 def test_special_tokens_as_added_token_dicts(tmp_path):
     build_tokenizer(tmp_path, "sentencepiece")
-    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    config["eos_token"] = {"__type": "AddedToken", "content": "</s>", "special": True}
-    config["pad_token"] = {"content": "<unk>"}
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    _edit_json(tmp_path / "tokenizer_config.json", lambda config: config.update(
+        eos_token={"__type": "AddedToken", "content": "</s>", "special": True},
+        pad_token={"content": "<unk>"}))
     tok = Tokenizer.from_dir(tmp_path)
     assert (tok.bos_token_id, tok.eos_token_ids, tok.pad_token_id) == (1, [2], 0)
 
@@ -165,18 +169,15 @@ def test_missing_tokenizer_json_names_the_file(tmp_path):
 def test_add_bos_token_in_config_follows_transformers(tmp_path):
     # transformers 5 lets tokenizer.json's post-processor decide, whatever add_bos_token says.
     build_tokenizer(tmp_path, "sentencepiece")
-    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    config["add_bos_token"] = False
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    _edit_json(tmp_path / "tokenizer_config.json",
+               lambda config: config.update(add_bos_token=False))
     tok, hf = Tokenizer.from_dir(tmp_path), transformers.AutoTokenizer.from_pretrained(tmp_path)
     assert tok.encode("Hello") == hf.encode("Hello")
 
 
 def test_no_post_processor_adds_no_special_tokens(tmp_path):
     build_tokenizer(tmp_path, "bpe")
-    data = json.loads((tmp_path / "tokenizer.json").read_text())
-    data["post_processor"] = None
-    (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    _edit_json(tmp_path / "tokenizer.json", lambda data: data.update(post_processor=None))
     tok, hf = Tokenizer.from_dir(tmp_path), transformers.AutoTokenizer.from_pretrained(tmp_path)
     assert tok.encode("Hello") == hf.encode("Hello") == tok.encode("Hello", add_special_tokens=False)
 
