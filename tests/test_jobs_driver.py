@@ -26,6 +26,13 @@ def _spec(model, inp, out, **kw):
     return JobSpec(model=model, input=str(inp), output=str(out), **kw)
 
 
+def _refusal(spec) -> str:
+    """The message of the JobError that run_job(spec) raises."""
+    with pytest.raises(JobError) as info:
+        run_job(spec)
+    return str(info.value)
+
+
 def test_every_row_once_with_input_columns_and_error_rows(fake_engine, tmp_path):
     write_prompts(tmp_path / "a.parquet", 6, extra=[f"x{i}" for i in range(6)],
                   row_group_size=2)
@@ -259,9 +266,7 @@ def test_an_input_rewritten_in_place_is_refused_like_a_changed_config(fake_engin
                              "prompt": [f"prompt {9 - i}" for i in range(10)]}), inp)
     after = inp.read_bytes()
     assert len(after) == len(before)  # same rows, same size: only the content moved
-    with pytest.raises(JobError) as info:
-        run_job(spec)
-    assert str(info.value) == (
+    assert _refusal(spec) == (
         f"output {tmp_path / 'out'} holds a different job (changed: input {inp} was "
         f"rewritten (version 'sha256={_sha256(before)}' -> 'sha256={_sha256(after)}')); "
         "rerun with --overwrite to start afresh, or choose another --output")
@@ -281,9 +286,7 @@ def test_memory_urls_with_worker_processes_are_refused(fake_engine, tmp_path, op
             where: f"memory://fusegen-{where}/x"}
     spec = _spec(fake_engine, urls["input"], urls["output"], **option)
     flag = "--workers 2" if "workers" in option else "--scheduler tcp://127.0.0.1:1"
-    with pytest.raises(JobError) as info:
-        run_job(spec)
-    assert str(info.value) == (
+    assert _refusal(spec) == (
         f"{where} memory://fusegen-{where}/x is in this process's memory, which the worker "
         f"processes of {flag} cannot reach; use a shared filesystem or object store, or "
         "one in-process worker (--workers 1, no --scheduler)")
@@ -313,9 +316,7 @@ def test_a_torn_manifest_is_named_as_such(fake_engine, tmp_path):
     run_job(spec)
     manifest = tmp_path / "out" / "_manifest.json"
     manifest.write_text(manifest.read_text()[:40])
-    with pytest.raises(JobError) as info:
-        run_job(spec)
-    assert str(info.value) == (
+    assert _refusal(spec) == (
         f"output {tmp_path / 'out'} holds part files and a _manifest.json that is damaged or "
         "not fusegen's, so they cannot be matched to this job; pass --overwrite to replace "
         "them or choose another --output")
