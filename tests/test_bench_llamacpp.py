@@ -21,9 +21,9 @@ from fusegen.jobs.bench.presets import PRESETS, LengthDist
 from fusegen.jobs.bench.workload import BenchRequest
 from fusegen.jobs.bench_cmd import bench
 
-_FAKE_SERVER = '''
+# Both fakes: answer --version, else record their command line
+_FAKE_START = '''
 import json, os, sys
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 if sys.argv[1:] == ["--version"]:
     print("version: 9999 (fake)", file=sys.stderr)
@@ -32,6 +32,11 @@ record = os.environ.get("FAKE_LLAMA_RECORD")
 if record:
     with open(record, "a") as f:
         f.write(json.dumps({"argv": sys.argv[1:]}) + "\\n")
+'''
+
+_FAKE_SERVER = _FAKE_START + '''
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
 if os.environ.get("FAKE_LLAMA_FAIL"):
     print("llama_model_load: error loading model: tensor 'blk.0' is corrupted", file=sys.stderr)
     print("main: exiting due to model loading error", file=sys.stderr)
@@ -74,16 +79,7 @@ class Handler(BaseHTTPRequestHandler):
 ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
 '''
 
-_FAKE_BATCHED = '''
-import json, os, sys
-
-if sys.argv[1:] == ["--version"]:
-    print("version: 9999 (fake)", file=sys.stderr)
-    sys.exit(0)
-record = os.environ.get("FAKE_LLAMA_RECORD")
-if record:
-    with open(record, "a") as f:
-        f.write(json.dumps({"argv": sys.argv[1:]}) + "\\n")
+_FAKE_BATCHED = _FAKE_START + '''
 arg = lambda name: sys.argv[sys.argv.index(name) + 1]
 print("llama_context: n_ctx = " + arg("-c"), file=sys.stderr)
 for pl in arg("-npl").split(","):
