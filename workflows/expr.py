@@ -9,13 +9,23 @@ before any row is read.
 
     error is null and num_generated_tokens >= 8 and len(generated_text) < 400
     lower(label) in ['yes', 'maybe'] and not contains(generated_text, 'sorry')
+    json(generated_text).label == 'pos' and json(generated_text)["score"] > 0.5
 
 Nulls follow SQL: a comparison with null is null, and a row whose filter value is null
 is dropped.
+
+`json(text)` reads a column of JSON documents (structured outputs): `.field`,
+`["field"]` and `[0]` walk into it. A row whose text is not valid JSON, or lacks the
+field, gives null there, so such a row is dropped by a filter (never an error);
+`json(text).label is null` selects them. Each document is parsed once per partition;
+a field whose rows hold values of several JSON kinds keeps its most common kind (numbers
+count as one) and is null in the other rows; an object or list value is its JSON text.
 """
 from __future__ import annotations
 
 import ast
+import json
+from collections import Counter
 from typing import Callable
 
 import pyarrow as pa
@@ -29,7 +39,8 @@ _COMPARE = {ast.Eq: pc.equal, ast.NotEq: pc.not_equal, ast.Lt: pc.less,
 _ARITH = {ast.Add: "add", ast.Sub: pc.subtract, ast.Mult: pc.multiply, ast.Div: "div",
           ast.FloorDiv: "floordiv", ast.Mod: "mod"}
 _FUNCTIONS = "len, lower, upper, strip, contains, startswith, endswith, matches, abs, " \
-             "round, coalesce, col"
+             "round, coalesce, col, json"
+_INVALID = object()  # a row's text that is not JSON, or a path that is not in its document
 # Bounds on what a filter may be: compiling and evaluating recurse once per level, and
 # Python's own parser gives up (RecursionError, MemoryError) on deep or huge input.
 MAX_LENGTH = 10_000  # characters
@@ -61,11 +72,16 @@ class Expression:
             raise _too_deep() from None
         _check_depth(tree.body)
         self.columns: set[str] = set()
+        self._parsed: dict[str, list] = {}  # json(arg) source -> its rows' documents
         self._fn = self._compile(tree.body)
 
     def evaluate(self, table: pa.Table):
         """The expression's value for every row (a boolean array for a valid filter)."""
-        value = self._fn(table)
+        self._parsed = {}  # per table: json() parses each document once
+        try:
+            value = self._fn(table)
+        finally:
+            self._parsed = {}
         if isinstance(value, pa.Scalar):
             value = pa.array([value.as_py()] * table.num_rows, type=value.type)
         return value
@@ -76,6 +92,7 @@ class Expression:
             value = self.evaluate(table)
         except (pa.ArrowNotImplementedError, pa.ArrowInvalid, pa.ArrowTypeError) as exc:
             raise ExpressionError(_arrow_message(exc)) from None
+        value = _typed(value, pa.bool_())
         if not pa.types.is_boolean(value.type):
             raise ExpressionError(f"must be true or false for each row, but gives {value.type}; "
                                   "compare it with something (e.g. `x > 0`)")
@@ -112,16 +129,16 @@ class Expression:
         parts = [self._compile(v) for v in node.values]
 
         def run(table):
-            value = parts[0](table)
+            value = _typed(parts[0](table), pa.bool_())
             for part in parts[1:]:
-                value = fn(value, part(table))
+                value = fn(value, _typed(part(table), pa.bool_()))
             return value
         return run
 
     def _UnaryOp(self, node: ast.UnaryOp) -> Compiled:
         operand = self._compile(node.operand)
         if isinstance(node.op, ast.Not):
-            return lambda table: pc.invert(operand(table))
+            return lambda table: pc.invert(_typed(operand(table), pa.bool_()))
         if isinstance(node.op, ast.USub):
             return lambda table: pc.negate(operand(table))
         if isinstance(node.op, ast.UAdd):
@@ -170,7 +187,8 @@ class Expression:
             negate = isinstance(op, ast.NotIn)
 
             def is_in(table):
-                value = pc.is_in(left(table), value_set=value_set, skip_nulls=True)
+                value = pc.is_in(_typed(left(table), value_set.type), value_set=value_set,
+                                 skip_nulls=True)
                 return pc.invert(value) if negate else value
             return is_in
         if _is_null_literal(left_node) or _is_null_literal(right_node):
@@ -191,6 +209,40 @@ class Expression:
             raise ExpressionError(f"unknown function {name}(); the functions are {_FUNCTIONS}")
         return build(self, node.args)
 
+    def _Attribute(self, node: ast.Attribute) -> Compiled:
+        return self._json_path(node)
+
+    def _Subscript(self, node: ast.Subscript) -> Compiled:
+        return self._json_path(node)
+
+    def _json_path(self, node) -> Compiled:
+        """json(text).a["b"][0]: a chain of keys and indexes under one json() call."""
+        outer, path = node, []
+        while isinstance(node, (ast.Attribute, ast.Subscript)):
+            path.append(node)
+            node = node.value
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id == "json"):
+            raise ExpressionError(f"{_describe(outer)} is only allowed on json(...): "
+                                  "json(generated_text).label == 'pos'")
+        keys = [_json_key(step) for step in reversed(path)]
+        if node.keywords:
+            raise ExpressionError("json() takes positional arguments only")
+        documents = self._json_documents(node.args)
+        return lambda table: _json_values(documents(table), keys)
+
+    def _json_documents(self, args: list):
+        """The rows' parsed documents (_INVALID where a text is not JSON), parsed once per
+        table however often the expression reads into them."""
+        _arity("json", args, 1, "json(text_column)")
+        arg, key = self._compile(args[0]), ast.dump(args[0])
+
+        def documents(table):
+            if key not in self._parsed:
+                self._parsed[key] = _parse_json(_typed(arg(table), pa.string()), table)
+            return self._parsed[key]
+        return documents
+
     def _List(self, node) -> Compiled:
         raise ExpressionError("a list is only allowed on the right of `in` / `not in`")
 
@@ -204,11 +256,12 @@ def _arity(name: str, args: list, n: int, hint: str):
         raise ExpressionError(f"{name}() takes {n} argument(s): {hint}")
 
 
-def _unary(name: str, fn, hint: str):
+def _unary(name: str, fn, hint: str, takes=None):
+    """`takes`: the type a value of no known type (an all-null json() field) is read as."""
     def build(expr: Expression, args):
         _arity(name, args, 1, hint)
         arg = expr._compile(args[0])
-        return lambda table: fn(arg(table))
+        return lambda table: fn(_typed(arg(table), takes))
     return build
 
 
@@ -218,7 +271,7 @@ def _with_pattern(name: str, fn):
         if not (isinstance(args[1], ast.Constant) and isinstance(args[1].value, str)):
             raise ExpressionError(f"{name}()'s second argument must be a quoted string")
         arg, pattern = expr._compile(args[0]), args[1].value
-        return lambda table: fn(arg(table), pattern)
+        return lambda table: fn(_typed(arg(table), pa.string()), pattern)
     return build
 
 
@@ -244,7 +297,12 @@ def _build_coalesce(expr: Expression, args):
     if len(args) < 2:
         raise ExpressionError("coalesce() takes two or more values: coalesce(x, 'default')")
     parts = [expr._compile(a) for a in args]
-    return lambda table: pc.coalesce(*[p(table) for p in parts])
+
+    def run(table):
+        values = [p(table) for p in parts]
+        known = next((v.type for v in values if not pa.types.is_null(v.type)), None)
+        return pc.coalesce(*[_typed(v, known) for v in values])
+    return run
 
 
 def _build_col(expr: Expression, args):
@@ -253,11 +311,18 @@ def _build_col(expr: Expression, args):
     return expr._column(args[0].value)
 
 
+def _build_json(expr: Expression, args):
+    """Bare json(text): the whole document (its JSON text for an object or list), null
+    where the text is not JSON, so `json(text) is not null` keeps the valid rows."""
+    documents = expr._json_documents(args)
+    return lambda table: _json_values(documents(table), [])
+
+
 _CALLS = {
-    "len": _unary("len", _len, "len(text_or_list_column)"),
-    "lower": _unary("lower", pc.utf8_lower, "lower(text)"),
-    "upper": _unary("upper", pc.utf8_upper, "upper(text)"),
-    "strip": _unary("strip", pc.utf8_trim_whitespace, "strip(text)"),
+    "len": _unary("len", _len, "len(text_or_list_column)", pa.string()),
+    "lower": _unary("lower", pc.utf8_lower, "lower(text)", pa.string()),
+    "upper": _unary("upper", pc.utf8_upper, "upper(text)", pa.string()),
+    "strip": _unary("strip", pc.utf8_trim_whitespace, "strip(text)", pa.string()),
     "abs": _unary("abs", pc.abs, "abs(number)"),
     "contains": _with_pattern("contains", lambda v, p: pc.match_substring(v, p)),
     "startswith": _with_pattern("startswith", lambda v, p: pc.starts_with(v, p)),
@@ -266,7 +331,83 @@ _CALLS = {
     "round": _build_round,
     "coalesce": _build_coalesce,
     "col": _build_col,
+    "json": _build_json,
 }
+
+
+# -- json() -------------------------------------------------------------------------------
+
+def _json_key(node) -> str | int:
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    index = node.slice
+    if isinstance(index, ast.UnaryOp) and isinstance(index.op, ast.USub) and \
+            isinstance(index.operand, ast.Constant) and type(index.operand.value) is int:
+        return -index.operand.value  # [-1]: the last item
+    if isinstance(index, ast.Constant) and type(index.value) in (str, int):
+        return index.value
+    raise ExpressionError("json(...)[...] takes a quoted field name or a literal index: "
+                          "json(generated_text)[\"label\"] or json(generated_text).items[0]")
+
+
+def _parse_json(value, table: pa.Table) -> list:
+    """Each row's document; _INVALID for a null or non-JSON text."""
+    if isinstance(value, pa.Scalar):
+        value = pa.array([value.as_py()] * table.num_rows, type=value.type)
+    if not (pa.types.is_string(value.type) or pa.types.is_large_string(value.type)):
+        raise ExpressionError(f"json() reads text (a column of JSON documents), not "
+                              f"{value.type}")
+    out = []
+    for text in value.to_pylist():
+        try:
+            out.append(_INVALID if text is None else json.loads(text))
+        except ValueError:  # JSONDecodeError, and numbers too large for a float
+            out.append(_INVALID)
+    return out
+
+
+def _json_values(documents: list, path: list) -> pa.Array:
+    """The value at `path` in every document, as one Arrow array of one JSON kind."""
+    values = [_walk(doc, path) for doc in documents]
+    kinds = Counter(_kind(v) for v in values if v is not _INVALID and v is not None)
+    if not kinds:
+        return pa.nulls(len(values))
+    kind = kinds.most_common(1)[0][0]  # ties: the kind seen first
+    keep = [None if v is _INVALID or v is None or _kind(v) != kind else v for v in values]
+    if kind == "json":
+        return pa.array([None if v is None else json.dumps(v) for v in keep], pa.string())
+    if kind == "number":
+        ints = all(type(v) is int and -2**63 <= v < 2**63 for v in keep if v is not None)
+        return pa.array([v if v is None or ints else float(v) for v in keep],
+                        pa.int64() if ints else pa.float64())
+    return pa.array(keep, pa.bool_() if kind == "bool" else pa.string())
+
+
+def _walk(doc, path: list):
+    for step in path:
+        if isinstance(step, str) and isinstance(doc, dict) and step in doc:
+            doc = doc[step]
+        elif type(step) is int and isinstance(doc, list) and -len(doc) <= step < len(doc):
+            doc = doc[step]
+        else:
+            return _INVALID
+    return doc
+
+
+def _kind(value) -> str:
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, (int, float)):
+        return "number"
+    return "string" if isinstance(value, str) else "json"
+
+
+def _typed(value, type_):
+    """A value of no known type (all null: a json() field no row has) read as `type_`, so
+    a function or operator that needs `type_` gives null rather than a type error."""
+    if type_ is not None and pa.types.is_null(value.type):
+        return value.cast(type_)
+    return value
 
 
 # -- helpers ------------------------------------------------------------------------------
