@@ -131,33 +131,42 @@ def resume(run_id, params, overwrite, store_url):
 
 
 @workflow.command()
-@click.argument("file", type=click.Path(dir_okay=False))
+@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @_PARAM
 @click.option("--run-date", default=None, metavar="YYYY-MM-DD", help="The run date to check "
               "with.  [default: today]")
-def check(file, params, run_date):
-    """Validate FILE without running it: keys, DAG, schedule, and (for the given params
-    and run date) the columns every step reads, from its inputs' Parquet schemas, and
-    each generate step's model folder (unless the workers of a --scheduler read it)."""
+def check(files, params, run_date):
+    """Validate each workflow FILE without running it: keys, DAG, schedule, and (for the
+    given params and run date) the columns every step reads, from its inputs' Parquet
+    schemas, and each generate step's model folder (unless the workers of a --scheduler
+    read it). Every problem of every file is listed, one a line; exit 2 if any."""
     from fusegen.jobs import redact_url
-    from fusegen.workflows.preflight import check_models
-    from fusegen.workflows.resolve import resolve
-    from fusegen.workflows.run import default_run_date
-    from fusegen.workflows.spec import load_workflow
+    from fusegen.workflows.check import check_file
 
     try:
-        wf = load_workflow(file)
-        resolved = resolve(wf, _params(params), run_date or default_run_date(wf))
-        notes = check_models(resolved)
-    except (WorkflowError, JobError) as exc:
+        overrides = _params(params)
+    except WorkflowError as exc:
         _fail(exc)
-    redact = resolved.redactor()
-    for step in resolved.steps:
-        click.echo(redact(f"{step.name} ({step.kind}): {redact_url(step.input)} -> "
-                          f"{redact_url(step.output)}\n  columns: {', '.join(step.schema.names)}"))
-    for note in notes:
-        click.echo(redact(note))
-    click.echo(f"{file}: valid")
+    num_problems = 0
+    for file in files:
+        report = check_file(file, overrides, run_date)
+        resolved = report.resolved
+        redact = resolved.redactor() if resolved is not None else (lambda text: text)
+        if not report.problems:
+            for step in resolved.steps:
+                click.echo(redact(f"{step.name} ({step.kind}): {redact_url(step.input)} -> "
+                                  f"{redact_url(step.output)}\n  columns: "
+                                  f"{', '.join(step.schema.names)}"))
+        for note in report.notes:
+            click.echo(redact(note))
+        for problem in report.problems:
+            click.echo(redact(f"{file}: {problem}"), err=True)
+        num_problems += len(report.problems)
+        click.echo(f"{file}: valid" if not report.problems else
+                   f"{file}: not valid: {len(report.problems)} problem(s)")
+    if num_problems:
+        raise _Invalid(f"{num_problems} problem(s) in {len(files)} file(s); each is listed "
+                       "above with its step and key")
 
 
 @workflow.command()

@@ -18,6 +18,15 @@ from fusegen.workflows.resolve import ResolvedWorkflow
 def check_models(resolved: ResolvedWorkflow) -> list[str]:
     """Raises ValidationError naming each step whose model folder is missing or not a
     checkpoint; returns a note for each model left to the cluster's workers."""
+    problems, notes = model_problems(resolved)
+    if problems:
+        raise ValidationError(resolved.workflow.source, problems)
+    return notes
+
+
+def model_problems(resolved: ResolvedWorkflow) -> tuple[list[Problem], list[str]]:
+    """(a problem for each step whose model folder is missing or not a checkpoint, a note
+    for each model left to the cluster's workers or the hub)."""
     problems, notes = [], []
     for step in resolved.steps:
         job = step.job
@@ -35,9 +44,7 @@ def check_models(resolved: ResolvedWorkflow) -> list[str]:
         problem = _model_problem(job.model, job.engine.revision, hub_id)
         if problem:
             problems.append(Problem(step.name, "generate.model", problem))
-    if problems:
-        raise ValidationError(resolved.workflow.source, problems)
-    return notes
+    return problems, notes
 
 
 def _model_problem(model: str, revision: str | None, hub_id: bool) -> str | None:

@@ -64,33 +64,53 @@ class ResolvedWorkflow:
 
 
 def effective_params(workflow: Workflow, overrides: dict | None) -> dict:
-    overrides = dict(overrides or {})
-    unknown = sorted(set(overrides) - set(workflow.params))
-    if unknown:
-        known = ", ".join(workflow.params) or "none"
-        raise ValidationError(workflow.source, [Problem(
-            None, "params", f"unknown parameter(s) {', '.join(unknown)} (from --param); "
-            f"the file declares: {known}")])
-    return {**workflow.params, **overrides}
+    problems = _unknown_params(workflow, overrides)
+    if problems:
+        raise ValidationError(workflow.source, problems)
+    return {**workflow.params, **(overrides or {})}
+
+
+def _unknown_params(workflow: Workflow, overrides: dict | None) -> list[Problem]:
+    unknown = sorted(set(overrides or {}) - set(workflow.params))
+    if not unknown:
+        return []
+    known = ", ".join(workflow.params) or "none"
+    return [Problem(None, "params", f"unknown parameter(s) {', '.join(unknown)} (from "
+                    f"--param); the file declares: {known}")]
 
 
 def resolve(workflow: Workflow, overrides: dict | None, run_date: str) -> ResolvedWorkflow:
     """Raises ValidationError listing every problem found."""
-    params = effective_params(workflow, overrides)
-    problems: list[Problem] = []
+    resolved, problems = resolve_all(workflow, overrides, run_date)
+    if problems:
+        raise ValidationError(workflow.source, problems)
+    return resolved
+
+
+def resolve_all(workflow: Workflow, overrides: dict | None, run_date: str,
+                tolerate: frozenset[str] = frozenset()) -> tuple[ResolvedWorkflow, list[Problem]]:
+    """The steps that could be built, and every problem found on the way: a broken step
+    leaves out only the steps that read it, and every other step's columns are checked.
+    `tolerate`: steps with problems already reported; one that cannot be built is left
+    out instead of raising."""
+    problems = _unknown_params(workflow, overrides)
+    params = {**workflow.params, **{k: v for k, v in (overrides or {}).items()
+                                    if k in workflow.params}}
     variables = _variables(params, run_date, problems)
     workdir = _workdir(workflow, params, variables, run_date, problems)
     steps: dict[str, ResolvedStep] = {}
     for name in workflow.order:
-        step = _build(workflow, workflow.steps[name], variables, workdir, steps, problems)
+        try:
+            step = _build(workflow, workflow.steps[name], variables, workdir, steps, problems)
+        except Exception:  # noqa: BLE001 - only where the file's problem is already named
+            if name not in tolerate:
+                raise
+            step = None
         if step is not None:
             steps[name] = step
-    if not problems:
-        _check_columns(workflow, steps, problems)
-    if problems:
-        raise ValidationError(workflow.source, problems)
-    return ResolvedWorkflow(workflow, run_date, params, workdir, list(steps.values()),
-                            secret_params(workflow, params, run_date))
+    _check_columns(workflow, steps, problems)
+    return (ResolvedWorkflow(workflow, run_date, params, workdir, list(steps.values()),
+                             secret_params(workflow, params, run_date)), problems)
 
 
 def _variables(params: dict, run_date: str, problems: list) -> dict:

@@ -98,19 +98,29 @@ class Workflow:
 
 
 def load_workflow(path: str) -> Workflow:
+    workflow, problems = load_checked(path)
+    if problems:
+        raise ValidationError(path, problems)
+    return workflow
+
+
+def load_checked(path: str) -> tuple[Workflow | None, list[Problem]]:
+    """The file's Workflow as far as it could be read, and every problem found in it
+    (the Workflow is None when the file is not a readable YAML mapping)."""
     import yaml
 
     try:
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f)
     except OSError as exc:
-        problem = Problem(None, None, f"cannot read it: {exc.strerror}")
-        raise ValidationError(path, [problem]) from None
+        return None, [Problem(None, None, f"cannot read it: {exc.strerror}")]
     except yaml.YAMLError as exc:
-        raise ValidationError(path, [Problem(None, None, f"not valid YAML: {exc}")]) from None
-    workflow = parse_workflow(data, path)
-    workflow.path = os.path.abspath(path)
-    return workflow
+        return None, [Problem(None, None, f"not valid YAML: {exc}")]
+    checker = _Checker(path)
+    workflow = checker.workflow(data)
+    if workflow is not None:
+        workflow.path = os.path.abspath(path)
+    return workflow, checker.problems
 
 
 def parse_workflow(data, source: str) -> Workflow:
