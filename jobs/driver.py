@@ -14,11 +14,13 @@ from datetime import datetime, timezone
 from itertools import islice
 
 from fusegen.jobs.cluster import engine_devices, open_client
-from fusegen.jobs.errors import JobError
+from fusegen.jobs.error_rate import ErrorRate
+from fusegen.jobs.errors import ErrorRateExceeded, JobError
 from fusegen.jobs.formats import is_batch_input, part_suffix
 from fusegen.jobs.interrupt import JobInterrupted, signal_of
 from fusegen.jobs.output import Output, PartStats, input_records
 from fusegen.jobs.plan import Partition, plan_partitions
+from fusegen.jobs.preflight import check_job_options
 from fusegen.jobs.progress import JobResult, Progress
 from fusegen.jobs.redact import redact_url, redacted_logging
 from fusegen.jobs.report import write_report
@@ -52,6 +54,8 @@ def run_job(spec: JobSpec, progress_stream=None, client=None,
             raise
         except KeyboardInterrupt as exc:  # before the output was touched
             raise JobInterrupted(signal_of(exc), redact_url(spec.output)) from None
+        except ErrorRateExceeded as exc:  # its own kind: the caller offers the resume
+            raise ErrorRateExceeded(_message(exc, redact)) from None
         except Exception as exc:
             raise JobError(_message(exc, redact)) from None
 
@@ -78,6 +82,8 @@ def _run(spec: JobSpec, progress_stream, client=None, resume: str = RERUN) -> Jo
                                  for w in preparer.column_warnings(f.columns)):
         log.warning("%s", warning)
     plan = plan_partitions(files, spec.partition_rows, part_suffix(files, spec.output_format))
+    # Job-wide options that would fail every row fail the job here, before the model loads.
+    check_job_options(spec, preparer, plan, columned)
     inputs = input_records(files)
     identity = spec.identity()  # once: the workers run the dtype resolved here
     fingerprint = spec.fingerprint(inputs, identity)
@@ -103,9 +109,12 @@ def _run(spec: JobSpec, progress_stream, client=None, resume: str = RERUN) -> Jo
         progress = Progress(sum(f.num_rows for f in files),
                             sum(s.num_rows for s in done.values()), spec.progress,
                             stream=progress_stream)
+        errors = ErrorRate(spec.max_error_rate, len(plan))
+        for stats in done.values():
+            errors.add(stats)
         try:
             engines = _execute(spec.on_workers(identity), todo, fingerprint, output.owner,
-                               progress, run.new, client) if todo else []
+                               progress, run.new, errors, client) if todo else []
         finally:
             progress.close()
         result = run.complete(engines, progress.timeline)
@@ -202,10 +211,11 @@ def _check_shared_storage(spec: JobSpec) -> None:
 
 
 def _execute(spec: JobSpec, todo: list[Partition], fingerprint: str, owner: str,
-             progress: Progress, results: dict[int, PartStats], client=None) -> list[dict]:
-    """Run the partitions on the cluster, adding each committed part's stats to `results`;
-    returns each worker engine's counters. `owner`: the run's lease, which every commit
-    checks."""
+             progress: Progress, results: dict[int, PartStats], errors: ErrorRate,
+             client=None) -> list[dict]:
+    """Run the partitions on the cluster, adding each committed part's stats to `results`
+    and to `errors` (which stops the job past max_error_rate); returns each worker
+    engine's counters. `owner`: the run's lease, which every commit checks."""
     run_token = uuid.uuid4().hex[:8]
     with nullcontext(client) if client is not None else open_client(spec) as client:
         # Every worker loads its engine before any partition is read: a model that cannot
@@ -222,7 +232,7 @@ def _execute(spec: JobSpec, todo: list[Partition], fingerprint: str, owner: str,
         client.subscribe_topic(topic, lambda event: progress.partial(**event[1]))
         try:
             _stream(client, spec, todo, fingerprint, owner, topic, run_token, progress,
-                    results)
+                    results, errors)
         finally:
             client.unsubscribe_topic(topic)
         # Not as tasks: a task pinned to a worker that died would wait forever.
@@ -230,7 +240,8 @@ def _execute(spec: JobSpec, todo: list[Partition], fingerprint: str, owner: str,
     return [s for s in stats.values() if isinstance(s, dict)]
 
 
-def _stream(client, spec, todo, fingerprint, owner, topic, run_token, progress, results):
+def _stream(client, spec, todo, fingerprint, owner, topic, run_token, progress, results,
+            errors):
     """Keep `partitions_per_worker` partitions per worker in flight until all committed.
     Only the partitions' descriptions travel; each task reads its own rows."""
     from distributed import as_completed
@@ -269,6 +280,8 @@ def _stream(client, spec, todo, fingerprint, owner, topic, run_token, progress, 
             progress.advance(index, stats.rows_read, stats.num_generated_tokens,
                              stats.num_errors)
             future.release()
+            errors.add(stats)
+            errors.check()
     except BaseException:  # a failed part or an interrupt: stop the rest
         unfinished = list(running.futures)
         running.clear()
@@ -318,6 +331,8 @@ def _result(spec, plan, stats, new, num_skipped, wall) -> JobResult:
     return JobResult(
         output=redact_url(spec.output), num_rows=sum(s.num_rows for s in stats.values()),
         num_errors=sum(s.num_errors for s in stats.values()), errors_by_code=codes,
+        num_truncated=sum(s.num_truncated or 0 for s in stats.values()),
+        num_structured_invalid=sum(s.num_structured_invalid or 0 for s in stats.values()),
         num_prompt_tokens=sum(s.num_prompt_tokens for s in stats.values()),
         num_generated_tokens=sum(s.num_generated_tokens for s in stats.values()),
         num_parts=len(plan), num_parts_skipped=num_skipped,
@@ -333,6 +348,7 @@ def _part_entry(part: Partition, stats: PartStats) -> dict:
 
 def _totals(r: JobResult) -> dict:
     return {k: getattr(r, k) for k in ("num_rows", "num_errors", "errors_by_code",
+                                       "num_truncated", "num_structured_invalid",
                                        "num_prompt_tokens", "num_generated_tokens",
                                        "prompt_tokens_cached")}
 

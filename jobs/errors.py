@@ -13,3 +13,15 @@ EMPTY_PROMPT = "empty_prompt"
 INVALID_PROMPT = "invalid_prompt"  # not a string (or messages not role/content structs)
 TEMPLATE_ERROR = "template_error"
 INVALID_PARAMS = "invalid_params"
+
+
+class ErrorRateExceeded(JobError):
+    """Error rows passed `max_error_rate`: the job stopped, its committed parts kept (a
+    rerun resumes it)."""
+
+
+# `fusegen run`'s exit status (click's usage error is 2; a signal is 128 + its number).
+EXIT_OK = 0  # every row generated
+EXIT_FAILED = 1  # the job failed: a bad option or input, a failure mid-run, or
+# max_error_rate passed (then resumable)
+EXIT_ROW_ERRORS = 3  # the job finished, but some rows are errors (their `error` column)

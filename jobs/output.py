@@ -66,6 +66,12 @@ class PartStats:
     # Rows read from the input partition; None: num_rows (a generation part keeps every
     # input row, a transform's filter may drop some).
     num_input_rows: int | None = None
+    # A generation part's rows cut at their length limit (finish_reason "length":
+    # max_tokens or the context) and rows whose structured output is invalid
+    # (structured_valid False); None: not counted (a transform's part, or one committed
+    # before fusegen counted them).
+    num_truncated: int | None = None
+    num_structured_invalid: int | None = None
 
     def as_dict(self) -> dict:
         """The footer and manifest record; None fields left out."""

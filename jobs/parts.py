@@ -127,6 +127,10 @@ def part_stats(table: pa.Table, name: str, fingerprint: str, seconds: float) -> 
     """Counts over a part: its rows are completions; prompts (and their tokens) are
     counted once, on each input row's first completion."""
     errs = [e for e in table.column("error").to_pylist() if e is not None]
+    invalid = 0
+    if "structured_valid" in table.column_names:
+        invalid = int(pc.sum(pc.invert(table.column("structured_valid").fill_null(True)))
+                      .as_py() or 0)
     first = table
     if "completion_index" in table.column_names:
         first = table.filter(pc.equal(table.column("completion_index"), 0))
@@ -136,4 +140,7 @@ def part_stats(table: pa.Table, name: str, fingerprint: str, seconds: float) -> 
         num_prompt_tokens=int(pc.sum(first.column("num_prompt_tokens")).as_py() or 0),
         num_generated_tokens=int(pc.sum(table.column("num_generated_tokens")).as_py() or 0),
         seconds=round(seconds, 3),
-        num_input_rows=first.num_rows if first.num_rows != table.num_rows else None)
+        num_input_rows=first.num_rows if first.num_rows != table.num_rows else None,
+        num_truncated=int(pc.sum(pc.equal(table.column("finish_reason"), "length"))
+                          .as_py() or 0),
+        num_structured_invalid=invalid)

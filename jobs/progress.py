@@ -26,6 +26,8 @@ class JobResult:
     tokens_computed: int = 0  # generated tokens of this run
     wall_seconds: float = 0.0
     prompt_tokens_cached: int = 0  # prompt tokens the engines served from the prefix cache
+    num_truncated: int = 0  # rows cut at their length limit (finish_reason "length")
+    num_structured_invalid: int = 0  # rows whose structured output is invalid
     # (seconds since the run started, rows, output tokens) done by this run, about one
     # point a second at most: the HTML report's throughput plot
     timeline: list = field(default_factory=list)
@@ -36,7 +38,8 @@ class JobResult:
         lines = [
             f"output: {self.output} ({self.num_parts} parts"
             + (f", {self.num_parts_skipped} kept from an earlier run)" if self.num_parts_skipped else ")"),
-            f"rows: {self.num_rows}, errors: {self.num_errors}" + (f" ({errs})" if errs else ""),
+            f"rows: {self.num_rows}, errors: {self.num_errors}" + (f" ({errs})" if errs else "")
+            + "".join(f", {what}: {n}" for what, n in self.flawed_rows() if n),
             f"tokens: {self.num_prompt_tokens} prompt"
             + (f" ({self.prompt_tokens_cached} from the prefix cache)"
                if self.prompt_tokens_cached else "")
@@ -45,6 +48,11 @@ class JobResult:
             f"{self.tokens_computed / secs:.1f} output tokens/s",
         ]
         return "\n".join(lines)
+
+    def flawed_rows(self) -> list[tuple[str, int]]:
+        """What went wrong in rows that are no errors, as (what, rows)."""
+        return [("cut at the length limit", self.num_truncated),
+                ("invalid structured output", self.num_structured_invalid)]
 
 
 class Progress:

@@ -8,7 +8,7 @@ import sys
 import click
 from click.core import ParameterSource
 
-from fusegen.jobs.errors import JobError
+from fusegen.jobs.errors import EXIT_FAILED, EXIT_ROW_ERRORS, ErrorRateExceeded, JobError
 from fusegen.jobs.flags import engine_flags, option, sampling_flags, with_flags
 from fusegen.jobs.interrupt import JobInterrupted, signal_of, stop_on_signals
 from fusegen.jobs.redact import redact_url
@@ -72,6 +72,10 @@ _OPTIONS = [
     _job_option("--storage-option", "fsspec storage option KEY=VALUE for input and output, "
             "repeatable; dots nest (client_kwargs.endpoint_url=http://...). Secrets are "
             "never logged.", multiple=True),
+    _job_option("--max-error-rate", "Stop the job (exit status 1, resumable: committed "
+            "parts stay) once error rows pass this fraction of the rows committed, from "
+            "the first committed part on; 1 never stops, 0 stops at the first error.",
+            type=float),
     _job_option("--progress", "auto: a live bar on a terminal, log lines otherwise.",
             type=click.Choice(["auto", "bar", "log", "none"])),
     # The engine's settings, from their one list (the job's --seed is the rows' own).
@@ -93,6 +97,15 @@ def run(job_file, storage_option, **flags):
     storage_options: {...}); flags given on the command line override it. Rerunning the
     same job resumes: committed parts are kept. Ctrl-C or SIGTERM stops it cleanly and
     prints the command that resumes it.
+
+    \b
+    Exit status:
+      0  every row generated
+      1  the job failed: a bad option or input (checked before the model loads), an
+         error mid-run, or error rows past --max-error-rate (resumable)
+      2  a usage error (an unknown flag, a bad flag value)
+      3  the job finished, but some rows are errors (their `error` column says why)
+      128+N  stopped by signal N (130: Ctrl-C, 143: SIGTERM); resumable
     """
     spec = None
     try:
@@ -116,11 +129,19 @@ def run(job_file, storage_option, **flags):
             command = resume_command(click.get_current_context(), job_file,
                                      bool(file_values.get("overwrite")))
             result = driver.run_job(spec, resume=command)
+    except ErrorRateExceeded as exc:
+        click.echo(f"Error: {exc}", err=True)
+        _echo_resume(spec, job_file, file_values.get("overwrite"))
+        sys.exit(EXIT_FAILED)
     except JobError as exc:
         raise click.ClickException(str(exc)) from None
     except KeyboardInterrupt as exc:
         _stopped(exc, spec, job_file, file_values.get("overwrite") if spec else None)
     click.echo(result.summary())
+    if result.num_errors:
+        click.echo(f"finished with {result.num_errors} error rows of {result.num_rows} "
+                   f"(exit status {EXIT_ROW_ERRORS}); their `error` column says why", err=True)
+        sys.exit(EXIT_ROW_ERRORS)
 
 
 def _check_output_is_a_directory(spec) -> None:
@@ -157,6 +178,12 @@ def _stopped(exc: KeyboardInterrupt, spec, job_file, file_overwrite) -> None:
     if not isinstance(exc, JobInterrupted):  # before the job started
         exc = JobInterrupted(signal_of(exc), redact_url(spec.output) if spec else "the output")
     click.echo(exc.message, err=True)
+    _echo_resume(spec, job_file, file_overwrite)
+    sys.exit(exc.exit_code)
+
+
+def _echo_resume(spec, job_file, file_overwrite) -> None:
+    """The command that resumes this job, its secrets masked."""
     ctx = click.get_current_context()
     command = resume_command(ctx, job_file, bool(file_overwrite))
     # Without a spec its secrets are unknown: every storage option value is masked.
@@ -164,7 +191,6 @@ def _stopped(exc: KeyboardInterrupt, spec, job_file, file_overwrite) -> None:
         resume_command(ctx, job_file, bool(file_overwrite), mask_options=True)
     note = "   (put back the masked secrets)" if masked != command else ""
     click.echo(f"resume with: {masked}{note}", err=True)
-    sys.exit(exc.exit_code)
 
 
 def resume_command(ctx: click.Context, job_file: str | None, file_overwrite: bool,

@@ -87,6 +87,9 @@ class JobSpec:
     overwrite: bool = False
     storage_options: dict = field(default_factory=dict, repr=False)  # fsspec; may hold secrets
     progress: str = "auto"  # auto: a bar on a terminal, log lines otherwise
+    # Error rows over committed rows (earlier runs' parts included) past which the job
+    # stops, failed and resumable; judged each time a part commits, so from the first.
+    max_error_rate: float = 0.5
     engine: EngineOptions = field(default=None)  # the job's engine settings
     sampling: SamplingParams = field(default=None)  # the rows' defaults; a column overrides
 
@@ -113,6 +116,7 @@ class JobSpec:
         _check_int(self, "partition_rows", 1)
         _check_int(self, "workers", 1)
         _check_int(self, "partitions_per_worker", 1)
+        self._check_error_rate()
         try:
             self.engine = EngineOptions(**engine_values)
         except EngineConfigError as exc:
@@ -136,6 +140,14 @@ class JobSpec:
         problem = self.sampling_params().validate()
         if problem:
             raise JobError(f"job sampling default: {problem}")
+
+    def _check_error_rate(self) -> None:
+        rate = self.max_error_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) \
+                or not 0.0 <= rate <= 1.0:  # NaN fails both comparisons
+            raise JobError(f"max_error_rate must be a fraction of rows in [0, 1] (0: stop at "
+                           f"the first error, 1: never stop), got {rate!r}")
+        self.max_error_rate = float(rate)
 
     def _check_messages_column(self) -> None:
         column = self.messages_column

@@ -15,7 +15,8 @@ PARAMS = "invalid_params: row {0} (id={0}): {1} (per-row column override)"
 
 def _spec(inp, out, **kw):
     kw = {"model": tiny_model_dir(), "max_tokens": 4, "partition_rows": 4, "max_num_seqs": 8,
-          "temperature": 1.0, "seed": 3, "progress": "none", **kw}
+          "temperature": 1.0, "seed": 3, "progress": "none",
+          "max_error_rate": 1.0, **kw}  # rows made to fail: none may stop the job
     return JobSpec(input=str(inp), output=str(out), **kw)
 
 
