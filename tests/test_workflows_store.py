@@ -33,7 +33,7 @@ def test_migrates_a_version_1_store_and_keeps_its_runs(tmp_path):
     store = RunStore(path)
     assert store.upgraded_from == 1
     conn = sqlite3.connect(path)
-    assert schema_version(conn) == LATEST == len(MIGRATIONS) == 2
+    assert schema_version(conn) == LATEST == len(MIGRATIONS) == 3
     tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
     assert {"runs", "steps", "schedule_state", "locks", "schema_version"} <= tables
     [old] = store.runs("nightly")

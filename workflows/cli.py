@@ -42,16 +42,20 @@ def workflow():
 @_PARAM
 @click.option("--run-date", default=None, metavar="YYYY-MM-DD",
               help="The run's {{ run_date }}.  [default: today, in the schedule's time zone]")
+@click.option("--run-time", default=None, metavar="ISO-8601",
+              help="The run's {{ run_time }}, e.g. 2026-11-26T14:00:00Z (no zone: UTC).  "
+              "[default: now]")
 @click.option("--overwrite", is_flag=True, help="Recompute every step from scratch instead "
               "of keeping parts committed by an earlier attempt.")
 @_STORE
-def run(file, params, run_date, overwrite, store_url):
+def run(file, params, run_date, run_time, overwrite, store_url):
     """Run the workflow FILE once, steps in DAG order.
 
     Every step is a resumable job: if a run fails or is killed, the same command (same
-    --param values and --run-date) continues where it stopped."""
+    --param values, --run-date and --run-time) continues where it stopped. A run that
+    finds every step's output committed for the same inputs is `skipped (up to date)`."""
     from fusegen.jobs import setup_logging
-    from fusegen.workflows.run import default_run_date, run_workflow
+    from fusegen.workflows.run import check_time, default_run_date, run_workflow, utc_now, utc_text
     from fusegen.workflows.spec import load_workflow
     from fusegen.workflows.store import open_store
 
@@ -61,18 +65,31 @@ def run(file, params, run_date, overwrite, store_url):
         store = open_store(store_url)
         setup_logging()
         run_date = run_date or default_run_date(wf)
+        run_time = check_time(run_time) if run_time else utc_text(utc_now())
         outcome = run_workflow(wf, store, params=overrides, run_date=run_date,
-                               overwrite=overwrite, echo=click.echo)
+                               run_time=run_time, overwrite=overwrite, echo=click.echo)
     except (WorkflowError, JobError) as exc:
         if getattr(exc, "run_id", None) is not None:
-            _retry_hint(store, exc.run_id, store_url, file, params, run_date)
+            from fusegen.workflows.render import RUN_TIME
+            from fusegen.workflows.resolve import uses_variable
+
+            # the same {{ run_time }} continues in the same outputs
+            _retry_hint(store, exc.run_id, store_url, file, params, run_date,
+                        run_time if uses_variable(wf, RUN_TIME) else None)
         _fail(exc)
-    click.echo(f"run {outcome.run_id} of {wf.name} ({outcome.run_date}) succeeded: "
-               f"{len(outcome.steps)} steps; `fusegen workflow show {outcome.run_id}` "
-               "for details")
+    _finished(wf, outcome)
 
 
-def _retry_hint(store, run_id: int, store_url, file=None, params=(), run_date=None):
+def _finished(wf, outcome) -> None:
+    from fusegen.workflows.store import SHOWN_STATUS
+
+    click.echo(f"run {outcome.run_id} of {wf.name} ({outcome.run_date}) "
+               f"{SHOWN_STATUS.get(outcome.status, outcome.status)}: {len(outcome.steps)} "
+               f"steps; `fusegen workflow show {outcome.run_id}` for details")
+
+
+def _retry_hint(store, run_id: int, store_url, file=None, params=(), run_date=None,
+                run_time=None):
     """The commands that continue a failed run: the same `workflow run` (when it was one)
     or `workflow resume`. Credential params show as MASK: the store does not keep them."""
     from fusegen.workflows.credentials import MASK
@@ -88,7 +105,8 @@ def _retry_hint(store, run_id: int, store_url, file=None, params=(), run_date=No
         return
     args = [f"--param {key}={MASK}" if key in secret else f"--param {item}"
             for item, key in ((p, p.partition("=")[0].strip()) for p in params)]
-    args += [f"--run-date {run_date}", *store_args]
+    args += [f"--run-date {run_date}", *([f"--run-time {run_time}"] if run_time else []),
+             *store_args]
     click.echo(f"to continue where it stopped: fusegen workflow run {file} {' '.join(args)} "
                f"(or {resume}){note}", err=True)
 
@@ -120,14 +138,13 @@ def resume(run_id, params, overwrite, store_url):
         wf = load_workflow(old.source)
         setup_logging()
         outcome = run_workflow(wf, store, params=run_params, run_date=old.run_date,
+                               run_time=old.run_time or old.scheduled_for,
                                overwrite=overwrite, echo=click.echo)
     except (WorkflowError, JobError) as exc:
         if getattr(exc, "run_id", None) is not None:
             _retry_hint(store, exc.run_id, store_url)
         _fail(exc)
-    click.echo(f"run {outcome.run_id} of {wf.name} ({outcome.run_date}) succeeded: "
-               f"{len(outcome.steps)} steps; `fusegen workflow show {outcome.run_id}` "
-               "for details")
+    _finished(wf, outcome)
 
 
 @workflow.command()
@@ -174,13 +191,19 @@ def check(files, params, run_date):
 @_PARAM
 @click.option("--poll-seconds", default=30.0, show_default=True, type=float,
               help="How often to look again at runs and locks between fires.")
+@click.option("--overwrite", is_flag=True, help="Recompute a step's output when it was made "
+              "from another version of its input or step (without it such a fire fails and "
+              "says so); outputs that are up to date are kept, and a fire with nothing new "
+              "to do is recorded `skipped (up to date)`.")
 @_STORE
-def schedule(files, params, poll_seconds, store_url):
+def schedule(files, params, poll_seconds, overwrite, store_url):
     """Run workflows on their `schedule:` until SIGINT/SIGTERM.
 
-    State lives in the run store: after a restart, fires missed while down follow each
-    file's `missed:` policy and an interrupted run resumes. The first signal stops firing
-    and waits for the run in progress; a second gives it up (it resumes next start)."""
+    Each run sees its fire time as {{ run_time }} (ISO 8601, UTC) and its date as
+    {{ run_date }}. State lives in the run store: after a restart, fires missed while down
+    follow each file's `missed:` policy and an interrupted run resumes. The first signal
+    stops firing and waits for the run in progress; a second gives it up (it resumes next
+    start)."""
     from fusegen.jobs import setup_logging
     from fusegen.workflows.fire_times import next_fire
     from fusegen.workflows.daemon import CronDaemon
@@ -190,7 +213,11 @@ def schedule(files, params, poll_seconds, store_url):
     try:
         workflows = [load_workflow(f) for f in files]
         store = open_store(store_url)
-        sched = CronDaemon(workflows, store, params=_params(params))
+        command = " ".join(["fusegen workflow schedule", *files,
+                            *[f"--param {p}" for p in params],
+                            *([f"--store {store_url}"] if store_url else []), "--overwrite"])
+        sched = CronDaemon(workflows, store, params=_params(params), overwrite=overwrite,
+                           command=command)
     except (WorkflowError, JobError) as exc:
         _fail(exc)
     setup_logging()
@@ -227,8 +254,9 @@ def schedule(files, params, poll_seconds, store_url):
 @_STORE
 def history(file_or_name, limit, store_url):
     """Runs, newest first: status, start/end, rows, tokens, errors. With FILE (or a
-    workflow name), that workflow's runs only."""
-    from fusegen.workflows.store import open_store
+    workflow name), that workflow's runs only. A run that found every output up to date
+    shows `skipped (up to date)`."""
+    from fusegen.workflows.store import SHOWN_STATUS, open_store
 
     try:
         name = _workflow_name(file_or_name) if file_or_name else None
@@ -245,7 +273,8 @@ def history(file_or_name, limit, store_url):
         steps = store.steps(r.run_id)
         done = [s for s in steps if s.num_rows is not None]
         gen = [s for s in done if s.kind == "generate"]
-        rows.append((str(r.run_id), r.workflow, r.status, r.trigger, r.run_date,
+        rows.append((str(r.run_id), r.workflow, SHOWN_STATUS.get(r.status, r.status),
+                     r.trigger, r.run_date,
                      _time(r.started), _time(r.finished),
                      str(done[-1].num_rows) if done and len(done) == len(steps) else "-",
                      str(sum(s.num_generated_tokens or 0 for s in gen)),
@@ -260,7 +289,7 @@ def show(run_id, store_url):
     """One run in detail: status, params, and per step its status, start/end, rows in and
     out, tokens, error rows by code, and the error that stopped it."""
     from fusegen.workflows.credentials import shown_params
-    from fusegen.workflows.store import open_store
+    from fusegen.workflows.store import SHOWN_STATUS, open_store
 
     try:
         store = open_store(store_url)
@@ -271,9 +300,10 @@ def show(run_id, store_url):
         raise click.ClickException(f"no run {run_id} in the run store; "
                                    "`fusegen workflow history` lists them")
     lines = [f"run {run.run_id}: {run.workflow} ({run.source})",
-             f"status: {run.status}",
+             f"status: {SHOWN_STATUS.get(run.status, run.status)}",
              f"trigger: {run.trigger}"
-             + (f", fire {run.scheduled_for}" if run.scheduled_for else ""),
+             + (f", fire {run.scheduled_for}" if run.scheduled_for else "")
+             + (f", run time {run.run_time}" if run.run_time else ""),
              f"run date: {run.run_date}   params: {shown_params(run.params)}",
              f"started: {_time(run.started)}   finished: {_time(run.finished)} (UTC)"]
     if run.resumes:

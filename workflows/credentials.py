@@ -17,13 +17,15 @@ MASK = "***"
 _PROBE = "fusegenParamProbe7d1e"  # stands in for one parameter's value while rendering
 
 
-def secret_params(workflow: Workflow, params: dict, run_date: str) -> set[str]:
-    """The names of the parameters that are credentials, with these values."""
+def secret_params(workflow: Workflow, params: dict, run_date: str,
+                  run_variables: dict | None = None) -> set[str]:
+    """The names of the parameters that are credentials, with these values.
+    `run_variables`: the run's other variables (run_time, run_id)."""
     found = {name for name, value in params.items()
              if Redactor.is_secret_key(name) or _holds_secret(value)}
     uses = list(_uses(workflow))
     for name in set(params) - found:
-        variables = {RUN_DATE: run_date, **params, name: _PROBE}
+        variables = {**(run_variables or {}), RUN_DATE: run_date, **params, name: _PROBE}
         if any(_hidden(name, key, path, text, variables) for key, path, text in uses):
             found.add(name)
     return found

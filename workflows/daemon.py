@@ -13,6 +13,12 @@ drive `tick`/`run_next` with a fake clock and never sleep.
 - Restarts: the last fire time of each workflow is in the store, so fires missed while
   down follow the `missed` policy; a scheduled run left queued or running by a stopped
   or killed scheduler is resumed first (its steps keep their committed parts).
+- Schedules more often than daily: each run sees its fire time as {{ run_time }}. A fire
+  whose steps all find their outputs committed for the same inputs (a second fire of the
+  day writing under {{ run_date }}) computes nothing and is recorded `skipped`. When an
+  input changed, the workflow's own outputs are recomputed; an explicit `output:` made
+  from the old version fails the fire with the command that recomputes it (the same
+  scheduler with --overwrite, which recomputes such outputs, and only those).
 """
 from __future__ import annotations
 
@@ -25,8 +31,10 @@ from typing import Callable
 
 from fusegen.workflows.errors import WorkflowBusy, WorkflowError
 from fusegen.workflows.preflight import check_models
-from fusegen.workflows.resolve import effective_params, resolve
-from fusegen.workflows.run import Clock, _message, execute_run, utc_now
+from fusegen.workflows.resolve import effective_params
+from fusegen.workflows.render import RUN_TIME
+from fusegen.workflows.run import (Clock, RunOutcome, _message, execute_run, finished_status,
+                                   resolve_recorded, utc_now, utc_text)
 from fusegen.workflows.fire_times import decide, next_fire, run_date
 from fusegen.workflows.credentials import MASK, public_params, secret_params
 from fusegen.workflows.spec import Workflow
@@ -45,14 +53,21 @@ class Ticket:
     params: dict
     resumes: int | None = None  # the interrupted run it continues
 
+    @property
+    def run_time(self) -> str:
+        return utc_text(self.fire)
+
 
 class CronDaemon:
     def __init__(self, workflows: list[Workflow], store: RunStore, *,
                  params: dict | None = None, clock: Clock = utc_now,
-                 execute: Callable[[Ticket], None] | None = None,
-                 lease_seconds: float = LEASE_SECONDS):
+                 execute: Callable[[Ticket], RunOutcome | None] | None = None,
+                 lease_seconds: float = LEASE_SECONDS, overwrite: bool = False,
+                 command: str | None = None):
         """`params`: --param overrides for every run; `execute` runs one ticket (default:
-        the workflow's steps)."""
+        the workflow's steps). `overwrite`: recompute an explicit output made from another
+        version of its input or step (otherwise the fire fails, naming `command` with
+        --overwrite: the command line that started this scheduler)."""
         names = [w.name for w in workflows]
         for w in workflows:
             if w.schedule is None:
@@ -69,6 +84,7 @@ class CronDaemon:
         self.params = {w.name: effective_params(w, {k: v for k, v in (params or {}).items()
                                                     if k in w.params}) for w in workflows}
         self.store, self.clock, self.lease_seconds = store, clock, lease_seconds
+        self.overwrite, self.command = overwrite, command
         self.execute = execute or self._execute
         self.owner = new_owner()
         self._queue: queue.Queue = queue.Queue()
@@ -133,17 +149,18 @@ class CronDaemon:
                            self.params[workflow.name])
 
     def _start(self, workflow, fire, now, date, params, resumes=None) -> Ticket:
-        public = public_params(params, secret_params(workflow, params, date))
+        secret = secret_params(workflow, params, date, {RUN_TIME: utc_text(fire)})
         run_id = self.store.start_run(
-            workflow.name, source=workflow.path or workflow.source, run_date=date, params=public,
-            owner=self.owner, now=now, trigger="schedule", scheduled_for=fire,
-            status="queued", lease_seconds=self.lease_seconds)
+            workflow.name, source=workflow.path or workflow.source,
+            run_date=date, params=public_params(params, secret), owner=self.owner, now=now,
+            trigger="schedule", scheduled_for=fire, status="queued",
+            lease_seconds=self.lease_seconds, run_time=utc_text(fire))
         ticket = Ticket(run_id, workflow, fire, date, params, resumes)
         with self._lock:
             self._in_flight[workflow.name] = ticket
         self._queue.put(ticket)
         log.info("%s: run %s queued for fire %s (run_date %s)", workflow.name, run_id,
-                 fire.isoformat(), date)
+                 ticket.run_time, date)
         return ticket
 
     # -- mechanism: running what was started ------------------------------------------------
@@ -161,8 +178,14 @@ class CronDaemon:
         self.store.mark_running(ticket.run_id, self.clock())
         status, error = "interrupted", "the scheduler stopped during the run"
         try:
-            self.execute(ticket)
+            outcome = self.execute(ticket)
             status, error = "succeeded", None
+            if isinstance(outcome, RunOutcome):
+                status = finished_status(self.store, ticket.run_id, outcome)
+                if outcome.up_to_date:
+                    log.info("%s: run %s (fire %s): %s", ticket.workflow.name, ticket.run_id,
+                             ticket.run_time, "every output is up to date; skipped"
+                             if status != "succeeded" else "finished")
         except Exception as exc:  # noqa: BLE001 - recorded; the scheduler goes on
             status, error = "failed", _message(exc)
             log.error("%s: run %s failed: %s", ticket.workflow.name, ticket.run_id, error)
@@ -174,10 +197,20 @@ class CronDaemon:
             self._wake.set()
         return ticket
 
-    def _execute(self, ticket: Ticket) -> None:
-        resolved = resolve(ticket.workflow, ticket.params, ticket.run_date)
+    def _execute(self, ticket: Ticket) -> RunOutcome:
+        resolved = resolve_recorded(ticket.workflow, self.store, ticket.run_id, ticket.params,
+                                    ticket.run_date, ticket.run_time)
         check_models(resolved)
-        execute_run(resolved, self.store, ticket.run_id)
+        return execute_run(resolved, self.store, ticket.run_id, replace_stale=self.overwrite,
+                           stale_hint=self._stale_hint(ticket.workflow))
+
+    def _stale_hint(self, workflow: Workflow) -> str:
+        command = self.command or f"fusegen workflow schedule {workflow.path or workflow.source}"
+        if "--overwrite" not in command.split():
+            command += " --overwrite"
+        return (f"to recompute it from the new version on the next fire, restart the "
+                f"scheduler with --overwrite: {command} (or give the step an `output:` with "
+                "{{ run_time }} in it, one per fire)")
 
     # -- the real-time loop ------------------------------------------------------------------
 

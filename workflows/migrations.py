@@ -56,6 +56,10 @@ MIGRATIONS: list[tuple[str, list[str]]] = [
                owner TEXT NOT NULL,         -- host:pid:nonce of the process running it
                heartbeat TEXT NOT NULL)""",
     ]),
+    # runs.status gains `skipped`: a run that found every step's output up to date
+    ("run times: the {{ run_time }} a run saw", [
+        "ALTER TABLE runs ADD COLUMN run_time TEXT",  # ISO 8601 UTC; NULL: recorded before
+    ]),
 ]
 LATEST = len(MIGRATIONS)
 

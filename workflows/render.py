@@ -1,4 +1,11 @@
-"""Workflow variables in the file's strings: parameters and `run_date`.
+"""Workflow variables in the file's strings: parameters and the run's own variables.
+
+Each run sets three (RUN_VARIABLES): `run_date` (YYYY-MM-DD, the fire's date on the
+schedule's clock, or --run-date), `run_time` (the fire time, ISO 8601 in UTC:
+2026-11-26T14:30:00Z; a manual run's start, or --run-time) and `run_id` (the run store's
+id of the run's first attempt: a resumed run keeps it, so it continues in the same
+outputs). A schedule more often than daily puts {{ run_time }} in its outputs to keep each
+fire's apart, or {{ run_date }} to let the later fires of a day find them up to date.
 
 Any string value may use `{{ name }}` (full Jinja, sandboxed, strict about unknown names).
 A value that is exactly one `{{ name }}` keeps the variable's type, so
@@ -17,6 +24,9 @@ from jinja2 import meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 RUN_DATE = "run_date"
+RUN_TIME = "run_time"
+RUN_ID = "run_id"
+RUN_VARIABLES = (RUN_DATE, RUN_TIME, RUN_ID)
 ROW_TEMPLATE_KEYS = frozenset({"prompt_template"})  # rendered per row by the job
 _ENV = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined)
 _ONE_NAME = re.compile(r"^\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}$")

@@ -19,7 +19,8 @@ from fusegen.jobs import (MESSAGES_COLUMN, OUTPUT_COLUMNS, JobError, JobSpec, Pr
 from fusegen.engine.weights.hub import looks_like_hub_id
 from fusegen.workflows.errors import Problem, ValidationError
 from fusegen.workflows.expr import ExpressionError
-from fusegen.workflows.render import RUN_DATE, TemplateError, render
+from fusegen.workflows.render import (RUN_DATE, RUN_ID, RUN_TIME, TemplateError, names_in,
+                                      render, template_keys)
 from fusegen.workflows.credentials import public_params, secret_params, secret_values
 from fusegen.workflows.spec import Step, Workflow
 from fusegen.workflows.store import state_dir
@@ -49,6 +50,8 @@ class ResolvedWorkflow:
     workdir: str
     steps: list[ResolvedStep]  # run order
     secret: set[str] = field(default_factory=set)  # the params that are credentials
+    run_time: str = ""  # ISO 8601 UTC: the fire time, or a manual run's
+    run_id: int = 0  # the run store's id of the run's first attempt (0: not recorded)
 
     @property
     def public_params(self) -> dict:
@@ -79,16 +82,20 @@ def _unknown_params(workflow: Workflow, overrides: dict | None) -> list[Problem]
                     f"--param); the file declares: {known}")]
 
 
-def resolve(workflow: Workflow, overrides: dict | None, run_date: str) -> ResolvedWorkflow:
-    """Raises ValidationError listing every problem found."""
-    resolved, problems = resolve_all(workflow, overrides, run_date)
+def resolve(workflow: Workflow, overrides: dict | None, run_date: str, *,
+            run_time: str | None = None, run_id: int = 0) -> ResolvedWorkflow:
+    """Raises ValidationError listing every problem found. `run_time` defaults to the run
+    date's midnight (UTC); `run_id` to 0, for a run not yet recorded."""
+    resolved, problems = resolve_all(workflow, overrides, run_date, run_time=run_time,
+                                     run_id=run_id)
     if problems:
         raise ValidationError(workflow.source, problems)
     return resolved
 
 
 def resolve_all(workflow: Workflow, overrides: dict | None, run_date: str,
-                tolerate: frozenset[str] = frozenset()) -> tuple[ResolvedWorkflow, list[Problem]]:
+                tolerate: frozenset[str] = frozenset(), *, run_time: str | None = None,
+                run_id: int = 0) -> tuple[ResolvedWorkflow, list[Problem]]:
     """The steps that could be built, and every problem found on the way: a broken step
     leaves out only the steps that read it, and every other step's columns are checked.
     `tolerate`: steps with problems already reported; one that cannot be built is left
@@ -96,7 +103,9 @@ def resolve_all(workflow: Workflow, overrides: dict | None, run_date: str,
     problems = _unknown_params(workflow, overrides)
     params = {**workflow.params, **{k: v for k, v in (overrides or {}).items()
                                     if k in workflow.params}}
-    variables = _variables(params, run_date, problems)
+    run_variables = {RUN_DATE: run_date, RUN_TIME: run_time or f"{run_date}T00:00:00Z",
+                     RUN_ID: run_id}
+    variables = _variables(params, run_variables, problems)
     workdir = _workdir(workflow, params, variables, run_date, problems)
     steps: dict[str, ResolvedStep] = {}
     for name in workflow.order:
@@ -109,19 +118,37 @@ def resolve_all(workflow: Workflow, overrides: dict | None, run_date: str,
         if step is not None:
             steps[name] = step
     _check_columns(workflow, steps, problems)
-    return (ResolvedWorkflow(workflow, run_date, params, workdir, list(steps.values()),
-                             secret_params(workflow, params, run_date)), problems)
+    secret = secret_params(workflow, params, run_date, run_variables)
+    return (ResolvedWorkflow(workflow, run_date, params, workdir, list(steps.values()), secret,
+                             run_variables[RUN_TIME], run_id), problems)
 
 
-def _variables(params: dict, run_date: str, problems: list) -> dict:
-    """Parameter values may use {{ run_date }} (topics: "raw/{{ run_date }}/")."""
-    variables = {RUN_DATE: run_date}
+def uses_variable(workflow: Workflow, name: str) -> bool:
+    """Whether any string of the file (params, workdir, steps) reads variable `name`."""
+    strings = [("params", workflow.params), ("workdir", workflow.workdir)] + [
+        (key, value) for step in workflow.steps.values()
+        for key, value in [("input", step.input), ("output", step.output),
+                           ("generate", step.generate), ("", step.transform),
+                           ("storage_options", step.storage_options)]]
+    for prefix, value in strings:
+        for key, text in template_keys(value, prefix):
+            try:
+                if name in names_in(text, key.rsplit(".", 1)[-1]):
+                    return True
+            except TemplateError:
+                continue
+    return False
+
+
+def _variables(params: dict, run_variables: dict, problems: list) -> dict:
+    """Parameter values may use the run's variables (topics: "raw/{{ run_date }}/")."""
+    variables = dict(run_variables)
     for name, value in params.items():
         try:
-            variables[name] = render(value, {RUN_DATE: run_date}, f"params.{name}")
+            variables[name] = render(value, run_variables, f"params.{name}")
         except TemplateError as exc:
             problems.append(Problem(None, f"params.{name}", f"{exc} (a parameter can use "
-                                    "run_date only)"))
+                                    f"{', '.join(run_variables)} only)"))
     return variables
 
 

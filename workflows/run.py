@@ -18,10 +18,11 @@ from typing import Callable
 from fusegen.jobs import JobError, redact_url
 from fusegen.workflows.errors import WorkflowError
 from fusegen.workflows.preflight import check_models
-from fusegen.workflows.resolve import ResolvedWorkflow, resolve
+from fusegen.workflows.render import RUN_ID
+from fusegen.workflows.resolve import ResolvedWorkflow, resolve, uses_variable
 from fusegen.workflows.spec import Workflow
-from fusegen.workflows.steps import Clients, StepCounts, run_step
-from fusegen.workflows.store import HEARTBEAT_SECONDS, RunStore, new_owner
+from fusegen.workflows.steps import RERUN_HINT, Clients, StepCounts, run_step
+from fusegen.workflows.store import HEARTBEAT_SECONDS, SKIPPED, RunStore, new_owner
 
 log = logging.getLogger("fusegen.workflows")
 Clock = Callable[[], datetime]
@@ -44,6 +45,32 @@ class RunOutcome:
     run_id: int
     run_date: str
     steps: list[StepOutcome] = field(default_factory=list)
+    status: str = "succeeded"  # or "skipped": see `up_to_date`
+
+    @property
+    def up_to_date(self) -> bool:
+        """Every step found its output committed for the same inputs: nothing computed."""
+        return all(s.counts.num_parts_computed == 0 for s in self.steps)
+
+
+def utc_text(when: datetime) -> str:
+    """A time as {{ run_time }} shows it: ISO 8601 in UTC, to the second (…T14:30:00Z)."""
+    return when.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def finished_status(store: RunStore, run_id: int, outcome: RunOutcome) -> str:
+    """`skipped` for a run with nothing to do, unless it continues an unfinished attempt
+    (then it finished that attempt's work: `succeeded`)."""
+    run = store.run(run_id)
+    return SKIPPED if outcome.up_to_date and run is not None and run.resumes is None \
+        else "succeeded"
+
+
+def resolve_recorded(workflow: Workflow, store: RunStore, run_id: int, params: dict | None,
+                     run_date: str, run_time: str) -> ResolvedWorkflow:
+    """The workflow for a recorded run, {{ run_id }} filled in (its first attempt's id)."""
+    return resolve(workflow, params, run_date, run_time=run_time,
+                   run_id=store.first_attempt(run_id))
 
 
 def default_run_date(workflow: Workflow, clock: Clock = utc_now) -> str:
@@ -55,18 +82,24 @@ def default_run_date(workflow: Workflow, clock: Clock = utc_now) -> str:
 
 
 def run_workflow(workflow: Workflow, store: RunStore, *, params: dict | None = None,
-                 run_date: str | None = None, overwrite: bool = False,
-                 clock: Clock = utc_now, echo: Callable[[str], None] | None = None) -> RunOutcome:
+                 run_date: str | None = None, run_time: str | None = None,
+                 overwrite: bool = False, clock: Clock = utc_now,
+                 echo: Callable[[str], None] | None = None) -> RunOutcome:
     """Run the workflow once (a manual run). The file is checked first: a bad file raises
-    ValidationError before anything is recorded or run."""
+    ValidationError before anything is recorded or run. `run_time` (ISO 8601): its
+    {{ run_time }}, by default now. A run that finds every output up to date is recorded
+    `skipped`."""
     run_date = _check_date(run_date or default_run_date(workflow, clock))
-    resolved = resolve(workflow, params, run_date)
+    run_time = check_time(run_time) if run_time else utc_text(clock())
+    resolved = resolve(workflow, params, run_date, run_time=run_time)
     check_models(resolved)
     run_id = store.start_run(workflow.name, source=workflow.path or workflow.source,
                              run_date=run_date, params=resolved.public_params,
-                             owner=new_owner(), now=clock())
+                             owner=new_owner(), now=clock(), run_time=run_time)
     with _Heartbeat(store, run_id, clock):
         try:
+            if uses_variable(workflow, RUN_ID):
+                resolved = resolve_recorded(workflow, store, run_id, params, run_date, run_time)
             outcome = execute_run(resolved, store, run_id, overwrite=overwrite, clock=clock,
                                   echo=echo)
         except BaseException as exc:
@@ -75,15 +108,18 @@ def run_workflow(workflow: Workflow, store: RunStore, *, params: dict | None = N
             if isinstance(exc, WorkflowError):
                 exc.run_id = run_id  # for the hint that resumes it
             raise
-    store.finish_run(run_id, "succeeded", clock())
+    outcome.status = finished_status(store, run_id, outcome)
+    store.finish_run(run_id, outcome.status, clock())
     return outcome
 
 
 def execute_run(resolved: ResolvedWorkflow, store: RunStore, run_id: int, *,
                 overwrite: bool = False, clock: Clock = utc_now,
-                echo: Callable[[str], None] | None = None) -> RunOutcome:
+                echo: Callable[[str], None] | None = None, replace_stale: bool = False,
+                stale_hint: str = RERUN_HINT) -> RunOutcome:
     """Run the steps of an already recorded run; each step's start, counts or error go to
-    the store as they happen. Raises on the first failed step."""
+    the store as they happen. Raises on the first failed step. `replace_stale` and
+    `stale_hint`: for an output made from another version of its input (run_step)."""
     echo = echo or (lambda text: log.info("%s", text))
     store.add_steps(run_id, [(s.name, s.kind, redact_url(s.output)) for s in resolved.steps])
     outcome = RunOutcome(run_id, resolved.run_date)
@@ -96,7 +132,8 @@ def execute_run(resolved: ResolvedWorkflow, store: RunStore, run_id: int, *,
                  f"{redact_url(step.output)}")
             input_changed = any(p in recomputed for p in step.parents)
             try:
-                counts = run_step(step, clients, overwrite, input_changed)
+                counts = run_step(step, clients, overwrite, input_changed, replace_stale,
+                                  stale_hint)
             except BaseException as exc:
                 message = resolved.redactor(step)(_message(exc))
                 store.step_failed(run_id, step.name, clock(), message)
@@ -129,6 +166,16 @@ def _message(exc: BaseException) -> str:
     if isinstance(exc, (WorkflowError, JobError)):  # already say what to fix
         return str(exc)
     return f"{type(exc).__name__}: {exc}"
+
+
+def check_time(text: str) -> str:
+    """--run-time as {{ run_time }} shows it; a time without a zone is read as UTC."""
+    try:
+        when = datetime.fromisoformat(text)
+    except (TypeError, ValueError):
+        raise WorkflowError(f"run time {text!r} is not an ISO 8601 time; use "
+                            "YYYY-MM-DDTHH:MM:SSZ (e.g. 2026-11-26T14:30:00Z)") from None
+    return utc_text(when if when.tzinfo else when.replace(tzinfo=timezone.utc))
 
 
 def _check_date(text: str) -> str:

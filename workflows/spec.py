@@ -33,8 +33,8 @@ from fusegen.jobs import FIELD_NAMES, JobError, load_job_file
 from fusegen.workflows.dag import CycleError, run_order
 from fusegen.workflows.errors import Problem, ValidationError
 from fusegen.workflows.expr import Expression, ExpressionError
-from fusegen.workflows.render import (RUN_DATE, ROW_TEMPLATE_KEYS, TemplateError, names_in,
-                              template_keys)
+from fusegen.workflows.render import (ROW_TEMPLATE_KEYS, RUN_VARIABLES, TemplateError,
+                                      names_in, template_keys)
 
 TOP_KEYS = ("name", "params", "schedule", "workdir", "defaults", "steps")
 SCHEDULE_KEYS = ("cron", "timezone", "missed", "overlap", "grace_seconds")
@@ -184,20 +184,21 @@ class _Checker:
             if not isinstance(name, str) or not _PARAM.fullmatch(name):
                 self.problem(None, f"params.{name}", "a parameter name must be an identifier "
                              "(letters, digits, '_')")
-            elif name == RUN_DATE:
-                self.problem(None, f"params.{name}", "run_date is set by each run; pick "
-                             "another name (override it with --run-date)")
+            elif name in RUN_VARIABLES:
+                self.problem(None, f"params.{name}", f"{name} is set by each run; pick "
+                             "another name" + (f" (override it with --{name.replace('_', '-')})"
+                                               if name != "run_id" else ""))
             if isinstance(value, dict):
                 self.problem(None, f"params.{name}", "a default must be a value or a list")
             for key, text in template_keys(value, f"params.{name}"):
                 try:
-                    others = names_in(text, key) - {RUN_DATE}
+                    others = names_in(text, key) - set(RUN_VARIABLES)
                 except TemplateError as exc:
                     self.problem(None, key, str(exc))
                     continue
                 if others:
-                    self.problem(None, key, f"a parameter can use run_date only, not "
-                                 f"{', '.join(sorted(others))}")
+                    self.problem(None, key, f"a parameter can use {', '.join(RUN_VARIABLES)} "
+                                 f"only, not {', '.join(sorted(others))}")
         return dict(params)
 
     def _job_options(self, options, step, prefix: str) -> dict:
@@ -337,7 +338,7 @@ class _Checker:
 
     def _variables(self, workflow: Workflow, data: dict) -> None:
         """Every {{ name }} outside row templates must be a parameter or run_date."""
-        known = set(workflow.params) | {RUN_DATE}
+        known = set(workflow.params) | set(RUN_VARIABLES)
         raw_steps = data.get("steps") if isinstance(data.get("steps"), dict) else {}
         sources = [(None, "workdir", data.get("workdir")), (None, "defaults", data.get("defaults"))]
         sources += [(str(n), "", body) for n, body in raw_steps.items()]
@@ -358,9 +359,10 @@ class _Checker:
         """Scheduled runs must not share outputs, or each run would meet the last one's."""
         for where, key, value in [(None, "workdir", workflow.workdir)] + [
                 (s.name, "output", s.output) for s in workflow.steps.values()]:
-            if isinstance(value, str) and RUN_DATE not in _safe_names(value, key):
+            if isinstance(value, str) and not set(RUN_VARIABLES) & _safe_names(value, key):
                 self.problem(where, key, f"{value!r} is the same for every run of a scheduled "
-                             "workflow; put {{ run_date }} in it (e.g. out/{{ run_date }}/...)")
+                             "workflow; put {{ run_date }} in it (e.g. out/{{ run_date }}/...), "
+                             "or {{ run_time }} for one output per fire")
 
 
 def cron_problem(expr) -> str | None:

@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from fusegen.jobs import (Output, Partition, PartStats, filesystem, input_records,
+from fusegen.jobs import (JobError, Output, Partition, PartStats, filesystem, input_records,
                           list_input_files, output_fingerprint, plan_partitions, read_partition,
                           redact_url)
 from fusegen.workflows.errors import WorkflowError
@@ -74,26 +74,39 @@ class Clients:
             stack.close()
 
 
+RERUN_HINT = "rerun with --overwrite to recompute it, or give the step another `output:`"
+
+
 def run_step(step: ResolvedStep, clients: Clients, overwrite: bool,
-             input_changed: bool = False) -> StepCounts:
+             input_changed: bool = False, replace_stale: bool = False,
+             stale_hint: str = RERUN_HINT) -> StepCounts:
     """`input_changed`: the step it reads recomputed parts in this run, so parts this step
-    committed earlier may come from another version of its input."""
+    committed earlier may come from another version of its input. `replace_stale`: an
+    explicit `output:` made from another version of the input or step is recomputed, as
+    the workflow's own outputs always are; without it the step fails, saying `stale_hint`
+    (the command that recomputes it)."""
     old = None if overwrite else _manifest(step)
+    why = None
     if old is not None:  # an output from an earlier run: is it still this step's?
         why = _why_stale(step, old, input_changed)
-        if why and step.in_workdir:
-            # The workflow's own intermediate output: recompute it.
+        if why and (step.in_workdir or replace_stale):
+            # The workflow's own intermediate output, or --overwrite: recompute it.
             log.info("step %s: %s; recomputing it", step.name, why)
             overwrite = True
         elif why and input_changed:
             # An explicit `output:` is never discarded without --overwrite.
             raise WorkflowError(
                 f"output {redact_url(step.output)} holds parts made from an earlier version "
-                f"of its input (step {step.parents[0]!r} was recomputed in this run); rerun "
-                "with --overwrite to recompute it, or give the step another `output:`")
-    if step.job is not None:
-        return _generate(step, clients, overwrite)
-    return run_transform(step, overwrite)
+                f"of its input (step {step.parents[0]!r} was recomputed in this run); "
+                f"{stale_hint}")
+    try:
+        if step.job is not None:
+            return _generate(step, clients, overwrite)
+        return run_transform(step, overwrite)
+    except JobError as exc:
+        if why and stale_hint != RERUN_HINT:  # the job's own hint is `fusegen run`'s
+            raise WorkflowError(f"{exc}; {stale_hint}") from None
+        raise
 
 
 def _why_stale(step: ResolvedStep, old: dict, input_changed: bool) -> str | None:

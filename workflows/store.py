@@ -23,6 +23,10 @@ from fusegen.workflows.migrations import migrate
 LEASE_SECONDS = 600  # a lock whose heartbeat is older than this belongs to a dead run
 HEARTBEAT_SECONDS = 30
 ACTIVE = ("queued", "running")
+# A run's status: queued | running | succeeded | skipped (every step's output was already
+# committed for the same inputs: nothing to do) | failed | interrupted
+SKIPPED = "skipped"
+SHOWN_STATUS = {SKIPPED: "skipped (up to date)"}  # as history and show print it
 
 
 def state_dir() -> Path:
@@ -64,6 +68,7 @@ class RunRecord:
     trigger: str
     scheduled_for: str | None
     resumes: int | None
+    run_time: str | None = None  # the {{ run_time }} it ran with (ISO 8601 UTC)
 
 
 @dataclass(slots=True)
@@ -134,7 +139,7 @@ class RunStore:
     def start_run(self, workflow: str, *, source: str | None, run_date: str, params: dict,
                   owner: str, now: datetime, trigger: str = "manual",
                   scheduled_for: datetime | None = None, status: str = "running",
-                  lease_seconds: float = LEASE_SECONDS) -> int:
+                  lease_seconds: float = LEASE_SECONDS, run_time: str | None = None) -> int:
         """Record a new run and take the workflow's lock, in one transaction. A lock held
         by a live run raises WorkflowBusy; a dead run's lock is taken over (that run is
         marked interrupted). A scheduled start also advances the workflow's last fire."""
@@ -152,14 +157,14 @@ class RunStore:
                 "SELECT run_id FROM runs WHERE workflow = ? AND run_date = ? AND params = ? "
                 "AND status IN ('failed', 'interrupted') AND run_id > coalesce((SELECT "
                 "max(run_id) FROM runs WHERE workflow = ? AND run_date = ? AND params = ? "
-                "AND status = 'succeeded'), 0) ORDER BY run_id DESC LIMIT 1",
+                "AND status IN ('succeeded', 'skipped')), 0) ORDER BY run_id DESC LIMIT 1",
                 (workflow, run_date, params_json) * 2).fetchone()
             cur = conn.execute(
                 "INSERT INTO runs (workflow, source, run_date, params, status, started, "
-                "trigger, scheduled_for, resumes) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "trigger, scheduled_for, resumes, run_time) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (workflow, source, run_date, params_json, status, iso(now), trigger,
                  iso(scheduled_for) if scheduled_for else None,
-                 resumes[0] if resumes else None))
+                 resumes[0] if resumes else None, run_time))
             run_id = cur.lastrowid
             conn.execute("INSERT INTO locks (workflow, run_id, owner, heartbeat) "
                          "VALUES (?, ?, ?, ?)", (workflow, run_id, owner, iso(now)))
@@ -255,6 +260,18 @@ class RunStore:
     def run(self, run_id: int) -> RunRecord | None:
         with self._tx() as conn:
             return _run(conn, run_id)
+
+    def first_attempt(self, run_id: int) -> int:
+        """The run that `run_id` continues, through every resume: its {{ run_id }}."""
+        with self._tx() as conn:
+            seen = {run_id}
+            while True:
+                row = conn.execute("SELECT resumes FROM runs WHERE run_id = ?",
+                                   (run_id,)).fetchone()
+                if row is None or row[0] is None or row[0] in seen:
+                    return run_id
+                run_id = row[0]
+                seen.add(run_id)
 
     def runs(self, workflow: str | None = None, limit: int = 20) -> list[RunRecord]:
         """Newest first."""
