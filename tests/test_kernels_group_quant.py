@@ -5,6 +5,7 @@ the reference (dequantize a tile, fp32 product) and the C kernel against it for 
 import pytest
 import torch
 
+from quant_helpers import OTHER_CPU_BUILDS, OTHER_CPU_IDS, assert_close, build_for_other_cpu
 from fusegen.kernels import group_linear as gl
 from fusegen.kernels import group_vnni
 from fusegen.kernels import native, use_native
@@ -26,20 +27,6 @@ def make_weight(bits, symmetric, group_size, out_features, in_features, seed=0):
                                                  generator=gen, dtype=torch.uint8)
     qweight = gl.pack_int4(codes) if bits == 4 else codes
     return qweight, scales, zeros
-
-
-def assert_close(got, ref, x, w):
-    """fp32: within 1e-5 of sum |x| |w| (the sum's own rounding scale, summed in another
-    order than torch's); bf16: within 1e-2 of the row's largest |value| (one bf16 rounding
-    of each result) and 2^-8 of sum |x| |w| (the kernel multiplies each weight as bf16
-    rounds it, as a model dequantized to bf16 holds it)."""
-    assert got.shape == ref.shape and got.dtype == ref.dtype
-    scale = x.float().abs() @ w.abs().T
-    if got.dtype == torch.float32:
-        bound = 1e-5 * scale + 1e-6
-    else:
-        bound = 1e-2 * ref.float().abs().amax(dim=1, keepdim=True) + 2 ** -8 * scale
-    assert ((got.float() - ref.float()).abs() <= bound).all()
 
 
 # ---- the format ---------------------------------------------------------------------
@@ -313,29 +300,14 @@ def test_dispatcher(dtype, rows, monkeypatch):
 
 
 @needs_library
-@pytest.mark.parametrize("flags,available", [
-    (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"], 1 | 2 | 4),
-    (["-mavx2", "-mfma", "-mf16c"], 1 | 2), ([], 1 | 2)],
-    ids=["avx512-without-bf16", "avx2", "baseline"])
+@pytest.mark.parametrize("flags,available", OTHER_CPU_BUILDS, ids=OTHER_CPU_IDS)
 def test_other_cpus_builds(flags, available, tmp_path):
     """The builds for AVX-512 without AVX512_BF16 (bf16 x widened, weights rounded to bf16
     precision), AVX2 and baseline x86-64 (plain C, GCC vector products; the form other
     CPUs compile) of quant_group.c, compiled here, against the reference: both dtypes,
     decode and prefill calls, plain and vector expansions bit for bit."""
-    import ctypes
-    import platform
-    import subprocess
-
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("x86-64 instruction-set builds")
-    source = native._SOURCES[0].with_name("quant_group.c")
-    target = tmp_path / "quant_group.so"
-    subprocess.run([native._compiler(), "-O3", *flags, "-fopenmp", "-ffast-math", "-fPIC",
-                    "-std=gnu11", "-shared", str(source), "-o", str(target), "-lm"], check=True)
-    lib = ctypes.CDLL(str(target))
-    for name in ("quant_group_available", "quant_group_f32", "quant_group_bf16"):
-        getattr(lib, name).argtypes = native._SIGNATURES[name]
-        getattr(lib, name).restype = ctypes.c_int
+    lib = build_for_other_cpu("quant_group.c", flags, tmp_path,
+                              ("quant_group_available", "quant_group_f32", "quant_group_bf16"))
     assert lib.quant_group_available(4) == available == lib.quant_group_available(8)
     gen = torch.Generator().manual_seed(5)
     for bits, symmetric, g in [(8, False, 64), (4, True, 32), (4, False, 128)]:

@@ -2,10 +2,11 @@
 kernels/csrc/quant_gguf.c): the C kernel equals the reference (gguf's dequantize, then
 an fp32 product) within the dtype's tolerance for every block type, over odd shapes,
 0 / 1 / many rows and thread counts; the reference is dequantize-then-matmul."""
-import numpy as np
 import pytest
 import torch
 
+from quant_helpers import (OTHER_CPU_BUILDS, OTHER_CPU_IDS, assert_close,
+                           build_for_other_cpu, make_blocks)
 from fusegen.kernels import native, use_native
 from fusegen.kernels import quant_linear as ql
 
@@ -13,45 +14,8 @@ needs_library = pytest.mark.skipif(native.library() is None, reason="no C compil
 QTYPES = sorted(ql.SUPPORTED)
 
 
-def make_blocks(qtype: int, out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
-    """Blocks as a GGUF writer makes them: gguf's quantizer where it has one for the type,
-    else random codes with finite fp16 scales (about 0.01, so products stay moderate)."""
-    from gguf.quants import quantize
-
-    rng = np.random.default_rng(seed)
-    try:
-        dense = rng.standard_normal((out_features, in_features)).astype(np.float32)
-        return torch.from_numpy(quantize(dense, qtype))
-    except NotImplementedError:
-        pass
-    block_size, type_size = ql.BLOCK_SIZES[qtype]
-    raw = rng.integers(0, 256, (out_features, in_features // block_size, type_size),
-                       dtype=np.uint8)
-    scales = (rng.standard_normal((out_features, in_features // block_size, 2)) * 0.01)
-    scales = scales.astype(np.float16).view(np.uint8)  # two fp16 as four bytes
-    if qtype == ql.Q6_K:
-        raw[:, :, 208:210] = scales[:, :, :2]  # d is the block's last field
-    else:
-        raw[:, :, 0:4] = scales  # d, dmin first
-    return torch.from_numpy(raw.reshape(out_features, -1))
-
-
 def dense(blocks, qtype, in_features) -> torch.Tensor:
     return ql.dequantize_rows(blocks, qtype, in_features)
-
-
-def assert_close(got, ref, x, w):
-    """fp32: within 1e-5 of sum |x| |w| (the sum's own rounding scale); bf16: within 1e-2
-    of the row's largest |value| (one bf16 rounding of each result) and 2^-8 of sum |x| |w|
-    (the kernel multiplies each weight as bf16 rounds it, as a model dequantized to bf16
-    holds it)."""
-    assert got.shape == ref.shape and got.dtype == ref.dtype
-    scale = x.float().abs() @ w.abs().T
-    if got.dtype == torch.float32:
-        bound = 1e-5 * scale + 1e-6
-    else:
-        bound = 1e-2 * ref.float().abs().amax(dim=1, keepdim=True) + 2 ** -8 * scale
-    assert ((got.float() - ref.float()).abs() <= bound).all()
 
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: ql.SUPPORTED[q])
@@ -236,29 +200,14 @@ def test_smollm2_weights():
 
 
 @needs_library
-@pytest.mark.parametrize("flags,available", [
-    (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"], 1 | 2 | 4),
-    (["-mavx2", "-mfma", "-mf16c"], 1 | 2), ([], 1 | 2)],
-    ids=["avx512-without-bf16", "avx2", "baseline"])
+@pytest.mark.parametrize("flags,available", OTHER_CPU_BUILDS, ids=OTHER_CPU_IDS)
 def test_other_cpus_builds(flags, available, tmp_path):
     """The builds for AVX-512 without AVX512_BF16 (bf16 x widened to fp32), AVX2 and
     baseline x86-64 (plain C, GCC vector products) of quant_gguf.c, compiled here: every
     type, both dtypes, decode and larger calls against the reference, plain and vector
     expansions bit for bit, each row the same bits alone as among 9."""
-    import ctypes
-    import platform
-    import subprocess
-
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("x86-64 instruction-set builds")
-    source = native._SOURCES[0].with_name("quant_gguf.c")
-    target = tmp_path / "quant_gguf.so"
-    subprocess.run([native._compiler(), "-O3", *flags, "-fopenmp", "-ffast-math", "-fPIC",
-                    "-std=gnu11", "-shared", str(source), "-o", str(target), "-lm"], check=True)
-    lib = ctypes.CDLL(str(target))
-    for name in ("quant_gguf_available", "quant_gguf_f32", "quant_gguf_bf16"):
-        getattr(lib, name).argtypes = native._SIGNATURES[name]
-        getattr(lib, name).restype = ctypes.c_int
+    lib = build_for_other_cpu("quant_gguf.c", flags, tmp_path,
+                              ("quant_gguf_available", "quant_gguf_f32", "quant_gguf_bf16"))
     gen = torch.Generator().manual_seed(7)
     for qtype in QTYPES:
         assert lib.quant_gguf_available(qtype) == available

@@ -6,10 +6,10 @@ M bucket; group_linear.dequantize_group (the group reference's dequantizer) equa
 element-by-element reading of docs/quantization.md."""
 import os
 
-import numpy as np
 import pytest
 import torch
 
+from quant_helpers import make_blocks
 from fusegen.kernels import quant_linear as ql
 from fusegen.kernels.group_linear import dequantize_group
 from fusegen.kernels import triton_quant as tq
@@ -56,29 +56,6 @@ def dequantize_by_element(qweight, scales, zeros, bits, group_size, in_features)
             zero = int(zeros[o, g]) if zeros is not None else 2 ** (bits - 1)
             out[o, i] = (q - zero) * float(scales[o, g])
     return out
-
-
-def make_blocks(qtype, out_features, in_features, seed=0):
-    """gguf's quantizer where it has one for the type, else random codes with finite
-    fp16 scales near 0.01 (d, dmin first; Q6_K's d last)."""
-    from gguf.quants import quantize
-
-    rng = np.random.default_rng(seed)
-    try:
-        dense = rng.standard_normal((out_features, in_features)).astype(np.float32)
-        return torch.from_numpy(quantize(dense, qtype))
-    except NotImplementedError:
-        pass
-    block_size, type_size = ql.BLOCK_SIZES[qtype]
-    raw = rng.integers(0, 256, (out_features, in_features // block_size, type_size),
-                       dtype=np.uint8)
-    scales = (rng.standard_normal((out_features, in_features // block_size, 2)) * 0.01)
-    scales = scales.astype(np.float16).view(np.uint8)
-    if qtype == ql.Q6_K:
-        raw[:, :, 208:210] = scales[:, :, :2]
-    else:
-        raw[:, :, 0:4] = scales
-    return torch.from_numpy(raw.reshape(out_features, -1))
 
 
 def assert_within_rounding(got, ref, x, w):

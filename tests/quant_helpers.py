@@ -1,0 +1,114 @@
+"""Helpers shared by the tests of compressed weights and their kernels: GGUF blocks as a
+writer makes them, a C kernel file compiled for another CPU, the message of a refused
+configuration, a generation's tokens, and a script run in a child process under Triton's
+interpreter."""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fusegen.engine import LLM, EngineConfigError
+from fusegen.kernels import native
+from fusegen.kernels import quant_linear as ql
+
+# compiler flags of the x86-64 builds other CPUs get, and the kernel families each build
+# reports (the bit mask of its `*_available`): AVX-512 without AVX512_BF16, AVX2, baseline
+OTHER_CPU_BUILDS = [
+    (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"], 1 | 2 | 4),
+    (["-mavx2", "-mfma", "-mf16c"], 1 | 2), ([], 1 | 2)]
+OTHER_CPU_IDS = ["avx512-without-bf16", "avx2", "baseline"]
+
+
+def make_blocks(qtype: int, out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    """Blocks as a GGUF writer makes them: gguf's quantizer where it has one for the type,
+    else random codes with finite fp16 scales (about 0.01, so products stay moderate)."""
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(seed)
+    try:
+        dense = rng.standard_normal((out_features, in_features)).astype(np.float32)
+        return torch.from_numpy(quantize(dense, qtype))
+    except NotImplementedError:
+        pass
+    block_size, type_size = ql.BLOCK_SIZES[qtype]
+    raw = rng.integers(0, 256, (out_features, in_features // block_size, type_size),
+                       dtype=np.uint8)
+    scales = (rng.standard_normal((out_features, in_features // block_size, 2)) * 0.01)
+    scales = scales.astype(np.float16).view(np.uint8)  # two fp16 as four bytes
+    if qtype == ql.Q6_K:
+        raw[:, :, 208:210] = scales[:, :, :2]  # d is the block's last field
+    else:
+        raw[:, :, 0:4] = scales  # d, dmin first
+    return torch.from_numpy(raw.reshape(out_features, -1))
+
+
+def assert_close(got, ref, x, w):
+    """A C kernel's result against the reference over the dense weight w. fp32: within 1e-5
+    of sum |x| |w| (the sum's own rounding scale, summed in another order than torch's);
+    bf16: within 1e-2 of the row's largest |value| (one bf16 rounding of each result) and
+    2^-8 of sum |x| |w| (the kernel multiplies each weight as bf16 rounds it, as a model
+    dequantized to bf16 holds it)."""
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    scale = x.float().abs() @ w.abs().T
+    if got.dtype == torch.float32:
+        bound = 1e-5 * scale + 1e-6
+    else:
+        bound = 1e-2 * ref.float().abs().amax(dim=1, keepdim=True) + 2 ** -8 * scale
+    assert ((got.float() - ref.float()).abs() <= bound).all()
+
+
+def build_for_other_cpu(source_name: str, flags: list[str], tmp_path: Path,
+                        functions: tuple[str, ...]) -> ctypes.CDLL:
+    """kernels/csrc/`source_name` compiled here with `flags` (another CPU's instruction
+    set) into tmp_path, `functions` declared with the signatures native.py gives them.
+    Skips off x86-64, where those flags do not exist."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64 instruction-set builds")
+    source = native._SOURCES[0].with_name(source_name)
+    target = tmp_path / (Path(source_name).stem + ".so")
+    subprocess.run([native._compiler(), "-O3", *flags, "-fopenmp", "-ffast-math", "-fPIC",
+                    "-std=gnu11", "-shared", str(source), "-o", str(target), "-lm"], check=True)
+    lib = ctypes.CDLL(str(target))
+    for name in functions:
+        getattr(lib, name).argtypes = native._SIGNATURES[name]
+        getattr(lib, name).restype = ctypes.c_int
+    return lib
+
+
+def config_error(call, *args, **kwargs) -> str:
+    """The message of the EngineConfigError that call(*args, **kwargs) raises."""
+    with pytest.raises(EngineConfigError) as info:
+        call(*args, **kwargs)
+    return str(info.value)
+
+
+def generate_tokens(path, prompts, params, **options):
+    """The token ids an LLM over the checkpoint at `path` generates for `prompts`, with
+    its runner, its memory report and its stats (read before it closes)."""
+    with LLM(str(path), **options) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return ([o.token_ids for o in outs], llm.engine.runner, llm.memory_report(),
+                llm.stats())
+
+
+def run_interpreted(script: str, *args: str):
+    """The JSON on the last line `script` prints, run in a child Python with every kernel
+    through Triton (FUSEGEN_KERNELS=triton) in its interpreter (TRITON_INTERPRET=1) and
+    this checkout first on its path; the child's stderr tail on failure."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "FUSEGEN_KERNELS": "triton",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]),
+                                                       os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", script, *args], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
