@@ -18,8 +18,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from checkpoints import make_hf_checkpoint
+from quant_helpers import config_error
 from test_quantized_group import quantized_names
-from fusegen.engine import LLM, EngineConfigError, SamplingParams
+from fusegen.engine import LLM, SamplingParams
 from fusegen.engine.config import resolve_quantization
 from fusegen.engine.errors import ModelLoadError
 from fusegen.engine.models import get_architecture
@@ -130,39 +131,29 @@ def test_fp8_weights_need_a_gpu_with_fp8_units(fp8_dirs, monkeypatch):
     start = (f"{model} is an FP8 checkpoint (config.json's quantization_config.quant_method "
              "'fp8'): its FP8 weights run on CUDA GPUs of compute capability 8.9 or later, and ")
     end = "; pass quantization='dequantize' to expand them to the run's dtype as they load"
-    with pytest.raises(EngineConfigError) as info:
-        LLM(str(model), **OPTIONS)
-    assert str(info.value) == start + "device cpu is not one" + end
+    on_cpu = start + "device cpu is not one" + end
+    assert config_error(LLM, str(model), **OPTIONS) == on_cpu
     for quantization in (None, "fp8"):
-        with pytest.raises(EngineConfigError) as info:
-            resolve_quantization(quantization, model, "cpu")
-        assert str(info.value) == start + "device cpu is not one" + end
+        assert config_error(resolve_quantization, quantization, model, "cpu") == on_cpu
     if not torch.cuda.is_available():
-        with pytest.raises(EngineConfigError) as info:
-            resolve_quantization(None, model, "cuda:0")
-        assert str(info.value) == (start + "device cuda:0: no CUDA GPU is visible to this "
-                                   "process" + end)
+        assert config_error(resolve_quantization, None, model, "cuda:0") == (
+            start + "device cuda:0: no CUDA GPU is visible to this process" + end)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    with pytest.raises(EngineConfigError) as info:
-        resolve_quantization(None, model, "cuda:0")
-    assert str(info.value) == start + "cuda:0 (NVIDIA A100) has compute capability 8.0" + end
+    assert config_error(resolve_quantization, None, model, "cuda:0") == (
+        start + "cuda:0 (NVIDIA A100) has compute capability 8.0" + end)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert resolve_quantization(None, model, "cuda:0") == "fp8"
     assert resolve_quantization("fp8", model, "cuda") == "fp8"
     assert resolve_quantization("dequantize", model, "cuda") == "dequantize"
-    with pytest.raises(EngineConfigError) as info:
-        resolve_quantization("int4", model, "cuda:0")
-    assert str(info.value) == (
+    assert config_error(resolve_quantization, "int4", model, "cuda:0") == (
         f"quantization='int4' on {model} (device cuda:0): the checkpoint is FP8 already; on "
         "cuda:0 this model runs with quantization=None or 'fp8' (its FP8 weights as stored, "
         "compute capability 8.9 or later), 'dequantize'")
-    with pytest.raises(EngineConfigError) as info:
-        resolve_quantization("gguf", model, "cpu")
-    assert str(info.value) == (f"quantization='gguf' on {model} (device cpu): the checkpoint "
-                               "is FP8 already; on cpu this model runs with "
-                               "quantization='dequantize'")
+    assert config_error(resolve_quantization, "gguf", model, "cpu") == (
+        f"quantization='gguf' on {model} (device cpu): the checkpoint is FP8 already; on cpu "
+        "this model runs with quantization='dequantize'")
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)

@@ -13,8 +13,7 @@ import torch
 
 from checkpoints import make_hf_checkpoint
 from gguf_checkpoints import Q, write_gguf
-from test_kernels_triton_quant import make_blocks
-from fusegen.engine import EngineConfigError
+from quant_helpers import config_error, make_blocks, run_interpreted
 from fusegen.engine.config import read_model_config, resolve_quantization
 from fusegen.engine.memory.shape import compressed_layer_bytes
 from fusegen.engine.models import get_architecture
@@ -67,9 +66,7 @@ def test_what_quantization_resolves_to_on_cuda(gguf_path):
     assert resolve_quantization(None, gguf_path, "cuda:0,1") == "gguf"
     assert resolve_quantization("gguf", gguf_path, "cuda:0") == "gguf"
     assert resolve_quantization("dequantize", gguf_path, "cuda") == "dequantize"
-    with pytest.raises(EngineConfigError) as info:
-        resolve_quantization("int4", gguf_path, "cuda:0")
-    assert str(info.value) == (
+    assert config_error(resolve_quantization, "int4", gguf_path, "cuda:0") == (
         f"quantization='int4' on {gguf_path} (device cuda:0): a GGUF file is already quantized "
         "in its own types; on cuda:0 this model runs with quantization=None (its blocks kept "
         "where a kernel takes them), 'dequantize', 'gguf'")
@@ -78,9 +75,7 @@ def test_what_quantization_resolves_to_on_cuda(gguf_path):
 def test_without_triton_gguf_files_dequantize_on_cuda(gguf_path, no_triton):
     assert resolve_quantization(None, gguf_path, "cuda") == "dequantize"
     assert resolve_quantization(None, gguf_path, "cpu") == "gguf"
-    with pytest.raises(EngineConfigError) as info:
-        resolve_quantization("gguf", gguf_path, "cuda:0")
-    assert str(info.value) == (
+    assert config_error(resolve_quantization, "gguf", gguf_path, "cuda:0") == (
         f"quantization='gguf' on {gguf_path} (device cuda:0): kept GGUF blocks run on CPUs, "
         "and on CUDA GPUs through fusegen's Triton kernel, and Triton is not installed here; "
         "on cuda:0 this model runs with quantization=None, 'dequantize'")
@@ -95,9 +90,8 @@ def test_layer_bytes_and_refusals_follow_the_devices_types(gguf_path, monkeypatc
     # a type the Triton kernel does not decode: explicitly asked, refused by name on GPUs;
     # left out, those linears count (and load) dense there
     monkeypatch.setattr(quantized, "TRITON_GGUF_TYPES", ALL_EIGHT - {Q.Q4_1})
-    with pytest.raises(EngineConfigError) as info:
-        compressed_layer_bytes(gguf_path, cfg, torch.float32, "gguf", options, "cuda:0")
-    assert str(info.value) == (
+    assert config_error(compressed_layer_bytes, gguf_path, cfg, torch.float32, "gguf", options,
+                        "cuda:0") == (
         f"quantization='gguf' on {gguf_path} (device cuda:0): tensor 'blk.0.attn_q.weight' is "
         "Q4_1, which no kernel on cuda:0 multiplies as blocks (kept: Q4_0, Q5_0, Q5_1, Q8_0, "
         "Q4_K, Q5_K, Q6_K); leave quantization out to keep the blocks it can and dequantize "
@@ -195,19 +189,7 @@ def test_engine_keeps_blocks_through_the_triton_kernel(gguf_path):
     interpreter (a child process), deterministic mode; every layer linear a GGUFLinear
     multiplying through gguf_linear_triton; greedy fp32 tokens those of the file
     dequantized at load."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {**os.environ, "TRITON_INTERPRET": "1", "FUSEGEN_KERNELS": "triton",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]),
-                                                       os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-c", ENGINE, str(gguf_path)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = run_interpreted(ENGINE, str(gguf_path))
     # two layers' qkv, o, gate_up and down, and the LM head
     assert out["gguf"][1] == 2 * 4 + 1 and out["dequantize"][1] == 0
     assert out["gguf"][0] == out["dequantize"][0]

@@ -7,7 +7,8 @@ import torch
 
 from checkpoints import make_hf_checkpoint
 from gguf_checkpoints import Q, write_gguf
-from fusegen.engine import LLM, SamplingParams
+from quant_helpers import generate_tokens, make_blocks
+from fusegen.engine import SamplingParams
 from fusegen.engine.config import PlanInputs
 from fusegen.engine.options import EngineOptions
 from fusegen.engine.weights.gguf import GGUFFile
@@ -29,9 +30,7 @@ def hf_dir(request, tmp_path_factory):
 
 
 def _generate(path, **options):
-    with LLM(str(path), **OPTIONS, **options) as llm:
-        outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
-        return [o.token_ids for o in outs], llm.engine.runner, llm.memory_report()
+    return generate_tokens(path, PROMPTS, PARAMS, **OPTIONS, **options)[:3]
 
 
 @needs_library
@@ -83,7 +82,6 @@ def test_embedding_type_without_kernel_stays_dense(tmp_path):
 @pytest.mark.parametrize("qtype", sorted(ql.SUPPORTED), ids=lambda q: ql.SUPPORTED[q])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_lookup_expands_the_table_rows(qtype, dtype):
-    from test_kernels_quant import make_blocks
 
     block = ql.BLOCK_SIZES[qtype][0]
     blocks = make_blocks(qtype, 37, 2 * block, seed=3)
@@ -102,7 +100,6 @@ def test_lookup_expands_the_table_rows(qtype, dtype):
 
 
 def test_lookup_out_of_range_names_the_limit():
-    from test_kernels_quant import make_blocks
 
     embedding = GGUFEmbedding(make_blocks(ql.Q8_0, 10, 32), ql.Q8_0, 32, torch.float32)
     with pytest.raises(IndexError, match="token id 10 is outside the embedding's 10 rows"):
@@ -114,7 +111,6 @@ def test_lookup_out_of_range_names_the_limit():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_head_argmax_is_the_products(dtype):
     from fusegen.engine.weights.linear import Linear
-    from test_kernels_quant import make_blocks
 
     blocks = make_blocks(ql.Q6_K, 300, 256, seed=5)
     head = GGUFHead.from_blocks(Linear(), blocks, ql.Q6_K, 256)

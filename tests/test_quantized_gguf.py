@@ -8,6 +8,7 @@ import torch
 
 from checkpoints import make_hf_checkpoint
 from gguf_checkpoints import Q, gemma3_path, smollm2_path, write_gguf
+from quant_helpers import generate_tokens
 from fusegen.engine import LLM, EngineConfigError, SamplingParams
 from fusegen.engine.config import EngineConfig
 from fusegen.engine.memory.placement import format_bytes, minimum_device_budget
@@ -34,10 +35,9 @@ def llama_dir(tmp_path_factory):
 
 
 def _generate(path, **options):
-    with LLM(str(path), **OPTIONS, **options) as llm:
-        outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
-        assert llm.stats()["num_steps"] == PARAMS.max_tokens  # the prompts fused in one batch
-        return [o.token_ids for o in outs], llm.engine.runner, llm.memory_report()
+    tokens, runner, report, stats = generate_tokens(path, PROMPTS, PARAMS, **OPTIONS, **options)
+    assert stats["num_steps"] == PARAMS.max_tokens  # the prompts fused in one batch
+    return tokens, runner, report
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda t: t.name)

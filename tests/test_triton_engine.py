@@ -1,12 +1,7 @@
 """The engine's GPU path on CPU: every kernel through Triton (in its interpreter)
 inside a real generation, token-identical to the reference path and transformers."""
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 from checkpoints import hf_greedy
+from quant_helpers import run_interpreted
 
 SCRIPT = """
 import json, sys
@@ -22,12 +17,6 @@ llm.close()
 
 
 def test_engine_through_triton_interpreter(llama_dir):
-    env = {**os.environ, "TRITON_INTERPRET": "1", "FUSEGEN_KERNELS": "triton",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]),
-                                                       os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(llama_dir)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    prompts, outputs = json.loads(done.stdout.strip().splitlines()[-1])
+    prompts, outputs = run_interpreted(SCRIPT, str(llama_dir))
     for prompt, tokens in zip(prompts, outputs):
         assert tokens == hf_greedy(llama_dir, prompt, 5)
