@@ -201,3 +201,21 @@ def test_run_variables_are_reserved_and_usable_in_params(tmp_path):
     with pytest.raises(WorkflowError, match="run time 'noon' is not an ISO 8601 time"):
         run_workflow(_workflow(tmp_path), open_store(tmp_path / "r.db"), run_date="2024-05-01",
                      run_time="noon")
+
+
+def test_the_hourly_example_is_valid(tmp_path):
+    from pathlib import Path
+
+    from fusegen.workflows.resolve import resolve
+
+    example = Path(__file__).resolve().parent.parent / "workflows" / "examples" / \
+        "hourly_labels.yaml"
+    wf = load_workflow(str(example))
+    assert wf.order == ["label", "confident"] and wf.schedule.cron == "0 * * * *"
+    pq.write_table(pa.table({"review": ["great", "bad"]}), tmp_path / "reviews.parquet")
+    resolved = resolve(wf, {"reviews": str(tmp_path / "reviews.parquet"),
+                            "model": str(tmp_path / "model"), "out": str(tmp_path / "out")},
+                       "2024-05-01", run_time="2024-05-01T03:00:00Z")
+    assert resolved.steps[1].output == f"{tmp_path}/out/2024-05-01/confident"
+    assert resolved.steps[1].schema.names == ["review", "generated_text"]
+    assert resolved.steps[1].transform.filter.columns == {"generated_text"}
