@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from fusegen.jobs import Redactor, redact_url
 from fusegen.workflows.errors import WorkflowError
-from fusegen.workflows.render import RUN_DATE, TemplateError, names_in, render
+from fusegen.workflows.render import (RUN_DATE, RUN_ID, RUN_TIME, TemplateError, names_in,
+                                      render)
 from fusegen.workflows.spec import Workflow
 
 MASK = "***"
@@ -25,7 +26,8 @@ def secret_params(workflow: Workflow, params: dict, run_date: str,
              if Redactor.is_secret_key(name) or _holds_secret(value)}
     uses = list(_uses(workflow))
     for name in set(params) - found:
-        variables = {**(run_variables or {}), RUN_DATE: run_date, **params, name: _PROBE}
+        variables = {RUN_TIME: f"{run_date}T00:00:00Z", RUN_ID: 0, **(run_variables or {}),
+                     RUN_DATE: run_date, **params, name: _PROBE}
         if any(_hidden(name, key, path, text, variables) for key, path, text in uses):
             found.add(name)
     return found

@@ -179,7 +179,10 @@ def _build(workflow: Workflow, step: Step, variables: dict, workdir: str,
             return None
         url = parent.output
     else:
-        url = _local(filled(step.input, "input") or "", base)
+        url = filled(step.input, "input")
+        if url is None:  # reported; its columns cannot be read
+            return None
+        url = _local(url, base)
     output = _local(filled(step.output, "output") or "", base) if step.output \
         else f"{workdir.rstrip('/')}/{step.name}"
     resolved = ResolvedStep(step.name, step.kind, url, output, step.parents,
