@@ -27,13 +27,12 @@ copied, and checked: dtype, shape, and that their device has FP8 units.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 
 import torch
 
+from fusegen.engine.weights.groupquant import quantization_config
 from fusegen.engine.weights.linear import Linear, row_tiled
 from fusegen.engine.weights.quantized import CompressedLinear
 from fusegen.kernels.triton_quant import fp8_linear, has_fp8_units, quantize_fp8
@@ -57,12 +56,7 @@ def fp8_checkpoint(model) -> FP8Checkpoint | None:
     (`quantization_config.quant_method` "fp8", as transformers' FP8 and DeepSeek / Qwen
     FP8 checkpoints write it), or None. ValueError naming the key for a
     `weight_block_size` that is not two positive integers."""
-    path = Path(model) / "config.json"
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None  # not a checkpoint directory, or the config reader says why
-    qc = raw.get("quantization_config") if isinstance(raw, dict) else None
+    path, qc = quantization_config(model)
     if not isinstance(qc, dict) or qc.get("quant_method") != QUANT_METHOD:
         return None
     block = qc.get("weight_block_size") or WEIGHT_BLOCK

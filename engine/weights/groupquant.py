@@ -51,16 +51,23 @@ class GroupFormat:
         return f"int{self.bits}"
 
 
-def checkpoint_format(model) -> GroupFormat | None:
-    """The group format a checkpoint directory's config.json declares
-    (`quantization_config` with quant_method "fusegen"), or None for a checkpoint that
-    declares none. ModelLoadError naming the key for a declaration fusegen cannot run."""
+def quantization_config(model) -> tuple[Path, object]:
+    """A checkpoint directory's config.json path and the `quantization_config` it holds,
+    as written (None where there is none, or no readable config.json: not a checkpoint
+    directory, or one whose config the config reader refuses with the reason)."""
     path = Path(model) / "config.json"
     try:
         raw = json.loads(path.read_text())
     except (OSError, ValueError):
-        return None  # not a checkpoint directory, or the config reader says why
-    qc = raw.get("quantization_config") if isinstance(raw, dict) else None
+        return path, None
+    return path, raw.get("quantization_config") if isinstance(raw, dict) else None
+
+
+def checkpoint_format(model) -> GroupFormat | None:
+    """The group format a checkpoint directory's config.json declares
+    (`quantization_config` with quant_method "fusegen"), or None for a checkpoint that
+    declares none. ModelLoadError naming the key for a declaration fusegen cannot run."""
+    path, qc = quantization_config(model)
     if qc is None:
         return None
     if not isinstance(qc, dict) or qc.get("quant_method") != QUANT_METHOD:
