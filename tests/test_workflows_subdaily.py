@@ -93,6 +93,11 @@ def test_a_fire_with_nothing_new_to_do_is_skipped_up_to_date(tmp_path, store):
     lines = history.output.splitlines()
     assert lines[1].split()[:4] == ["2", "hourly", "skipped", "(up"] and "(up to date)" in lines[1]
     assert lines[2].split()[:3] == ["1", "hourly", "succeeded"]
+    status = CliRunner().invoke(main, ["workflow", "status", str(wf.path), "--store", db])
+    assert status.exit_code == 0, status.output
+    assert status.output.splitlines()[1].split()[:8] == [
+        "hourly", "2", "skipped", "(up", "to", "date)", "schedule", "2024-05-01"]
+    assert "2024-05-01T02:00:00Z" in status.output
     show = CliRunner().invoke(main, ["workflow", "show", str(second.run_id), "--store", db])
     assert "status: skipped (up to date)" in show.output
     assert "trigger: schedule, fire 2024-05-01T02:00:00+00:00, run time " \

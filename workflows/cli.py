@@ -1,4 +1,4 @@
-"""`fusegen workflow run|resume|schedule|history|show|check`."""
+"""`fusegen workflow run|resume|schedule|status|history|show|check`."""
 from __future__ import annotations
 
 import os
@@ -279,6 +279,33 @@ def history(file_or_name, limit, store_url):
                      str(done[-1].num_rows) if done and len(done) == len(steps) else "-",
                      str(sum(s.num_generated_tokens or 0 for s in gen)),
                      str(sum(s.num_errors or 0 for s in gen))))
+    click.echo(_table(rows))
+
+
+@workflow.command()
+@click.argument("file_or_name", required=False)
+@_STORE
+def status(file_or_name, store_url):
+    """Each workflow's latest run: its status (`skipped (up to date)` when a fire found
+    nothing new to do), run date and time, when it ended, and its error. With FILE (or a
+    workflow name), that workflow only."""
+    from fusegen.workflows.store import SHOWN_STATUS, open_store
+
+    try:
+        name = _workflow_name(file_or_name) if file_or_name else None
+        store = open_store(store_url)
+        runs = [r for r in store.latest_runs() if name is None or r.workflow == name]
+    except (WorkflowError, JobError) as exc:
+        _fail(exc)
+    if not runs:
+        click.echo("no runs recorded" + (f" for {name}" if name else ""))
+        return
+    rows = [("WORKFLOW", "RUN", "STATUS", "TRIGGER", "RUN DATE", "RUN TIME", "FINISHED (UTC)",
+             "ERROR")]
+    for r in runs:
+        rows.append((r.workflow, str(r.run_id), SHOWN_STATUS.get(r.status, r.status),
+                     r.trigger, r.run_date, r.run_time or "-", _time(r.finished),
+                     (r.error or "-").splitlines()[0][:80]))
     click.echo(_table(rows))
 
 

@@ -273,6 +273,13 @@ class RunStore:
                 run_id = row[0]
                 seen.add(run_id)
 
+    def latest_runs(self) -> list[RunRecord]:
+        """Each workflow's newest run, by workflow name."""
+        with self._tx() as conn:
+            rows = conn.execute("SELECT * FROM runs WHERE run_id IN (SELECT max(run_id) FROM "
+                                "runs GROUP BY workflow) ORDER BY workflow").fetchall()
+        return [_run_record(r) for r in rows]
+
     def runs(self, workflow: str | None = None, limit: int = 20) -> list[RunRecord]:
         """Newest first."""
         where, args = ("WHERE workflow = ?", (workflow,)) if workflow else ("", ())
