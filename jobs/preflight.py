@@ -54,8 +54,18 @@ def check_constraint(spec: JobSpec) -> None:
     except (ValueError, TypeError) as exc:
         problem = str(exc)
     if problem:
-        first = problem.strip().split("\n", 1)[0].strip()
-        raise JobError(f"{flag} is not valid: {first}; every row would fail with it")
+        raise JobError(f"{flag} is not valid: {_one_line(problem)}; every row would fail "
+                       "with it")
+
+
+def _one_line(problem: str) -> str:
+    """llguidance's message without the source excerpt and caret below it; a first line
+    that ends in ":" (a regex's) gets the line that says what is wrong ("error: ...")."""
+    lines = [line.strip() for line in problem.strip().splitlines() if line.strip()]
+    first, cause = lines[0], [line for line in lines[1:] if line.startswith("error:")]
+    if first.endswith(":") and cause:
+        first += " " + cause[0].removeprefix("error:").strip()
+    return first
 
 
 def _flag(spec: JobSpec, name: str) -> str:

@@ -55,8 +55,9 @@ def test_a_job_whose_rows_all_fail_does_not_exit_0(fake_engine, tmp_path):
      "Error: --response-format is not valid: Invalid type: strin; every row would fail "
      "with it"),
     (["--regex", "[a-"], 'Error: --regex is not valid: at 1(8): invalid regex "[a-" (in '
-     "regex): regex parse error:; every row would fail with it"),
-    (["--grammar", "start: foo"], "Error: --grammar is not valid: "),
+     "regex): regex parse error: unclosed character class; every row would fail with it"),
+    (["--grammar", "start: foo"],
+     'Error: --grammar is not valid: at 1(8): unknown name: "foo"; every row would fail with it'),
 ])
 def test_a_constraint_that_fails_every_row_fails_before_the_model_loads(
         fake_engine, tmp_path, flags, message):
