@@ -109,7 +109,7 @@ def test_batch_file_round_trip_matches_the_engine_alone(tmp_path):
     (tmp_path / "requests.jsonl").write_text("\n".join(lines) + "\n")
     run_job(JobSpec(model=tiny_model_dir(), input=str(tmp_path / "requests.jsonl"),
                     output=str(tmp_path / "results"), partition_rows=2, progress="none",
-                    output_token_ids=True))
+                    output_token_ids=True, max_error_rate=1.0))  # error lines on purpose
     results = tmp_path / "results"
     out, errors = _read(results / "output.jsonl"), _read(results / "errors.jsonl")
     assert [o["custom_id"] for o in out] == ["a", "b", "e"]
