@@ -16,6 +16,7 @@ KNOWN = {
                "fusegen.engine.weights.quantized"}),
     frozenset({"fusegen.engine.weights.awq", "fusegen.engine.weights.quantize"}),
     frozenset({"fusegen.kernels.quant_linear", "fusegen.kernels.quant_vnni"}),
+    frozenset({"fusegen.kernels.group_linear", "fusegen.kernels.group_vnni"}),
 }
 
 
