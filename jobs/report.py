@@ -52,7 +52,8 @@ def _numbers(r: JobResult) -> list[tuple[str, object]]:
     parts = f"{r.num_parts}" + (f" ({r.num_parts_skipped} kept from an earlier run)"
                                 if r.num_parts_skipped else "")
     return [("parts", parts), ("rows", r.num_rows), ("errors", r.num_errors),
-            *((f"rows {what}", n) for what, n in r.flawed_rows()),
+            ("rows cut at the length limit", r.num_truncated),
+            ("rows with invalid structured output", r.num_structured_invalid),
             ("prompt tokens", r.num_prompt_tokens),
             ("prompt tokens from the prefix cache", r.prompt_tokens_cached),
             ("generated tokens", r.num_generated_tokens),

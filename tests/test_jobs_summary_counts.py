@@ -64,7 +64,7 @@ def test_summary_and_report_show_them_beside_the_errors():
         "invalid structured output: 83")
     page = render_report(r, {"config": {}})
     assert "<tr><th>rows cut at the length limit</th><td>90</td></tr>" in page
-    assert "<tr><th>rows invalid structured output</th><td>83</td></tr>" in page
+    assert "<tr><th>rows with invalid structured output</th><td>83</td></tr>" in page
     clean = JobResult("out", num_rows=3, num_parts=1)
     assert clean.summary().splitlines()[1] == "rows: 3, errors: 0"
 
@@ -96,7 +96,7 @@ def test_a_job_counts_them_in_its_summary_manifest_and_report(tmp_path):
     assert (totals["num_truncated"], totals["num_structured_invalid"]) == (cut, invalid)
     assert sum(p["num_structured_invalid"] for p in manifest["parts"]) == invalid
     page = (tmp_path / "out" / REPORT).read_text()
-    assert f"<tr><th>rows invalid structured output</th><td>{invalid}</td></tr>" in page
+    assert f"<tr><th>rows with invalid structured output</th><td>{invalid}</td></tr>" in page
     assert f"invalid structured output: {invalid}" in result.summary()
     again = run_job(spec)  # every part kept: the counts come from their footers
     assert again.num_parts_skipped == 3
