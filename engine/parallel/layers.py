@@ -46,7 +46,25 @@ class TPGroup:
         self.num_calls += 1
 
 
-class RowParallelLinear(nn.Module):
+class _RankShare(nn.Module):
+    """A module over one rank's share `inner` (any storage form): the loader sets its
+    weights and reads its weight and bytes through the wrapper."""
+
+    inner: Linear
+
+    def set_weight(self, name: str, tensor: torch.Tensor) -> None:
+        self.inner.set_weight(name, tensor)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.inner.weight
+
+    @property
+    def nbytes(self) -> int:
+        return self.inner.nbytes
+
+
+class RowParallelLinear(_RankShare):
     """A linear whose input columns are split over the ranks: each computes its partial
     product through `inner` (any storage form, built without bias), the partials are
     summed, the bias (whole) is added once after the sum."""
@@ -66,19 +84,15 @@ class RowParallelLinear(nn.Module):
         if name == "bias":
             self.bias = tensor
         else:
-            self.inner.set_weight(name, tensor)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.inner.weight
+            super().set_weight(name, tensor)
 
     @property
     def nbytes(self) -> int:
-        return self.inner.nbytes + (0 if self.bias is None else
-                                    self.bias.numel() * self.bias.element_size())
+        return super().nbytes + (0 if self.bias is None else
+                                 self.bias.numel() * self.bias.element_size())
 
 
-class VocabParallelHead(nn.Module):
+class VocabParallelHead(_RankShare):
     """The LM head split by vocabulary rows: `forward` gives the whole [N, V] logits
     (the ranks' slices gathered in rank order), so a model's `logits` (soft-capping
     included) runs unchanged; `argmax` gives argmax(forward(h)) to the bit, exchanging
@@ -103,17 +117,6 @@ class VocabParallelHead(nn.Module):
         values, indexes = pairs[:, 0::2], pairs[:, 1::2]
         best = values.argmax(dim=1, keepdim=True)  # first rank holding the maximum
         return indexes.gather(1, best).squeeze(1).long()
-
-    def set_weight(self, name: str, tensor: torch.Tensor) -> None:
-        self.inner.set_weight(name, tensor)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.inner.weight
-
-    @property
-    def nbytes(self) -> int:
-        return self.inner.nbytes
 
 
 def parallelize(model, group: TPGroup, vocab: tuple[int, int]) -> None:
