@@ -94,11 +94,6 @@ class LLM:
         read without a lock, for a progress line."""
         return self.engine.load()
 
-    def engine_load(self) -> dict:
-        """Running and waiting requests and the KV cache's used fraction: a snapshot,
-        read without a lock, for a progress line."""
-        return self.engine.load()
-
     @property
     def placement(self):
         """The placement plan (engine.memory.placement.PlacementPlan); `.table()` prints it."""
