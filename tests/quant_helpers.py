@@ -101,6 +101,16 @@ def generate_tokens(path, prompts, params, **options):
                 llm.stats())
 
 
+def kept_like_dequantized(generate, path, **options):
+    """generate(path, ...) over a GGUF file with its blocks dequantized on load, then kept
+    (quantization="gguf"), asserting both give the same tokens: (the dequantized run's
+    runner, the kept run's runner, the kept run's memory report)."""
+    want, dense, _ = generate(path, quantization="dequantize", **options)
+    got, kept, report = generate(path, quantization="gguf", **options)
+    assert got == want
+    return dense, kept, report
+
+
 def run_interpreted(script: str, *args: str):
     """The JSON on the last line `script` prints, run in a child Python with every kernel
     through Triton (FUSEGEN_KERNELS=triton) in its interpreter (TRITON_INTERPRET=1) and

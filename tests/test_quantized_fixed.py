@@ -7,7 +7,7 @@ import torch
 
 from checkpoints import make_hf_checkpoint
 from gguf_checkpoints import Q, write_gguf
-from quant_helpers import generate_tokens, make_blocks
+from quant_helpers import generate_tokens, kept_like_dequantized, make_blocks
 from fusegen.engine import SamplingParams
 from fusegen.engine.config import PlanInputs
 from fusegen.engine.options import EngineOptions
@@ -38,9 +38,7 @@ def _generate(path, **options):
 @pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
 def test_kept_head_generates_like_dequantized(hf_dir, tmp_path, qtype, deterministic):
     path = write_gguf(hf_dir, tmp_path / "tiny.gguf", qtype=qtype)
-    want, _, _ = _generate(path, quantization="dequantize", deterministic=deterministic)
-    got, kept, report = _generate(path, quantization="gguf", deterministic=deterministic)
-    assert got == want
+    _, kept, report = kept_like_dequantized(_generate, path, deterministic=deterministic)
     model, cfg = kept.model, kept.config.model_config
     assert type(model.lm_head) is GGUFHead and model.lm_head.qtype == qtype
     assert isinstance(model.embed_blocks, GGUFEmbedding) and model.embed.numel() == 0
@@ -72,9 +70,7 @@ def test_embedding_type_without_kernel_stays_dense(tmp_path):
                                 max_position_embeddings=128, tie_word_embeddings=True)
     path = write_gguf(hf_dir, tmp_path / "f16.gguf", qtype=Q.Q8_0,
                       types={"token_embd": Q.F16})
-    want, _, _ = _generate(path, quantization="dequantize")
-    got, kept, _ = _generate(path, quantization="gguf")
-    assert got == want
+    _, kept, _ = kept_like_dequantized(_generate, path)
     assert kept.model.embed_blocks is None and kept.model.embed.numel() > 0
     assert not isinstance(kept.model.lm_head, GGUFHead)
 

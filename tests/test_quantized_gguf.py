@@ -8,7 +8,7 @@ import torch
 
 from checkpoints import make_hf_checkpoint
 from gguf_checkpoints import Q, gemma3_path, smollm2_path, write_gguf
-from quant_helpers import generate_tokens
+from quant_helpers import generate_tokens, kept_like_dequantized
 from fusegen.engine import LLM, EngineConfigError, SamplingParams
 from fusegen.engine.config import EngineConfig
 from fusegen.engine.memory.placement import format_bytes, minimum_device_budget
@@ -44,9 +44,7 @@ def _generate(path, **options):
 @pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
 def test_llama_kept_generates_like_dequantized(llama_dir, tmp_path, qtype, deterministic):
     path = write_gguf(llama_dir, tmp_path / "tiny.gguf", qtype=qtype)
-    want, dense, _ = _generate(path, quantization="dequantize", deterministic=deterministic)
-    got, kept, _ = _generate(path, quantization="gguf", deterministic=deterministic)
-    assert got == want
+    dense, kept, _ = kept_like_dequantized(_generate, path, deterministic=deterministic)
     for layer in kept.model.layers:
         assert all(type(getattr(layer, name)) is GGUFLinear for name in LLAMA_PARTS)
         assert layer.qkv.row_tile == (ROW_TILE if deterministic else None)
@@ -63,9 +61,7 @@ def test_other_architectures_kept_generate_like_dequantized(arch, tokenizer, qty
     hf_dir = make_hf_checkpoint(tmp_path / "hf", arch, tokenizer, seed=5)
     path = write_gguf(hf_dir, tmp_path / f"{arch}.gguf", qtype=qtype, arch=arch,
                       tokenizer="gpt2" if tokenizer == "bpe" else "llama")
-    want, _, _ = _generate(path, quantization="dequantize")
-    got, kept, _ = _generate(path, quantization="gguf")
-    assert got == want
+    _, kept, _ = kept_like_dequantized(_generate, path)
     qkv = kept.model.layers[0].qkv
     assert type(qkv) is GGUFLinear and (qkv.bias is not None) == (arch == "qwen2")
 
@@ -131,9 +127,7 @@ def test_mixed_types_keep_what_the_kernel_takes(llama_dir, tmp_path):
     # F16 (no blocks) likewise; o and gate_up keep theirs. Same tokens either way.
     path = write_gguf(llama_dir, tmp_path / "mixed.gguf", qtype=Q.Q4_0,
                       types={"attn_q": Q.Q8_0, "ffn_down": Q.F16})
-    want, _, _ = _generate(path, quantization="dequantize")
-    got, kept, _ = _generate(path, quantization="gguf")
-    assert got == want
+    _, kept, _ = kept_like_dequantized(_generate, path)
     layer = kept.model.layers[0]
     assert [type(getattr(layer, p)) is GGUFLinear for p in LLAMA_PARTS] == \
         [False, True, True, False]
