@@ -35,13 +35,7 @@
 /* The order of fp32 sums is each element's own (see above) */
 #pragma GCC optimize("no-associative-math")
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
-    defined(__AVX512VNNI__) && defined(__F16C__)
-#define HAS_VNNI 1
-#include <immintrin.h>
-#else
-#define HAS_VNNI 0
-#endif
+#include "vnni.h"
 
 static int valid_format(int bits, int group, int64_t k) {
     return (bits == 4 || bits == 8) && (group == 32 || group == 64 || group == 128) && k > 0 &&
@@ -52,9 +46,6 @@ static int valid_format(int bits, int group, int64_t k) {
 int quant_group_q8_available(int bits) { return HAS_VNNI && (bits == 4 || bits == 8) ? 1 : 0; }
 
 #if HAS_VNNI
-#define NC 16  /* columns per chunk: one a dword lane */
-#define RMAX 4 /* rows of x per micro-kernel call (6 or 8 measured no faster) */
-#define SERIAL_QUANTIZE 65536 /* values of x quantized by the calling thread alone */
 
 /* x quantized: per row k codes, per 32 values d and sum(q) * mult (symmetric weights:
  * mult = -zero, the zero point's whole term; else 1) */
@@ -71,20 +62,8 @@ typedef struct {
 static void quantize_row(const uint16_t *x, int64_t k, int8_t *q, float *d, int32_t *s,
                          int32_t mult) {
     for (int64_t u = 0; u < k / 32; u++, x += 32, q += 32) {
-        const __m512i raw = _mm512_loadu_si512(x);
-        const __m512 lo = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
-        const __m512 hi = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-        /* a division (divss): -ffast-math would otherwise multiply by 1 / 127 */
-        const float dx = _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(amax), _mm_set_ss(127.0f)));
-        const float id = dx != 0.0f ? 1.0f / dx : 0.0f;
-        const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(id)));
-        const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(id)));
-        _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(qlo));
-        _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(qhi));
-        d[u] = dx;
+        __m512i qlo, qhi;
+        d[u] = quantize_block32(x, q, &qlo, &qhi);
         s[u] = mult * _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
     }
 }
@@ -107,20 +86,6 @@ typedef struct {
     __m512 s;
     __m512i z;
 } gconst_t;
-
-/* T[i] dword c = the 4 bytes at col[c] + off + 4 i: 16 columns' 16 bytes transposed */
-static inline void t16(const uint8_t *const col[NC], int64_t off, __m512i T[4]) {
-    __m512i z[4]; /* z[g]'s 128-bit lane l: column 4 l + g, so that T's dword c is column c */
-    for (int g = 0; g < 4; g++) {
-        z[g] = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(col[g] + off)));
-        for (int l = 1; l < 4; l++)
-            z[g] = _mm512_inserti32x4(z[g], _mm_loadu_si128((const __m128i *)(col[4 * l + g] + off)), l);
-    }
-    const __m512i a = _mm512_unpacklo_epi32(z[0], z[1]), b = _mm512_unpackhi_epi32(z[0], z[1]);
-    const __m512i c = _mm512_unpacklo_epi32(z[2], z[3]), d = _mm512_unpackhi_epi32(z[2], z[3]);
-    T[0] = _mm512_unpacklo_epi64(a, c), T[1] = _mm512_unpackhi_epi64(a, c);
-    T[2] = _mm512_unpacklo_epi64(b, d), T[3] = _mm512_unpackhi_epi64(b, d);
-}
 
 /* unit `unit` of the 16 columns (col: each column's codes) */
 static inline __attribute__((always_inline)) void
@@ -154,22 +119,6 @@ static void group_consts(const uint16_t *scales, const uint8_t *zeros, int zero,
     }
 }
 
-/* 16 floats -> bf16, nearest even (as torch rounds), NaN kept quiet */
-static inline __m256i to_bf16x16(__m512 f) {
-    const __m512i u = _mm512_castps_si512(f);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
-    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    return _mm512_cvtepi32_epi16(r);
-}
-
-static inline __m512i bcast32(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm512_set1_epi32(v);
-}
-
 /* one row's unit against the 16 columns: acc += float(isum) * (scale * d) (the same
  * operations, in the same order, for every row count and path) */
 static inline __attribute__((always_inline)) __m512
@@ -188,10 +137,6 @@ unit_dot(const int SYM, const unit_t *u, const gconst_t *gc, const xq_t *xq, int
     }
     const __m512 sd = _mm512_mul_ps(gc->s, _mm512_set1_ps(xq->d[at]));
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)), sd, acc);
-}
-
-static inline void store_row(uint16_t *out, __m512 acc, int ncols) {
-    _mm256_mask_storeu_epi16(out, (__mmask16)((1u << ncols) - 1), to_bf16x16(acc));
 }
 
 /* Rows [0, R) against the chunk, each unit expanded in registers as it comes */

@@ -1,0 +1,80 @@
+/* What the int8-product kernels (quant_vnni.c: GGUF blocks, quant_group_vnni.c: group
+ * codes) share: the AVX512_VNNI feature test, the chunking (NC output columns a chunk, one
+ * a dword lane; RMAX rows of x a micro-kernel call), the quantization of a block of 32
+ * bf16 activations, the transpose of 16 columns' bytes, and the bf16 stores.
+ *
+ * Activations, as llama.cpp's Q8_0: per 32 values d = amax / 127 (fp32, IEEE division),
+ * q = round(x * (1 / d)) to the nearest, ties to even (vcvtps2dq), d = 0 giving q = 0. */
+#ifndef FUSEGEN_KERNELS_VNNI_H
+#define FUSEGEN_KERNELS_VNNI_H
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__) && defined(__F16C__)
+#define HAS_VNNI 1
+#include <immintrin.h>
+#else
+#define HAS_VNNI 0
+#endif
+
+#if HAS_VNNI
+#define NC 16  /* columns per chunk: one a dword lane */
+#define RMAX 4 /* rows of x per micro-kernel call (6 or 8 measured no faster) */
+#define SERIAL_QUANTIZE 65536 /* values of x quantized by the calling thread alone */
+
+/* 32 bf16 values -> their codes in q[32] and (as int32) in *lo, *hi; returns d */
+static inline float quantize_block32(const uint16_t *x, int8_t *q, __m512i *lo, __m512i *hi) {
+    const __m512i raw = _mm512_loadu_si512(x);
+    const __m512 a = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
+    const __m512 b = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    /* a division (divss): -ffast-math would otherwise multiply by 1 / 127 */
+    const float d = _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(amax), _mm_set_ss(127.0f)));
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    *lo = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(id)));
+    *hi = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(id)));
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(*lo));
+    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(*hi));
+    return d;
+}
+
+/* T[i] dword c = the 4 bytes at col[c] + off + 4 i: 16 columns' 16 bytes transposed */
+static inline void t16(const uint8_t *const col[NC], int64_t off, __m512i T[4]) {
+    __m512i z[4]; /* z[g]'s 128-bit lane l: column 4 l + g, so that T's dword c is column c */
+    for (int g = 0; g < 4; g++) {
+        z[g] = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(col[g] + off)));
+        for (int l = 1; l < 4; l++)
+            z[g] = _mm512_inserti32x4(z[g], _mm_loadu_si128((const __m128i *)(col[4 * l + g] + off)), l);
+    }
+    const __m512i a = _mm512_unpacklo_epi32(z[0], z[1]), b = _mm512_unpackhi_epi32(z[0], z[1]);
+    const __m512i c = _mm512_unpacklo_epi32(z[2], z[3]), d = _mm512_unpackhi_epi32(z[2], z[3]);
+    T[0] = _mm512_unpacklo_epi64(a, c), T[1] = _mm512_unpackhi_epi64(a, c);
+    T[2] = _mm512_unpacklo_epi64(b, d), T[3] = _mm512_unpackhi_epi64(b, d);
+}
+
+/* 16 floats -> bf16, nearest even (as torch rounds), NaN kept quiet */
+static inline __m256i to_bf16x16(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+static inline __m512i bcast32(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+static inline void store_row(uint16_t *out, __m512 acc, int ncols) {
+    _mm256_mask_storeu_epi16(out, (__mmask16)((1u << ncols) - 1), to_bf16x16(acc));
+}
+#endif
+
+#endif /* FUSEGEN_KERNELS_VNNI_H */
