@@ -246,12 +246,10 @@ static int all_chunks(const weight_t *W, const xq_t *xq, int64_t rows, uint16_t 
 }
 
 static int alloc_xq(xq_t *xq, int64_t rows, int64_t k) {
-    const int64_t nu = k / 32;
-    char *mem = malloc((size_t)(rows * k + rows * nu * 8 + 64));
-    if (!mem) return -1;
-    xq->q = (int8_t *)mem;
-    xq->d = (float *)(mem + (rows * k + 63) / 64 * 64);
-    xq->s = (int32_t *)(xq->d + rows * nu);
+    void *tail;
+    if (!(xq->q = alloc_codes(rows, k, 2, &tail))) return -1; /* d and the sum */
+    xq->d = tail;
+    xq->s = (int32_t *)(xq->d + rows * (k / 32));
     xq->k = k;
     xq->mult = 1;
     return 0;
@@ -272,17 +270,8 @@ int quant_group_q8_bf16(int bits, int group, const uint16_t *x, int64_t rows, in
     if (alloc_xq(&xq, rows, k)) return -1;
     const weight_t W = {bits, group, q, s, z, n, k};
     if (!z) xq.mult = bits == 8 ? -128 : -8;
-    /* decode-sized x is quantized before the threads start: one barrier fewer a call */
-    const int serial = rows * k <= SERIAL_QUANTIZE;
-    if (serial) quantize_rows(x, rows, ldx, &xq);
-    int failed = 0;
-    _Pragma("omp parallel num_threads(num_threads) reduction(|:failed)")
-    {
-        if (!serial) quantize_rows(x, rows, ldx, &xq); /* the omp for's barrier: rows ready */
-        failed = all_chunks(&W, &xq, rows, out, ldo);
-    }
-    free(xq.q);
-    return failed ? -1 : 0;
+    QUANTIZE_THEN_MULTIPLY(quantize_rows, xq, x, rows, ldx, k, num_threads,
+                           all_chunks(&W, &xq, rows, out, ldo));
 #else
     (void)x, (void)ldx, (void)q, (void)s, (void)z, (void)out, (void)ldo, (void)num_threads;
     return -1;

@@ -348,10 +348,9 @@ static int all_chunks(int qtype, const xq_t *xq, int64_t rows, const uint8_t *w,
 
 static int alloc_xq(xq_t *xq, int64_t rows, int64_t k) {
     const int64_t nu = k / 32;
-    char *mem = malloc((size_t)(rows * k + rows * nu * 16 + 64));
-    if (!mem) return -1;
-    xq->q = (int8_t *)mem;
-    xq->d = (float *)(mem + (rows * k + 63) / 64 * 64);
+    void *tail;
+    if (!(xq->q = alloc_codes(rows, k, 4, &tail))) return -1; /* d, ds, two sums of 16 */
+    xq->d = tail;
     xq->ds = xq->d + rows * nu;
     xq->s16 = (int32_t *)(xq->ds + rows * nu);
     xq->k = k;
@@ -372,17 +371,8 @@ int quant_gguf_q8_bf16(int qtype, const uint16_t *x, int64_t rows, int64_t ldx,
 #if HAS_VNNI
     xq_t xq;
     if (alloc_xq(&xq, rows, k)) return -1;
-    /* decode-sized x is quantized before the threads start: one barrier fewer a call */
-    const int serial = rows * k <= SERIAL_QUANTIZE;
-    if (serial) quantize_rows(x, rows, ldx, &xq);
-    int failed = 0;
-    _Pragma("omp parallel num_threads(num_threads) reduction(|:failed)")
-    {
-        if (!serial) quantize_rows(x, rows, ldx, &xq); /* the omp for's barrier: rows ready */
-        failed = all_chunks(qtype, &xq, rows, w, n, k / block, bytes, out, ldo);
-    }
-    free(xq.q);
-    return failed ? -1 : 0;
+    QUANTIZE_THEN_MULTIPLY(quantize_rows, xq, x, rows, ldx, k, num_threads,
+                           all_chunks(qtype, &xq, rows, w, n, k / block, bytes, out, ldo));
 #else
     (void)x, (void)ldx, (void)w, (void)out, (void)ldo, (void)num_threads;
     return -1;

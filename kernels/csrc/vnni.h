@@ -9,6 +9,7 @@
 #define FUSEGEN_KERNELS_VNNI_H
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
@@ -48,7 +49,8 @@ static inline void t16(const uint8_t *const col[NC], int64_t off, __m512i T[4]) 
     for (int g = 0; g < 4; g++) {
         z[g] = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(col[g] + off)));
         for (int l = 1; l < 4; l++)
-            z[g] = _mm512_inserti32x4(z[g], _mm_loadu_si128((const __m128i *)(col[4 * l + g] + off)), l);
+            z[g] = _mm512_inserti32x4(
+                z[g], _mm_loadu_si128((const __m128i *)(col[4 * l + g] + off)), l);
     }
     const __m512i a = _mm512_unpacklo_epi32(z[0], z[1]), b = _mm512_unpackhi_epi32(z[0], z[1]);
     const __m512i c = _mm512_unpacklo_epi32(z[2], z[3]), d = _mm512_unpackhi_epi32(z[2], z[3]);
@@ -60,7 +62,8 @@ static inline void t16(const uint8_t *const col[NC], int64_t off, __m512i T[4]) 
 static inline __m256i to_bf16x16(__m512 f) {
     const __m512i u = _mm512_castps_si512(f);
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
     const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
     r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
     return _mm512_cvtepi32_epi16(r);
@@ -75,6 +78,32 @@ static inline __m512i bcast32(const int8_t *p) {
 static inline void store_row(uint16_t *out, __m512 acc, int ncols) {
     _mm256_mask_storeu_epi16(out, (__mmask16)((1u << ncols) - 1), to_bf16x16(acc));
 }
+
+/* x's codes [rows, k] in one allocation, followed (64-byte aligned, at *tail) by
+ * `per_unit` 4-byte values a row and 32 values (the scales and sums a kernel keeps); NULL
+ * without memory. free() the codes. */
+static inline int8_t *alloc_codes(int64_t rows, int64_t k, int per_unit, void **tail) {
+    char *mem = malloc((size_t)(rows * k + rows * (k / 32) * 4 * per_unit + 64));
+    if (mem) *tail = mem + (rows * k + 63) / 64 * 64;
+    return (int8_t *)mem;
+}
+
+/* The body of an entry point: x quantized by QUANTIZE_ROWS(x, rows, ldx, &xq) (before
+ * the threads start for decode-sized x: one barrier fewer a call), then ALL_CHUNKS (1 on
+ * failure) on every thread; x's codes freed; -1 on failure, else 0. */
+#define QUANTIZE_THEN_MULTIPLY(QUANTIZE_ROWS, xq, x, rows, ldx, k, num_threads, ALL_CHUNKS)  \
+    do {                                                                                    \
+        const int serial_ = (rows) * (k) <= SERIAL_QUANTIZE;                                \
+        if (serial_) QUANTIZE_ROWS(x, rows, ldx, &(xq));                                    \
+        int failed_ = 0;                                                                    \
+        _Pragma("omp parallel num_threads(num_threads) reduction(|:failed_)")               \
+        {                                                                                   \
+            if (!serial_) QUANTIZE_ROWS(x, rows, ldx, &(xq)); /* its omp for's barrier */   \
+            failed_ = (ALL_CHUNKS);                                                         \
+        }                                                                                   \
+        free((xq).q);                                                                       \
+        return failed_ ? -1 : 0;                                                            \
+    } while (0)
 #endif
 
 #endif /* FUSEGEN_KERNELS_VNNI_H */
