@@ -177,14 +177,10 @@ static inline __attribute__((always_inline)) void
 chunk_rows(const int BITS, const int SYM, const xq_t *xq, int64_t rows, const uint8_t *const col[NC],
            const gconst_t *gc, int64_t upg, int64_t row_bytes, unit_t *units, uint16_t *out,
            int64_t ldo, int ncols) {
-#define CASES(CALL) \
-    switch ((int)(rows - r0)) { \
-    case 4: CALL(4); break; case 3: CALL(3); break; case 2: CALL(2); break; \
-    case 1: CALL(1); break; default: break; }
     int64_t r0 = 0;
     if (rows <= RMAX) {
 #define DIRECT(R) micro_direct(BITS, SYM, R, xq, col, gc, upg, row_bytes, out, ldo, ncols)
-        CASES(DIRECT)
+        RMAX_CASES(rows - r0, DIRECT)
 #undef DIRECT
         return;
     }
@@ -198,9 +194,8 @@ chunk_rows(const int BITS, const int SYM, const xq_t *xq, int64_t rows, const ui
     for (; r0 + RMAX <= rows; r0 += RMAX)
         micro_units(SYM, RMAX, xq, r0, units, gc, upg, out + r0 * ldo, ldo, ncols);
 #define UNITS_(R) micro_units(SYM, R, xq, r0, units, gc, upg, out + r0 * ldo, ldo, ncols)
-    CASES(UNITS_)
+    RMAX_CASES(rows - r0, UNITS_)
 #undef UNITS_
-#undef CASES
 }
 
 typedef struct {

@@ -279,14 +279,10 @@ micro_units(const int QT, const int R, const xq_t *xq, int64_t r0, const unit_t 
 static inline __attribute__((always_inline)) void
 chunk_rows(const int QT, const xq_t *xq, int64_t rows, const uint8_t *const col[NC], __m512i vindex,
            int64_t nb, int bytes, unit_t *units, uint16_t *out, int64_t ldo, int ncols) {
-#define CASES(CALL) \
-    switch ((int)(rows - r0)) { \
-    case 4: CALL(4); break; case 3: CALL(3); break; case 2: CALL(2); break; \
-    case 1: CALL(1); break; default: break; }
     int64_t r0 = 0;
     if (rows <= RMAX) {
 #define DIRECT(R) micro_direct(QT, R, xq, 0, col, vindex, nb, bytes, out, ldo, ncols)
-        CASES(DIRECT)
+        RMAX_CASES(rows - r0, DIRECT)
 #undef DIRECT
         return;
     }
@@ -303,9 +299,8 @@ chunk_rows(const int QT, const xq_t *xq, int64_t rows, const uint8_t *const col[
     for (; r0 + RMAX <= rows; r0 += RMAX)
         micro_units(QT, RMAX, xq, r0, units, nu, out + r0 * ldo, ldo, ncols);
 #define UNITS_(R) micro_units(QT, R, xq, r0, units, nu, out + r0 * ldo, ldo, ncols)
-    CASES(UNITS_)
+    RMAX_CASES(rows - r0, UNITS_)
 #undef UNITS_
-#undef CASES
 }
 
 static void quantize_rows(const uint16_t *x, int64_t rows, int64_t ldx, const xq_t *xq) {

@@ -79,6 +79,17 @@ static inline void store_row(uint16_t *out, __m512 acc, int ncols) {
     _mm256_mask_storeu_epi16(out, (__mmask16)((1u << ncols) - 1), to_bf16x16(acc));
 }
 
+/* CALL(R) with R the constant rows - r0 (1 .. RMAX), for micro-kernels specialised by R */
+_Static_assert(RMAX == 4, "RMAX_CASES lists 1 .. 4");
+#define RMAX_CASES(left, CALL)                                                              \
+    switch ((int)(left)) {                                                                  \
+    case 4: CALL(4); break;                                                                 \
+    case 3: CALL(3); break;                                                                 \
+    case 2: CALL(2); break;                                                                 \
+    case 1: CALL(1); break;                                                                 \
+    default: break;                                                                         \
+    }
+
 /* x's codes [rows, k] in one allocation, followed (64-byte aligned, at *tail) by
  * `per_unit` 4-byte values a row and 32 values (the scales and sums a kernel keeps); NULL
  * without memory. free() the codes. */
