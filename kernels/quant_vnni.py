@@ -50,7 +50,7 @@ def quant_linear_q8(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_featu
 def quant_linear_q8_native(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features: int,
                            in_features: int) -> torch.Tensor:
     """The C kernel alone (tests, benchmarks); RuntimeError where this build has none."""
-    from fusegen.kernels.quant_linear import SUPPORTED, check
+    from fusegen.kernels.gguf_blocks import SUPPORTED, check
 
     check(blocks, qtype, out_features, in_features, x)
     if x.dim() != 2 or x.dtype != torch.bfloat16:
@@ -99,7 +99,7 @@ def quant_linear_q8_reference(x: torch.Tensor, blocks: torch.Tensor, qtype: int,
     fp64 (each product of an int8 code, its fp32 d and an fp32 weight is exact there but
     for the last of 53 bits). The kernel's fp32 sums of the blocks differ from it by their
     rounding only, then by one rounding to bf16."""
-    from fusegen.kernels.quant_linear import check, dequantize_rows
+    from fusegen.kernels.gguf_blocks import check, dequantize_rows
 
     check(blocks, qtype, out_features, in_features, x)
     q, d = quantize_rows(x.reshape(-1, in_features))

@@ -15,8 +15,6 @@ KNOWN = {
                "fusegen.engine.weights.groupquant", "fusegen.engine.weights.loader",
                "fusegen.engine.weights.quantized"}),
     frozenset({"fusegen.engine.weights.awq", "fusegen.engine.weights.quantize"}),
-    frozenset({"fusegen.kernels.quant_linear", "fusegen.kernels.quant_vnni"}),
-    frozenset({"fusegen.kernels.group_linear", "fusegen.kernels.group_vnni"}),
 }
 
 
