@@ -103,6 +103,43 @@ def _check_x(x: torch.Tensor, in_features: int, what: str) -> torch.Tensor:
     return x if x.stride(1) == 1 else x.contiguous()
 
 
+def _launch_plan(x: torch.Tensor, out_features: int, batch_invariant: bool,
+                 config: dict | None) -> tuple[torch.Tensor, dict | None, tuple | None]:
+    """A linear launcher's output [M, out_features] in x's dtype, its launch parameters
+    (`config`, else _config's) and its grid of output tiles; no parameters and no grid
+    for M = 0 (nothing to launch)."""
+    out = torch.empty(x.shape[0], out_features, dtype=x.dtype, device=x.device)
+    if x.shape[0] == 0:
+        return out, None, None
+    cfg = config or _config(x.shape[0], out_features, batch_invariant)
+    grid = (triton.cdiv(x.shape[0], cfg["BLOCK_M"]), triton.cdiv(out_features, cfg["BLOCK_N"]))
+    return out, cfg, grid
+
+
+@triton.jit
+def _output_tile(x_ptr, M, N, stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's [BLOCK_M, BLOCK_N] output tile: its row and column indexes, their
+    masks ([BM, 1], [1, BN]) and the pointers to its rows of x ([BM, 1])."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m[:, None] < M
+    n_mask = offs_n[None, :] < N
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    return offs_m, offs_n, m_mask, n_mask, x_rows
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    """acc + a @ b summed in fp32; fp32 inputs multiply in IEEE fp32 (IEEE), not TF32."""
+    if IEEE:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
 # -- fusegen group int4 / int8 ---------------------------------------------------------
 
 @triton.jit
@@ -131,14 +168,9 @@ def _group_linear_kernel(x_ptr, q_ptr, scales_ptr, zeros_ptr, out_ptr, M, N, K,
                          HAS_ZEROS: tl.constexpr, ZERO_POINT: tl.constexpr,
                          IEEE: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m[:, None] < M
-    n_mask = offs_n[None, :] < N
+    offs_m, offs_n, m_mask, n_mask, x_rows = _output_tile(x_ptr, M, N, stride_xm, BLOCK_M,
+                                                          BLOCK_N)
     dtype = x_ptr.dtype.element_ty
-    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     num_groups = K // GROUP
     s_rows = scales_ptr + offs_n[None, :].to(tl.int64) * num_groups  # [1, BN]
     z_rows = zeros_ptr + offs_n[None, :].to(tl.int64) * num_groups
@@ -154,10 +186,7 @@ def _group_linear_kernel(x_ptr, q_ptr, scales_ptr, zeros_ptr, out_ptr, M, N, K,
                                      n_mask, w_mask, GROUP % BLOCK_K == 0, HAS_ZEROS, ZERO_POINT)
             w = ((q - z) * s).to(dtype)  # [BK, BN]
             xt = tl.load(x_rows + ch[None, :], mask=m_mask & (ch[None, :] < K), other=0.0)
-            if IEEE:
-                acc = tl.dot(xt, w, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(xt, w, acc)
+            acc = _dot(xt, w, acc, IEEE)
     else:
         # int4: byte j of a 32-channel run holds channel j (low nibble) and j + 16 (high),
         # so a tile of BLOCK_K channels is BLOCK_K // 2 consecutive bytes, multiplied as
@@ -177,12 +206,8 @@ def _group_linear_kernel(x_ptr, q_ptr, scales_ptr, zeros_ptr, out_ptr, M, N, K,
             x_mask = m_mask & (ch_lo[None, :] < K)
             x_lo = tl.load(x_rows + ch_lo[None, :], mask=x_mask, other=0.0)
             x_hi = tl.load(x_rows + (ch_lo + 16)[None, :], mask=x_mask, other=0.0)
-            if IEEE:
-                acc = tl.dot(x_lo, w_lo, acc, input_precision="ieee")
-                acc = tl.dot(x_hi, w_hi, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x_lo, w_lo, acc)
-                acc = tl.dot(x_hi, w_hi, acc)
+            acc = _dot(x_lo, w_lo, acc, IEEE)
+            acc = _dot(x_hi, w_hi, acc, IEEE)
     out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(out, acc.to(dtype), mask=m_mask & n_mask)
 
@@ -193,11 +218,9 @@ def group_linear_triton(x, qweight, scales, zeros, bits: int, group_size: int,
     """x [M, in] @ W.T for W in fusegen's group int4/int8 (zeros None: symmetric)."""
     check_group(qweight, scales, zeros, bits, group_size, out_features, in_features, x)
     x = _check_x(x, in_features, f"int{bits} group linear")
-    out = torch.empty(x.shape[0], out_features, dtype=x.dtype, device=x.device)
-    if x.shape[0] == 0:
+    out, cfg, grid = _launch_plan(x, out_features, batch_invariant, config)
+    if grid is None:
         return out
-    cfg = config or _config(x.shape[0], out_features, batch_invariant)
-    grid = (triton.cdiv(x.shape[0], cfg["BLOCK_M"]), triton.cdiv(out_features, cfg["BLOCK_N"]))
     _group_linear_kernel[grid](
         x, qweight.contiguous(), scales.contiguous(),
         (zeros if zeros is not None else scales).contiguous(), out,
@@ -306,24 +329,16 @@ def _gguf_weights(rows, ch, mask, QTYPE: tl.constexpr):
 def _gguf_linear_kernel(x_ptr, blocks_ptr, out_ptr, M, N, K, row_bytes, stride_xm,
                         stride_om, QTYPE: tl.constexpr, IEEE: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m[:, None] < M
-    n_mask = offs_n[None, :] < N
+    offs_m, offs_n, m_mask, n_mask, x_rows = _output_tile(x_ptr, M, N, stride_xm, BLOCK_M,
+                                                          BLOCK_N)
     dtype = x_ptr.dtype.element_ty
-    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     rows = blocks_ptr + offs_n[None, :].to(tl.int64) * row_bytes  # [1, BN]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ch = k0 + tl.arange(0, BLOCK_K)
         w = _gguf_weights(rows, ch[:, None], (ch[:, None] < K) & n_mask, QTYPE).to(dtype)
         xt = tl.load(x_rows + ch[None, :], mask=m_mask & (ch[None, :] < K), other=0.0)
-        if IEEE:
-            acc = tl.dot(xt, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(xt, w, acc)
+        acc = _dot(xt, w, acc, IEEE)
     out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(out, acc.to(dtype), mask=m_mask & n_mask)
 
@@ -334,11 +349,9 @@ def gguf_linear_triton(x, blocks, qtype: int, out_features: int, in_features: in
     """x [M, in] @ W.T for W as GGUF blocks uint8 [out, row_bytes] of type `qtype`."""
     row_bytes = check(blocks, qtype, out_features, in_features)
     x = _check_x(x, in_features, f"{SUPPORTED[qtype]} linear")
-    out = torch.empty(x.shape[0], out_features, dtype=x.dtype, device=x.device)
-    if x.shape[0] == 0:
+    out, cfg, grid = _launch_plan(x, out_features, batch_invariant, config)
+    if grid is None:
         return out
-    cfg = config or _config(x.shape[0], out_features, batch_invariant)
-    grid = (triton.cdiv(x.shape[0], cfg["BLOCK_M"]), triton.cdiv(out_features, cfg["BLOCK_N"]))
     _gguf_linear_kernel[grid](
         x, blocks.contiguous(), out, x.shape[0], out_features, in_features, row_bytes,
         x.stride(0), out.stride(0), QTYPE=int(qtype), IEEE=x.dtype == torch.float32,
