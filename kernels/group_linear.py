@@ -89,12 +89,11 @@ def _kernel(dtype: torch.dtype):
     return getattr(_library(), _NATIVE[dtype][0])
 
 
-@functools.cache
+@functools.cache  # on the hot path of every call
 def _library():
     from fusegen.kernels import native
 
-    lib = native.library()
-    return lib if lib is not None and hasattr(lib, "quant_group_available") else None
+    return native.library_with("quant_group_available")
 
 
 def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:

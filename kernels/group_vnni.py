@@ -23,12 +23,11 @@ import torch
 from fusegen.kernels.quant_vnni import BLOCK, quantize_rows
 
 
-@functools.cache
+@functools.cache  # on the hot path of every call
 def _library():
     from fusegen.kernels import native
 
-    lib = native.library()
-    return lib if lib is not None and hasattr(lib, "quant_group_q8_available") else None
+    return native.library_with("quant_group_q8_available")
 
 
 @functools.cache

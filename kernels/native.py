@@ -147,6 +147,14 @@ def _run(cc: str, args: list[str], what: str) -> None:
 
 
 @functools.cache
+def library_with(symbol: str) -> ctypes.CDLL | None:
+    """The loaded kernels where they export `symbol`, else None (no build here, or a
+    build without that kernel)."""
+    lib = library()
+    return lib if lib is not None and hasattr(lib, symbol) else None
+
+
+@functools.cache
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, or None (logged once) when they cannot be built here.
     (FUSEGEN_KERNELS is the dispatchers' business: `kernels.use_native`.)"""

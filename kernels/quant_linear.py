@@ -100,12 +100,11 @@ def _kernel(dtype: torch.dtype):
     return getattr(_library(), _NATIVE[dtype][0])
 
 
-@functools.cache
+@functools.cache  # on the hot path of every call
 def _library():
     from fusegen.kernels import native
 
-    lib = native.library()
-    return lib if lib is not None and hasattr(lib, "quant_gguf_available") else None
+    return native.library_with("quant_gguf_available")
 
 
 def _quant_linear_native(x, blocks, qtype, out_features, in_features, plain=False):

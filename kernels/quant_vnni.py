@@ -20,12 +20,11 @@ import torch
 BLOCK = 32  # activation values per int8 block
 
 
-@functools.cache
+@functools.cache  # on the hot path of every call
 def _library():
     from fusegen.kernels import native
 
-    lib = native.library()
-    return lib if lib is not None and hasattr(lib, "quant_gguf_q8_available") else None
+    return native.library_with("quant_gguf_q8_available")
 
 
 @functools.cache
