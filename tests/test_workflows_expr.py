@@ -65,6 +65,11 @@ def test_columns_read():
     ("id ** 2 > 1", "operator Pow is not allowed"),
     ("id >", "syntax error"),
     ("", "non-empty"),
+    # json(): the one place where attribute access and indexing are allowed
+    ("id.label == 1", "attribute access (x.y) is only allowed on json(...)"),
+    ("generated_text['label'] == 1", "indexing (x[i]) is only allowed on json(...)"),
+    ("json(generated_text)[id] == 1", "takes a quoted field name or a literal index"),
+    ("json(generated_text, id).a == 1", "json() takes 1 argument(s)"),
 ])
 def test_refused_at_parse_time(source, words):
     with pytest.raises(ExpressionError) as info:

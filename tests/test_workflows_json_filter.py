@@ -59,18 +59,6 @@ def test_each_document_is_parsed_once_per_table(monkeypatch):
     assert len(calls) == 12  # a new table (partition) parses again
 
 
-@pytest.mark.parametrize("source, words", [
-    ("id.label == 1", "attribute access (x.y) is only allowed on json(...)"),
-    ("generated_text['label'] == 1", "indexing (x[i]) is only allowed on json(...)"),
-    ("json(generated_text)[id] == 1", "takes a quoted field name or a literal index"),
-    ("json(generated_text, id).a == 1", "json() takes 1 argument(s)"),
-])
-def test_refused_at_parse_time(source, words):
-    with pytest.raises(ExpressionError) as info:
-        Expression(source)
-    assert words in str(info.value)
-
-
 def test_json_of_a_number_column_is_a_type_error_before_any_row_is_read():
     with pytest.raises(ExpressionError, match="json\\(\\) reads text .* not int64"):
         Expression("json(id).a == 1").mask(TABLE.schema.empty_table())

@@ -248,6 +248,22 @@ def schedule(files, params, poll_seconds, overwrite, store_url):
     click.echo("scheduler stopped")
 
 
+def _recorded_runs(file_or_name, store_url, pick):
+    """The run store and the runs `pick(store, workflow name or None)` returns from it;
+    where there are none, says so and gives no runs."""
+    from fusegen.workflows.store import open_store
+
+    try:
+        name = _workflow_name(file_or_name) if file_or_name else None
+        store = open_store(store_url)
+        runs = pick(store, name)
+    except (WorkflowError, JobError) as exc:
+        _fail(exc)
+    if not runs:
+        click.echo("no runs recorded" + (f" for {name}" if name else ""))
+    return store, runs
+
+
 @workflow.command()
 @click.argument("file_or_name", required=False)
 @click.option("--limit", default=20, show_default=True, help="Newest runs to list.")
@@ -256,16 +272,10 @@ def history(file_or_name, limit, store_url):
     """Runs, newest first: status, start/end, rows, tokens, errors. With FILE (or a
     workflow name), that workflow's runs only. A run that found every output up to date
     shows `skipped (up to date)`."""
-    from fusegen.workflows.store import SHOWN_STATUS, open_store
+    from fusegen.workflows.store import SHOWN_STATUS
 
-    try:
-        name = _workflow_name(file_or_name) if file_or_name else None
-        store = open_store(store_url)
-        runs = store.runs(name, limit)
-    except (WorkflowError, JobError) as exc:
-        _fail(exc)
+    store, runs = _recorded_runs(file_or_name, store_url, lambda st, name: st.runs(name, limit))
     if not runs:
-        click.echo("no runs recorded" + (f" for {name}" if name else ""))
         return
     rows = [("RUN", "WORKFLOW", "STATUS", "TRIGGER", "RUN DATE", "STARTED (UTC)", "FINISHED",
              "ROWS", "TOKENS", "ERRORS")]
@@ -289,16 +299,11 @@ def status(file_or_name, store_url):
     """Each workflow's latest run: its status (`skipped (up to date)` when a fire found
     nothing new to do), run date and time, when it ended, and its error. With FILE (or a
     workflow name), that workflow only."""
-    from fusegen.workflows.store import SHOWN_STATUS, open_store
+    from fusegen.workflows.store import SHOWN_STATUS
 
-    try:
-        name = _workflow_name(file_or_name) if file_or_name else None
-        store = open_store(store_url)
-        runs = [r for r in store.latest_runs() if name is None or r.workflow == name]
-    except (WorkflowError, JobError) as exc:
-        _fail(exc)
+    _, runs = _recorded_runs(file_or_name, store_url, lambda st, name: [
+        r for r in st.latest_runs() if name is None or r.workflow == name])
     if not runs:
-        click.echo("no runs recorded" + (f" for {name}" if name else ""))
         return
     rows = [("WORKFLOW", "RUN", "STATUS", "TRIGGER", "RUN DATE", "RUN TIME", "FINISHED (UTC)",
              "ERROR")]
