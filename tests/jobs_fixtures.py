@@ -165,6 +165,16 @@ def write_prompts(path, n: int, start: int = 0, row_group_size: int | None = Non
     return table
 
 
+def write_job(tmp_path, model, **keys) -> str:
+    """tmp_path/job.yaml reading tmp_path/in.parquet into tmp_path/out with `model`, no
+    progress line, and `keys` (as the job file spells them); returns its path."""
+    lines = {"model": model, "input": tmp_path / "in.parquet", "output": tmp_path / "out",
+             "progress": "none", **keys}
+    job = tmp_path / "job.yaml"
+    job.write_text("".join(f"{key}: {value}\n" for key, value in lines.items()))
+    return str(job)
+
+
 def read_output(fs_or_path, path=None) -> pa.Table:
     """All committed parts of an output directory, in part order."""
     if path is None:

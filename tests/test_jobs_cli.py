@@ -8,7 +8,7 @@ from click.testing import CliRunner
 from fusegen.jobs.cli import main
 from fusegen.jobs.progress import JobResult, Progress
 from fusegen.jobs.spec import FIELD_NAMES
-from jobs_fixtures import fake_engine, write_prompts  # noqa: F401
+from jobs_fixtures import fake_engine, write_job, write_prompts  # noqa: F401
 
 
 def test_help_documents_every_option_with_its_default():
@@ -23,11 +23,8 @@ def test_help_documents_every_option_with_its_default():
 
 def test_job_file_with_flag_overrides(fake_engine, tmp_path):
     write_prompts(tmp_path / "in.parquet", 6)
-    job = tmp_path / "job.yaml"
-    job.write_text(f"model: {fake_engine}\ninput: {tmp_path / 'in.parquet'}\n"
-                   f"output: {tmp_path / 'out'}\nmax_tokens: 2\npartition-rows: 4\n"
-                   "progress: none\n")
-    res = CliRunner().invoke(main, ["run", str(job), "--max-tokens", "5",
+    job = write_job(tmp_path, fake_engine, max_tokens=2, **{"partition-rows": 4})
+    res = CliRunner().invoke(main, ["run", job, "--max-tokens", "5",
                                     "--storage-option", "auto_mkdir=true"])
     assert res.exit_code == 0, res.output
     assert "rows: 6, errors: 0" in res.output

@@ -14,7 +14,8 @@ from fusegen.jobs.error_rate import ErrorRate
 from fusegen.jobs.errors import ErrorRateExceeded, JobError
 from fusegen.jobs.output import PartStats
 from fusegen.jobs.spec import JobSpec
-from jobs_fixtures import FakeLLM, fake_engine, read_output, write_prompts  # noqa: F401
+from jobs_fixtures import (  # noqa: F401
+    FakeLLM, fake_engine, read_output, write_job, write_prompts)
 
 
 def _run(model, inp, out, *flags):
@@ -135,11 +136,9 @@ def test_max_error_rate_stops_the_job_with_the_resume_command(fake_engine, tmp_p
 
 def test_max_error_rate_from_the_job_file_and_python(fake_engine, tmp_path):
     _half_bad(tmp_path / "in.parquet", 12)
-    job = tmp_path / "job.yaml"
-    job.write_text(f"model: {fake_engine}\ninput: {tmp_path / 'in.parquet'}\n"
-                   f"output: {tmp_path / 'out'}\nmax_tokens: 2\npartition_rows: 2\n"
-                   "partitions_per_worker: 1\nprogress: none\nmax_error_rate: 0.6\n")
-    res = CliRunner().invoke(main, ["run", str(job)])
+    job = write_job(tmp_path, fake_engine, max_tokens=2, partition_rows=2,
+                    partitions_per_worker=1, max_error_rate=0.6)
+    res = CliRunner().invoke(main, ["run", job])
     assert res.exit_code == 1 and "past --max-error-rate 0.6" in res.stderr
     spec = JobSpec(model=fake_engine, input=str(tmp_path / "in.parquet"),
                    output=str(tmp_path / "py"), max_tokens=2, partition_rows=6,
