@@ -1,6 +1,7 @@
 """Per-request behaviour through the public API: seeded sampling, stop strings,
 bad requests, concurrent producers."""
 import math
+import signal
 import threading
 
 import pytest
@@ -190,36 +191,26 @@ def _unfinished(llm) -> int:
     return llm.engine.scheduler.num_unfinished
 
 
-def _interrupt_when(condition) -> threading.Event:
-    """SIGINT the main thread (as Ctrl-C does) once condition() holds, unless the returned
-    event is set first. Sent to the main thread itself: a signal sent to the process may
-    land on any of its threads (the engine's, OpenMP's), and the main thread, waiting on
-    its futures, would then see it only once they are done."""
-    import signal
-
-    disarmed = threading.Event()
-
-    def run():
-        while not condition():
-            if disarmed.wait(0.001):
-                return
-        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
-
-    threading.Thread(target=run, daemon=True).start()
-    return disarmed
-
-
-def test_keyboard_interrupt_in_generate_aborts_its_requests(llm):
+def test_keyboard_interrupt_in_generate_aborts_its_requests(llm, monkeypatch):
     want = [o.token_ids for o in llm.generate(PROMPTS, greedy(40))]
     others = [llm.submit(p, greedy(40)) for p in PROMPTS]  # another caller's requests
     steps = llm.engine.stats.num_steps
-    disarmed = _interrupt_when(lambda: _unfinished(llm) > len(PROMPTS)
-                               and llm.engine.stats.num_steps > steps + 3)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            llm.generate(PROMPTS * 3, greedy(200))
-    finally:
-        disarmed.set()
+    # Ctrl-C from the step thread itself, a few steps into generate's requests: a watcher
+    # thread polling for that moment can miss all 200 steps on a busy machine
+    step, sent = llm.engine.step, []
+
+    def step_then_interrupt():
+        outputs = step()
+        if not sent and _unfinished(llm) > len(PROMPTS) and \
+                llm.engine.stats.num_steps > steps + 3:
+            sent.append(True)
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        return outputs
+
+    monkeypatch.setattr(llm.engine, "step", step_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS * 3, greedy(200))
+    monkeypatch.undo()
     assert _unfinished(llm) <= len(PROMPTS)  # only the other caller's are left
     assert [f.result(timeout=60).token_ids for f in others] == want
     assert _unfinished(llm) == 0
