@@ -208,8 +208,14 @@ def test_keyboard_interrupt_in_generate_aborts_its_requests(llm, monkeypatch):
         return outputs
 
     monkeypatch.setattr(llm.engine, "step", step_then_interrupt)
-    with pytest.raises(KeyboardInterrupt):
-        llm.generate(PROMPTS * 3, greedy(200))
+    # Python's own Ctrl-C handler, as in a terminal: a process started in the background
+    # by a non-interactive shell inherits SIGINT ignored
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(PROMPTS * 3, greedy(200))
+    finally:
+        signal.signal(signal.SIGINT, previous)
     monkeypatch.undo()
     assert _unfinished(llm) <= len(PROMPTS)  # only the other caller's are left
     assert [f.result(timeout=60).token_ids for f in others] == want
