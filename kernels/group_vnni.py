@@ -20,6 +20,7 @@ import functools
 
 import torch
 
+from fusegen.kernels.group_codes import SYMMETRIC_ZERO, check, unpack_int4
 from fusegen.kernels.quant_vnni import BLOCK, quantize_rows
 
 
@@ -56,8 +57,6 @@ def group_linear_q8_native(x: torch.Tensor, qweight: torch.Tensor, scales: torch
                            zeros: torch.Tensor | None, bits: int, group_size: int,
                            out_features: int, in_features: int) -> torch.Tensor:
     """The C kernel alone (tests, benchmarks); RuntimeError where this build has none."""
-    from fusegen.kernels.group_codes import check
-
     check(qweight, scales, zeros, bits, group_size, out_features, in_features, x)
     if x.dim() != 2 or x.dtype != torch.bfloat16:
         raise ValueError(f"x must be bf16 rows [T, {in_features}]; got {x.dtype} "
@@ -80,8 +79,6 @@ def group_linear_q8_reference(x: torch.Tensor, qweight: torch.Tensor, scales: to
                               out_features: int, in_features: int) -> torch.Tensor:
     """The kernel's numbers in torch, bit for bit (see the top of this file): x [T, in]
     bf16 -> [T, out_features] bf16."""
-    from fusegen.kernels.group_codes import SYMMETRIC_ZERO, check, unpack_int4
-
     check(qweight, scales, zeros, bits, group_size, out_features, in_features, x)
     rows, blocks = x.shape[0], in_features // BLOCK
     q, d = quantize_rows(x.reshape(rows, in_features))  # int8 [T, K], fp32 [T, B]

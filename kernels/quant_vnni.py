@@ -17,6 +17,7 @@ import functools
 
 import torch
 
+from fusegen.kernels.gguf_blocks import SUPPORTED, check, dequantize_rows
 BLOCK = 32  # activation values per int8 block
 
 
@@ -49,8 +50,6 @@ def quant_linear_q8(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_featu
 def quant_linear_q8_native(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features: int,
                            in_features: int) -> torch.Tensor:
     """The C kernel alone (tests, benchmarks); RuntimeError where this build has none."""
-    from fusegen.kernels.gguf_blocks import SUPPORTED, check
-
     check(blocks, qtype, out_features, in_features, x)
     if x.dim() != 2 or x.dtype != torch.bfloat16:
         raise ValueError(f"x must be bf16 rows [T, {in_features}]; got {x.dtype} {list(x.shape)}")
@@ -98,8 +97,6 @@ def quant_linear_q8_reference(x: torch.Tensor, blocks: torch.Tensor, qtype: int,
     fp64 (each product of an int8 code, its fp32 d and an fp32 weight is exact there but
     for the last of 53 bits). The kernel's fp32 sums of the blocks differ from it by their
     rounding only, then by one rounding to bf16."""
-    from fusegen.kernels.gguf_blocks import check, dequantize_rows
-
     check(blocks, qtype, out_features, in_features, x)
     q, d = quantize_rows(x.reshape(-1, in_features))
     xq = (q.double().reshape(q.shape[0], -1, BLOCK) * d.double()[..., None]).reshape(q.shape)
