@@ -3,15 +3,13 @@ manifest: the counts, errors by code, throughput, and output tokens/s over time 
 inline SVG plot (no script, no stylesheet or font fetched, no plotting package)."""
 from __future__ import annotations
 
-import html
-
+from fusegen.jobs import svg
 from fusegen.jobs.progress import JobResult
 from fusegen.jobs.spec import JobSpec
 from fusegen.jobs.storage import filesystem
 
 # Its leading "_" keeps it out of the dataset: Parquet readers skip such files.
 REPORT = "_report.html"
-_W, _H, _PAD = 640, 240, 48  # the plot's size and its margin for the axes' labels
 _MAX_POINTS = 400  # a long run's timeline is thinned to this many intervals
 
 
@@ -29,22 +27,12 @@ def render_report(result: JobResult, manifest: dict) -> str:
     rows = [("model", config.get("model")), ("input", config.get("input")),
             ("output", result.output), ("fingerprint", manifest.get("fingerprint")),
             *_numbers(result)]
-    table = "\n".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in rows)
-    errors = "".join(f"<li>{_e(code)}: {n}</li>" for code, n in
+    errors = "".join(f"<li>{svg.e(code)}: {n}</li>" for code, n in
                      sorted(result.errors_by_code.items())) or "<li>none</li>"
-    return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>fusegen job report</title>
-<style>body{{font-family:sans-serif;max-width:760px;margin:2em auto}}th{{text-align:left;
-padding-right:1em}}svg text{{font-size:11px}}</style></head><body>
-<h1>fusegen job report</h1>
-<table>
-{table}
-</table>
+    return svg.page("fusegen job report", f"""{svg.key_values(rows)}
 <h2>Errors by code</h2><ul>{errors}</ul>
 <h2>Throughput over time</h2>
-{throughput_svg(result.timeline)}
-</body></html>
-"""
+{throughput_svg(result.timeline)}""")
 
 
 def _numbers(r: JobResult) -> list[tuple[str, object]]:
@@ -78,25 +66,9 @@ def throughput_svg(timeline: list) -> str:
     rates = throughput_rates(timeline)
     if not rates:
         return "<p>no throughput recorded (nothing ran in this run)</p>"
-    t_max, r_max = rates[-1][0], max(r for _, r in rates) or 1.0
-    x = lambda t: _PAD + (_W - 2 * _PAD) * t / t_max  # noqa: E731
-    y = lambda r: _H - _PAD + (2 * _PAD - _H) * r / r_max  # noqa: E731
-    path, t_prev = [], 0.0
+    points, t_prev = [], 0.0
     for t, rate in rates:  # a step per interval: its mean rate held over it
-        path += [f"{x(t_prev):.1f},{y(rate):.1f}", f"{x(t):.1f},{y(rate):.1f}"]
+        points += [(t_prev, rate), (t, rate)]
         t_prev = t
-    left, right, top, bottom = _PAD, _W - _PAD, _PAD, _H - _PAD
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{_W}" height="{_H}" '
-            f'viewBox="0 0 {_W} {_H}" role="img" aria-label="output tokens per second">\n'
-            f'<polyline fill="none" stroke="#999" points="{left},{top} {left},{bottom} '
-            f'{right},{bottom}"/>\n'
-            f'<polyline class="throughput" fill="none" stroke="#1f6feb" stroke-width="2" '
-            f'points="{" ".join(path)}"/>\n'
-            f'<text x="{left - 4}" y="{top + 4}" text-anchor="end">{r_max:.1f}</text>\n'
-            f'<text x="{left - 4}" y="{bottom}" text-anchor="end">0</text>\n'
-            f'<text x="{right}" y="{bottom + 16}" text-anchor="end">{t_max:.1f} s</text>\n'
-            f'<text x="{left}" y="{top - 12}">output tokens/s</text>\n</svg>')
-
-
-def _e(value) -> str:
-    return html.escape("" if value is None else str(value))
+    return svg.line_chart([svg.Series("throughput", points)], title="output tokens/s",
+                          x_max_format="{:.1f} s")
