@@ -22,14 +22,9 @@ from fusegen.engine.weights.quantized import compress_shell, keep_blocks, split_
 from fusegen.engine.logprobs import record_prompt_logprobs
 from fusegen.engine.sampler import Sampler
 from fusegen.engine.graphs import DecodeGraphs
-from fusegen.engine.runner_api import Runner
+from fusegen.engine.runner_api import LOGITS_CHUNK, Runner
 from fusegen.engine.scheduler import ScheduledBatch
 from fusegen.engine.step_inputs import StepInputs, host_rows, step_inputs
-
-# Sampled rows go through the LM head and the sampler this many at a time, so the
-# logits of a 1024-request decode step never exist at once (the memory plan's
-# activation reserve counts at most this many [vocab] rows whatever max_num_seqs is).
-LOGITS_CHUNK = 256
 
 
 def _checkpoint_tensors(config: EngineConfig, dtype: torch.dtype) -> dict:

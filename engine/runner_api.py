@@ -18,6 +18,13 @@ if TYPE_CHECKING:
     from fusegen.engine.scheduler import ScheduledBatch
 
 
+# Sampled rows go through the LM head and the sampler this many at a time, so the
+# logits of a 1024-request decode step never exist at once. Every runner honours it,
+# and the memory plan's activation reserve counts at most this many [vocab] rows
+# whatever max_num_seqs is: it belongs to the contract between the two.
+LOGITS_CHUNK = 256
+
+
 class Runner(Protocol):
     # batches submitted before the oldest must be collected: 1, or a pipeline's stage count
     max_in_flight: int

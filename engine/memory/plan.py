@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from fusegen.engine.errors import EngineConfigError
 from fusegen.engine.memory.placement import (BudgetTooSmall, ModelSizes, PlacementPlan,
                                              parse_bytes, plan_placement)
+from fusegen.engine.runner_api import LOGITS_CHUNK
 
 _CPU_KV_FRACTION = 0.3  # of available host memory for KV, when no budget is given
 _GPU_FREE_FRACTION = 0.9  # of free device memory, when no device budget is given
@@ -115,7 +116,6 @@ def activation_bytes(shape: ModelShape, num_tokens: int, num_sampled: int) -> in
     """A step's transient tensors: per token the activation width (fp32 at most), and
     per sampled row (at most the runner's LOGITS_CHUNK at a time) the logits and the
     sampler's two working copies."""
-    from fusegen.engine.model_runner import LOGITS_CHUNK  # that module imports this one
     return (num_tokens * shape.activation_width * 4
             + min(num_sampled, LOGITS_CHUNK) * shape.vocab_size * 4 * 3)
 

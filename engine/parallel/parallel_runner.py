@@ -19,8 +19,8 @@ from fusegen.engine.models import get_architecture
 from fusegen.engine.parallel.group import DeviceGroup, check_shared_memory
 from fusegen.engine.parallel.plan import model_stages, rank_devices, rank_infos
 from fusegen.engine.parallel.worker import shared_logits
-from fusegen.engine.model_runner import LOGITS_CHUNK, ModelRunner
-from fusegen.engine.runner_api import Runner
+from fusegen.engine.model_runner import ModelRunner
+from fusegen.engine.runner_api import LOGITS_CHUNK, Runner
 from fusegen.engine.sampler import Sampler
 from fusegen.engine.scheduler import ScheduledBatch
 from fusegen.engine.step_inputs import step_inputs

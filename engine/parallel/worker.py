@@ -32,7 +32,8 @@ from fusegen.engine.parallel.layers import (RowParallelLinear, TPGroup, VocabPar
 from fusegen.engine.parallel.plan import RankInfo
 from fusegen.engine.parallel.shard import (rank_model_config, shard_fixed_sources,
                                            shard_kept, shard_layer_sources, vocab_range)
-from fusegen.engine.model_runner import LOGITS_CHUNK, ModelRunner
+from fusegen.engine.model_runner import ModelRunner
+from fusegen.engine.runner_api import LOGITS_CHUNK
 from fusegen.engine.step_inputs import StepInputs
 from fusegen.engine.weights.packed import pack_linear
 from fusegen.engine.weights.quantized import split_kept
