@@ -22,21 +22,35 @@ from fusegen.workflows.expr import ExpressionError
 from fusegen.workflows.render import (RUN_DATE, RUN_ID, RUN_TIME, TemplateError, names_in,
                                       render, template_keys)
 from fusegen.workflows.credentials import public_params, secret_params, secret_values
+from fusegen.workflows.pyfunc import FunctionError, PythonFunction
 from fusegen.workflows.spec import Step, Workflow
 from fusegen.workflows.store import state_dir
 from fusegen.workflows.transform import Transform
 
 
+@dataclass(frozen=True, slots=True)
+class ClusterSettings:
+    """Where a python step's tasks run when no generate step opened a Dask client before
+    it: the workflow's `defaults:` (scheduler, workers, partitions_per_worker)."""
+    scheduler: str | None = None
+    workers: int = 1
+    partitions_per_worker: int = 4
+
+
 @dataclass(slots=True)
 class ResolvedStep:
     name: str
-    kind: str  # generate | transform
+    kind: str  # generate | transform | python
     input: str  # dataset URL (another step's output directory for `from:`)
     output: str
     parents: list[str] = field(default_factory=list)
     job: JobSpec | None = None  # generate steps
     transform: Transform | None = None  # transform steps
-    partition_rows: int = 0  # transform steps
+    python: PythonFunction | None = None  # python steps
+    cluster: ClusterSettings | None = None  # python steps
+    readers: list["ResolvedStep"] = field(default_factory=list)  # python steps: the steps
+    # reading its output, whose columns each returned table must have
+    partition_rows: int = 0  # transform and python steps
     storage_options: dict = field(default_factory=dict)
     schema: pa.Schema | None = None  # its output's columns, derived before anything runs
     in_workdir: bool = False  # output is the workflow's own (no `output:` in the file)
@@ -118,6 +132,9 @@ def resolve_all(workflow: Workflow, overrides: dict | None, run_date: str,
         if step is not None:
             steps[name] = step
     _check_columns(workflow, steps, problems)
+    for step in steps.values():
+        if step.python is not None:
+            step.readers = [s for s in steps.values() if step.name in s.parents]
     secret = secret_params(workflow, params, run_date, run_variables)
     return (ResolvedWorkflow(workflow, run_date, params, workdir, list(steps.values()), secret,
                              run_variables[RUN_TIME], run_id), problems)
@@ -200,17 +217,44 @@ def _build(workflow: Workflow, step: Step, variables: dict, workdir: str,
             return None
         resolved.storage_options = resolved.job.storage_options
         return resolved
-    options = filled(step.transform, "")
     storage_options = filled(step.storage_options or {}, "storage_options")
-    if options is None or storage_options is None:
+    if storage_options is None:
+        return None
+    resolved.partition_rows = step.partition_rows
+    resolved.storage_options = storage_options
+    if step.kind == "python":
+        return _python(workflow, step, resolved, filled, problems)
+    options = filled(step.transform, "")
+    if options is None:
         return None
     try:
         resolved.transform = Transform.from_options(options)
     except ExpressionError as exc:
         problems.append(Problem(step.name, "filter", str(exc)))
         return None
-    resolved.partition_rows = step.partition_rows
-    resolved.storage_options = storage_options
+    return resolved
+
+
+def _python(workflow: Workflow, step: Step, resolved: ResolvedStep, filled,
+            problems: list) -> ResolvedStep | None:
+    """The function found now (module importable, function callable), and the cluster
+    its partitions run on when no generate step opened one."""
+    try:
+        resolved.python = PythonFunction.find(step.python, step.format, workflow.base_dir)
+    except FunctionError as exc:
+        problems.append(Problem(step.name, "python", str(exc)))
+        return None
+    settings = filled({k: workflow.defaults[k] for k in ClusterSettings.__slots__
+                       if k in workflow.defaults}, "defaults")
+    if settings is None:
+        return None
+    for key in ("workers", "partitions_per_worker"):
+        value = settings.get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            problems.append(Problem(None, f"defaults.{key}", f"must be an integer >= 1, "
+                                    f"got {value!r}"))
+            return None
+    resolved.cluster = ClusterSettings(**settings)
     return resolved
 
 
@@ -226,11 +270,34 @@ def _check_columns(workflow: Workflow, steps: dict[str, ResolvedStep], problems:
             schema, origin = _input_schema(step, problems), f"input {step.input}"
             if schema is None:
                 continue
-        found = _generate_problems(step, schema.names, origin) if step.job \
-            else step.transform.problems(step.name, schema.names, origin)
+        found = step_problems(step, schema.names, origin)
         problems.extend(found)
         if not found:
             step.schema = _output_schema(step, schema, problems)
+
+
+def step_problems(step: ResolvedStep, columns: list[str], origin: str) -> list[Problem]:
+    """The columns `step` reads that `columns` (from `origin`) lacks. A python step's
+    function reads what it reads: its own checks are its business."""
+    if step.job is not None:
+        return _generate_problems(step, columns, origin)
+    if step.transform is not None:
+        return step.transform.problems(step.name, columns, origin)
+    return []
+
+
+def check_late(step: ResolvedStep, source: str) -> None:
+    """A step whose input is a python step's output (or follows one), checked once that
+    input exists: its columns, and its output schema for the steps after it. Raises
+    ValidationError."""
+    problems: list[Problem] = []
+    schema = _input_schema(step, problems)
+    if schema is not None:
+        problems += step_problems(step, schema.names, f"step {step.parents[0]!r}")
+        if not problems:
+            step.schema = _output_schema(step, schema, problems)
+    if problems:
+        raise ValidationError(source, problems)
 
 
 def _input_schema(step: ResolvedStep, problems: list) -> pa.Schema | None:
@@ -280,6 +347,8 @@ def _generate_problems(step: ResolvedStep, columns: list[str], origin: str) -> l
 def _output_schema(step: ResolvedStep, schema: pa.Schema, problems: list) -> pa.Schema | None:
     if step.job is not None:
         return output_table(schema.empty_table(), [], [], step.job.output_token_ids).schema
+    if step.python is not None:
+        return None  # known from what the function returns, once it ran
     try:
         return step.transform.output_schema(schema)
     except ExpressionError as exc:

@@ -19,7 +19,7 @@ from fusegen.jobs import JobError, redact_url
 from fusegen.workflows.errors import WorkflowError
 from fusegen.workflows.preflight import check_models
 from fusegen.workflows.render import RUN_ID
-from fusegen.workflows.resolve import ResolvedWorkflow, resolve, uses_variable
+from fusegen.workflows.resolve import ResolvedWorkflow, check_late, resolve, uses_variable
 from fusegen.workflows.spec import Workflow
 from fusegen.workflows.steps import RERUN_HINT, Clients, StepCounts, run_step
 from fusegen.workflows.store import HEARTBEAT_SECONDS, SKIPPED, RunStore, new_owner
@@ -132,6 +132,9 @@ def execute_run(resolved: ResolvedWorkflow, store: RunStore, run_id: int, *,
                  f"{redact_url(step.output)}")
             input_changed = any(p in recomputed for p in step.parents)
             try:
+                if step.parents and step.schema is None and step.python is None:
+                    # after a python step: its columns are known now that its input exists
+                    check_late(step, resolved.workflow.source)
                 counts = run_step(step, clients, overwrite, input_changed, replace_stale,
                                   stale_hint)
             except BaseException as exc:

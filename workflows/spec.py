@@ -14,6 +14,10 @@
         filter: "num_generated_tokens >= {{ min_tokens }}"
         select: [topic, generated_text]
         rename: {generated_text: headline}
+      tidy:                                      # a python step (python_step.py)
+        from: keep
+        python: cleaners:tidy                    # module:function, run on each partition
+        format: pandas                           # default arrow
 
 This module checks what can be checked without data: keys, types, references, cycles,
 variables, the schedule. `resolve.py` fills in the variables for one run and checks the
@@ -33,6 +37,7 @@ from fusegen.jobs import FIELD_NAMES, JobError, load_job_file
 from fusegen.workflows.dag import CycleError, run_order
 from fusegen.workflows.errors import Problem, ValidationError
 from fusegen.workflows.expr import Expression, ExpressionError
+from fusegen.workflows.pyfunc import FORMATS, ref_problem
 from fusegen.workflows.render import (ROW_TEMPLATE_KEYS, RUN_VARIABLES, TemplateError,
                                       names_in, template_keys)
 
@@ -41,8 +46,9 @@ SCHEDULE_KEYS = ("cron", "timezone", "missed", "overlap", "grace_seconds")
 MISSED_POLICIES = ("skip", "catch_up")
 OVERLAP_POLICIES = ("forbid",)
 TRANSFORM_KEYS = ("drop_errors", "filter", "select", "rename")
-STEP_KEYS = ("input", "from", "output", "generate", *TRANSFORM_KEYS, "partition_rows",
-             "storage_options")
+PYTHON_KEYS = ("python", "format")
+STEP_KEYS = ("input", "from", "output", "generate", *TRANSFORM_KEYS, *PYTHON_KEYS,
+             "partition_rows", "storage_options")
 JOB_KEYS = tuple(k for k in FIELD_NAMES if k not in ("input", "output")) + ("job_file",)
 TRANSFORM_PARTITION_ROWS = 10_000
 # fullmatch, never match: `$` also matches before a trailing newline ("nightly\n")
@@ -71,12 +77,16 @@ class Step:
     output: str | None = None  # default: <workdir>/<step name>
     generate: dict | None = None  # job options (defaults merged), variables not yet filled
     transform: dict = field(default_factory=dict)  # drop_errors / filter / select / rename
-    partition_rows: int = TRANSFORM_PARTITION_ROWS  # transform steps
-    storage_options: dict | None = None  # transform steps (generate: under generate:)
+    python: str | None = None  # module:function, applied to each partition
+    format: str = "arrow"  # python steps: the function gets a pyarrow Table or a DataFrame
+    partition_rows: int = TRANSFORM_PARTITION_ROWS  # transform and python steps
+    storage_options: dict | None = None  # transform and python steps (generate: under generate:)
 
     @property
     def kind(self) -> str:
-        return "generate" if self.generate is not None else "transform"
+        if self.generate is not None:
+            return "generate"
+        return "python" if self.python is not None else "transform"
 
     @property
     def parents(self) -> list[str]:
@@ -279,7 +289,13 @@ class _Checker:
                 self.problem(name, key, "must be a non-empty string")
         step.input, step.from_step = body.get("input"), body.get("from")
         transform = {k: body[k] for k in TRANSFORM_KEYS if k in body}
+        if "format" in body and "python" not in body:
+            self.problem(name, "format", "only a python step (`python: module:function`) "
+                         "takes a format")
         if "generate" in body:
+            if "python" in body:
+                self.problem(name, "python", "a step either generates or runs a function; "
+                             "move this to its own step (`from: " + name + "`)")
             if transform:
                 self.problem(name, next(iter(transform)), "a step either generates or "
                              "transforms; move this to its own step (`from: " + name + "`)")
@@ -292,11 +308,14 @@ class _Checker:
             if "model" not in step.generate:
                 self.problem(name, "generate.model", "no model: set generate.model or "
                              "defaults.model")
-        elif not transform:
-            self.problem(name, None, "nothing to do: add `generate:` or a transform "
-                         f"({', '.join(TRANSFORM_KEYS)})")
+        elif not transform and "python" not in body:
+            self.problem(name, None, "nothing to do: add `generate:`, `python:` or a "
+                         f"transform ({', '.join(TRANSFORM_KEYS)})")
         else:
-            step.transform = self._transform(name, transform)
+            if "python" in body:
+                self._python(step, body, transform)
+            else:
+                step.transform = self._transform(name, transform)
             step.partition_rows = body.get("partition_rows", TRANSFORM_PARTITION_ROWS)
             rows = step.partition_rows
             if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
@@ -305,6 +324,20 @@ class _Checker:
             if step.storage_options is not None and not isinstance(step.storage_options, dict):
                 self.problem(name, "storage_options", "must be a mapping of fsspec options")
         return step
+
+    def _python(self, step: Step, body: dict, transform: dict) -> None:
+        if transform:
+            self.problem(step.name, next(iter(transform)), "a python step's function does "
+                         "its own filtering and selecting; put this transform in its own "
+                         f"step (`from: {step.name}`)")
+        problem = ref_problem(body["python"])
+        if problem:
+            self.problem(step.name, "python", problem)
+        step.python = body["python"] if not problem else ""
+        step.format = body.get("format", "arrow")
+        if step.format not in FORMATS:
+            self.problem(step.name, "format", f"{step.format!r} is not one of "
+                         f"{', '.join(FORMATS)}")
 
     def _transform(self, name: str, t: dict) -> dict:
         if "drop_errors" in t and not isinstance(t["drop_errors"], bool):

@@ -1,10 +1,12 @@
-"""Running one resolved step: a generation job through jobs.run_job, or a transform that
-streams partition by partition into committed parts, resumable the same way.
+"""Running one resolved step: a generation job through jobs.run_job, or a transform or
+python step that goes partition by partition into committed parts, resumable the same way.
 
-A transform runs in the driver (it is light: no model). It reads one partition at a time
-(`partition_rows` rows at most) and commits it as one part through jobs' output protocol
-(`Output`), like a generation job: its `_manifest.json` and each part's footer carry a
-fingerprint of the transform and its inputs, so a rerun keeps the parts already committed.
+A transform runs in the driver (it is light: no model); a python step's partitions run on
+the Dask workers (`python_step.py`). Each partition (`partition_rows` rows at most) is
+committed as one part through jobs' output protocol (`Output`), like a generation job: its
+`_manifest.json` and each part's footer carry a fingerprint of the step (the transform,
+or the function's reference and source hash) and its inputs, so a rerun keeps the parts
+already committed.
 """
 from __future__ import annotations
 
@@ -14,13 +16,12 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from fusegen.jobs import (JobError, Output, Partition, PartStats, filesystem, input_records,
-                          list_input_files, output_fingerprint, plan_partitions, read_partition,
-                          redact_url)
+                          list_input_files, output_fingerprint, plan_partitions, redact_url)
 from fusegen.workflows.errors import WorkflowError
+from fusegen.workflows.part_io import part_stats, read_rows
 from fusegen.workflows.resolve import ResolvedStep
 
 log = logging.getLogger("fusegen.workflows")
@@ -58,6 +59,8 @@ class Clients:
         self._client = None
 
     def get(self, job):
+        """A client for `job`'s scheduler, workers and partitions_per_worker (a JobSpec, or a
+        python step's ClusterSettings): the open one when they match."""
         from fusegen.jobs import open_client
 
         key = (job.scheduler, job.workers, job.partitions_per_worker)
@@ -67,6 +70,11 @@ class Clients:
             self._client = self._stack.enter_context(open_client(job))
             self._key = key
         return self._client
+
+    def current(self, settings):
+        """The open client whatever its settings (a python step loads no engine), else
+        one for `settings`."""
+        return self._client if self._client is not None else self.get(settings)
 
     def close(self):
         if self._stack is not None:
@@ -102,7 +110,7 @@ def run_step(step: ResolvedStep, clients: Clients, overwrite: bool,
     try:
         if step.job is not None:
             return _generate(step, clients, overwrite)
-        return run_transform(step, overwrite)
+        return run_transform(step, overwrite, clients=clients)
     except JobError as exc:
         if why and stale_hint != RERUN_HINT:  # the job's own hint is `fusegen run`'s
             raise WorkflowError(f"{exc}; {stale_hint}") from None
@@ -125,7 +133,7 @@ def _step_fingerprint(step: ResolvedStep) -> str:
     inputs = input_records(list_input_files(step.input, step.storage_options))
     if step.job is not None:
         return step.job.fingerprint(inputs)
-    return output_fingerprint(_transform_config(step), inputs)
+    return output_fingerprint(_part_config(step), inputs)
 
 
 def _manifest(step: ResolvedStep) -> dict | None:
@@ -148,29 +156,33 @@ def _generate(step: ResolvedStep, clients: Clients, overwrite: bool) -> StepCoun
 
 # -- transforms -----------------------------------------------------------------------------
 
-def run_transform(step: ResolvedStep, overwrite: bool, after_part=None) -> StepCounts:
-    """Stream the step's input through its transform into committed parts. `after_part`
-    (tests) is called with each newly committed part's name."""
+def run_transform(step: ResolvedStep, overwrite: bool, after_part=None,
+                  clients: Clients | None = None) -> StepCounts:
+    """Stream the step's input through its transform (in this process) or its function (on
+    the workers of `clients`' Dask client) into committed parts. `after_part` (tests) is
+    called with each newly committed transform part's name."""
     files = list_input_files(step.input, step.storage_options)
     in_fs, _ = filesystem(step.input, step.storage_options)
     plan = plan_partitions(files, step.partition_rows)
     inputs = input_records(files)
-    config = _transform_config(step)
+    config = _part_config(step)
     fingerprint = output_fingerprint(config, inputs)
     output = Output(step.output, step.storage_options)
     _, done = output.prepare(fingerprint, config, plan, overwrite, inputs)  # takes the lease
-    manifest = {"format": 1, "kind": "transform", "fingerprint": fingerprint,
+    manifest = {"format": 1, "kind": step.kind, "fingerprint": fingerprint,
                 "config": config, "inputs": inputs, "num_partitions": len(plan)}
     parts: dict[int, PartStats] = {}
     try:
         done = {i: stats for i, stats in done.items() if _readable(step, output, stats.name)}
         parts.update(done)
         output.start(manifest)
-        for part in plan:
-            if part.index not in done:
-                parts[part.index] = _transform_part(step, in_fs, output, part, fingerprint)
-                if after_part is not None:
-                    after_part(part.name)
+        todo = [part for part in plan if part.index not in done]
+        if step.python is not None:
+            _python_parts(step, todo, fingerprint, output, clients, parts)
+        for part in todo if step.python is None else []:
+            parts[part.index] = _transform_part(step, in_fs, output, part, fingerprint)
+            if after_part is not None:
+                after_part(part.name)
         manifest["parts"] = [parts[p.index].as_dict() for p in plan]
         output.finish(manifest)
     except KeyboardInterrupt:
@@ -199,25 +211,31 @@ def _readable(step: ResolvedStep, output: Output, name: str) -> bool:
         return False
 
 
-def _transform_config(step: ResolvedStep) -> dict:
-    return {**step.transform.config(), "partition_rows": step.partition_rows}
+def _python_parts(step, todo, fingerprint, output: Output, clients: Clients | None,
+                  parts: dict[int, PartStats]) -> None:
+    """A python step's partitions on the Dask workers, then its parts' columns agreed."""
+    from fusegen.workflows.python_step import check_schemas, run_parts
+
+    if todo:
+        own = clients is None
+        clients = clients or Clients()
+        try:
+            run_parts(step, todo, fingerprint, output.owner, clients.current(step.cluster),
+                      parts)
+        finally:
+            if own:
+                clients.close()
+    check_schemas(step, output, sorted(p.name for p in parts.values()))
+
+
+def _part_config(step: ResolvedStep) -> dict:
+    what = step.python if step.python is not None else step.transform
+    return {**what.config(), "partition_rows": step.partition_rows}
 
 
 def _transform_part(step, in_fs, output: Output, part: Partition, fingerprint) -> PartStats:
     start = time.perf_counter()
-    try:
-        rows = read_partition(in_fs, part)
-    except (OSError, pa.ArrowException) as exc:
-        raise WorkflowError(
-            f"cannot read rows {part.start}-{part.stop - 1} of {redact_url(part.path)}: "
-            f"{str(exc).splitlines()[0]}; if it is a part of an earlier step's output, "
-            "delete that part and rerun: the step recomputes it") from None
-    table = step.transform.apply(rows)
-    errors = 0
-    if "error" in table.column_names:
-        errors = pc.count(table.column("error")).as_py()  # non-null: error rows
-    stats = PartStats(part.name, fingerprint, num_rows=table.num_rows, num_errors=errors,
-                      seconds=round(time.perf_counter() - start, 3),
-                      num_input_rows=part.num_rows)
+    table = step.transform.apply(read_rows(in_fs, part))
+    stats = part_stats(table, part, fingerprint, start)
     output.commit(table, stats)
     return stats

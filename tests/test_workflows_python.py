@@ -1,0 +1,221 @@
+"""Python steps (`python: module:function`): exact rows over several partitions in both
+formats, a failed partition resumed with every part committed once, an edited function
+rerunning the step, bad returns and `workflow check`'s errors, each naming step, module,
+function and partition."""
+import collections
+import textwrap
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from fusegen.jobs import output as jobs_output
+from fusegen.workflows.check import check_file
+from fusegen.workflows.errors import WorkflowError
+from fusegen.workflows.run import run_workflow
+from fusegen.workflows.spec import load_workflow
+from fusegen.workflows.store import open_store
+from jobs_fixtures import read_output
+
+RUN_DATE = "2024-05-01"
+IDS = list(range(10))
+TEXTS = [f"  Item {i}  " for i in IDS]
+
+# arrow: keeps ids not divisible by 3, adds `clean` and `length`
+ARROW_MODULE = '''
+import os
+import pyarrow as pa
+import pyarrow.compute as pc
+
+def tidy(table):
+    if os.path.exists(os.path.join(os.path.dirname(__file__), "FAIL")) \\
+            and 5 in table.column("id").to_pylist():
+        raise ValueError("injected failure")
+    table = table.filter(pc.not_equal(pc.modulo(table.column("id"), 3), 0))
+    clean = pc.utf8_lower(pc.utf8_trim_whitespace(table.column("text")))
+    return table.append_column("clean", clean).append_column("length", pc.utf8_length(clean))
+
+def returns_none(table):
+    return None
+
+def drops_clean(table):
+    return table.select(["id"])
+
+NOT_CALLABLE = 3
+'''
+PANDAS_MODULE = '''
+def tidy(df):
+    df = df[df["id"] % 3 != 0].copy()
+    df["clean"] = df["text"].str.strip().str.lower()
+    df["length"] = df["clean"].str.len()
+    return df
+'''
+
+
+def _expected():
+    kept = [i for i in IDS if i % 3]
+    return kept, [f"item {i}" for i in kept], [len(f"item {i}") for i in kept]
+
+
+def _workflow(root, module: str, source: str, function="tidy", fmt=None, after=None):
+    """10 rows in 3 partitions (4 rows each) -> py (module:function) -> keep."""
+    pq.write_table(pa.table({"id": IDS, "text": TEXTS}), root / "in.parquet")
+    (root / f"{module}.py").write_text(textwrap.dedent(source))
+    py = {"input": "in.parquet", "python": f"{module}:{function}", "partition_rows": 4}
+    if fmt:
+        py["format"] = fmt
+    doc = {"name": "pysteps", "workdir": "work",
+           "steps": {"py": py, "keep": after or {"from": "py", "select": ["id", "clean"],
+                                                "partition_rows": 4}}}
+    path = root / "wf.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return str(path)
+
+
+def _run(root, path):
+    store = open_store(f"sqlite:///{root}/runs.db")
+    outcome = run_workflow(load_workflow(path), store, run_date=RUN_DATE)
+    return store, {s.step: s for s in store.steps(outcome.run_id)}
+
+
+@pytest.mark.parametrize("fmt,source", [(None, ARROW_MODULE), ("pandas", PANDAS_MODULE)])
+def test_a_python_step_gives_exact_rows_over_three_partitions(tmp_path, fmt, source):
+    module = f"tidy_{fmt or 'arrow'}"
+    _, steps = _run(tmp_path, _workflow(tmp_path, module, source, fmt=fmt))
+    kept, clean, length = _expected()
+    py = read_output(tmp_path / "work" / "py")
+    assert py.column_names == ["id", "text", "clean", "length"]
+    assert py.column("id").to_pylist() == kept
+    assert py.column("clean").to_pylist() == clean
+    assert py.column("length").to_pylist() == length
+    assert sorted(p.name for p in (tmp_path / "work" / "py").glob("part-*")) == \
+        ["part-00000.parquet", "part-00001.parquet", "part-00002.parquet"]
+    keep = read_output(tmp_path / "work" / "keep")
+    assert keep.column_names == ["id", "clean"] and keep.column("clean").to_pylist() == clean
+    assert (steps["py"].kind, steps["py"].num_input_rows, steps["py"].num_rows,
+            steps["py"].num_parts) == ("python", 10, 6, 3)
+    config = jobs_output.Output(str(tmp_path / "work" / "py"), {}).read_manifest()["config"]
+    assert config["python"] == f"{module}:tidy" and config["format"] == (fmt or "arrow")
+    assert len(config["source_sha256"]) == 64
+
+
+def test_a_failed_partition_resumes_committing_each_part_once(tmp_path, monkeypatch):
+    path = _workflow(tmp_path, "tidy_resume", ARROW_MODULE)
+    (tmp_path / "FAIL").write_text("")
+    commits = collections.Counter()
+    real = jobs_output.Output.commit
+
+    def counting(self, table, stats):
+        real(self, table, stats)
+        if self.path.endswith("/py"):
+            commits[stats.name] += 1
+
+    monkeypatch.setattr(jobs_output.Output, "commit", counting)
+    store = open_store(f"sqlite:///{tmp_path}/runs.db")
+    with pytest.raises(WorkflowError) as failed:
+        run_workflow(load_workflow(path), store, run_date=RUN_DATE)
+    assert str(failed.value) == (
+        f"step 'py' failed: step 'py', part-00001.parquet (rows 4-7 of "
+        f"{tmp_path}/in.parquet): tidy_resume:tidy raised ValueError: injected failure "
+        "(tidy_resume.py:9 in tidy)")
+    first = set(commits)
+    assert "part-00001.parquet" not in first
+
+    (tmp_path / "FAIL").unlink()
+    outcome = run_workflow(load_workflow(path), store, run_date=RUN_DATE)
+    steps = {s.step: s for s in store.steps(outcome.run_id)}
+    assert commits == {f"part-0000{i}.parquet": 1 for i in range(3)}
+    assert (steps["py"].num_parts, steps["py"].num_parts_kept) == (3, len(first))
+    assert read_output(tmp_path / "work" / "py").column("clean").to_pylist() == _expected()[1]
+
+
+def test_an_edited_function_reruns_the_step_and_an_unchanged_one_keeps_it(tmp_path):
+    path = _workflow(tmp_path, "tidy_edit", PANDAS_MODULE, fmt="pandas")
+    _run(tmp_path, path)
+    _, steps = _run(tmp_path, path)
+    assert (steps["py"].num_parts_kept, steps["keep"].num_parts_kept) == (3, 3)
+
+    (tmp_path / "tidy_edit.py").write_text(PANDAS_MODULE.replace(".lower()", ".upper()"))
+    _, steps = _run(tmp_path, path)
+    assert (steps["py"].num_parts_kept, steps["keep"].num_parts_kept) == (0, 0)
+    assert read_output(tmp_path / "work" / "keep").column("clean").to_pylist() == \
+        [c.upper() for c in _expected()[1]]
+
+
+@pytest.mark.parametrize("function,message", [
+    ("returns_none", "tidy_bad:returns_none returned None, not a pyarrow Table (format: "
+                     "arrow; `format: pandas` passes and takes a DataFrame)"),
+    ("drops_clean", "step 'keep', key 'select': column 'clean' is not provided by the table "
+                    "tidy_bad:drops_clean returned; its columns are id"),
+])
+def test_a_bad_return_names_step_partition_and_what_came_back(tmp_path, function, message):
+    path = _workflow(tmp_path, "tidy_bad", ARROW_MODULE, function=function)
+    with pytest.raises(WorkflowError) as failed:
+        _run(tmp_path, path)
+    text = str(failed.value)
+    assert text.startswith("step 'py' failed: step 'py', part-0000"), text
+    assert text.endswith(message), text
+    assert not list((tmp_path / "work" / "py").glob("part-*")), "a bad part never commits"
+
+
+def test_a_dataframe_where_a_table_is_expected_is_named(tmp_path):
+    path = _workflow(tmp_path, "tidy_df", PANDAS_MODULE)  # format left at arrow
+    with pytest.raises(WorkflowError, match=r"step 'py', part-0000\d\.parquet \(rows \d-\d of "
+                       r".*in\.parquet\): tidy_df:tidy raised TypeError: .*\(tidy_df\.py:3 in "
+                       r"tidy\)$"):
+        _run(tmp_path, path)
+
+
+def test_parts_that_disagree_on_types_fail_the_step(tmp_path):
+    source = '''
+import pyarrow as pa
+
+def typed(table):
+    ids = table.column("id").to_pylist()
+    value = [str(i) for i in ids] if 0 in ids else ids
+    return pa.table({"id": ids, "value": value})
+'''
+    path = _workflow(tmp_path, "tidy_types", source, function="typed",
+                     after={"from": "py", "select": ["id"]})
+    with pytest.raises(WorkflowError, match="step 'py': tidy_types:typed returned other "
+                       "columns or types for part-00001.parquet than for part-00000.parquet"):
+        _run(tmp_path, path)
+
+
+def _problems(tmp_path, python, fmt=None, source=ARROW_MODULE):
+    path = _workflow(tmp_path, "tidy_check", source, fmt=fmt)
+    doc = yaml.safe_load(open(path))
+    doc["steps"]["py"]["python"] = python
+    open(path, "w").write(yaml.safe_dump(doc, sort_keys=False))
+    return [str(p) for p in check_file(path, None, RUN_DATE).problems]
+
+
+def test_check_names_step_module_and_function(tmp_path):
+    assert _problems(tmp_path, "tidy_check:tidy") == []
+    assert _problems(tmp_path, "no_such_mod:tidy") == [
+        f"step 'py', key 'python': cannot import module 'no_such_mod' for no_such_mod:tidy: "
+        f"No module named 'no_such_mod'; put no_such_mod.py beside the workflow file "
+        f"({tmp_path}) or install it where the workers run"]
+    assert _problems(tmp_path, "tidy_check:tidyy") == [
+        f"step 'py', key 'python': module 'tidy_check' ({tmp_path}/tidy_check.py) has no "
+        "function 'tidyy' for tidy_check:tidyy; it defines: drops_clean, returns_none, tidy"]
+    assert _problems(tmp_path, "tidy_check:NOT_CALLABLE") == [
+        "step 'py', key 'python': tidy_check:NOT_CALLABLE is a int, not a function"]
+    assert _problems(tmp_path, "tidy_check") == [
+        "step 'py', key 'python': 'tidy_check' is not a function reference; write "
+        "module:function, e.g. cleaners:strip_markup (cleaners.py beside the workflow "
+        "file, or an installed module)"]
+    assert _problems(tmp_path, "tidy_check:tidy", fmt="polars") == [
+        "step 'py', key 'format': 'polars' is not one of arrow, pandas"]
+    assert _problems(tmp_path, "tidy_check:tidy", source="def tidy(:\n") == [
+        "step 'py', key 'python': importing module 'tidy_check' for tidy_check:tidy raised "
+        "SyntaxError: invalid syntax (tidy_check.py, line 1)"]
+
+
+def test_check_notes_the_columns_after_a_python_step(tmp_path):
+    path = _workflow(tmp_path, "tidy_notes", ARROW_MODULE)
+    report = check_file(path, None, RUN_DATE)
+    assert report.problems == []
+    assert report.notes == ["keep: columns checked as the run goes: step 'py' is a python "
+                            "step, whose columns are known from what its function returns"]
