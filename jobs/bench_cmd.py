@@ -18,6 +18,12 @@ _ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "determ
                  "tensor_parallel_size", "pipeline_parallel_size", "enforce_eager", "quantization")
 
 
+def _timeout_option(flag: str, what: str):
+    """The seconds a peer engine's run (--vllm-python, --llamacpp) is given."""
+    return click.option(flag, type=click.FloatRange(min=0, min_open=True), default=3600,
+                        show_default=True, help=f"Seconds {what}.")
+
+
 @click.command()
 @click.option("--preset", "preset_name", type=click.Choice(sorted(PRESETS)), default="cpu-small",
               show_default=True, help="Model shape and workload.")
@@ -51,8 +57,7 @@ _ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "determ
                    "there, its row says why and the rest of the bench goes on. --max-num-seqs "
                    "applies to it too. Not with the offload presets: vLLM has no comparable "
                    "offload mode.")
-@click.option("--vllm-timeout", type=click.FloatRange(min=0, min_open=True), default=3600,
-              show_default=True, help="Seconds vLLM's run may take, its start included.")
+@_timeout_option("--vllm-timeout", "vLLM's run may take, its start included")
 @click.option("--llamacpp", "llamacpp", metavar="[DIR]", is_flag=False, flag_value="",
               help="Also run llama.cpp on the same GGUF file (--model FILE.gguf, or the chat "
                    "preset's smollm2) and the same requests, from its tools folder DIR "
@@ -61,8 +66,7 @@ _ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "determ
                    "per sequence fusegen runs at once and continuous batching, else "
                    "llama-batched-bench for a fixed-length workload; fusegen's thread count. "
                    "If it fails, its row says why and the rest of the bench goes on.")
-@click.option("--llamacpp-timeout", type=click.FloatRange(min=0, min_open=True), default=3600,
-              show_default=True, help="Seconds llama.cpp's run may take, its load included.")
+@_timeout_option("--llamacpp-timeout", "llama.cpp's run may take, its load included")
 @with_flags(engine_flags(_ENGINE_FLAGS))
 @click.option("--deterministic-too", is_flag=True,
               help="Run fusegen a second time in deterministic (batch-invariant) mode, "
@@ -82,10 +86,15 @@ _ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "determ
                    "~/.cache/fusegen).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write every figure, the machine and the versions to this JSON file.")
+@click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Also write an HTML page of the results (self-contained: output tokens/s "
+                   "of every engine as bars, fusegen's decode step times over the run, its "
+                   "memory plan, the table) to this file. Default: beside --json, its name "
+                   "with .html (none without --json).")
 def bench(preset_name, model_name, revision, num_requests, layers, hf_batch_size, dtype, device, seed, skip_hf,
           skip_hf_static, skip_hf_continuous, vllm_python, vllm_timeout, llamacpp,
           llamacpp_timeout, deterministic_too, structured, prefix_caching, cache_dir, json_path,
-          **engine):
+          report_path, **engine):
     """Benchmark fusegen against transformers and vLLM on a seeded workload.
 
     Builds (once, cached) a random model of the preset's shape, or loads a real one
@@ -95,10 +104,12 @@ def bench(preset_name, model_name, revision, num_requests, layers, hf_batch_size
     vLLM (with --vllm-python), llama.cpp (with --llamacpp, on a GGUF file), transformers `generate` in static batches and
     transformers' continuous batching, and prints throughput, model FLOP/s and the
     ratios, beside the matmul FLOP/s and memory bandwidth measured in the same run.
+    With --json, writes the figures there and an HTML report beside them (--report).
     """
     from fusegen.jobs.bench.harness import BenchConfig, run_benchmark
     from fusegen.jobs.bench.report import format_report
 
+    report_path = _report_path(report_path, json_path)
     preset = PRESETS[preset_name].shrink(num_layers=layers, num_requests=num_requests,
                                          hf_batch_size=hf_batch_size)
     options = {k: v for k, v in engine.items() if v is not None}
@@ -119,13 +130,33 @@ def bench(preset_name, model_name, revision, num_requests, layers, hf_batch_size
     report = run_benchmark(config, _progress_printer())
     click.echo(format_report(report))
     if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(report, indent=2) + "\n")
-        click.echo(f"wrote {json_path}")
+        _write(json_path, json.dumps(report, indent=2) + "\n")
+    if report_path is not None:
+        from fusegen.jobs.bench.html_report import render_bench_html
+
+        _write(report_path, render_bench_html(report))
     if not all(r.get("budgets_met", True) for r in report["results"].values()):
         click.echo("error: an engine's output token counts differ from the budgets asked; "
                    "its figures are not comparable", err=True)
         sys.exit(1)
+
+
+def _report_path(report: Path | None, json_path: Path | None) -> Path | None:
+    """--report's file; not given, the --json file's name with .html (.json.html where
+    the JSON file's is .html already)."""
+    if report is None and json_path is not None:
+        report = json_path.with_suffix(".html")
+        return report if report != json_path else json_path.with_name(json_path.name + ".html")
+    if report is not None and json_path is not None and report.resolve() == json_path.resolve():
+        raise click.UsageError(f"--report and --json name the same file ({report}); give the "
+                               "HTML report a name of its own")
+    return report
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    click.echo(f"wrote {path}")
 
 
 def _llamacpp_dir(value: str | None) -> Path | None:

@@ -1,11 +1,14 @@
 """fusegen's engine on the benchmark's requests, through the offline API."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from concurrent.futures import as_completed
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from fusegen.engine.llm_engine import EngineStats
 from fusegen.jobs.bench.results import EngineResult
 from fusegen.jobs.bench.workload import BenchRequest
 
@@ -43,6 +46,7 @@ def run_fusegen(model_dir: Path, requests: list[BenchRequest], warmup: list[Benc
         # untimed; with a schema, its compilation and the grammar tokenizer's too
         llm.generate(*_prompts_and_params(warmup, schema), use_tqdm=False)
         before = llm.stats()
+        steps = _record_decode_steps(llm.engine)
         runner = llm.engine.runner
         streamer = runner.streamer  # a device group's ranks stream for themselves
         stall_before = streamer.stall_seconds if streamer is not None else 0.0
@@ -88,6 +92,8 @@ def run_fusegen(model_dir: Path, requests: list[BenchRequest], warmup: list[Benc
         # allocated at load (sized from free memory unless kv_cache_memory says)
         "kv_cache_bytes": memory["device"]["kv_cache"] + memory["host"]["kv_cache"],
         "weight_bytes": weight_bytes,
+        "decode_step_times_s": steps.decode_step_times_s,  # each timed decode step, in order
+        "memory": memory,  # bytes per tier and use, budgets, layers and KV blocks per tier
         **offload,
         **({} if cuda_graphs is None else {"cuda_graphs": cuda_graphs}),
     }
@@ -96,6 +102,27 @@ def run_fusegen(model_dir: Path, requests: list[BenchRequest], warmup: list[Benc
         result.extra["num_constrained"] = len(constrained)
         result.extra["num_structured_valid"] = sum(c.structured_valid is True for c in constrained)
     return result
+
+
+@dataclass(slots=True)
+class _StepTimes(EngineStats):
+    """The engine's counters, and the seconds of each decode step as it records them
+    (the engine keeps sums only): one float a step, for the report's step-time line."""
+    decode_step_times_s: list[float] = field(default_factory=list)
+
+    def record(self, batch, sampled, finished, seconds: float) -> None:
+        decode_steps = self.num_decode_steps
+        EngineStats.record(self, batch, sampled, finished, seconds)
+        if self.num_decode_steps > decode_steps:  # the engine counted it a decode step
+            self.decode_step_times_s.append(seconds)
+
+
+def _record_decode_steps(engine) -> _StepTimes:
+    """From now on, the engine's steps also leave their times (between runs: no step is
+    in progress while its counters move over)."""
+    counters = {f.name: getattr(engine.stats, f.name) for f in dataclasses.fields(EngineStats)}
+    engine.stats = _StepTimes(**counters)
+    return engine.stats
 
 
 def _forget_parsed_gguf(model: Path) -> None:

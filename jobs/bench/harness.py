@@ -287,19 +287,14 @@ def _run_llamacpp(config: BenchConfig, model: BenchModel, requests, warmup, thre
         return []
     from fusegen.jobs.bench.llamacpp_runner import run_llamacpp
 
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    log_path = Path(config.cache_dir) / "bench" / "logs" / f"llamacpp-{config.preset.name}-{stamp}.log"
+    log_path = _peer_log(config, "llamacpp")
     slots = fusegen.extra.get("max_num_seqs") or config.engine_options.get("max_num_seqs") \
         or len(requests)
     result = run_llamacpp(config.llamacpp, model.path, requests, warmup, threads=threads,
                           slots=slots, prefix_caching=config.prefix_caching != "off",
                           log_path=log_path, timeout_s=config.llamacpp_timeout,
                           progress=progress)
-    if result.skipped is None:
-        _done(result, progress)
-    else:
-        progress(f"llama.cpp: {result.skipped}")
-    return [result]
+    return [_peer_done(result, "llama.cpp", progress)]
 
 
 def _run_vllm(config: BenchConfig, model_dir: Path, requests, warmup,
@@ -312,18 +307,28 @@ def _run_vllm(config: BenchConfig, model_dir: Path, requests, warmup,
                              skipped="skipped: vLLM has no comparable offload mode")]
     from fusegen.jobs.bench.vllm_runner import run_vllm
 
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    log_path = Path(config.cache_dir) / "bench" / "logs" / f"vllm-{config.preset.name}-{stamp}.log"
     result = run_vllm(config.vllm_python, model_dir, requests, warmup, dtype=config.dtype,
-                      device=config.device, seed=config.seed, log_path=log_path,
+                      device=config.device, seed=config.seed,
+                      log_path=_peer_log(config, "vllm"),
                       max_model_len=config.shape.max_position_embeddings,
                       max_num_seqs=config.engine_options.get("max_num_seqs"),
                       timeout_s=config.vllm_timeout, progress=progress)
+    return [_peer_done(result, "vllm", progress)]
+
+
+def _peer_log(config: BenchConfig, peer: str) -> Path:
+    """Where a peer engine's own output goes: a file per run under the cache."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path(config.cache_dir) / "bench" / "logs" / f"{peer}-{config.preset.name}-{stamp}.log"
+
+
+def _peer_done(result: EngineResult, peer: str, progress: Progress) -> EngineResult:
+    """A peer engine's figures told, or why it did not run (the bench goes on)."""
     if result.skipped is None:
         _done(result, progress)
     else:
-        progress(f"vllm: {result.skipped}")
-    return [result]
+        progress(f"{peer}: {result.skipped}")
+    return result
 
 
 def _run_baselines(config: BenchConfig, model_dir: Path, requests, warmup,

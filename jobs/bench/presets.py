@@ -138,6 +138,11 @@ class Preset:
             hf_batch_size=self.hf_batch_size if hf_batch_size is None else hf_batch_size)
 
 
+# Lengths after ShareGPT as the field benchmarks it: prompt mean ~200 and output mean
+# ~180 with long tails, capped at 1024 each (as vLLM's script does).
+_SHAREGPT_PROMPTS = LengthDist("lognormal", 4, 1024, mean=200.0, sigma=1.0)
+_SHAREGPT_OUTPUTS = LengthDist("lognormal", 4, 1024, mean=180.0, sigma=0.9)
+
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(
         name="tiny",
@@ -161,16 +166,15 @@ PRESETS: dict[str, Preset] = {
         hf_batch_size=32,
         run_dtype="auto",
     ),
-    # Llama-3-8B's shape. Lengths after ShareGPT as the field benchmarks it: prompt mean
-    # ~200 and output mean ~180 with long tails, capped at 1024 each (as vLLM's script does).
+    # Llama-3-8B's shape on ShareGPT-like lengths.
     "gpu-8b": Preset(
         name="gpu-8b",
         model=PresetModel(arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                          num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
                          max_position_embeddings=4096, dtype="bfloat16"),
         num_requests=1000,
-        prompt_len=LengthDist("lognormal", 4, 1024, mean=200.0, sigma=1.0),
-        output_len=LengthDist("lognormal", 4, 1024, mean=180.0, sigma=0.9),
+        prompt_len=_SHAREGPT_PROMPTS,
+        output_len=_SHAREGPT_OUTPUTS,
         hf_batch_size=64,
     ),
     # A 32B Llama shape (~65 GB in bf16), about twice a 24 GiB device budget: most
@@ -181,8 +185,8 @@ PRESETS: dict[str, Preset] = {
                          intermediate_size=27648, num_layers=64, num_heads=40, num_kv_heads=8,
                          head_dim=128, max_position_embeddings=4096, dtype="bfloat16"),
         num_requests=512,
-        prompt_len=LengthDist("lognormal", 4, 1024, mean=200.0, sigma=1.0),
-        output_len=LengthDist("lognormal", 4, 1024, mean=180.0, sigma=0.9),
+        prompt_len=_SHAREGPT_PROMPTS,
+        output_len=_SHAREGPT_OUTPUTS,
         hf_batch_size=32,
         offload=OffloadSpec(device_memory="24GiB", host_memory="100GiB"),
     ),
