@@ -219,3 +219,71 @@ def test_check_notes_the_columns_after_a_python_step(tmp_path):
     assert report.problems == []
     assert report.notes == ["keep: columns checked as the run goes: step 'py' is a python "
                             "step, whose columns are known from what its function returns"]
+
+
+WORKER_MODULE = '''
+import os
+import pandas as pd
+from distributed import get_worker
+
+def words(df):
+    return pd.DataFrame({"id": df["id"], "num_words": df["generated_text"].str.split().str.len(),
+                         "worker": get_worker().address, "pid": os.getpid()})
+'''
+
+
+def test_after_a_generate_step_it_runs_on_the_same_client(tmp_path, monkeypatch):
+    import fusegen.jobs
+    from jobs_fixtures import tiny_model_dir
+
+    opened = []
+    real = fusegen.jobs.open_client
+
+    def counting(spec):
+        opened.append(spec)
+        return real(spec)
+
+    monkeypatch.setattr(fusegen.jobs, "open_client", counting)
+    pq.write_table(pa.table({"id": list(range(6)), "topic": [f"topic {i}" for i in range(6)]}),
+                   tmp_path / "topics.parquet")
+    (tmp_path / "words_gen.py").write_text(WORKER_MODULE)
+    doc = {"name": "genpy", "workdir": "work",
+           "defaults": {"model": tiny_model_dir(), "max_tokens": 4, "temperature": 0,
+                        "partition_rows": 3, "progress": "none"},
+           "steps": {"draft": {"input": "topics.parquet", "generate": {"prompt_column": "topic"}},
+                     "count": {"from": "draft", "python": "words_gen:words", "format": "pandas",
+                               "partition_rows": 2}}}
+    (tmp_path / "wf.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    _, steps = _run(tmp_path, str(tmp_path / "wf.yaml"))
+
+    draft = read_output(tmp_path / "work" / "draft")
+    count = read_output(tmp_path / "work" / "count")
+    assert count.column("id").to_pylist() == list(range(6))
+    assert count.column("num_words").to_pylist() == [
+        len(t.split()) for t in draft.column("generated_text").to_pylist()]
+    assert {w.split("://")[0] for w in count.column("worker").to_pylist()} == {"inproc"}
+    assert len(opened) == 1, "the python step reuses the generate step's client"
+    assert (steps["count"].num_parts, steps["count"].num_rows) == (4, 6)  # 2 draft parts of 3 rows, 2 rows a partition
+
+
+def test_worker_processes_import_the_module_beside_the_workflow_file(tmp_path):
+    import os
+
+    source = '''
+import os
+import pyarrow as pa
+
+def tag(table):
+    return table.append_column("pid", pa.array([os.getpid()] * table.num_rows))
+'''
+    path = _workflow(tmp_path, "tag_procs", source, function="tag",
+                     after={"from": "py", "select": ["id", "pid"]})
+    doc = yaml.safe_load(open(path))
+    doc["defaults"] = {"workers": 2, "partitions_per_worker": 1}
+    open(path, "w").write(yaml.safe_dump(doc, sort_keys=False))
+    _, steps = _run(tmp_path, path)
+    keep = read_output(tmp_path / "work" / "keep")
+    assert keep.column("id").to_pylist() == IDS
+    pids = set(keep.column("pid").to_pylist())
+    assert os.getpid() not in pids and 1 <= len(pids) <= 2
+    assert steps["py"].num_parts == 3
