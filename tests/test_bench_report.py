@@ -140,3 +140,19 @@ def test_report_and_json_must_be_two_files(tmp_path):
                                         "--report", str(path)])
     assert result.exit_code == 2 and "--report and --json name the same file" in result.output
     assert not path.exists()
+
+
+def test_a_device_groups_plan_says_whose_share_it_shows():
+    from fusegen.jobs.bench.html_report import memory_plan
+
+    share = {"device": {"weights": 3 * 2**20, "kv_cache": 2**20, "total": 4 * 2**20,
+                        "budget": 8 * 2**20, "peak": 0},
+             "host": {"kv_cache": 0, "budget": 0}, "disk": {"weights": 2**20},
+             "layers": {"device": 2, "host": 0, "disk": 1}, "kv_blocks": {"device": 64, "host": 0}}
+    page = memory_plan({**share, "ranks": [share, share],
+                        "group": {"tensor_parallel_size": 2, "pipeline_parallel_size": 1}})
+    assert "a device group of 2 ranks (tensor parallel 2 x pipeline parallel 1)" in page
+    rows = _rows(page)
+    assert rows["device"] == ["8388608", "2", "64", "1048576", "3145728", "4194304"]
+    assert rows["disk"] == ["null", "1", "null", "null", "1048576", "1048576"]
+    assert ">4.0 MiB</td>" in page and ">1.0 MiB</td>" in page

@@ -116,7 +116,12 @@ def memory_plan(memory: dict | None) -> str:
     bars = svg.bar_chart([(tier, sum(memory.get(tier, {}).get(use, 0) for use in uses) / 1e6)
                           for tier in _TIERS], title="bytes held per tier, MB",
                          css_class="memory-bar", value_format="{:,.1f} MB")
-    return f"{table}\n{bars}"
+    group = memory.get("group")
+    note = "" if group is None else (
+        f"<p>a device group of {len(memory.get('ranks', []))} ranks (tensor parallel "
+        f"{group['tensor_parallel_size']} x pipeline parallel "
+        f"{group['pipeline_parallel_size']}): the first rank's share</p>\n")
+    return f"{note}{table}\n{bars}"
 
 
 def _bytes(value) -> str:
