@@ -287,3 +287,33 @@ def tag(table):
     pids = set(keep.column("pid").to_pylist())
     assert os.getpid() not in pids and 1 <= len(pids) <= 2
     assert steps["py"].num_parts == 3
+
+
+def test_the_example_explodes_json_answers_into_topics(tmp_path):
+    import hashlib
+    from pathlib import Path
+
+    from fusegen.workflows.resolve import resolve
+
+    examples = Path(__file__).resolve().parent.parent / "workflows" / "examples"
+    wf = load_workflow(str(examples / "review_topics.yaml"))
+    pq.write_table(pa.table({"review_id": [1, 2], "review": ["ok", "bad"]}),
+                   tmp_path / "reviews.parquet")
+    resolved = resolve(wf, {"reviews": str(tmp_path / "reviews.parquet"),
+                            "model": str(tmp_path / "model"), "out": str(tmp_path / "out")},
+                       RUN_DATE)
+    label, topics, named = resolved.steps
+    assert (topics.kind, topics.python.ref, topics.python.format, topics.readers) == \
+        ("python", "review_tools:explode_topics", "pandas", [named])
+    assert topics.python.source_sha256 == hashlib.sha256(
+        (examples / "review_tools.py").read_bytes()).hexdigest()
+    answers = pa.table({
+        "review_id": [1, 2, 3, 4, 5],
+        "generated_text": ['{"topics": ["Battery", " battery ", "UI"]}', None, "not json",
+                           '{"topics": "price"}', '{"topics": ["Price", "shipping"]}'],
+        "error": [None, "null_prompt", None, None, None]})
+    table = topics.python.apply(topics.python.load("topics"), answers, "test")
+    assert table.to_pydict() == {"review_id": [1, 1, 5, 5],
+                                 "topic": ["battery", "ui", "price", "shipping"]}
+    assert named.transform.apply(table).column("topic").to_pylist() == \
+        ["battery", "price", "shipping"]
