@@ -23,15 +23,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from fusegen.engine.models import get_architecture
-from fusegen.engine.weights.quantize import QUANTIZED_PARAMS, QuantizeError
-
-if TYPE_CHECKING:
-    from fusegen.engine.weights.quantize import QuantizeSpec, Report, Source
+from fusegen.engine.weights.quantize_spec import (QUANTIZED_PARAMS, QuantizeError, QuantizeSpec,
+                                                  Report, Source)
 
 _NUM_ALPHAS = 20
 _SAMPLE_ROWS = 512  # calibration rows kept per linear for the error of each alpha

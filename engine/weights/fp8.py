@@ -32,9 +32,10 @@ from functools import partial
 
 import torch
 
+from fusegen.engine.weights.compressed import CompressedLinear, CompressedSource
 from fusegen.engine.weights.groupquant import quantization_config
+from fusegen.engine.weights.lazy import LazyTensor
 from fusegen.engine.weights.linear import Linear, row_tiled
-from fusegen.engine.weights.quantized import CompressedLinear
 from fusegen.kernels.triton_quant import fp8_linear, has_fp8_units, quantize_fp8
 
 WEIGHT_BLOCK = (128, 128)  # weight_scale_inv's block: [output rows, input channels]
@@ -214,9 +215,6 @@ def fp8_entry(name: str, weight: torch.Tensor, weight_scale: torch.Tensor | None
     """The state-dict entry of an FP8 checkpoint's linear `name` ("...q_proj"): a lazy
     fp32 tensor of its dequantized weight carrying an "fp8" `.compressed` source of
     `fp8_checkpoint_parts` (checked here, read only when used)."""
-    from fusegen.engine.weights.loader import LazyTensor
-    from fusegen.engine.weights.quantized import CompressedSource
-
     check_fp8_checkpoint(name, weight, weight_scale, weight_scale_inv, block)
     entry = LazyTensor(tuple(weight.shape), torch.float32, partial(
         dequantize_fp8_checkpoint, weight, weight_scale, weight_scale_inv, block))

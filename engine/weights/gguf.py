@@ -30,8 +30,9 @@ from gguf.quants import dequantize
 
 from fusegen.engine.errors import ModelLoadError
 from fusegen.engine.models import get_architecture
+from fusegen.engine.weights.compressed import CompressedSource
 from fusegen.engine.weights.gguf_names import gguf_tensor_names, hf_config, value_transform
-from fusegen.engine.weights.loader import LazyTensor
+from fusegen.engine.weights.lazy import LazyTensor
 
 if TYPE_CHECKING:
     from fusegen.engine.models.config import ModelConfig
@@ -204,11 +205,9 @@ class GGUFFile:
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(dtype)
 
     def block_source(self, info: TensorInfo, transform=None):
-        """`info`'s raw blocks as a `CompressedSource` (weights/quantized.py), or None
+        """`info`'s raw blocks as a `CompressedSource` (weights/compressed.py), or None
         where `transform` changes values rather than moving whole rows (its blocks would
         not hold the Hugging Face weight)."""
-        from fusegen.engine.weights.quantized import CompressedSource
-
         order = None
         if transform is not None:
             order = _row_order(transform, info.shape[0])

@@ -21,8 +21,9 @@ import torch
 
 from fusegen.engine.errors import ModelLoadError
 from fusegen.engine.weights.linear import Linear, row_tiled
-from fusegen.engine.weights.quantized import (GROUP_BITS, GROUP_SIZES, CompressedLinear,
-                                              CompressedSource, component_shapes)
+from fusegen.engine.weights.compressed import (GROUP_BITS, GROUP_SIZES, CompressedLinear,
+                                               CompressedSource, component_shapes)
+from fusegen.engine.weights.lazy import LazyTensor
 from fusegen.kernels import use_native, use_triton
 
 QUANT_METHOD = "fusegen"
@@ -146,8 +147,6 @@ def _dtype(dtype: torch.dtype) -> str:
 def compressed_entry(shape: tuple[int, int], params: tuple, name: str, read) -> torch.Tensor:
     """A state-dict entry for a group-quantized weight: a lazy tensor of the dense
     weight (fp32, dequantized when used) carrying its source as `.compressed`."""
-    from fusegen.engine.weights.loader import LazyTensor
-
     source = CompressedSource.of("group", params, shape, name, read)
     entry = LazyTensor(tuple(shape), torch.float32, partial(_dequantized, source))
     entry.compressed = source

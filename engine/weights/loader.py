@@ -15,11 +15,11 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from torch.utils._pytree import tree_map_only
 
 from fusegen.engine.errors import ModelLoadError
 from fusegen.engine.models import get_architecture
 from fusegen.engine.models.config import ModelConfig
+from fusegen.engine.weights.compressed import CompressedSource
 from fusegen.engine.weights.fp8 import SCALE_SUFFIXES, FP8Checkpoint, fp8_checkpoint, fp8_entry
 from fusegen.engine.weights.groupquant import (COMPONENT_SUFFIXES, checkpoint_format,
                                                on_load_format, quantizable,
@@ -28,29 +28,6 @@ from fusegen.engine.weights.groupquant import (COMPONENT_SUFFIXES, checkpoint_fo
 _PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth")
 # Buffers some exporters write that carry no weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-class LazyTensor(torch.Tensor):
-    """A tensor read (and dequantized) only when a torch op uses it (the loader's
-    `.to(...)`, a streaming copy into a staging slot): a GGUF file's tensors, a
-    group-quantized checkpoint's linears; shape and dtype are known without reading.
-    Each use reads afresh, so a disk-tier layer costs no host memory between steps. It
-    lives on the meta device: `.to(device)` always copies, never hands the lazy tensor
-    itself to a model."""
-
-    @staticmethod
-    def __new__(cls, shape: tuple[int, ...], dtype: torch.dtype, load):
-        tensor = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device="meta")
-        tensor.load = load  # () -> the tensor's values, a real tensor in `dtype`
-        return tensor
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        args, kwargs = tree_map_only(LazyTensor, lambda t: t.load(), (args, kwargs or {}))
-        return func(*args, **kwargs)
-
-    def __repr__(self) -> str:
-        return f"LazyTensor(shape={tuple(self.shape)}, dtype={self.dtype})"
 
 
 def weight_files(model_dir: Path, allow_pickle: bool = False) -> list[Path]:
@@ -314,8 +291,6 @@ def fp8_on_load(state: dict[str, torch.Tensor], layer_tensors: dict[str, str],
     "fp8" `.compressed` source, its e4m3 codes and per-row scales made (as
     `FP8Linear.from_linear` makes them) from the weight in the run's `dtype` when read.
     MoE experts stay dense (no FP8 expert linear)."""
-    from fusegen.engine.weights.quantized import CompressedSource
-
     for name, param in layer_tensors.items():
         tensor = state[name]
         if not quantizable(param, tuple(tensor.shape)) or (

@@ -1,0 +1,208 @@
+"""A weight kept in a compressed form: `CompressedSource` (one checkpoint weight as
+stored, not read yet: a GGUF file's blocks, fusegen's group-quantized int8 / int4 codes,
+FP8 codes; docs/quantization.md) and `CompressedLinear`, the base of the `Linear`s that
+multiply such a weight as stored.
+
+A state-dict entry stored compressed carries its source as `.compressed` (the entry itself
+still reads as a dense tensor, dequantized on use). The format modules (weights/gguf.py,
+groupquant.py, fp8.py) build sources and subclass `CompressedLinear`; weights/quantized.py
+decides which parameters stay compressed and swaps a layer's Linears for them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from fusegen.engine.weights.linear import Linear
+from fusegen.kernels.quant_linear import BLOCK_SIZES
+
+FORMATS = ("gguf", "group", "fp8")
+GROUP_BITS = (4, 8)
+GROUP_SIZES = (32, 64, 128)
+# int4 codes are packed two to a byte in runs of this many input channels
+INT4_RUN = 32
+
+
+def _gguf_block(qtype: int) -> tuple[int, int]:
+    """(values per block, bytes per block) of a GGUF type."""
+    if qtype in BLOCK_SIZES:
+        return BLOCK_SIZES[qtype]
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # types without a kernel
+
+    return GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+
+
+def component_shapes(format: str, params: tuple, shape: tuple[int, int]
+                     ) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """The components of a weight of dense `shape` [out, in] stored in `format` with
+    `params`: name -> (dtype, shape), dim 0 the output rows."""
+    out, inp = shape
+    if format == "gguf":
+        block, block_bytes = _gguf_block(params[0])
+        return {"blocks": (torch.uint8, (out, inp // block * block_bytes))}
+    if format == "group":
+        bits, group_size, symmetric = params
+        shapes = {"qweight": (torch.uint8, (out, inp if bits == 8 else inp // 2)),
+                  "scales": (torch.float16, (out, inp // group_size))}
+        if not symmetric:
+            shapes["zeros"] = (torch.uint8, (out, inp // group_size))
+        return shapes
+    if format == "fp8":  # quantized on load (weights/fp8.py): e4m3 codes, a scale a row
+        return {"weight_fp8": (torch.float8_e4m3fn, (out, inp)),
+                "weight_scale": (torch.float32, (out,))}
+    raise ValueError(f"compressed format {format!r}; fusegen keeps {', '.join(FORMATS)}")
+
+
+def _block_values(format: str, params: tuple) -> int:
+    """Input channels per block: the unit a weight's columns are split in."""
+    if format == "fp8":
+        return 1  # one scale per output row: any columns
+    return _gguf_block(params[0])[0] if format == "gguf" else params[1]
+
+
+@dataclass(frozen=True, slots=True)
+class CompressedSource:
+    """One checkpoint weight in its compressed form, not read yet.
+
+    `format` "gguf": params (qtype,), components {"blocks": uint8 [out, row_bytes]};
+    "group": params (bits, group_size, symmetric), components {"qweight", "scales", and
+    "zeros" when asymmetric} (docs/quantization.md); "fp8": params (), components
+    {"weight_fp8" e4m3 [out, in], "weight_scale" fp32 [out]}. `shape` is the dense weight's
+    [out, in]; `read()` returns the whole stored weight's components (rows in Hugging
+    Face order), `window` the (row start, rows, column start, columns) of it this source
+    is (`narrow`)."""
+    format: str
+    params: tuple
+    shape: tuple[int, int]  # the dense weight's [out_features, in_features]
+    nbytes: int
+    name: str  # the checkpoint tensor's name, for errors
+    read: object = dataclasses.field(repr=False, default=None)  # () -> {name: tensor}
+    window: tuple[int, int, int, int] | None = None
+
+    @classmethod
+    def of(cls, format: str, params: tuple, shape: tuple[int, int], name: str, read
+           ) -> "CompressedSource":
+        """A whole stored weight; its bytes are its components'."""
+        params, shape = tuple(params), tuple(int(s) for s in shape)
+        return cls(format, params, shape, _nbytes(component_shapes(format, params, shape)),
+                   name, read)
+
+    def components(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        return component_shapes(self.format, self.params, self.shape)
+
+    def load(self) -> dict[str, torch.Tensor]:
+        """The components, each [rows, ...] with dim 0 the output rows (views of the
+        file where the reader hands views: copy before keeping them)."""
+        parts = self.read()
+        if self.window is None:
+            return parts
+        row, rows, col, cols = self.window
+        return {name: t[row:row + rows] if t.dim() == 1 else
+                t[row:row + rows, _columns(self.format, self.params, name, col, cols)]
+                for name, t in parts.items()}
+
+    def narrow(self, dim: int, start: int, length: int) -> "CompressedSource":
+        """Rows (dim 0) or input columns (dim 1) [start, start + length) of the weight;
+        columns only in whole blocks (GGUF's block, or the group size)."""
+        if dim not in (0, 1):
+            raise ValueError(f"{self.name}: a compressed weight narrows along dim 0 (output "
+                             f"rows) or 1 (input columns), not {dim}")
+        if start < 0 or length < 1 or start + length > self.shape[dim]:
+            raise ValueError(f"{self.name}: [{start}, {start + length}) is outside dim {dim} "
+                             f"of its {list(self.shape)} weight")
+        block = _block_values(self.format, self.params)
+        if dim == 1 and (start % block or length % block):
+            raise ValueError(
+                f"{self.name}: its {self.format} weight keeps input columns in blocks of "
+                f"{block}; the split [{start}, {start + length}) cuts one (use a split whose "
+                f"columns are multiples of {block})")
+        row, rows, col, cols = self.window or (0, self.shape[0], 0, self.shape[1])
+        window = (row + start, length, col, cols) if dim == 0 else (row, rows, col + start,
+                                                                     length)
+        shape = (length, self.shape[1]) if dim == 0 else (self.shape[0], length)
+        return dataclasses.replace(self, shape=shape, window=window, nbytes=_nbytes(
+            component_shapes(self.format, self.params, shape)))
+
+
+def _columns(format: str, params: tuple, component: str, start: int, length: int) -> slice:
+    """The columns of `component` that hold input channels [start, start + length)
+    (whole blocks or groups: `narrow` checked)."""
+    if format == "gguf":
+        block, block_bytes = _gguf_block(params[0])
+        return slice(start // block * block_bytes, (start + length) // block * block_bytes)
+    if format == "fp8":
+        return slice(start, start + length)
+    bits, group_size, _ = params
+    per = (1 if bits == 8 else 2) if component == "qweight" else group_size
+    return slice(start // per, (start + length) // per)
+
+
+def _nbytes(shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> int:
+    total = 0
+    for dtype, shape in shapes.values():
+        count = 1
+        for size in shape:
+            count *= size
+        total += count * dtype.itemsize
+    return total
+
+
+def stack_sources(parts: list[CompressedSource]) -> CompressedSource:
+    """A fused parameter's parts as one source: their component rows stacked along the
+    output dimension (one format, params and in_features, `split_kept` checked)."""
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+
+    def read():
+        loaded = [part.load() for part in parts]
+        return {name: torch.cat([p[name] for p in loaded]) for name in loaded[0]}
+
+    shape = (sum(p.shape[0] for p in parts), first.shape[1])
+    return CompressedSource(first.format, first.params, shape, sum(p.nbytes for p in parts),
+                            " + ".join(p.name for p in parts), read)
+
+
+class CompressedLinear(Linear):
+    """x [T, in] -> x @ W.T + bias [T, out], W held as its compressed `components`
+    (each [out, ...]), bias [out] dense; `weight` is None (no dense weight exists)."""
+    components: tuple[str, ...] = ()
+    format: str = ""
+
+    def __init__(self, bias: bool = False):
+        super().__init__(bias=bias)
+        self.weight = None
+        for name in self.components:
+            setattr(self, name, None)
+        self.params: tuple = ()
+        self.out_features = self.in_features = 0
+
+    @classmethod
+    def shell(cls, linear: Linear, source: CompressedSource) -> "CompressedLinear":
+        """`linear`'s compressed form for `source` (its whole fused weight), no component
+        set yet; it keeps `linear`'s bias (flag and tensor) and row tile."""
+        if source.format != cls.format:
+            raise ValueError(f"{source.name}: a {source.format} weight, not {cls.format}")
+        module = cls(bias=linear.bias is not None)
+        module.bias = linear.bias
+        module.row_tile = linear.row_tile
+        module.params = source.params
+        module.out_features, module.in_features = source.shape
+        return module
+
+    def set_weight(self, name: str, tensor: torch.Tensor) -> None:
+        """Point component `name` (or "bias") at `tensor`, shared, not copied."""
+        if name != "bias" and name not in self.components:
+            raise ValueError(f"a {type(self).__name__} holds {', '.join(self.components)} "
+                             f"and bias; it has no {name!r} (its weight is stored compressed)")
+        if name == "bias":
+            super().set_weight(name, tensor)
+        else:
+            setattr(self, name, tensor)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in
+                   (*(getattr(self, n) for n in self.components), self.bias) if t is not None)
