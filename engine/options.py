@@ -70,7 +70,10 @@ class EngineOptions:
                        "of their own sample from.", kind=int)
     device_memory: int | str | float | None = option(
         None, "Memory pool: device budget (bytes, a size like 24GiB, or a fraction of free "
-        "memory); layers that do not fit stream from host or disk.", unset="no limit")
+        "memory); layers that do not fit stream from host or disk. On a CPU a fraction is a "
+        "cap, not a share to fill: the KV pool holds what max_num_seqs requests at "
+        "max_model_len can use, at most what it takes with no budget (30% of available "
+        "memory), and no host swap pool is set aside unasked.", unset="no limit")
     host_memory: int | str | float | None = option(
         None, "Memory pool: pinned host budget for streamed layers and swapped KV blocks "
         "(same forms).", unset="half of free host memory when --device-memory is set")
@@ -218,7 +221,7 @@ def _gpu_memory_utilization(value) -> dict:
 # vLLM's names for what fusegen has under its own: each maps a value to fusegen's options.
 ALIASES = {
     # vLLM's share of the GPU for weights, activations and KV cache: fusegen's device
-    # budget, as a fraction of the free memory.
+    # budget, as a fraction of the free memory (on a CPU, a cap: engine/memory/plan.py).
     "gpu_memory_utilization": _gpu_memory_utilization,
 }
 
@@ -301,7 +304,8 @@ VLLM_NAMES = (*ALIASES, *NO_OPS, *UNSUPPORTED)
 def describe_vllm() -> str:
     """vLLM's keywords that `LLM(...)` accepts, each with what it does here."""
     lines = ["    gpu_memory_utilization: read as device_memory, a fraction of the free "
-             "device memory."]
+             "device memory (on a CPU a cap: the KV pool is sized from max_num_seqs x "
+             "max_model_len, never from the machine's whole memory)."]
     lines += [f"    {name} (only {values}): no-op; {why}."
               for name, (_, values, why) in NO_OPS.items()]
     lines += [f"    {name} (only {noop!r}): {instead}."

@@ -32,22 +32,7 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 def parse_bytes(value, available: int | None = None, name: str = "memory") -> int:
     """Bytes from an int, a string like "24GiB" / "512MB", or a fraction in (0, 1]
     of `available` (free memory)."""
-    if isinstance(value, bool):
-        raise ValueError(f"{name}: expected bytes, a size like '24GiB' or a fraction, got {value!r}")
-    if isinstance(value, str):
-        text = value.strip().lower().replace(" ", "")
-        match = re.fullmatch(r"(\d+(?:\.\d+)?)([a-z]*)", text)
-        if not match or match.group(2) not in _UNITS:
-            raise ValueError(f"{name}: cannot read {value!r}; write bytes, a size like "
-                             "'24GiB' or '512MB', or a fraction like 0.8")
-        number, unit = float(match.group(1)), match.group(2)
-        if unit == "" and "." in text:
-            if number > 1:
-                raise ValueError(f"{name}: {value!r} is neither whole bytes nor a fraction "
-                                 "in (0, 1]; add a unit, like '1.5GiB'")
-            value = number  # "0.8" is a fraction of what is free
-        else:
-            return int(number * _UNITS[unit])
+    value = _number(value, name)
     if isinstance(value, float) and 0 < value <= 1:
         if available is None:
             raise ValueError(f"{name}: a fraction needs the free memory to be known")
@@ -56,6 +41,36 @@ def parse_bytes(value, available: int | None = None, name: str = "memory") -> in
         return int(value)  # 0: no memory in this tier
     raise ValueError(f"{name}: must be bytes (0 or more), a size like '24GiB' or a fraction "
                      f"in (0, 1]; got {value!r}")
+
+
+def is_fraction(value) -> bool:
+    """Whether a budget (in parse_bytes' forms) is a fraction of the free memory rather
+    than a size: 0.9 and "0.9" are, 1, "1" and "1GiB" are not."""
+    try:
+        number = _number(value, "memory")
+    except ValueError:
+        return False
+    return isinstance(number, float) and 0 < number <= 1
+
+
+def _number(value, name: str):
+    """`value` with a string read: its bytes (an int), or a fraction as a float."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name}: expected bytes, a size like '24GiB' or a fraction, got {value!r}")
+    if not isinstance(value, str):
+        return value
+    text = value.strip().lower().replace(" ", "")
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([a-z]*)", text)
+    if not match or match.group(2) not in _UNITS:
+        raise ValueError(f"{name}: cannot read {value!r}; write bytes, a size like "
+                         "'24GiB' or '512MB', or a fraction like 0.8")
+    number, unit = float(match.group(1)), match.group(2)
+    if unit == "" and "." in text:
+        if number > 1:
+            raise ValueError(f"{name}: {value!r} is neither whole bytes nor a fraction "
+                             "in (0, 1]; add a unit, like '1.5GiB'")
+        return number  # "0.8" is a fraction of what is free
+    return int(number * _UNITS[unit])
 
 
 def format_bytes(n: int) -> str:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from fusegen.engine.errors import EngineConfigError
 from fusegen.engine.memory.placement import (BudgetTooSmall, ModelSizes, PlacementPlan,
-                                             parse_bytes, plan_placement)
+                                             is_fraction, parse_bytes, plan_placement)
 from fusegen.engine.runner_api import LOGITS_CHUNK
 
 _CPU_KV_FRACTION = 0.3  # of available host memory for KV, when no budget is given
@@ -144,20 +144,40 @@ def _place(options, shape: ModelShape, free: FreeMemory, limits: tuple[int, int]
         host = int(free.host * _HOST_FRACTION)
     else:
         host = 0  # CPU with no device limit: nothing to spill to
-    ceiling = limits[0] * sizes.min_kv_blocks
+    ceiling = limits[0] * sizes.min_kv_blocks  # every request at max_model_len
+    max_kv_blocks = options.num_kv_blocks or ceiling
+    # A fraction of a CPU's memory bounds the pool; it is not a share to fill (below).
+    cpu_fraction = not free.on_gpu and is_fraction(options.device_memory)
+    if cpu_fraction and options.num_kv_blocks is None:
+        max_kv_blocks = min(ceiling, _cpu_kv_bytes(options, free) // sizes.kv_block_bytes)
     host_cap = ceiling if options.num_host_kv_blocks is None else options.num_host_kv_blocks
+    if cpu_fraction and options.host_memory is None and options.num_host_kv_blocks is None:
+        host_cap = 0
     # Under a device budget, kv_cache_memory is the KV share kept before layers are
     # placed (the plan's default share otherwise).
     kv_reserve = options.kv_cache_memory if options.device_memory is not None else None
     plan = plan_placement(sizes, budget, host, options.prefetch_depth, kv_reserve=kv_reserve,
-                          max_kv_blocks=options.num_kv_blocks or ceiling,
-                          max_host_kv_blocks=host_cap)
+                          max_kv_blocks=max_kv_blocks, max_host_kv_blocks=host_cap)
     if options.host_memory is None and options.num_host_kv_blocks is None:
         # Unasked-for swap space: as much as the device pool, no more (pinned memory is
         # slow to allocate and taken from everyone else).
         plan.num_host_kv_blocks = min(plan.num_host_kv_blocks, plan.num_device_kv_blocks)
         plan.host_bytes["kv_cache"] = plan.num_host_kv_blocks * sizes.kv_block_bytes
     return plan
+
+
+def _cpu_kv_bytes(options, free: FreeMemory) -> int:
+    """The most a CPU's KV pool takes under a device_memory fraction: what it takes with
+    no budget at all (kv_cache_memory, or _CPU_KV_FRACTION of the available memory).
+    On a CPU the "device" is the machine's own memory, which everything else on it
+    shares, so a fraction such as vLLM's gpu_memory_utilization=0.9 is read as a cap:
+    the pool holds the blocks the workload can use (max_num_seqs requests at
+    max_model_len) within this share, never nine tenths of the machine, and no host
+    swap pool is set aside unasked (it would be a second copy in the same memory,
+    zero-filled at start-up)."""
+    if options.kv_cache_memory is not None:
+        return options.kv_cache_memory
+    return int(free.device * _CPU_KV_FRACTION)
 
 
 def _bytes(value, free: int, name: str) -> int:
