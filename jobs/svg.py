@@ -9,7 +9,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 W, H, PAD = 640, 240, 48  # a plot's size and its margin for the axes' labels
-_BAR_H, _BAR_GAP, _LABEL_W = 22, 6, 200  # a bar chart's rows and its label column
+_BAR_H, _BAR_GAP, _LABEL_W = 22, 6, 240  # a bar chart's rows and its label column
 COLOURS = ("#1f6feb", "#d1242f", "#1a7f37", "#8250df", "#bf8700", "#57606a")
 _STYLE = ("body{font-family:sans-serif;max-width:760px;margin:2em auto}th{text-align:left;\n"
           "padding-right:1em}td.num{text-align:right}svg text{font-size:11px}")
