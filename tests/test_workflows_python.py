@@ -317,3 +317,27 @@ def test_the_example_explodes_json_answers_into_topics(tmp_path):
                                  "topic": ["battery", "ui", "price", "shipping"]}
     assert named.transform.apply(table).column("topic").to_pylist() == \
         ["battery", "price", "shipping"]
+
+
+def test_steps_after_a_python_step_are_checked_once_their_input_exists(tmp_path):
+    from click.testing import CliRunner
+
+    from fusegen.jobs.cli import main
+
+    path = _workflow(tmp_path, "tidy_late", ARROW_MODULE)
+    doc = yaml.safe_load(open(path))
+    doc["steps"]["final"] = {"from": "keep", "select": ["length"]}  # keep dropped it
+    open(path, "w").write(yaml.safe_dump(doc, sort_keys=False))
+    result = CliRunner().invoke(main, ["workflow", "check", path, "--run-date", RUN_DATE])
+    assert result.exit_code == 0, result.output
+    assert "py (python): " in result.output and "columns: what its function returns" in \
+        result.output
+    assert "final: columns checked as the run goes: step 'keep' follows a python step" in \
+        result.output
+
+    with pytest.raises(WorkflowError) as failed:
+        _run(tmp_path, path)
+    assert str(failed.value) == (
+        f"step 'final' failed: workflow {path} is not valid:\n  - step 'final', key "
+        "'select': column 'length' is not provided by step 'keep'; its columns are id, clean")
+    assert not (tmp_path / "work" / "final").exists()

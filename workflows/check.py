@@ -56,18 +56,15 @@ def check_file(path: str, overrides: dict | None, run_date: str | None) -> Check
     report.problems += models
     report.resolved = resolved
     built = {s.name: s for s in resolved.steps}
-    after_python: set[str] = set()
+    after_python: set[str] = set()  # their columns are known only as the run goes
     for step in resolved.steps:
         parent = built.get(step.parents[0]) if step.parents else None
         if parent is not None and (parent.python is not None or parent.name in after_python):
             after_python.add(step.name)
+            what = "is a python step" if parent.python is not None else "follows a python step"
             report.notes.append(f"{step.name}: columns checked as the run goes: step "
-                                f"{parent.name!r} follows a python step, whose columns are "
-                                "known from what its function returns"
-                                if parent.python is None else
-                                f"{step.name}: columns checked as the run goes: step "
-                                f"{parent.name!r} is a python step, whose columns are known "
-                                "from what its function returns")
+                                f"{parent.name!r} {what}, whose columns are known from what "
+                                "its function returns")
         elif parent is not None and parent.schema is None:
             report.notes.append(f"{step.name}: columns not checked: step {parent.name!r}, "
                                 "which it reads, has problems")

@@ -32,9 +32,10 @@ def _fail(exc: Exception):
 def workflow():
     """Multi-step dataset-to-dataset pipelines, run once or on a schedule.
 
-    A workflow file (YAML) names steps: generation jobs (every `fusegen run` option) and
-    light transforms (filter rows, select/rename columns, drop error rows), each reading
-    a dataset URL or another step's output."""
+    A workflow file (YAML) names steps: generation jobs (every `fusegen run` option),
+    light transforms (filter rows, select/rename columns, drop error rows) and python
+    steps (`python: module:function` over each partition), each reading a dataset URL or
+    another step's output."""
 
 
 @workflow.command()
@@ -171,9 +172,11 @@ def check(files, params, run_date):
         redact = resolved.redactor() if resolved is not None else (lambda text: text)
         if not report.problems:
             for step in resolved.steps:
+                columns = ", ".join(step.schema.names) if step.schema is not None else \
+                    "what its function returns" if step.python is not None else \
+                    "known when it runs (after a python step)"
                 click.echo(redact(f"{step.name} ({step.kind}): {redact_url(step.input)} -> "
-                                  f"{redact_url(step.output)}\n  columns: "
-                                  f"{', '.join(step.schema.names)}"))
+                                  f"{redact_url(step.output)}\n  columns: {columns}"))
         for note in report.notes:
             click.echo(redact(note))
         for problem in report.problems:

@@ -30,7 +30,7 @@ def run_parts(step: ResolvedStep, todo: list[Partition], fingerprint: str, owner
               client, parts: dict[int, PartStats]) -> None:
     """Run `todo` on the cluster, adding each committed part's stats to `parts`; the first
     failed partition cancels the rest and raises its error."""
-    from distributed import as_completed
+    from distributed import KilledWorker, as_completed
 
     token = uuid.uuid4().hex[:8]
     futures = {client.submit(run_part, step, part, fingerprint, owner, pure=False,
@@ -38,7 +38,13 @@ def run_parts(step: ResolvedStep, todo: list[Partition], fingerprint: str, owner
                for part in todo}
     try:
         for future in as_completed(futures):
-            parts[futures[future].index] = future.result()
+            try:
+                parts[futures[future].index] = future.result()
+            except KilledWorker:
+                raise WorkflowError(
+                    f"{describe(step.name, futures[future])}: {step.python.ref} killed its "
+                    "worker each time it ran (out of memory?); lower the step's "
+                    "partition_rows or give the workers more memory") from None
             future.release()
     except BaseException:
         client.cancel(list(futures))
