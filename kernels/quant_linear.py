@@ -15,11 +15,12 @@ each weight byte is read once per 64 rows; larger T runs in calls of 64 rows, wh
 keeps every row's result the same whatever the batch (prefill and decode rows alike).
 fp32 x multiplies the fp32 weights (exactly a dequantized model's numbers).
 
-bf16 x, on CPUs with AVX512_VNNI (kernels/quant_vnni.py, csrc/quant_vnni.c): x is
+bf16 x, on CPUs with AVX512_VNNI or AVX2 (kernels/quant_vnni.py, csrc/quant_vnni.c, the
+same bits on both): x is
 quantized to int8 per block of 32 values (one fp32 scale each, as llama.cpp's Q8_0) and
 multiplied with the weight codes in integers, every row count in one call, each row's
 result independent of the batch. A kept bf16 model's numbers therefore differ from a
-dequantized bf16 model's by the activations' int8 rounding. Without VNNI, bf16 x takes
+dequantized bf16 model's by the activations' int8 rounding. Without either, bf16 x takes
 the kernel above, which multiplies the weights as bf16 rounds them (a model dequantized
 to bf16 holds the same values).
 
@@ -57,7 +58,7 @@ _NATIVE = {torch.float32: ("quant_gguf_f32", 1), torch.bfloat16: ("quant_gguf_bf
 
 def quant_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features: int,
                  in_features: int, batch_invariant: bool = True) -> torch.Tensor:
-    """Dispatcher: bf16 x on a CPU with AVX512_VNNI takes the int8 product (any row
+    """Dispatcher: bf16 x on a CPU with AVX512_VNNI or AVX2 takes the int8 product (any row
     count, batch-invariant either way); otherwise the C kernel where this build has one
     for (qtype, x.dtype), else the reference. x [..., in_features] is taken as rows
     [T, in_features]. With `batch_invariant=False` the other C-kernel calls of

@@ -1,6 +1,7 @@
 """bf16 rows of x against GGUF blocks by int8 products (kernels/csrc/quant_vnni.c):
 x quantized per block of 32 values to int8 with one fp32 scale, as llama.cpp's Q8_0,
-each block's dot product taken in integers (AVX512_VNNI), then scaled in fp32.
+each block's dot product taken in integers (AVX512_VNNI's vpdpbusd, or on AVX2 CPUs
+vpmaddubsw + vpmaddwd with the same bits), then scaled in fp32.
 
 Shapes: x [T, in_features] bf16, blocks uint8 [out_features, row_bytes] (as
 kernels/quant_linear.py), returns [T, out_features] bf16.
@@ -30,8 +31,8 @@ def _library():
 
 @functools.cache
 def q8_available(qtype: int) -> bool:
-    """Whether this machine's build has the int8 product for `qtype` (AVX512_VNNI; the
-    C side knows the types quant_linear.SUPPORTED lists)."""
+    """Whether this machine's build has the int8 product for `qtype` (AVX512_VNNI or
+    AVX2; the C side knows the types quant_linear.SUPPORTED lists)."""
     lib = _library()
     return lib is not None and bool(lib.quant_gguf_q8_available(qtype))
 
@@ -58,7 +59,7 @@ def quant_linear_q8_native(x: torch.Tensor, blocks: torch.Tensor, qtype: int, ou
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = quant_linear_q8(x, blocks.contiguous(), qtype, out_features) if q8_available(qtype) else None
     if out is None:
-        raise RuntimeError(f"no int8 (AVX512_VNNI) kernel for {SUPPORTED[qtype]} in this build")
+        raise RuntimeError(f"no int8 (AVX512_VNNI or AVX2) kernel for {SUPPORTED[qtype]} in this build")
     return out
 
 
@@ -73,7 +74,7 @@ def quantize_rows_native(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     lib = _library()
     if lib is None or lib.quant_gguf_q8_quantize_bf16(x.data_ptr(), rows, x.stride(0), k,
                                                       q.data_ptr(), d.data_ptr()) != 0:
-        raise RuntimeError("no int8 (AVX512_VNNI) quantization in this build")
+        raise RuntimeError("no int8 (AVX512_VNNI or AVX2) quantization in this build")
     return q, d
 
 

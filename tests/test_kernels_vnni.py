@@ -4,21 +4,17 @@ equals the exact int8 product within its fp32 sums' rounding and one bf16 roundi
 every type, odd shapes and row counts; each row's bits are its own whatever the batch
 and the thread count; against dequantize-then-matmul it is within the activations'
 int8 rounding; the dispatcher takes it for bf16 x only."""
-import ctypes
-import platform
-import subprocess
-
 import pytest
 import torch
 
 from fusegen.kernels import native
 from fusegen.kernels import quant_linear as ql
 from fusegen.kernels import quant_vnni as qv
-from test_kernels_quant import make_blocks
+from quant_helpers import OTHER_CPU_BUILDS, build_for_other_cpu, make_blocks
 
 QTYPES = sorted(ql.SUPPORTED)
 needs_vnni = pytest.mark.skipif(not qv.q8_available(ql.Q4_1),
-                                reason="no AVX512_VNNI build on this machine")
+                                reason="no AVX512_VNNI or AVX2 build on this machine")
 
 
 def bf16_rows(rows: int, k: int, seed: int, scale: float = 3.0) -> torch.Tensor:
@@ -167,22 +163,81 @@ def test_bad_calls_are_clear_errors():
     assert not qv.q8_available(10)  # Q2_K
 
 
-def test_builds_without_vnni_refuse(tmp_path):
-    """AVX-512 without VNNI: every type unavailable, the product declines (-1)."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("x86-64 instruction-set builds")
-    source = native._SOURCES[0].with_name("quant_vnni.c")
-    target = tmp_path / "quant_vnni.so"
-    subprocess.run([native._compiler(), "-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mf16c",
-                    "-fopenmp", "-ffast-math", "-fPIC", "-std=gnu11", "-shared", str(source),
-                    "-o", str(target)], check=True)
-    lib = ctypes.CDLL(str(target))
-    for name in ("quant_gguf_q8_available", "quant_gguf_q8_bf16"):
-        getattr(lib, name).argtypes = native._SIGNATURES[name]
-        getattr(lib, name).restype = ctypes.c_int
+@pytest.fixture(scope="module")
+def avx2_build(tmp_path_factory):
+    """quant_vnni.c built for an AVX2 CPU (its vpmaddubsw form), where this CPU runs it"""
+    if "avx2" not in native._cpu_flags().split() or "fma" not in native._cpu_flags().split():
+        pytest.skip("this CPU cannot run an AVX2 build")
+    return build_for_other_cpu("quant_vnni.c", OTHER_CPU_BUILDS[1][0], tmp_path_factory.mktemp("avx2"),
+                               ("quant_gguf_q8_available", "quant_gguf_q8_bf16",
+                                "quant_gguf_q8_quantize_bf16"))
+
+
+def call_q8(lib, qtype, x, blocks, n, k, threads=2):
+    out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+    assert lib.quant_gguf_q8_bf16(qtype, x.data_ptr(), x.shape[0], x.stride(0), blocks.data_ptr(),
+                                  n, k, out.data_ptr(), n, threads) == 0
+    return out
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: ql.SUPPORTED[q])
+def test_avx2_build_is_the_vnni_kernel_bit_for_bit(qtype, avx2_build):
+    """The AVX2 form (8 columns a chunk, vpmaddubsw) gives the AVX-512 form's bits, and
+    both the exact int8 product within the fp32 sums' rounding: odd column counts (within
+    and across its chunks of 8), every micro-kernel row count, 1 and 2 threads."""
+    assert avx2_build.quant_gguf_q8_available(qtype) == 1
+    block = ql.BLOCK_SIZES[qtype][0]
+    x = bf16_rows(300, 5 * block if block == 32 else 3 * block, seed=qtype)
+    x[2] = 0
+    q, d = torch.empty(300, x.shape[1], dtype=torch.int8), torch.empty(300, x.shape[1] // 32)
+    assert avx2_build.quant_gguf_q8_quantize_bf16(x.data_ptr(), 300, x.stride(0), x.shape[1],
+                                                  q.data_ptr(), d.data_ptr()) == 0
+    ref_q, ref_d = qv.quantize_rows(x)
+    assert torch.equal(q, ref_q) and torch.equal(d, ref_d)
+    for n, nb in [(1, 1), (7, 2), (8, 1), (9, 3), (37, x.shape[1] // block)]:
+        k = nb * block
+        blocks = make_blocks(qtype, n, k, seed=n + nb)
+        xk = x[:, :k].contiguous()
+        for rows in (1, 2, 3, 4, 5, 9, 17, 300):
+            for threads in (1, 2):
+                got = call_q8(avx2_build, qtype, xk[:rows], blocks, n, k, threads)
+                if qv.q8_available(qtype):
+                    assert torch.equal(got, kernel(xk[:rows], blocks, qtype, n, k, threads))
+                else:
+                    assert_near_exact(got, xk[:rows], blocks, qtype, n, k)
+
+
+@pytest.mark.parametrize("code", [-128, 127, -127])
+def test_q8_0_extreme_codes_are_exact_on_avx2(code, avx2_build):
+    """Q8_0 codes -128 and 127 against x's codes +-127 (the AVX2 form's vpmaddubsw pairs
+    at their largest, 2 * 128 * 127): the exact integer product, no saturation."""
+    n, k = 9, 64
+    blocks = make_blocks(ql.Q8_0, n, k, seed=1).reshape(n, 2, 34)
+    blocks[:, :, 2:] = code & 0xff
+    blocks[:, :, :2] = torch.tensor([0x00, 0x3c], dtype=torch.uint8)  # d = 1.0 (fp16)
+    blocks = blocks.reshape(n, 68).contiguous()
+    x = torch.full((3, k), 1.0).bfloat16()
+    x[1] = -1.0
+    x[2, 1::2] = -1.0  # alternating signs: no pair's products share a sign with x's
+    got = call_q8(avx2_build, ql.Q8_0, x, blocks, n, k)
+    # x's codes are +-127 with d = 1/127: each output is sum(sign(x)) * code * 127 * d
+    expect = torch.tensor([k * code, -k * code, 0]).float()[:, None].expand(3, n)
+    assert torch.equal(got.float(), expect.bfloat16().float())
+    assert_near_exact(got, x, blocks, ql.Q8_0, n, k)
+    if qv.q8_available(ql.Q8_0):
+        assert torch.equal(got, kernel(x, blocks, ql.Q8_0, n, k))
+
+
+def test_builds_without_avx2_refuse(tmp_path):
+    """Baseline x86-64 and AVX-512 without VNNI or FMA: every type unavailable, the product
+    declines (-1) and the dispatcher's reference serves."""
+    names = ("quant_gguf_q8_available", "quant_gguf_q8_bf16")
     x, out = torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.bfloat16)
     blocks = make_blocks(ql.Q8_0, 1, 32)
-    for qtype in QTYPES:
-        assert lib.quant_gguf_q8_available(qtype) == 0
-    assert lib.quant_gguf_q8_bf16(ql.Q8_0, x.data_ptr(), 1, 32, blocks.data_ptr(), 1, 32,
-                                  out.data_ptr(), 1, 1) == -1
+    for i, flags in enumerate([OTHER_CPU_BUILDS[2][0], ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mf16c"]]):
+        (tmp_path / str(i)).mkdir()
+        lib = build_for_other_cpu("quant_vnni.c", flags, tmp_path / str(i), names)
+        for qtype in QTYPES:
+            assert lib.quant_gguf_q8_available(qtype) == 0
+        assert lib.quant_gguf_q8_bf16(ql.Q8_0, x.data_ptr(), 1, 32, blocks.data_ptr(), 1, 32,
+                                      out.data_ptr(), 1, 1) == -1

@@ -1,7 +1,9 @@
 /* Integer products against a weight kept as its GGUF blocks, bf16 activations:
  * out [T, N] = x [T, K] W^T with x quantized to int8 per block of 32 values, as
  * llama.cpp's Q8_0 "vec_dot_type", and each block's dot product taken in int32 by
- * vpdpbusd (AVX512_VNNI: unsigned bytes times signed bytes, four at a time).
+ * vpdpbusd (AVX512_VNNI: unsigned bytes times signed bytes, four at a time). Builds for
+ * AVX2 CPUs without it take quant_avx2.h's form of the same kernel (vpmaddubsw, 8 columns
+ * a ymm), which gives the same bits.
  *
  * Block layouts: kernels/csrc/quant_gguf.c. Numerics, for each row of x and each block
  * of 32 channels:
@@ -58,10 +60,12 @@ static int block_shape(int qtype, int *bytes) {
 /* 1 where this build has the int8 product for `qtype` */
 int quant_gguf_q8_available(int qtype) {
     int bytes;
-    return HAS_VNNI && block_shape(qtype, &bytes) ? 1 : 0;
+    return (HAS_VNNI || HAS_AVX2_Q8) && block_shape(qtype, &bytes) ? 1 : 0;
 }
 
-#if HAS_VNNI
+#if HAS_AVX2_Q8
+#include "quant_avx2.h" /* xq_t, quantize_row, all_chunks on ymm registers */
+#elif HAS_VNNI
 
 /* x quantized: per row k codes, per 32 values d and d * sum(q), per 16 values sum(q) */
 typedef struct {
@@ -303,14 +307,6 @@ chunk_rows(const int QT, const xq_t *xq, int64_t rows, const uint8_t *const col[
 #undef UNITS_
 }
 
-static void quantize_rows(const uint16_t *x, int64_t rows, int64_t ldx, const xq_t *xq) {
-    const int64_t k = xq->k, nu = k / 32;
-    _Pragma("omp for schedule(static)")
-    for (int64_t r = 0; r < rows; r++)
-        quantize_row(x + r * ldx, k, xq->q + r * k, xq->d + r * nu, xq->ds + r * nu,
-                     xq->s16 + 2 * r * nu);
-}
-
 static int all_chunks(int qtype, const xq_t *xq, int64_t rows, const uint8_t *w, int64_t n,
                       int64_t nb, int bytes, uint16_t *out, int64_t ldo) {
     const int64_t row_bytes = nb * bytes, chunks = (n + NC - 1) / NC;
@@ -341,6 +337,17 @@ static int all_chunks(int qtype, const xq_t *xq, int64_t rows, const uint8_t *w,
     return failed;
 }
 
+#endif
+
+#if HAS_VNNI || HAS_AVX2_Q8
+static void quantize_rows(const uint16_t *x, int64_t rows, int64_t ldx, const xq_t *xq) {
+    const int64_t k = xq->k, nu = k / 32;
+    _Pragma("omp for schedule(static)")
+    for (int64_t r = 0; r < rows; r++)
+        quantize_row(x + r * ldx, k, xq->q + r * k, xq->d + r * nu, xq->ds + r * nu,
+                     xq->s16 + 2 * r * nu);
+}
+
 static int alloc_xq(xq_t *xq, int64_t rows, int64_t k) {
     const int64_t nu = k / 32;
     void *tail;
@@ -355,15 +362,15 @@ static int alloc_xq(xq_t *xq, int64_t rows, int64_t k) {
 
 /* x [rows, k] bf16 (row stride ldx) . W^T -> out [rows, n] bf16 (row stride ldo), by int8
  * products (see the top of this file). Any row count. Returns -1 for an unknown type, k
- * not whole blocks, a build without AVX512_VNNI or no memory. */
+ * not whole blocks, a build without AVX512_VNNI or AVX2 or no memory. */
 int quant_gguf_q8_bf16(int qtype, const uint16_t *x, int64_t rows, int64_t ldx,
                        const uint8_t *w, int64_t n, int64_t k, uint16_t *out, int64_t ldo,
                        int num_threads) {
     int bytes;
     const int block = block_shape(qtype, &bytes);
-    if (!HAS_VNNI || !block || k % block) return -1;
+    if (!(HAS_VNNI || HAS_AVX2_Q8) || !block || k % block) return -1;
     if (rows <= 0 || n <= 0) return 0;
-#if HAS_VNNI
+#if HAS_VNNI || HAS_AVX2_Q8
     xq_t xq;
     if (alloc_xq(&xq, rows, k)) return -1;
     QUANTIZE_THEN_MULTIPLY(quantize_rows, xq, x, rows, ldx, k, num_threads,
@@ -375,11 +382,11 @@ int quant_gguf_q8_bf16(int qtype, const uint16_t *x, int64_t rows, int64_t ldx,
 }
 
 /* x's quantization alone (tests): codes q [rows, k] and d [rows, k / 32]. -1 without
- * AVX512_VNNI, k not a multiple of 32 or no memory. */
+ * AVX512_VNNI or AVX2, k not a multiple of 32 or no memory. */
 int quant_gguf_q8_quantize_bf16(const uint16_t *x, int64_t rows, int64_t ldx, int64_t k,
                                 int8_t *q, float *d) {
-    if (!HAS_VNNI || k % 32 || rows < 0) return -1;
-#if HAS_VNNI
+    if (!(HAS_VNNI || HAS_AVX2_Q8) || k % 32 || rows < 0) return -1;
+#if HAS_VNNI || HAS_AVX2_Q8
     xq_t xq;
     if (alloc_xq(&xq, rows > 0 ? rows : 1, k)) return -1;
     quantize_rows(x, rows, ldx, &xq);
