@@ -69,9 +69,11 @@ def line_chart(series: Sequence[Series], *, title: str, x_max_format: str = "{:.
     x = lambda t: PAD + (W - 2 * PAD) * t / x_max  # noqa: E731
     y = lambda v: H - PAD + (2 * PAD - H) * v / y_max  # noqa: E731
     left, right, top, bottom = PAD, W - PAD, PAD, H - PAD
-    lines = [f'<polyline class="{e(s.css_class)}" fill="none" stroke="{COLOURS[i % len(COLOURS)]}" '
-             f'stroke-width="2" points="{" ".join(f"{x(a):.1f},{y(b):.1f}" for a, b in s.points)}"/>'
-             for i, s in enumerate(series)]
+    lines = []
+    for i, s in enumerate(series):
+        points = " ".join(f"{x(a):.1f},{y(b):.1f}" for a, b in s.points)
+        lines.append(f'<polyline class="{e(s.css_class)}" fill="none" '
+                     f'stroke="{COLOURS[i % len(COLOURS)]}" stroke-width="2" points="{points}"/>')
     legend = [] if len(series) < 2 else [
         f'<text x="{right}" y="{top + 14 * i}" text-anchor="end" '
         f'fill="{COLOURS[i % len(COLOURS)]}">{e(s.label)}</text>' for i, s in enumerate(series)]

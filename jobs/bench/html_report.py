@@ -47,7 +47,8 @@ def _about(report: dict) -> list[tuple[str, object]]:
                       f"{model['num_layers']} layers, hidden {model['hidden_size']}, "
                       f"vocab {model['vocab_size']}"),
             ("checkpoint", model.get("checkpoint")),
-            ("run", f"{cfg['dtype']} on {cfg['device']} ({machine.get('gpu') or machine.get('cpu')})"),
+            ("run", f"{cfg['dtype']} on {cfg['device']} "
+                    f"({machine.get('gpu') or machine.get('cpu')})"),
             ("requests", work["num_requests"]),
             ("prompt tokens", work["num_prompt_tokens"]),
             ("output tokens", work["num_output_tokens"])]
@@ -74,8 +75,9 @@ def step_points(times_s: list[float]) -> list[tuple[float, float]]:
     """(decode step number, milliseconds) for each step, numbered from 1; past
     _MAX_POINTS steps, the mean of each run of consecutive steps at its last one."""
     size = max(1, -(-len(times_s) // _MAX_POINTS))
-    return [(min(i + size, len(times_s)), 1e3 * sum(times_s[i:i + size]) / len(times_s[i:i + size]))
-            for i in range(0, len(times_s), size)]
+    runs = (times_s[i:i + size] for i in range(0, len(times_s), size))
+    return [(min((k + 1) * size, len(times_s)), 1e3 * sum(run) / len(run))
+            for k, run in enumerate(runs)]
 
 
 def step_time_svg(results: dict) -> str:
