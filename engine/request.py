@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from fusegen.engine.sampling_params import SamplingParams
 
@@ -17,7 +17,6 @@ if TYPE_CHECKING:  # the scheduler and block manager import this module: no torc
     import torch
 
     from fusegen.engine.detokenizer import IncrementalDetokenizer
-    from fusegen.engine.logits_processors import LogitsState
     from fusegen.engine.structured import StructuredState
 
 
@@ -34,6 +33,15 @@ class Logprob:
     logprob: float
     rank: int | None = None  # 1-based place among the vocabulary, most likely first
     decoded_token: str | None = None  # the token's text, filled when the output is made
+
+
+class ProcessorState(Protocol):
+    """What the logits processors keep for one request across steps
+    (engine/logits_processors.py's `LogitsState`, which imports this module, not the
+    other way round): brought up to date with the request's generated tokens before
+    each use."""
+
+    def catch_up(self, request: Request) -> None: ...
 
 
 @dataclass(slots=True, eq=False)
@@ -90,7 +98,7 @@ class Request:
     bad_words_ids: list[list[int]] = field(default_factory=list)  # set when the request is made
     # What the processors keep across steps (token counts for the penalties, logit_bias
     # as tensors), made on the row's first processing by engine/logits_processors.py.
-    logits_state: LogitsState | None = None
+    logits_state: ProcessorState | None = None
     # With params.logprobs: one dict per generated token (the sampled token and the top-k),
     # and the sum of the sampled tokens' logprobs. With params.prompt_logprobs: one per
     # prompt token, the first None (nothing predicts it), filled chunk by chunk.
