@@ -13,7 +13,9 @@ scan warns once, naming the models the file asks for). Any other field fails its
 Each request gives one line: a response (status 200, a chat.completion or
 text_completion body with one choice per completion and `usage`) in the part's output
 file, or `{"error": {"code", "message"}}` naming the custom_id (or the line) in its
-errors file. A line that is no request is an error line, never a failed job: not JSON,
+errors file. A part's stats count its lines like a Parquet part's rows: errors, lines
+cut at their length limit and lines whose structured output is invalid (a line with
+several choices counts once). A line that is no request is an error line, never a failed job: not JSON,
 not UTF-8 (bad bytes are not read as U+FFFD), a field nested past MAX_DEPTH levels, a
 lone surrogate in a string (`"\ud800"`: no UTF-8 file can hold it), a conversation too
 large for the context (sized before the chat template renders it). A custom_id that two
@@ -290,14 +292,15 @@ def run_batch_partition(spec, part, llm, table, fingerprint: str, owner, wait,
     outputs = iter(wait(llm.submit_many([(r.prompt, r.params) for r in valid]),
                         len(requests) - len(valid)))
     model, created = _model_name(spec.model), int(time.time())
-    done, failed, stats = [], [], PartStats(part.name, fingerprint, num_rows=len(requests))
+    done, failed = [], []
+    stats = PartStats(part.name, fingerprint, num_rows=len(requests), num_truncated=0,
+                      num_structured_invalid=0)
     for req in requests:
         out = None if req.error else next(outputs)
         if out is not None and out.error is None and out.finish_reason != "error":
             done.append(response_line(req, out, model, created, _token_text(llm), fingerprint,
                                       spec.output_token_ids))
-            stats.num_prompt_tokens += out.num_prompt_tokens
-            stats.num_generated_tokens += out.num_generated_tokens
+            _count_response(stats, out)
             continue
         error = req.error or _engine_error(req, out)
         failed.append({"id": _id("batch_req_", fingerprint, req.line), "custom_id": req.custom_id,
@@ -310,6 +313,16 @@ def run_batch_partition(spec, part, llm, table, fingerprint: str, owner, wait,
         f"{PARTS_DIR}/{stem}.jsonl": _jsonl(done),
         f"{PARTS_DIR}/{stem}.errors.jsonl": _jsonl(failed)})
     return stats
+
+
+def _count_response(stats: PartStats, out) -> None:
+    """Add one served line to its part's counts. A row here is a request line, as in
+    `num_rows`: a line is cut at its length limit (finish_reason "length") when any of
+    its choices is, and its structured output invalid when any choice's is."""
+    stats.num_prompt_tokens += out.num_prompt_tokens
+    stats.num_generated_tokens += out.num_generated_tokens
+    stats.num_truncated += any(c.finish_reason == "length" for c in out.outputs)
+    stats.num_structured_invalid += any(c.structured_valid is False for c in out.outputs)
 
 
 def _check_line(req: BatchRequest, checks: LineChecks | None, path: str) -> BatchRequest:
