@@ -267,6 +267,8 @@ def test_after_a_generate_step_it_runs_on_the_same_client(tmp_path, monkeypatch)
 
 
 def test_worker_processes_import_the_module_beside_the_workflow_file(tmp_path):
+    """Two worker processes: the module is found through the workflow file's directory,
+    and the reading step's filter reaches the tasks."""
     import os
 
     source = '''
@@ -276,8 +278,10 @@ import pyarrow as pa
 def tag(table):
     return table.append_column("pid", pa.array([os.getpid()] * table.num_rows))
 '''
+    # the filter travels to the workers with the task, which checks the columns it reads
     path = _workflow(tmp_path, "tag_procs", source, function="tag",
-                     after={"from": "py", "select": ["id", "pid"]})
+                     after={"from": "py", "filter": "pid > 0 and len(text) > 0",
+                            "select": ["id", "pid"]})
     doc = yaml.safe_load(open(path))
     doc["defaults"] = {"workers": 2, "partitions_per_worker": 1}
     open(path, "w").write(yaml.safe_dump(doc, sort_keys=False))

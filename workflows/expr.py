@@ -75,6 +75,12 @@ class Expression:
         self._parsed: dict[str, list] = {}  # json(arg) source -> its rows' documents
         self._fn = self._compile(tree.body)
 
+    def __reduce__(self):
+        # Compiled to closures, which only cloudpickle takes, by value: a Dask task (a
+        # python step checking the columns its reader's filter needs) gets the source and
+        # compiles it again
+        return Expression, (self.source,)
+
     def evaluate(self, table: pa.Table):
         """The expression's value for every row (a boolean array for a valid filter)."""
         self._parsed = {}  # per table: json() parses each document once
