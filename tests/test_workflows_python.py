@@ -345,3 +345,35 @@ def test_steps_after_a_python_step_are_checked_once_their_input_exists(tmp_path)
         f"step 'final' failed: workflow {path} is not valid:\n  - step 'final', key "
         "'select': column 'length' is not provided by step 'keep'; its columns are id, clean")
     assert not (tmp_path / "work" / "final").exists()
+
+
+def test_two_workflows_with_same_named_modules_each_get_their_own(tmp_path):
+    from fusegen.workflows.pyfunc import PythonFunction
+
+    table = pa.table({"id": [1]})
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "shared_name.py").write_text(
+            f"def f(t):\n    return t.append_column('who', [[{name!r}]])\n")
+    found = {name: PythonFunction.find("shared_name:f", "arrow", str(tmp_path / name))
+             for name in ("a", "b", "a")}
+    for name, function in found.items():
+        out = function.apply(function.load("py"), table, "test")
+        assert out.column("who").to_pylist() == [name]
+    assert found["a"].source_sha256 != found["b"].source_sha256
+
+
+def test_a_worker_whose_module_differs_from_the_drivers_is_refused(tmp_path):
+    import dataclasses
+
+    from fusegen.workflows.pyfunc import PythonFunction
+
+    (tmp_path / "drifted.py").write_text("def f(t):\n    return t\n")
+    function = PythonFunction.find("drifted:f", "arrow", str(tmp_path))
+    other = dataclasses.replace(function, source_sha256="0" * 64)  # what another file hashed
+    with pytest.raises(WorkflowError) as refused:
+        other.load("py")
+    assert str(refused.value) == (
+        f"step 'py': the worker's module 'drifted' ({tmp_path}/drifted.py) is not the file "
+        "the driver read for drifted:f; install the same version on every worker, or keep "
+        "it beside the workflow file on storage every worker reads")
