@@ -90,8 +90,9 @@ class LLM:
         return self.engine.memory_report()
 
     def engine_load(self) -> dict:
-        """Running and waiting requests and the KV cache's used fraction: a snapshot,
-        read without a lock, for a progress line."""
+        """Running and waiting requests, the KV cache's used fraction and the tokens
+        generated so far (running requests' included): a snapshot, read without a lock,
+        for a progress line."""
         return self.engine.load()
 
     @property

@@ -86,6 +86,23 @@ class EngineStats:
             self.decode_batch_sum += len(batch)
 
 
+# as_dict's means, each over a step count; every other number is a running total.
+_MEANS = {"mean_running": "num_steps", "mean_decode_batch": "num_decode_steps"}
+
+
+def stats_since(before: dict, after: dict) -> dict:
+    """The counters of `after` (an `EngineStats.as_dict`) less those of `before`, taken
+    earlier from the same engine: what it did in between, its means over those steps."""
+    delta = {key: value - before.get(key, 0) if isinstance(value, (int, float))
+             and key not in _MEANS and key != "max_num_seqs" else value
+             for key, value in after.items()}
+    for key, steps in _MEANS.items():
+        if key in after and steps in after:
+            total = after[key] * after[steps] - before.get(key, 0) * before.get(steps, 0)
+            delta[key] = total / delta[steps] if delta[steps] else 0.0
+    return delta
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -281,13 +298,15 @@ class LLMEngine:
         return self.runner.memory_report()
 
     def load(self) -> dict:
-        """Running and waiting (swapped included) requests and the KV cache's used
-        fraction, read without a lock: a snapshot for a progress line, safe from any
+        """Running and waiting (swapped included) requests, the KV cache's used fraction
+        and the tokens generated since the engine started (those of running requests
+        included), read without a lock: a snapshot for a progress line, safe from any
         thread."""
         sched = self.scheduler
         blocks = sched.block_manager
         return {"running": len(sched.running), "waiting": len(sched.waiting) + len(sched.swapped),
-                "kv_used": (blocks.num_blocks - blocks.num_free_blocks) / max(blocks.num_blocks, 1)}
+                "kv_used": (blocks.num_blocks - blocks.num_free_blocks) / max(blocks.num_blocks, 1),
+                "num_generated_tokens": self.stats.num_generated_tokens}
 
     def close(self) -> None:
         self.runner.close()

@@ -5,6 +5,7 @@ at most `partitions_per_worker` partitions per worker at a time.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -26,8 +27,9 @@ from fusegen.jobs.redact import redact_url, redacted_logging
 from fusegen.jobs.report import write_report
 from fusegen.jobs.rows import RowPreparer
 from fusegen.jobs.spec import JobSpec
-from fusegen.jobs.storage import filesystem, is_process_local, list_input_files
-from fusegen.jobs.task import engine_stats, load_engine, run_partition
+from fusegen.jobs.shared_paths import absolute_url, check_shared_storage
+from fusegen.jobs.storage import list_input_files
+from fusegen.jobs.task import engine_stats, load_engine, progress_topic, run_partition
 
 log = logging.getLogger("fusegen.jobs")
 
@@ -67,7 +69,7 @@ def _message(exc: Exception, redact) -> str:
 
 def _run(spec: JobSpec, progress_stream, client=None, resume: str = RERUN) -> JobResult:
     started, t0 = _now(), time.perf_counter()
-    _check_shared_storage(spec)
+    spec = _reachable(spec)
     files = list_input_files(spec.input, spec.storage_options)
     preparer = RowPreparer(spec)
     # A missing column fails here, before any model loads (a batch file has no columns:
@@ -195,19 +197,15 @@ class _Run:
             "engine_stats": engines, "status": status, **extra})
 
 
-def _check_shared_storage(spec: JobSpec) -> None:
-    """Worker processes cannot see this process's memory:// files: refuse up front."""
-    if spec.workers == 1 and not spec.scheduler:
-        return
-    flag = (f"--scheduler {redact_url(spec.scheduler)}" if spec.scheduler
-            else f"--workers {spec.workers}")
-    for what in ("input", "output"):
-        url = getattr(spec, what)
-        if is_process_local(filesystem(url, spec.storage_options)[0]):
-            raise JobError(f"{what} {redact_url(url)} is in this process's memory, which the "
-                           f"worker processes of {flag} cannot reach; use a shared filesystem "
-                           "or object store, or one in-process worker (--workers 1, no "
-                           "--scheduler)")
+def _reachable(spec: JobSpec) -> JobSpec:
+    """The spec with local input and output paths absolute (a worker resolves a relative
+    one against its own working directory); refuses paths its workers cannot reach
+    (`jobs/shared_paths.py`)."""
+    spec = dataclasses.replace(spec, input=absolute_url(spec.input, spec.storage_options),
+                               output=absolute_url(spec.output, spec.storage_options))
+    check_shared_storage(spec.input, spec.output, spec.storage_options, spec.scheduler,
+                         spec.workers)
+    return spec
 
 
 def _execute(spec: JobSpec, todo: list[Partition], fingerprint: str, owner: str,
@@ -221,29 +219,33 @@ def _execute(spec: JobSpec, todo: list[Partition], fingerprint: str, owner: str,
         # Every worker loads its engine before any partition is read: a model that cannot
         # load fails the job here, with the engine's message.
         devices = engine_devices(spec, _workers(client))
-        loaded = client.gather([client.submit(load_engine, spec, device, workers=[w],
-                                              allow_other_workers=True, pure=False,
+        loaded = client.gather([client.submit(load_engine, spec, device, run_token,
+                                              workers=[w], allow_other_workers=True, pure=False,
                                               key=f"fusegen-load-{run_token}-{i}")
                                 for i, (w, device) in enumerate(devices.items())])
         fresh = [e for e in loaded if e["loaded"]]
         if fresh:  # where the weights and the KV cache live; not again for a reused engine
             progress.message("memory plan (per worker):\n" + fresh[0]["placement"])
-        topic = f"fusegen-progress-{run_token}"
+        topic = progress_topic(run_token)
         client.subscribe_topic(topic, lambda event: progress.partial(**event[1]))
+        parts_of = {}  # task key -> its partition's name, for a worker that dies
+        client.subscribe_topic("all", lambda event: _worker_left(event[1], parts_of))
         try:
-            _stream(client, spec, todo, fingerprint, owner, topic, run_token, progress,
-                    results, errors)
+            _stream(client, spec, todo, fingerprint, owner, run_token, progress, results,
+                    errors, parts_of)
         finally:
             client.unsubscribe_topic(topic)
+            client.unsubscribe_topic("all")
         # Not as tasks: a task pinned to a worker that died would wait forever.
-        stats = client.run(engine_stats, spec, on_error="return")
+        stats = client.run(engine_stats, spec, run_token, on_error="return")
     return [s for s in stats.values() if isinstance(s, dict)]
 
 
-def _stream(client, spec, todo, fingerprint, owner, topic, run_token, progress, results,
-            errors):
+def _stream(client, spec, todo, fingerprint, owner, run_token, progress, results, errors,
+            parts_of):
     """Keep `partitions_per_worker` partitions per worker in flight until all committed.
-    Only the partitions' descriptions travel; each task reads its own rows."""
+    Only the partitions' descriptions travel; each task reads its own rows. `parts_of`:
+    filled with each task's key -> its partition's name."""
     from distributed import as_completed
 
     pending, index_of = iter(todo), {}
@@ -254,8 +256,8 @@ def _stream(client, spec, todo, fingerprint, owner, topic, run_token, progress, 
             window = spec.partitions_per_worker * max(1, len(client.scheduler_info()["workers"]))
             for part in islice(pending, max(0, window - running.count())):
                 key = f"fusegen-{fingerprint}-{part.name}-{run_token}"
-                index_of[key] = part.index
-                running.add(client.submit(run_partition, spec, part, fingerprint, topic,
+                index_of[key], parts_of[key] = part.index, part.name
+                running.add(client.submit(run_partition, spec, part, fingerprint, run_token,
                                           owner, pure=False, key=key))
             if running.is_empty():
                 return
@@ -271,8 +273,8 @@ def _stream(client, spec, todo, fingerprint, owner, topic, run_token, progress, 
                 progress.message(f"{part.name}: {error}; retrying it on a fresh engine "
                                  f"(retry {retries[part.index]} of {GROUP_RETRIES})")
                 key = f"fusegen-{fingerprint}-{part.name}-{run_token}-r{retries[part.index]}"
-                index_of[key] = part.index
-                running.add(client.submit(run_partition, spec, part, fingerprint, topic,
+                index_of[key], parts_of[key] = part.index, part.name
+                running.add(client.submit(run_partition, spec, part, fingerprint, run_token,
                                           owner, pure=False, key=key))
                 continue
             index = index_of.pop(future.key)
@@ -287,6 +289,21 @@ def _stream(client, spec, todo, fingerprint, owner, topic, run_token, progress, 
         running.clear()
         client.cancel(unfinished)
         raise
+
+
+def _worker_left(event: dict, parts_of: dict[str, str]) -> None:
+    """Name a worker that left the cluster while it ran (or held queued) partitions of
+    this job: the scheduler's "remove-worker" event. Dask runs those partitions again on
+    the other workers; their parts are written only when they complete."""
+    if event.get("action") != "remove-worker":
+        return
+    names = sorted({parts_of[key] for key in event.get("processing-tasks", ())
+                    if key in parts_of})
+    if names:
+        how = "was retired" if event.get("expected") else "died"
+        log.warning("worker %s %s while running %s; Dask retries %s on the other workers",
+                    event.get("worker"), how, ", ".join(names),
+                    "it" if len(names) == 1 else "them")
 
 
 # A partition whose engine's device group died (a rank crashed or stopped answering) runs

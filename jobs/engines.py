@@ -12,10 +12,15 @@ started after the assignment (a restarted one) loads with the job's option as gi
 from __future__ import annotations
 
 import threading
+import weakref
 
 _lock = threading.Lock()
 _engines: dict = {}  # key -> LLM; at most one entry
 _devices: dict[str, str] = {}  # the job's device option -> this worker's device
+# job -> (a weak reference to its engine, that engine's stats when the job first used it);
+# the latest _MAX_JOBS jobs only, so a long-lived worker does not accumulate them
+_job_starts: dict[str, tuple[weakref.ref, dict]] = {}
+_MAX_JOBS = 16
 
 
 def _load(model: str, engine_kwargs: dict):
@@ -38,6 +43,21 @@ def get_engine(model: str, engine_kwargs: dict):
             _close_all()
             llm = _engines[key] = _load(model, engine_kwargs)
         return llm
+
+
+def job_start(job: str, llm) -> dict:
+    """`llm`'s counters (`LLM.stats()`) when job `job` first used it in this process: an
+    engine that served earlier jobs (a persistent worker's) counts them too, so the job's
+    own figures are the later counters less these (`stats_since`). An engine loaded
+    afresh mid-job (its device group failed) starts from its own zero counters."""
+    with _lock:
+        start = _job_starts.get(job)
+        if start is None or start[0]() is not llm:
+            _job_starts.pop(job, None)
+            start = _job_starts[job] = (weakref.ref(llm), llm.stats())
+            while len(_job_starts) > _MAX_JOBS:
+                del _job_starts[next(iter(_job_starts))]
+        return start[1]
 
 
 def loaded_engine(model: str, engine_kwargs: dict):

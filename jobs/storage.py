@@ -161,7 +161,7 @@ def list_names(fs, path: str) -> set[str]:
 
 def move(fs, src: str, dst: str) -> None:
     """Rename one file (an atomic rename on local disks)."""
-    if _glob.has_magic(src + dst) and not _is_local(fs):
+    if _glob.has_magic(src + dst) and not is_local(fs):
         fs.cp_file(src, dst)
         fs.rm_file(src)
     else:
@@ -170,7 +170,7 @@ def move(fs, src: str, dst: str) -> None:
 
 def remove_tree(fs, path: str) -> None:
     try:
-        if not _glob.has_magic(path) or _is_local(fs):
+        if not _glob.has_magic(path) or is_local(fs):
             fs.rm(path, recursive=True)
             return
         entries = fs.find(path, withdirs=True, detail=True)
@@ -198,7 +198,8 @@ def is_process_local(fs) -> bool:
     return isinstance(fs, MemoryFileSystem)
 
 
-def _is_local(fs) -> bool:
+def is_local(fs) -> bool:
+    """A path of this machine's own filesystem tree (its disk, or a share mounted here)."""
     from fsspec.implementations.local import LocalFileSystem
 
     return isinstance(fs, LocalFileSystem)

@@ -6,7 +6,9 @@ import time
 from concurrent.futures import wait
 
 from fusegen.engine.errors import DeviceGroupError
-from fusegen.jobs.engines import drop_engine, get_engine, loaded_engine, set_worker_device
+from fusegen.engine.llm_engine import stats_since
+from fusegen.jobs.engines import (drop_engine, get_engine, job_start, loaded_engine,
+                                  set_worker_device)
 from fusegen.jobs.errors import JobError
 from fusegen.jobs.formats import OPENAI_BATCH, mark_line_errors
 from fusegen.jobs.openai_batch import run_batch_partition
@@ -18,14 +20,22 @@ from fusegen.jobs.spec import JobSpec
 from fusegen.jobs.storage import filesystem, read_partition
 
 
-def load_engine(spec: JobSpec, device: str | None = None) -> dict:
+def progress_topic(job: str) -> str:
+    """The Dask event topic on which job `job`'s partitions report their progress."""
+    return f"fusegen-progress-{job}"
+
+
+def load_engine(spec: JobSpec, device: str | None = None, job: str | None = None) -> dict:
     """Load (or find) this worker's engine before any partition runs; fail early if the
     model cannot load or the job needs a chat template the tokenizer lacks. `device`: the
-    one the driver assigned this worker; its partitions' engine lookups then find it."""
+    one the driver assigned this worker; its partitions' engine lookups then find it.
+    `job`: the run's token; the engine's counters now are where this job's start."""
     if device is not None:
         set_worker_device(spec.engine.device, device)
     loads = loaded_engine(spec.model, spec.engine_kwargs()) is None
     llm = _guard(spec, "loading the model", lambda: get_engine(spec.model, spec.engine_kwargs()))
+    if job is not None:
+        job_start(job, llm)
     if spec.chat or spec.messages_column:
         if not spec.chat_template and not getattr(llm.tokenizer, "chat_template", None):
             flag = "--messages-column" if spec.messages_column else "--chat"
@@ -41,26 +51,31 @@ def load_engine(spec: JobSpec, device: str | None = None) -> dict:
             "loaded": loads}
 
 
-def engine_stats(spec: JobSpec) -> dict | None:
-    """The worker engine's counters since it loaded (steps, mean running batch...)."""
+def engine_stats(spec: JobSpec, job: str | None = None) -> dict | None:
+    """The worker engine's counters (steps, mean running batch, prompt and generated
+    tokens...) for job `job` alone: since the job first used this engine, not since it
+    loaded (a persistent worker's engine served earlier jobs). None where this worker ran
+    none of the job (no engine, or another job's)."""
     llm = loaded_engine(spec.model, spec.engine_kwargs())
     if llm is None:
         return None
+    stats = llm.stats() if job is None else stats_since(job_start(job, llm), llm.stats())
     # model_path: the files the model's name resolved to here (a hub id: its snapshot).
-    return {**llm.stats(), "memory": llm.memory_report(), "model_path": llm.config.model}
+    return {**stats, "memory": llm.memory_report(), "model_path": llm.config.model}
 
 
-def run_partition(spec: JobSpec, part: Partition, fingerprint: str,
-                  progress_topic: str | None = None, owner: str | None = None) -> PartStats:
+def run_partition(spec: JobSpec, part: Partition, fingerprint: str, job: str | None = None,
+                  owner: str | None = None) -> PartStats:
     """Read one partition, generate every row through the worker's engine, commit its part
-    (only while the run `owner` holds the output's lease). While it runs, rows and tokens
-    done so far go to the Dask event `progress_topic`."""
+    (only while the run `owner` holds the output's lease). While it runs, the part's rows
+    done so far and the engine's load and tokens generated for job `job` go to the Dask
+    event `progress_topic(job)` about once a second."""
     return _guard(spec, f"{part.name} ({part.path} rows {part.start}-{part.stop})",
-                  lambda: _run_partition(spec, part, fingerprint, progress_topic, owner))
+                  lambda: _run_partition(spec, part, fingerprint, job, owner))
 
 
 def _run_partition(spec: JobSpec, part: Partition, fingerprint: str,
-                   progress_topic: str | None, owner: str | None) -> PartStats:
+                   job: str | None, owner: str | None) -> PartStats:
     start = time.perf_counter()
     llm = get_engine(spec.model, spec.engine_kwargs())
     in_fs, _ = filesystem(spec.input, spec.storage_options)
@@ -69,14 +84,14 @@ def _run_partition(spec: JobSpec, part: Partition, fingerprint: str,
     if part.text is not None and part.text.format == OPENAI_BATCH:
         return run_batch_partition(
             spec, part, llm, table, fingerprint, owner, lambda futures, rejected: _wait(
-                futures, _reporter(progress_topic, part.index, llm, rejected)), start)
+                futures, _reporter(job, part.index, llm, rejected)), start)
     preparer = RowPreparer(spec, chat=lambda messages: _chat_ids(llm, messages,
                                                                  spec.chat_template),
                            prompt_limit=llm.prompt_limit)
     requests = mark_line_errors(preparer.prepare(table, part.first_row), line_errors)
     valid = [r for r in requests if r.error is None]
     futures = llm.submit_many([(r.prompt, r.params) for r in valid])
-    report = _reporter(progress_topic, part.index, llm, len(requests) - len(valid))
+    report = _reporter(job, part.index, llm, len(requests) - len(valid))
     results = iter(_wait(futures, report))
     outputs = [None if r.error else next(results) for r in requests]
     table = output_table(table, requests, outputs, spec.output_token_ids,
@@ -106,22 +121,32 @@ def _wait(futures: list, report, every: float = 1.0) -> list:
         report([f.result() for f in done])
 
 
-def _reporter(topic: str | None, index: int, llm, num_rejected: int):
-    """Sends the part's rows, tokens and errors so far, and the engine's load, to the
-    driver's progress line. `num_rejected`: rows that failed before the engine."""
+def _reporter(job: str | None, index: int, llm, num_rejected: int):
+    """Sends the part's finished rows, their tokens and errors so far, and the engine's
+    load with the tokens it generated for this job (running requests' included: a long
+    generation counts before any row finishes), to the driver's progress line.
+    `num_rejected`: rows that failed before the engine."""
     from distributed import get_worker
 
     try:
         worker = get_worker()
     except ValueError:  # not on a Dask worker
         worker = None
-    if topic is None or worker is None:
+    if job is None or worker is None:
         return lambda done: None
-    return lambda done: worker.log_event(topic, {
-        "index": index, "rows": len(done) + num_rejected,
-        "tokens": sum(o.num_generated_tokens for o in done),
-        "errors": num_rejected + sum(o.error is not None for o in done),
-        "worker": worker.address, "engine": llm.engine_load()})
+    start = job_start(job, llm).get("num_generated_tokens", 0)
+    topic = progress_topic(job)
+
+    def report(done: list) -> None:
+        engine = llm.engine_load()
+        if engine is not None:
+            engine = {**engine, "num_generated_tokens": engine["num_generated_tokens"] - start}
+        worker.log_event(topic, {
+            "index": index, "rows": len(done) + num_rejected,
+            "tokens": sum(o.num_generated_tokens for o in done),
+            "errors": num_rejected + sum(o.error is not None for o in done),
+            "worker": worker.address, "engine": engine})
+    return report
 
 
 def _chat_ids(llm, messages, chat_template: str | None = None) -> list[int]:

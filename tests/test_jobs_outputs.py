@@ -171,8 +171,10 @@ def test_engine_load_reads_the_schedulers_queues_and_free_blocks():
     blocks = SimpleNamespace(num_blocks=200, num_free_blocks=150)
     scheduler = SimpleNamespace(running=[1, 2], waiting=[3], swapped=[4, 5],
                                 block_manager=blocks)
-    engine = SimpleNamespace(scheduler=scheduler)
-    assert LLMEngine.load(engine) == {"running": 2, "waiting": 3, "kv_used": 0.25}
+    engine = SimpleNamespace(scheduler=scheduler,
+                             stats=SimpleNamespace(num_generated_tokens=1234))
+    assert LLMEngine.load(engine) == {"running": 2, "waiting": 3, "kv_used": 0.25,
+                                      "num_generated_tokens": 1234}
 
 
 def test_dashboard_link_only_when_the_scheduler_serves_one(monkeypatch):
