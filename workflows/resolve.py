@@ -28,13 +28,11 @@ from fusegen.workflows.store import state_dir
 from fusegen.workflows.transform import Transform
 
 
-@dataclass(frozen=True, slots=True)
-class ClusterSettings:
-    """Where a python step's tasks run when no generate step opened a Dask client before
-    it: the workflow's `defaults:` (scheduler, workers, partitions_per_worker)."""
-    scheduler: str | None = None
-    workers: int = 1
-    partitions_per_worker: int = 4
+# The options of `defaults:` that say where a python step's tasks run when no generate
+# step opened a Dask client before it.
+CLUSTER_KEYS = ("scheduler", "workers", "partitions_per_worker")
+# jobs.open_client takes a JobSpec, which names a model; a python step loads none.
+_NO_MODEL = "fusegen/no-model"
 
 
 @dataclass(slots=True)
@@ -47,7 +45,7 @@ class ResolvedStep:
     job: JobSpec | None = None  # generate steps
     transform: Transform | None = None  # transform steps
     python: PythonFunction | None = None  # python steps
-    cluster: ClusterSettings | None = None  # python steps
+    cluster: JobSpec | None = None  # python steps: CLUSTER_KEYS, for jobs.open_client
     readers: list["ResolvedStep"] = field(default_factory=list)  # python steps: the steps
     # reading its output, whose columns each returned table must have
     partition_rows: int = 0  # transform and python steps
@@ -244,17 +242,17 @@ def _python(workflow: Workflow, step: Step, resolved: ResolvedStep, filled,
     except FunctionError as exc:
         problems.append(Problem(step.name, "python", str(exc)))
         return None
-    settings = filled({k: workflow.defaults[k] for k in ClusterSettings.__slots__
+    settings = filled({k: workflow.defaults[k] for k in CLUSTER_KEYS
                        if k in workflow.defaults}, "defaults")
     if settings is None:
         return None
-    for key in ("workers", "partitions_per_worker"):
-        value = settings.get(key, 1)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            problems.append(Problem(None, f"defaults.{key}", f"must be an integer >= 1, "
-                                    f"got {value!r}"))
-            return None
-    resolved.cluster = ClusterSettings(**settings)
+    try:
+        resolved.cluster = build_spec({**settings, "model": _NO_MODEL},
+                                      {"input": resolved.input, "output": resolved.output,
+                                       "storage_options": resolved.storage_options})
+    except JobError as exc:
+        problems.append(Problem(step.name, "defaults", str(exc)))
+        return None
     return resolved
 
 

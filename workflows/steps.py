@@ -59,8 +59,8 @@ class Clients:
         self._client = None
 
     def get(self, job):
-        """A client for `job`'s scheduler, workers and partitions_per_worker (a JobSpec, or a
-        python step's ClusterSettings): the open one when they match."""
+        """A client for the JobSpec's scheduler, workers and partitions_per_worker (a
+        generate step's job, or a python step's cluster): the open one when they match."""
         from fusegen.jobs import open_client
 
         key = (job.scheduler, job.workers, job.partitions_per_worker)
