@@ -1,6 +1,8 @@
 """Nothing lost, nothing doubled: a SIGKILLed job process rerun, and a Dask worker process
 killed mid-partition, both end with the output of an uninterrupted run."""
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -60,8 +62,10 @@ def test_sigkill_job_then_rerun_equals_uninterrupted_run(tmp_path):
     assert not (out / "_tmp").exists()
 
 
-def test_killed_dask_worker_partition_is_retried_elsewhere(tmp_path):
+def test_killed_dask_worker_partition_is_retried_elsewhere(tmp_path, caplog):
     from distributed import Client, LocalCluster
+
+    caplog.set_level(logging.WARNING, logger="fusegen.jobs")
 
     inp = tmp_path / "in.parquet"
     # 40 partitions: the job must still be mid-way when the kill lands, however fast
@@ -106,6 +110,12 @@ def test_killed_dask_worker_partition_is_retried_elsewhere(tmp_path):
     assert result.equals(_reference(tmp_path, inp))
     assert not (out / "_tmp").exists()
     assert pq.read_metadata(out / "part-00039.parquet").num_rows == 16
+    # the job's log names the dead worker and the partitions it was running
+    (left,) = [r.getMessage() for r in caplog.records if "died while running" in
+               r.getMessage()]
+    names = sorted(re.search(r"part-\d+\.parquet", key).group() for key in retried)
+    assert left == f"worker {victim} died while running {', '.join(names)}; Dask retries " \
+        f"{'it' if len(names) == 1 else 'them'} on the other workers"
 
 
 def _capture(fn, *args):
