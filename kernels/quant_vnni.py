@@ -11,6 +11,13 @@ d = amax / 127 in fp32 and q = round(x * (1 / d)), ties to even, d = 0 giving q 
 product is then exact integer arithmetic per block, scaled by the weight's fp32 factors;
 the kernel sums the scaled blocks in fp32 (in a fixed order: each element's value depends
 only on its row of x and its weight row) and rounds once to bf16.
+
+Repacked blocks (pack_blocks, in place, AVX512_VNNI builds): each group of 16 weight rows
+interleaved field by field as the kernel's registers hold them (16 rows' fp16 scales side
+by side, their codes 4 bytes a row at a time), so a call loads them as they lie instead
+of transposing 16 rows' bytes and gathering their scales; the same bytes, the same bits
+(quant_linear_q8_packed). A resident GGUFLinear repacks its own blocks
+(engine/weights/quantized.py).
 """
 from __future__ import annotations
 
@@ -18,8 +25,25 @@ import functools
 
 import torch
 
-from fusegen.kernels.gguf_blocks import SUPPORTED, check, dequantize_rows
+from fusegen.kernels.gguf_blocks import (BLOCK_SIZES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K,
+                                         Q8_0, SUPPORTED, check, dequantize_rows)
+
 BLOCK = 32  # activation values per int8 block
+GROUP = 16  # rows (output columns) a repacked group holds: one a 32-bit lane of a zmm
+# A block's fields as (byte offset, bytes, interleave width) in the repacked layout: each
+# group of GROUP rows holds, block by block, every field's GROUP copies side by side in
+# the field's order, `width` bytes of a row at a time (fp16 scales 2, codes and packed
+# scale words 4: the unit the kernel's registers hold a row's values in).
+FIELDS = {
+    Q4_0: ((0, 2, 2), (2, 16, 4)),
+    Q4_1: ((0, 2, 2), (2, 2, 2), (4, 16, 4)),
+    Q5_0: ((0, 2, 2), (2, 4, 4), (6, 16, 4)),
+    Q5_1: ((0, 2, 2), (2, 2, 2), (4, 4, 4), (8, 16, 4)),
+    Q8_0: ((0, 2, 2), (2, 32, 4)),
+    Q4_K: ((0, 2, 2), (2, 2, 2), (4, 140, 4)),
+    Q5_K: ((0, 2, 2), (2, 2, 2), (4, 172, 4)),
+    Q6_K: ((0, 208, 4), (208, 2, 2)),
+}
 
 
 @functools.cache  # on the hot path of every call
@@ -37,6 +61,71 @@ def q8_available(qtype: int) -> bool:
     return lib is not None and bool(lib.quant_gguf_q8_available(qtype))
 
 
+@functools.cache
+def q8_packed_available(qtype: int) -> bool:
+    """Whether this machine's build multiplies `qtype`'s repacked blocks (pack_blocks):
+    AVX512_VNNI builds (AVX2 builds read the blocks as stored)."""
+    lib = _library()
+    return lib is not None and bool(lib.quant_gguf_q8_packed_available(qtype))
+
+
+def pack_blocks(blocks: torch.Tensor, qtype: int, in_features: int) -> None:
+    """Repack uint8 [out, row_bytes] blocks as stored in place, by the C kernels: each
+    whole group of GROUP rows becomes its blocks in turn, each block's fields (FIELDS)
+    interleaved across the group's rows; the last out % GROUP rows stay as they were. Row
+    r is then no longer weight row r: only quant_linear_q8_packed and unpack_blocks read
+    them. The same bytes (pack_blocks_reference's)."""
+    _repack(blocks, qtype, in_features, unpack=False)
+
+
+def unpack_blocks(blocks: torch.Tensor, qtype: int, in_features: int) -> None:
+    """pack_blocks undone in place: the blocks as stored."""
+    _repack(blocks, qtype, in_features, unpack=True)
+
+
+def _repack(blocks, qtype, in_features, unpack):
+    check(blocks, qtype, blocks.shape[0], in_features)
+    if qtype not in FIELDS or not blocks.is_cpu or not blocks.is_contiguous():
+        raise ValueError(f"no repacked layout for {SUPPORTED.get(qtype, qtype)} blocks "
+                         f"({blocks.device}, contiguous: {blocks.is_contiguous()}); "
+                         f"contiguous CPU blocks of {', '.join(SUPPORTED[q] for q in FIELDS)}")
+    lib = _library()
+    if lib is None or lib.quant_gguf_q8_repack(qtype, blocks.data_ptr(), blocks.shape[0],
+                                               in_features, int(unpack)) != 0:
+        raise RuntimeError(f"no C repacking of {SUPPORTED[qtype]} blocks in this build")
+
+
+def pack_blocks_reference(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """pack_blocks' layout by torch (tests): a new tensor."""
+    return _regroup(blocks, qtype, pack=True)
+
+
+def _regroup(blocks: torch.Tensor, qtype: int, pack: bool) -> torch.Tensor:
+    rows, row_bytes = blocks.shape
+    bytes_ = BLOCK_SIZES[qtype][1]
+    groups, nb = rows // GROUP, row_bytes // bytes_
+    out = blocks.clone(memory_format=torch.contiguous_format)
+    # [groups, GROUP rows, nb, bytes] -> per field [groups, nb, words, GROUP rows, width]
+    per_row = blocks[:groups * GROUP].reshape(groups, GROUP, nb, bytes_).permute(0, 2, 1, 3)
+    parts = [per_row[..., off:off + size].reshape(groups, nb, GROUP, size // width, width)
+             .transpose(2, 3).reshape(groups, nb, GROUP * size)
+             for off, size, width in FIELDS[qtype]]
+    out[:groups * GROUP] = torch.cat(parts, dim=-1).reshape(groups * GROUP, row_bytes)
+    return out
+
+
+def quant_linear_q8_packed(x: torch.Tensor, packed: torch.Tensor, qtype: int,
+                           out_features: int) -> torch.Tensor:
+    """quant_linear_q8 over pack_blocks' layout, unchecked (a GGUFLinear's hot path):
+    the same bits. None where the kernel declines the call."""
+    rows, in_features = x.shape
+    out = torch.empty(rows, out_features, dtype=torch.bfloat16)
+    status = _library().quant_gguf_q8_packed_bf16(
+        qtype, x.data_ptr(), rows, x.stride(0), packed.data_ptr(), out_features, in_features,
+        out.data_ptr(), out_features, torch.get_num_threads())
+    return out if status == 0 else None
+
+
 def quant_linear_q8(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features: int) -> torch.Tensor:
     """The C kernel, unchecked (the dispatcher's hot path): x [T >= 1, in] bf16 with unit
     stride along in, blocks contiguous. None where the kernel declines the call."""
@@ -49,17 +138,22 @@ def quant_linear_q8(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_featu
 
 
 def quant_linear_q8_native(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features: int,
-                           in_features: int) -> torch.Tensor:
-    """The C kernel alone (tests, benchmarks); RuntimeError where this build has none."""
+                           in_features: int, packed: bool = False) -> torch.Tensor:
+    """The C kernel alone (tests, benchmarks), `packed`: over pack_blocks' layout;
+    RuntimeError where this build has none."""
     check(blocks, qtype, out_features, in_features, x)
     if x.dim() != 2 or x.dtype != torch.bfloat16:
         raise ValueError(f"x must be bf16 rows [T, {in_features}]; got {x.dtype} {list(x.shape)}")
     if x.shape[0] == 0:
         return torch.empty(0, out_features, dtype=torch.bfloat16)
     x = x if x.stride(-1) == 1 else x.contiguous()
-    out = quant_linear_q8(x, blocks.contiguous(), qtype, out_features) if q8_available(qtype) else None
+    kernel, available = ((quant_linear_q8_packed, q8_packed_available) if packed
+                         else (quant_linear_q8, q8_available))
+    out = kernel(x, blocks.contiguous(), qtype, out_features) if available(qtype) else None
     if out is None:
-        raise RuntimeError(f"no int8 (AVX512_VNNI or AVX2) kernel for {SUPPORTED[qtype]} in this build")
+        raise RuntimeError(f"no int8 ({'AVX512_VNNI' if packed else 'AVX512_VNNI or AVX2'}) "
+                           f"kernel for {'repacked ' if packed else ''}{SUPPORTED[qtype]} "
+                           "in this build")
     return out
 
 

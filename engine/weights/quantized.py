@@ -34,6 +34,8 @@ from fusegen.engine.weights.groupquant import GroupQuantExpertLinear, GroupQuant
 from fusegen.engine.weights.linear import Linear, row_tiled
 from fusegen.kernels import _triton_available, use_native, use_triton
 from fusegen.kernels.quant_linear import SUPPORTED, has_kernel, quant_linear
+from fusegen.kernels.quant_vnni import (pack_blocks, q8_packed_available, quant_linear_q8_packed,
+                                        unpack_blocks)
 
 # The GGUF types kernels/triton_quant.py's `_gguf_weights` decodes (Q4_0, Q4_1, Q5_0,
 # Q5_1, Q8_0, Q4_K, Q5_K, Q6_K): what GPUs keep as blocks. A type the C kernels gain
@@ -172,15 +174,44 @@ def keep_blocks(layer: torch.nn.Module, kept: dict[str, list[CompressedSource]],
         for name, tensor in fuse_components(kept[param], device).items():
             module.set_weight(name, tensor)
             out[f"{owner}.{name}"] = tensor
+        if isinstance(module, GGUFLinear):
+            module.may_repack = True  # resident: its own blocks
     return out
 
 
 class GGUFLinear(CompressedLinear):
     """W held as `blocks` uint8 [out, row_bytes], each row one weight row's GGUF blocks
     of type `qtype`, multiplied by kernels/quant_linear.py (CPUs) or
-    kernels/triton_quant.gguf_linear_triton (CUDA tensors, `on_triton`)."""
+    kernels/triton_quant.gguf_linear_triton (CUDA tensors, `on_triton`).
+
+    A resident layer (`may_repack`, keep_blocks) on a CPU whose build has the repacked
+    int8 product (AVX512_VNNI, kernels/quant_vnni.py) repacks its blocks in place at its
+    first bf16 call (`packed` True): groups of 16 rows interleaved as the kernel's
+    registers take them, the same bytes, so no call transposes or gathers them again. A
+    later call that another kernel serves (fp32 x, FUSEGEN_KERNELS set) unpacks them in
+    place for good. Streamed layers' staging slots refill every step: kept as stored."""
     components = ("blocks",)
     format = "gguf"
+    packed = False
+    may_repack = False
+
+    def set_weight(self, name: str, tensor: torch.Tensor) -> None:
+        super().set_weight(name, tensor)
+        if name == "blocks":  # a new tensor, as stored, perhaps a staging slot's
+            self.packed = self.may_repack = False
+
+    def _pack(self, x: torch.Tensor) -> None:
+        """Repack the blocks in place where x's products will read them so."""
+        qtype = self.params[0]
+        if (x.dtype == torch.bfloat16 and use_native(x) and self.blocks.is_cpu
+                and self.blocks.is_contiguous() and q8_packed_available(qtype)):
+            pack_blocks(self.blocks, qtype, self.in_features)
+            self.packed = True
+        self.may_repack = False  # decided once
+
+    def _unpack(self) -> None:
+        unpack_blocks(self.blocks, self.params[0], self.in_features)
+        self.packed = False
 
     @property
     def qtype(self) -> int:
@@ -197,6 +228,13 @@ class GGUFLinear(CompressedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qtype = self.params[0]
+        if self.may_repack:
+            self._pack(x)
+        if self.packed:
+            out = self._packed_product(x)
+            if out is not None:
+                return out if self.bias is None else out.add_(self.bias)
+            self._unpack()
         if on_triton(x, qtype):
             # The Triton kernel's tiles: batch-invariant ones (kernels/triton_quant.py)
             # in deterministic mode, so no row tiling is needed there.
@@ -215,6 +253,18 @@ class GGUFLinear(CompressedLinear):
         if self.bias is not None:
             out += self.bias
         return out
+
+    def _packed_product(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x @ W.T by the int8 product over the repacked blocks: bf16 x on this CPU (any
+        row count, batch-invariant); None for any other x."""
+        if x.dtype != torch.bfloat16 or not use_native(x):
+            return None
+        rows = x.reshape(-1, self.in_features)
+        if not rows.shape[0]:
+            return x.new_empty(*x.shape[:-1], self.out_features)
+        out = quant_linear_q8_packed(rows if rows.stride(-1) == 1 else rows.contiguous(),
+                                     self.blocks, self.params[0], self.out_features)
+        return None if out is None else out.view(*x.shape[:-1], self.out_features)
 
     def _matmul(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         # rows [n, in] -> [n, out], no bias: one call of row_tiled's

@@ -255,8 +255,10 @@ chunk_rows(const int QT, const xq_t *xq, int64_t rows, const uint8_t *const col[
 #undef UNITS_
 }
 
-static int all_chunks(int qtype, const xq_t *xq, int64_t rows, const uint8_t *w, int64_t n,
-                      int64_t nb, int bytes, uint16_t *out, int64_t ldo) {
+/* packed: never set (the repacked layout's groups of 16 rows are AVX-512's) */
+static int all_chunks(int qtype, int packed, const xq_t *xq, int64_t rows, const uint8_t *w,
+                      int64_t n, int64_t nb, int bytes, uint16_t *out, int64_t ldo) {
+    (void)packed;
     const int64_t row_bytes = nb * bytes, chunks = (n + NC - 1) / NC;
     unit_t *units = rows > RMAX ? aligned_alloc(64, (size_t)(xq->k / 32) * sizeof(unit_t)) : 0;
     const int failed = rows > RMAX && !units; /* still takes part in the omp for */

@@ -127,6 +127,30 @@ static inline __m512i bits(__m512i v, int shift, int mask) {
     return _mm512_and_si512(_mm512_srli_epi32(v, shift), _mm512_set1_epi32(mask));
 }
 
+/* A repacked group of 16 columns' blocks (RP, quant_gguf_q8_packed_bf16): each block's
+ * field at byte `off` of width 4 (codes, 4-byte scale words) held at 16 off as its 16
+ * columns' words side by side, word i of column c at 16 (off + 4 i) + 4 c; fp16 fields
+ * (d, dmin) at 16 off as 16 fp16 values. sb: the group's current block. Otherwise the
+ * columns' own blocks (col), transposed and gathered as they come. */
+static inline void words(const int RP, const uint8_t *const col[NC], const uint8_t *sb,
+                         int64_t off, __m512i T[4]) {
+    if (!RP) {
+        t16(col, off, T);
+        return;
+    }
+    for (int i = 0; i < 4; i++) T[i] = _mm512_loadu_si512(sb + 16 * off + 64 * i);
+}
+
+static inline __m512i word(const int RP, const uint8_t *const col[NC], __m512i vindex,
+                           const uint8_t *sb, int64_t off) {
+    return RP ? _mm512_loadu_si512(sb + 16 * off) : gather(col, vindex, off);
+}
+
+/* a repacked group's fp16 field at `off` -> fp32 */
+static inline __m512 fp16s(const uint8_t *sb, int64_t off) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 16 * off)));
+}
+
 /* Units per expansion step, steps per block, and the offset folded into the integer sums */
 #define UNITS(QT) ((QT) == Q6_K ? 4 : (QT) == Q4_K || (QT) == Q5_K ? 2 : 1)
 #define STEPS(QT) ((QT) == Q6_K ? 2 : (QT) == Q4_K || (QT) == Q5_K ? 4 : 1)
@@ -136,38 +160,44 @@ static inline __m512i bits(__m512i v, int shift, int mask) {
 /* Units [step * UNITS, (step + 1) * UNITS) of the 16 columns' blocks (col: each column's
  * current block) */
 static inline __attribute__((always_inline)) void
-expand(const int QT, const uint8_t *const col[NC], __m512i vindex, int step, unit_t *u) {
+expand(const int QT, const int RP, const uint8_t *const col[NC], const uint8_t *sb,
+       __m512i vindex, int step, unit_t *u) {
     __m512i T[4], U[4];
     if (QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1) {
         const int qoff = QT == Q4_0 ? 2 : QT == Q4_1 ? 4 : QT == Q5_0 ? 6 : 8;
-        t16(col, qoff, T);
-        const __m512i g = gather(col, vindex, 0);
+        words(RP, col, sb, qoff, T);
         for (int i = 0; i < 4; i++) u->q[i] = low4(T[i]), u->q[4 + i] = high4(T[i]);
         if (QT == Q5_0 || QT == Q5_1) {
-            const __m512i qh = gather(col, vindex, QT == Q5_0 ? 2 : 4);
+            const __m512i qh = word(RP, col, vindex, sb, QT == Q5_0 ? 2 : 4);
             for (int i = 0; i < 8; i++) u->q[i] = fifth(u->q[i], qh, i);
         }
-        u->s = halves(g, 0);
-        u->t = HAS_MIN(QT) ? halves(g, 1) : _mm512_setzero_ps();
+        if (RP) {
+            u->s = fp16s(sb, 0);
+            u->t = HAS_MIN(QT) ? fp16s(sb, 2) : _mm512_setzero_ps();
+        } else {
+            const __m512i g = gather(col, vindex, 0);
+            u->s = halves(g, 0);
+            u->t = HAS_MIN(QT) ? halves(g, 1) : _mm512_setzero_ps();
+        }
     } else if (QT == Q8_0) {
         const __m512i flip = _mm512_set1_epi8((char)0x80);
-        t16(col, 2, T);
-        t16(col, 18, U);
+        words(RP, col, sb, 2, T);
+        words(RP, col, sb, 18, U);
         for (int i = 0; i < 4; i++)
             u->q[i] = _mm512_xor_si512(T[i], flip), u->q[4 + i] = _mm512_xor_si512(U[i], flip);
-        u->s = halves(gather(col, vindex, 0), 0), u->t = _mm512_setzero_ps();
+        u->s = RP ? fp16s(sb, 0) : halves(gather(col, vindex, 0), 0), u->t = _mm512_setzero_ps();
     } else if (QT == Q4_K || QT == Q5_K) { /* step: sub-blocks 2 step, 2 step + 1 */
         const int qoff = (QT == Q5_K ? 48 : 16) + 32 * step;
-        t16(col, qoff, T);
-        t16(col, qoff + 16, U);
+        words(RP, col, sb, qoff, T);
+        words(RP, col, sb, qoff + 16, U);
         for (int i = 0; i < 4; i++) {
             u[0].q[i] = low4(T[i]), u[0].q[4 + i] = low4(U[i]);
             u[1].q[i] = high4(T[i]), u[1].q[4 + i] = high4(U[i]);
         }
         if (QT == Q5_K) {
             __m512i H[8];
-            t16(col, 16, H);
-            t16(col, 32, H + 4);
+            words(RP, col, sb, 16, H);
+            words(RP, col, sb, 32, H + 4);
             const __m512i sixteen = _mm512_set1_epi8(16);
             for (int j = 0; j < 2; j++) {
                 const __m512i bit = _mm512_set1_epi8((char)(1 << (2 * step + j)));
@@ -176,31 +206,37 @@ expand(const int QT, const uint8_t *const col[NC], __m512i vindex, int step, uni
                                                      u[j].q[i], sixteen);
             }
         }
-        const __m512i g = gather(col, vindex, 0);
-        const __m512 d = halves(g, 0), dmin = halves(g, 1);
+        __m512 d, dmin;
+        if (RP) {
+            d = fp16s(sb, 0), dmin = fp16s(sb, 2);
+        } else {
+            const __m512i g = gather(col, vindex, 0);
+            d = halves(g, 0), dmin = halves(g, 1);
+        }
         for (int j = 0; j < 2; j++) { /* sub-block 2 step + j's 6-bit scale and min */
-            const int sb = 2 * step + j;
+            const int sub = 2 * step + j;
             __m512i sc, mn;
-            if (sb < 4) {
-                sc = bits(gather(col, vindex, 4), 8 * sb, 63);
-                mn = bits(gather(col, vindex, 8), 8 * sb, 63);
+            if (sub < 4) {
+                sc = bits(word(RP, col, vindex, sb, 4), 8 * sub, 63);
+                mn = bits(word(RP, col, vindex, sb, 8), 8 * sub, 63);
             } else {
-                const __m512i hi = gather(col, vindex, 12);
-                sc = _mm512_or_si512(bits(hi, 8 * (sb - 4), 0xf),
-                                     _mm512_slli_epi32(bits(gather(col, vindex, 4), 8 * (sb - 4) + 6, 3), 4));
-                mn = _mm512_or_si512(bits(hi, 8 * (sb - 4) + 4, 0xf),
-                                     _mm512_slli_epi32(bits(gather(col, vindex, 8), 8 * (sb - 4) + 6, 3), 4));
+                const __m512i hi = word(RP, col, vindex, sb, 12);
+                sc = _mm512_or_si512(bits(hi, 8 * (sub - 4), 0xf),
+                                     _mm512_slli_epi32(bits(word(RP, col, vindex, sb, 4), 8 * (sub - 4) + 6, 3), 4));
+                mn = _mm512_or_si512(bits(hi, 8 * (sub - 4) + 4, 0xf),
+                                     _mm512_slli_epi32(bits(word(RP, col, vindex, sb, 8), 8 * (sub - 4) + 6, 3), 4));
             }
             u[j].s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
             u[j].t = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn)));
         }
     } else { /* Q6_K, step: the half of 128 values; unit j its quarter j */
         __m512i L[16], H[8];
-        for (int i = 0; i < 4; i++) t16(col, 64 * step + 16 * i, L + 4 * i);
-        t16(col, 128 + 32 * step, H);
-        t16(col, 128 + 32 * step + 16, H + 4);
-        const __m512 d = halves(gather(col, vindex, 206), 1);
-        const __m512i sc[2] = {gather(col, vindex, 192 + 8 * step), gather(col, vindex, 196 + 8 * step)};
+        for (int i = 0; i < 4; i++) words(RP, col, sb, 64 * step + 16 * i, L + 4 * i);
+        words(RP, col, sb, 128 + 32 * step, H);
+        words(RP, col, sb, 128 + 32 * step + 16, H + 4);
+        const __m512 d = RP ? fp16s(sb, 208) : halves(gather(col, vindex, 206), 1);
+        const __m512i sc[2] = {word(RP, col, vindex, sb, 192 + 8 * step),
+                               word(RP, col, vindex, sb, 196 + 8 * step)};
         for (int j = 0; j < 4; j++) {
             for (int i = 0; i < 8; i++) { /* values 4 i.. of the quarter: ql bytes 32 (j & 1) + 4 i */
                 const __m512i lo = L[4 * ((j & 1) * 2 + i / 4) + i % 4];
@@ -244,7 +280,7 @@ unit_dot(const int QT, const unit_t *u, const xq_t *xq, int64_t row, int64_t uni
 
 /* Rows [r0, r0 + R) against the chunk, each block expanded in registers as it comes */
 static inline __attribute__((always_inline)) void
-micro_direct(const int QT, const int R, const xq_t *xq, int64_t r0, const uint8_t *const col0[NC],
+micro_direct(const int QT, const int RP, const int R, const xq_t *xq, int64_t r0, const uint8_t *const col0[NC],
              __m512i vindex, int64_t nb, int bytes, uint16_t *out, int64_t ldo, int ncols) {
     const int US = UNITS(QT);
     __m512 acc[RMAX];
@@ -258,7 +294,7 @@ micro_direct(const int QT, const int R, const xq_t *xq, int64_t r0, const uint8_
         for (int64_t b = 0; b < NC * bytes; b += 64) _mm_prefetch(next + i * NC * bytes + b, _MM_HINT_T0);
         for (int step = 0; step < STEPS(QT); step++) {
             unit_t u[4];
-            expand(QT, col, vindex, step, u);
+            expand(QT, RP, col, col0[0] + i * NC * bytes, vindex, step, u);
             for (int j = 0; j < US; j++)
                 for (int r = 0; r < R; r++)
                     acc[r] = unit_dot(QT, &u[j], xq, r0 + r, (i * STEPS(QT) + step) * US + j, acc[r]);
@@ -281,11 +317,11 @@ micro_units(const int QT, const int R, const xq_t *xq, int64_t r0, const unit_t 
 /* every row of x against one chunk of 16 columns: up to RMAX rows straight from the
  * blocks, more through the chunk's units expanded once into `units` */
 static inline __attribute__((always_inline)) void
-chunk_rows(const int QT, const xq_t *xq, int64_t rows, const uint8_t *const col[NC], __m512i vindex,
+chunk_rows(const int QT, const int RP, const xq_t *xq, int64_t rows, const uint8_t *const col[NC], __m512i vindex,
            int64_t nb, int bytes, unit_t *units, uint16_t *out, int64_t ldo, int ncols) {
     int64_t r0 = 0;
     if (rows <= RMAX) {
-#define DIRECT(R) micro_direct(QT, R, xq, 0, col, vindex, nb, bytes, out, ldo, ncols)
+#define DIRECT(R) micro_direct(QT, RP, R, xq, 0, col, vindex, nb, bytes, out, ldo, ncols)
         RMAX_CASES(rows - r0, DIRECT)
 #undef DIRECT
         return;
@@ -297,7 +333,7 @@ chunk_rows(const int QT, const xq_t *xq, int64_t rows, const uint8_t *const col[
         for (int j = 0; j < NC; j++) c[j] = col[j] + i * bytes;
         for (int64_t b = 0; b < NC * bytes; b += 64) _mm_prefetch(next + i * NC * bytes + b, _MM_HINT_T1);
         for (int step = 0; step < STEPS(QT); step++)
-            expand(QT, c, vindex, step, units + (i * STEPS(QT) + step) * US);
+            expand(QT, RP, c, col[0] + i * NC * bytes, vindex, step, units + (i * STEPS(QT) + step) * US);
     }
     const int64_t nu = xq->k / 32;
     for (; r0 + RMAX <= rows; r0 += RMAX)
@@ -307,8 +343,9 @@ chunk_rows(const int QT, const xq_t *xq, int64_t rows, const uint8_t *const col[
 #undef UNITS_
 }
 
-static int all_chunks(int qtype, const xq_t *xq, int64_t rows, const uint8_t *w, int64_t n,
-                      int64_t nb, int bytes, uint16_t *out, int64_t ldo) {
+/* packed: w's whole groups of NC rows repacked (quant_gguf_q8_packed_bf16) */
+static int all_chunks(int qtype, int packed, const xq_t *xq, int64_t rows, const uint8_t *w,
+                      int64_t n, int64_t nb, int bytes, uint16_t *out, int64_t ldo) {
     const int64_t row_bytes = nb * bytes, chunks = (n + NC - 1) / NC;
     /* a thread's units of one chunk, for calls of more than RMAX rows */
     unit_t *units = rows > RMAX ? aligned_alloc(64, (size_t)(xq->k / 32) * sizeof(unit_t)) : 0;
@@ -326,8 +363,11 @@ static int all_chunks(int qtype, const xq_t *xq, int64_t rows, const uint8_t *w,
         }
         const __m512i vindex = _mm512_loadu_si512(offsets);
         uint16_t *o = out + first;
-        switch (qtype) {
-#define TYPE(Q) case Q: chunk_rows(Q, xq, rows, col, vindex, nb, bytes, units, o, ldo, ncols); break;
+        const int rp = packed && ncols == NC; /* a last partial group stays as stored */
+        switch (qtype * 2 + rp) {
+#define TYPE(Q)                                                                            \
+    case 2 * Q: chunk_rows(Q, 0, xq, rows, col, vindex, nb, bytes, units, o, ldo, ncols); break; \
+    case 2 * Q + 1: chunk_rows(Q, 1, xq, rows, col, vindex, nb, bytes, units, o, ldo, ncols); break;
         TYPE(Q4_0) TYPE(Q4_1) TYPE(Q5_0) TYPE(Q5_1) TYPE(Q8_0) TYPE(Q4_K) TYPE(Q5_K) TYPE(Q6_K)
 #undef TYPE
         default: break;
@@ -360,12 +400,9 @@ static int alloc_xq(xq_t *xq, int64_t rows, int64_t k) {
 }
 #endif
 
-/* x [rows, k] bf16 (row stride ldx) . W^T -> out [rows, n] bf16 (row stride ldo), by int8
- * products (see the top of this file). Any row count. Returns -1 for an unknown type, k
- * not whole blocks, a build without AVX512_VNNI or AVX2 or no memory. */
-int quant_gguf_q8_bf16(int qtype, const uint16_t *x, int64_t rows, int64_t ldx,
-                       const uint8_t *w, int64_t n, int64_t k, uint16_t *out, int64_t ldo,
-                       int num_threads) {
+static int multiply(int qtype, int packed, const uint16_t *x, int64_t rows, int64_t ldx,
+                    const uint8_t *w, int64_t n, int64_t k, uint16_t *out, int64_t ldo,
+                    int num_threads) {
     int bytes;
     const int block = block_shape(qtype, &bytes);
     if (!(HAS_VNNI || HAS_AVX2_Q8) || !block || k % block) return -1;
@@ -374,11 +411,87 @@ int quant_gguf_q8_bf16(int qtype, const uint16_t *x, int64_t rows, int64_t ldx,
     xq_t xq;
     if (alloc_xq(&xq, rows, k)) return -1;
     QUANTIZE_THEN_MULTIPLY(quantize_rows, xq, x, rows, ldx, k, num_threads,
-                           all_chunks(qtype, &xq, rows, w, n, k / block, bytes, out, ldo));
+                           all_chunks(qtype, packed, &xq, rows, w, n, k / block, bytes, out, ldo));
 #else
-    (void)x, (void)ldx, (void)w, (void)out, (void)ldo, (void)num_threads;
+    (void)packed, (void)x, (void)ldx, (void)w, (void)out, (void)ldo, (void)num_threads;
     return -1;
 #endif
+}
+
+/* x [rows, k] bf16 (row stride ldx) . W^T -> out [rows, n] bf16 (row stride ldo), by int8
+ * products (see the top of this file). Any row count. Returns -1 for an unknown type, k
+ * not whole blocks, a build without AVX512_VNNI or AVX2 or no memory. */
+int quant_gguf_q8_bf16(int qtype, const uint16_t *x, int64_t rows, int64_t ldx,
+                       const uint8_t *w, int64_t n, int64_t k, uint16_t *out, int64_t ldo,
+                       int num_threads) {
+    return multiply(qtype, 0, x, rows, ldx, w, n, k, out, ldo, num_threads);
+}
+
+/* 1 where this build multiplies `qtype`'s repacked blocks (AVX512_VNNI) */
+int quant_gguf_q8_packed_available(int qtype) {
+    int bytes;
+    return HAS_VNNI && block_shape(qtype, &bytes) ? 1 : 0;
+}
+
+/* quant_gguf_q8_bf16 with w repacked (kernels/quant_vnni.py's pack_blocks): each whole
+ * group of 16 rows (output columns) holds, block by block, its 16 rows' blocks with each
+ * field interleaved (the 16 rows' fp16 scales side by side, then their codes 4 bytes a
+ * row at a time: the layout the kernel's registers take, so no transpose or gather runs);
+ * a last group of fewer rows stays as stored. The same bytes, the same results bit for
+ * bit. -1 as quant_gguf_q8_bf16, and without AVX512_VNNI. */
+int quant_gguf_q8_packed_bf16(int qtype, const uint16_t *x, int64_t rows, int64_t ldx,
+                              const uint8_t *w, int64_t n, int64_t k, uint16_t *out,
+                              int64_t ldo, int num_threads) {
+    if (!HAS_VNNI) return -1;
+    return multiply(qtype, 1, x, rows, ldx, w, n, k, out, ldo, num_threads);
+}
+
+/* The repacked layout's fields a block: (byte offset, bytes, interleave width), in order
+ * (kernels/quant_vnni.py's FIELDS); a row of zeros ends a type's list */
+static const int FIELDS[][5][3] = {
+    [Q4_0] = {{0, 2, 2}, {2, 16, 4}},
+    [Q4_1] = {{0, 2, 2}, {2, 2, 2}, {4, 16, 4}},
+    [Q5_0] = {{0, 2, 2}, {2, 4, 4}, {6, 16, 4}},
+    [Q5_1] = {{0, 2, 2}, {2, 2, 2}, {4, 4, 4}, {8, 16, 4}},
+    [Q8_0] = {{0, 2, 2}, {2, 32, 4}},
+    [Q4_K] = {{0, 2, 2}, {2, 2, 2}, {4, 140, 4}},
+    [Q5_K] = {{0, 2, 2}, {2, 2, 2}, {4, 172, 4}},
+    [Q6_K] = {{0, 208, 4}, {208, 2, 2}},
+};
+#define GROUP 16 /* rows a repacked group: quant_gguf_q8_packed_bf16's */
+
+/* w [rows, k / block * bytes] repacked in place (unpack: back to the blocks as stored),
+ * one group of GROUP rows at a time through a scratch copy of it; the last rows % GROUP
+ * rows untouched. -1 for an unknown type, k not whole blocks or no memory. */
+int quant_gguf_q8_repack(int qtype, uint8_t *w, int64_t rows, int64_t k, int unpack) {
+    int bytes;
+    const int block = block_shape(qtype, &bytes);
+    if (!block || k % block || rows < 0) return -1;
+    const int64_t nb = k / block, row_bytes = nb * bytes;
+    uint8_t *scratch = malloc((size_t)(GROUP * row_bytes) + 1);
+    if (!scratch) return -1;
+    for (int64_t g = 0; g + GROUP <= rows; g += GROUP) {
+        uint8_t *group = w + g * row_bytes;
+        memcpy(scratch, group, (size_t)(GROUP * row_bytes));
+        for (int64_t i = 0; i < nb; i++) {
+            uint8_t *packed = (unpack ? scratch : group) + i * GROUP * bytes;
+            uint8_t *stored = (unpack ? group : scratch) + i * bytes;
+            for (int f = 0; FIELDS[qtype][f][1]; f++) {
+                const int off = FIELDS[qtype][f][0], len = FIELDS[qtype][f][1];
+                const int width = FIELDS[qtype][f][2];
+                for (int word = 0; word < len / width; word++)
+                    for (int c = 0; c < GROUP; c++) {
+                        uint8_t *p = packed + GROUP * off + (word * GROUP + c) * width;
+                        uint8_t *r = stored + c * row_bytes + off + word * width;
+                        uint8_t *to = unpack ? r : p, *from = unpack ? p : r;
+                        if (width == 4) memcpy(to, from, 4); /* constant sizes: moves */
+                        else memcpy(to, from, 2);
+                    }
+            }
+        }
+    }
+    free(scratch);
+    return 0;
 }
 
 /* x's quantization alone (tests): codes q [rows, k] and d [rows, k / 32]. -1 without
