@@ -263,7 +263,8 @@ def test_after_a_generate_step_it_runs_on_the_same_client(tmp_path, monkeypatch)
         len(t.split()) for t in draft.column("generated_text").to_pylist()]
     assert {w.split("://")[0] for w in count.column("worker").to_pylist()} == {"inproc"}
     assert len(opened) == 1, "the python step reuses the generate step's client"
-    assert (steps["count"].num_parts, steps["count"].num_rows) == (4, 6)  # 2 draft parts of 3 rows, 2 rows a partition
+    # 2 draft parts of 3 rows, 2 rows a partition
+    assert (steps["count"].num_parts, steps["count"].num_rows) == (4, 6)
 
 
 def test_worker_processes_import_the_module_beside_the_workflow_file(tmp_path):

@@ -46,8 +46,8 @@ class ResolvedStep:
     transform: Transform | None = None  # transform steps
     python: PythonFunction | None = None  # python steps
     cluster: JobSpec | None = None  # python steps: CLUSTER_KEYS, for jobs.open_client
-    readers: list["ResolvedStep"] = field(default_factory=list)  # python steps: the steps
-    # reading its output, whose columns each returned table must have
+    # python steps: the steps reading its output, whose columns each returned table needs
+    readers: list["ResolvedStep"] = field(default_factory=list)
     partition_rows: int = 0  # transform and python steps
     storage_options: dict = field(default_factory=dict)
     schema: pa.Schema | None = None  # its output's columns, derived before anything runs

@@ -154,7 +154,7 @@ def _generate(step: ResolvedStep, clients: Clients, overwrite: bool) -> StepCoun
                       num_parts_kept=r.num_parts_skipped)
 
 
-# -- transforms -----------------------------------------------------------------------------
+# -- transforms and python steps ------------------------------------------------------------
 
 def run_transform(step: ResolvedStep, overwrite: bool, after_part=None,
                   clients: Clients | None = None) -> StepCounts:
@@ -179,10 +179,11 @@ def run_transform(step: ResolvedStep, overwrite: bool, after_part=None,
         todo = [part for part in plan if part.index not in done]
         if step.python is not None:
             _python_parts(step, todo, fingerprint, output, clients, parts)
-        for part in todo if step.python is None else []:
-            parts[part.index] = _transform_part(step, in_fs, output, part, fingerprint)
-            if after_part is not None:
-                after_part(part.name)
+        else:
+            for part in todo:
+                parts[part.index] = _transform_part(step, in_fs, output, part, fingerprint)
+                if after_part is not None:
+                    after_part(part.name)
         manifest["parts"] = [parts[p.index].as_dict() for p in plan]
         output.finish(manifest)
     except KeyboardInterrupt:
