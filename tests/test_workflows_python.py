@@ -378,3 +378,21 @@ def test_a_worker_whose_module_differs_from_the_drivers_is_refused(tmp_path):
         f"step 'py': the worker's module 'drifted' ({tmp_path}/drifted.py) is not the file "
         "the driver read for drifted:f; install the same version on every worker, or keep "
         "it beside the workflow file on storage every worker reads")
+
+
+def test_a_python_step_takes_no_transform_or_generate_keys(tmp_path):
+    from fusegen.workflows.spec import load_checked
+
+    path = _workflow(tmp_path, "tidy_keys", ARROW_MODULE)
+    doc = yaml.safe_load(open(path))
+    doc["steps"]["py"]["filter"] = "id > 1"
+    doc["steps"]["keep"]["format"] = "pandas"
+    doc["steps"]["gen"] = {"from": "py", "python": "tidy_keys:tidy", "generate": {"model": "m"}}
+    open(path, "w").write(yaml.safe_dump(doc, sort_keys=False))
+    assert [str(p) for p in load_checked(path)[1]] == [
+        "step 'py', key 'filter': a python step's function does its own filtering and "
+        "selecting; put this transform in its own step (`from: py`)",
+        "step 'keep', key 'format': only a python step (`python: module:function`) takes a "
+        "format",
+        "step 'gen', key 'python': a step either generates or runs a function; move this "
+        "to its own step (`from: gen`)"]
