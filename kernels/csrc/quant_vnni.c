@@ -26,8 +26,9 @@
  * two for Q6_K's halves). Threads split the output columns in chunks of NC = 16. A call
  * of up to RMAX rows expands each block in registers as it comes; a larger call expands
  * a chunk's blocks once into a per-thread scratch and runs RMAX rows of x at a time over
- * it. The next chunk's bytes, which follow this chunk's in memory, are prefetched in
- * order. An element's value depends on its row of x and its weight row only: the same
+ * it. Repacked blocks (quant_gguf_q8_packed_bf16) are loaded as they lie, every RMAX
+ * rows, with no scratch. The next chunk's bytes, which follow this chunk's in memory, are
+ * prefetched in order. An element's value depends on its row of x and its weight row only: the same
  * operations in the same order whatever the row count, the row's place, the thread
  * count, the path or which R-variant ran it (batch-invariant).
  */
@@ -320,8 +321,11 @@ static inline __attribute__((always_inline)) void
 chunk_rows(const int QT, const int RP, const xq_t *xq, int64_t rows, const uint8_t *const col[NC], __m512i vindex,
            int64_t nb, int bytes, unit_t *units, uint16_t *out, int64_t ldo, int ncols) {
     int64_t r0 = 0;
-    if (rows <= RMAX) {
-#define DIRECT(R) micro_direct(QT, RP, R, xq, 0, col, vindex, nb, bytes, out, ldo, ncols)
+    /* repacked blocks expand from their loads in a few operations: again for each RMAX
+     * rows rather than through the scratch */
+    if (rows <= RMAX || RP) {
+#define DIRECT(R) micro_direct(QT, RP, R, xq, r0, col, vindex, nb, bytes, out + r0 * ldo, ldo, ncols)
+        for (; r0 + RMAX <= rows; r0 += RMAX) DIRECT(RMAX);
         RMAX_CASES(rows - r0, DIRECT)
 #undef DIRECT
         return;
