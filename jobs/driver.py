@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 from itertools import islice
 
 from fusegen.jobs.cluster import engine_devices, open_client
-from fusegen.jobs.error_rate import ErrorRate
+from fusegen.jobs.error_rate import ErrorRate, errors_by_code
 from fusegen.jobs.errors import ErrorRateExceeded, JobError
 from fusegen.jobs.formats import is_batch_input, part_suffix
 from fusegen.jobs.interrupt import JobInterrupted, signal_of
@@ -111,9 +111,7 @@ def _run(spec: JobSpec, progress_stream, client=None, resume: str = RERUN) -> Jo
         progress = Progress(sum(f.num_rows for f in files),
                             sum(s.num_rows for s in done.values()), spec.progress,
                             stream=progress_stream)
-        errors = ErrorRate(spec.max_error_rate, len(plan))
-        for stats in done.values():
-            errors.add(stats)
+        errors = ErrorRate(spec.max_error_rate, len(plan), kept=list(done.values()))
         try:
             engines = _execute(spec.on_workers(identity), todo, fingerprint, output.owner,
                                progress, run.new, errors, client) if todo else []
@@ -212,8 +210,8 @@ def _execute(spec: JobSpec, todo: list[Partition], fingerprint: str, owner: str,
              progress: Progress, results: dict[int, PartStats], errors: ErrorRate,
              client=None) -> list[dict]:
     """Run the partitions on the cluster, adding each committed part's stats to `results`
-    and to `errors` (which stops the job past max_error_rate); returns each worker
-    engine's counters. `owner`: the run's lease, which every commit checks."""
+    (`errors` judges them: it stops the job past max_error_rate); returns each worker
+    engine's counters for this job. `owner`: the run's lease, which every commit checks."""
     run_token = uuid.uuid4().hex[:8]
     with nullcontext(client) if client is not None else open_client(spec) as client:
         # Every worker loads its engine before any partition is read: a model that cannot
@@ -282,8 +280,7 @@ def _stream(client, spec, todo, fingerprint, owner, run_token, progress, results
             progress.advance(index, stats.rows_read, stats.num_generated_tokens,
                              stats.num_errors)
             future.release()
-            errors.add(stats)
-            errors.check()
+            errors.check(results.values())
     except BaseException:  # a failed part or an interrupt: stop the rest
         unfinished = list(running.futures)
         running.clear()
@@ -341,13 +338,10 @@ def _task_error(exc: Exception) -> JobError:
 
 
 def _result(spec, plan, stats, new, num_skipped, wall) -> JobResult:
-    codes: dict[str, int] = {}
-    for s in stats.values():
-        for code, n in s.errors_by_code.items():
-            codes[code] = codes.get(code, 0) + n
     return JobResult(
         output=redact_url(spec.output), num_rows=sum(s.num_rows for s in stats.values()),
-        num_errors=sum(s.num_errors for s in stats.values()), errors_by_code=codes,
+        num_errors=sum(s.num_errors for s in stats.values()),
+        errors_by_code=errors_by_code(stats.values()),
         num_truncated=sum(s.num_truncated or 0 for s in stats.values()),
         num_structured_invalid=sum(s.num_structured_invalid or 0 for s in stats.values()),
         num_prompt_tokens=sum(s.num_prompt_tokens for s in stats.values()),

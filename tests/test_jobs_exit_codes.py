@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from fusegen.jobs.cli import main
 from fusegen.jobs.driver import run_job
-from fusegen.jobs.error_rate import ErrorRate
+from fusegen.jobs.error_rate import ErrorRate, errors_by_code
 from fusegen.jobs.errors import ErrorRateExceeded, JobError
 from fusegen.jobs.output import PartStats
 from fusegen.jobs.spec import JobSpec
@@ -175,19 +175,21 @@ def test_error_rate_policy():
                          errors_by_code={"null_prompt": errors} if errors else {})
 
     rate = ErrorRate(0.5, num_planned=4)
-    rate.add(part(4, 4))
-    rate.check()  # the first part alone: a sample, never judged
-    rate.add(part(4, 0))
-    rate.check()  # 4 of 8: at the limit, not past it
-    rate.add(part(4, 1))
+    rate.check([part(4, 4)])  # the first part alone: a sample, never judged
+    rate.check([part(4, 4), part(4, 0)])  # 4 of 8: at the limit, not past it
     with pytest.raises(ErrorRateExceeded, match=r"5 of the 12 rows committed are errors "
                        r"\(42%: null_prompt 5\), past --max-error-rate 0.4"):
-        ErrorRate(0.4, 4, rate.num_parts, rate.num_rows, rate.num_errors,
-                  rate.errors_by_code).check()
+        ErrorRate(0.4, 4).check([part(4, 4), part(4, 0), part(4, 1)])
+    # parts kept from an earlier run count with this run's
+    with pytest.raises(ErrorRateExceeded, match="5 of the 12 rows committed"):
+        ErrorRate(0.4, 4, kept=[part(4, 4), part(4, 0)]).check([part(4, 1)])
+    ErrorRate(0.4, 4, kept=[part(4, 4)]).check([])  # one part in all: not judged yet
     last = ErrorRate(0.0, num_planned=2)
-    last.add(part(4, 4))
-    last.add(part(4, 4))
-    last.check()  # every part committed: stopping would save nothing
+    last.check([part(4, 4), part(4, 4)])  # every part committed: stopping would save nothing
+    assert errors_by_code([part(2, 1), PartStats("q", "fp", num_rows=3, num_errors=3,
+                                                 errors_by_code={"prompt_too_long": 2,
+                                                                 "null_prompt": 1})]) == \
+        {"null_prompt": 2, "prompt_too_long": 2}
 
 
 def test_help_documents_the_exit_status():
