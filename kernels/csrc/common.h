@@ -1,5 +1,5 @@
-/* What fusegen's C kernels share: the attention kernels' stride struct and the fp16 /
- * bf16 conversions, each written once. bf16 rounding is to nearest even, as torch
+/* What fusegen's C kernels share: the attention kernels' stride struct and block walk,
+ * and the fp16 / bf16 conversions, each written once. bf16 rounding is to nearest even, as torch
  * rounds, and a NaN stays a (quiet) NaN. */
 #ifndef FUSEGEN_KERNELS_COMMON_H
 #define FUSEGEN_KERNELS_COMMON_H
@@ -27,19 +27,28 @@ typedef struct {
     int64_t bt;            /* block_tables row stride */
 } strides_t;
 
-/* One sequence's cached positions [pos, len) walked a run at a time, each run the
- * positions that share one cache block: its block id, first slot and length. A sliding
- * window starts the walk at len - window. */
+/* One sequence's cached positions [pos, len) in a paged KV cache of strides `st`, walked
+ * a run at a time, each run the positions that share one cache block: its length, the
+ * element offsets of its first key and value rows, and where the next run's block starts
+ * (for prefetching it while this run is computed). A sliding window starts the walk at
+ * len - window. */
 typedef struct {
     const int32_t *table; /* the sequence's block table row */
+    const strides_t *st;
     int block_size, pos, len;
-    int64_t block; /* the current run: its block, first slot, length */
-    int slot0, n;
+    int n;                  /* the current run: its length */
+    int64_t k, v;           /* its first key and value rows */
+    int has_next;           /* 0 at the last run */
+    int64_t k_next, v_next; /* the next run's block's first rows (0 at the last run) */
 } walk_t;
 
-static inline walk_t walk_begin(const int32_t *table, int block_size, int len, int window) {
+/* sequence `seq`'s walk: its row of block_tables, its length seq_lens[seq] */
+static inline walk_t walk_seq(const int32_t *block_tables, const strides_t *st, int seq,
+                              const int32_t *seq_lens, int block_size, int window) {
+    const int len = seq_lens[seq];
     const int first = window > 0 && len > window ? len - window : 0;
-    const walk_t w = {table, block_size, first, len, 0, 0, 0};
+    const walk_t w = {block_tables + (int64_t)seq * st->bt, st, block_size, first, len,
+                      0, 0, 0, 0, 0, 0};
     return w;
 }
 
@@ -47,17 +56,31 @@ static inline walk_t walk_begin(const int32_t *table, int block_size, int len, i
 static inline int walk_next(walk_t *w) {
     w->pos += w->n;
     if (w->pos >= w->len) return 0;
-    w->block = w->table[w->pos / w->block_size];
-    w->slot0 = w->pos % w->block_size;
-    w->n = w->block_size - w->slot0 < w->len - w->pos ? w->block_size - w->slot0 : w->len - w->pos;
+    const int64_t block = w->table[w->pos / w->block_size];
+    const int slot0 = w->pos % w->block_size;
+    w->n = w->block_size - slot0 < w->len - w->pos ? w->block_size - slot0 : w->len - w->pos;
+    w->k = block * w->st->k_b + (int64_t)slot0 * w->st->k_s;
+    w->v = block * w->st->v_b + (int64_t)slot0 * w->st->v_s;
+    const int next = w->pos + w->n;
+    w->has_next = next < w->len;
+    const int64_t next_block = w->has_next ? w->table[next / w->block_size] : 0;
+    w->k_next = next_block * w->st->k_b;
+    w->v_next = next_block * w->st->v_b;
     return 1;
 }
 
-/* the block of the run after the current one, or -1 at the last run */
-static inline int64_t walk_peek(const walk_t *w) {
-    const int next = w->pos + w->n;
-    return next < w->len ? w->table[next / w->block_size] : -1;
-}
+/* CALL(R) with R the constant 1 to 6 that equals `rows` (1 to 6): a micro-kernel inlined
+ * into each case sees its row count as a constant, so its loops over rows unroll and its
+ * accumulators stay in registers. */
+#define FOR_ROWS_1_TO_6(rows, CALL)                                                      \
+    switch (rows) {                                                                      \
+    case 6: CALL(6); break;                                                              \
+    case 5: CALL(5); break;                                                              \
+    case 4: CALL(4); break;                                                              \
+    case 3: CALL(3); break;                                                              \
+    case 2: CALL(2); break;                                                              \
+    default: CALL(1); break;                                                             \
+    }
 
 static inline float bf16_to_f32(uint16_t x) {
     const uint32_t u = (uint32_t)x << 16;

@@ -27,6 +27,8 @@
  */
 #include <stdint.h>
 
+#include "common.h" /* FOR_ROWS_1_TO_6 */
+
 /* which kernels this build has: 1 bf16, 2 fp32 */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -159,14 +161,7 @@ work(const gemm_t *g, int64_t item, const int BF16) {
         const char *x = g->x + r0 * g->x_row;
         char *out = g->out + r0 * g->out_row + t * TILE * es;
 #define MICRO(RR) micro(g, x, tile, bias, out, ncols, ask, ask_lines, RR, BF16)
-        switch (R) {
-        case 6: MICRO(6); break;
-        case 5: MICRO(5); break;
-        case 4: MICRO(4); break;
-        case 3: MICRO(3); break;
-        case 2: MICRO(2); break;
-        default: MICRO(1); break;
-        }
+        FOR_ROWS_1_TO_6(R, MICRO);
 #undef MICRO
     }
 }

@@ -29,6 +29,18 @@
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 256
 
+/* The scalar item's walk over one run of a block, for its key pass and its value pass:
+ * for each slot j of the run and KV head h of the item, that row of CACHE (kc or vc, X
+ * its strides' letter) widened to fp32 in kv[], then BODY once for each query head i of
+ * h's group. */
+#define EACH_ROW(T, LOAD, CACHE, X, ...)                                                    \
+    for (int j = 0; j < n; j++)                                                             \
+        for (int h = h0; h < h1; h++) {                                                     \
+            const T *row_ = CACHE + w.X + (int64_t)j * st->X##_s + (int64_t)h * st->X##_h;  \
+            for (int d = 0; d < head_dim; d++) kv[d] = LOAD(row_[d]);                       \
+            for (int i = (h - h0) * group; i < (h - h0 + 1) * group; i++) __VA_ARGS__      \
+        }
+
 /* One definition per cache dtype: T is the element type, LOAD/STORE convert to and
  * from fp32; VECTOR_ITEM, when not 0, serves head dimensions that are multiples of 8. */
 #define DEFINE_DECODE(NAME, T, LOAD, STORE, VECTOR_ITEM)                                    \
@@ -51,26 +63,17 @@ static void NAME##_item(const T *q, T *out, const T *kc, const T *vc,           
         m[i] = -FLT_MAX; /* -inf would break under -ffast-math */                         \
         l[i] = 0.0f;                                                                        \
     }                                                                                       \
-    const int32_t *table = block_tables + (int64_t)seq * st->bt;                           \
     float kv[MAX_HEAD_DIM];                                                                 \
-    for (walk_t w = walk_begin(table, block_size, seq_lens[seq], window); walk_next(&w);) { \
-        const int64_t block = w.block;                                                      \
-        const int slot0 = w.slot0, n = w.n;                                                 \
-        for (int j = 0; j < n; j++) {                                                       \
-            for (int h = h0; h < h1; h++) {                                                 \
-                const T *kp = kc + block * st->k_b + (int64_t)(slot0 + j) * st->k_s        \
-                              + (int64_t)h * st->k_h;                                       \
-                for (int d = 0; d < head_dim; d++) kv[d] = LOAD(kp[d]);                     \
-                for (int g = 0; g < group; g++) {                                           \
-                    const int i = (h - h0) * group + g;                                     \
-                    const float *qi = qf + (int64_t)i * head_dim;                           \
-                    float dot = 0.0f;                                                       \
-                    _Pragma("omp simd reduction(+:dot)")                                    \
-                    for (int d = 0; d < head_dim; d++) dot += qi[d] * kv[d];                \
-                    s[i * block_size + j] = dot;                                            \
-                }                                                                           \
-            }                                                                               \
-        }                                                                                   \
+    for (walk_t w = walk_seq(block_tables, st, seq, seq_lens, block_size, window);          \
+         walk_next(&w);) {                                                                  \
+        const int n = w.n;                                                                  \
+        EACH_ROW(T, LOAD, kc, k, {                                                          \
+            const float *qi = qf + (int64_t)i * head_dim;                                   \
+            float dot = 0.0f;                                                               \
+            _Pragma("omp simd reduction(+:dot)")                                            \
+            for (int d = 0; d < head_dim; d++) dot += qi[d] * kv[d];                        \
+            s[i * block_size + j] = dot;                                                    \
+        })                                                                                  \
         for (int i = 0; i < nq; i++) {                                                      \
             float *si = s + i * block_size;                                                 \
             float top = m[i];                                                               \
@@ -84,20 +87,12 @@ static void NAME##_item(const T *q, T *out, const T *kc, const T *vc,           
             if (alpha != 1.0f)                                                              \
                 for (int d = 0; d < head_dim; d++) ai[d] *= alpha;                          \
         }                                                                                   \
-        for (int j = 0; j < n; j++) {                                                       \
-            for (int h = h0; h < h1; h++) {                                                 \
-                const T *vp = vc + block * st->v_b + (int64_t)(slot0 + j) * st->v_s        \
-                              + (int64_t)h * st->v_h;                                       \
-                for (int d = 0; d < head_dim; d++) kv[d] = LOAD(vp[d]);                     \
-                for (int g = 0; g < group; g++) {                                           \
-                    const int i = (h - h0) * group + g;                                     \
-                    const float p = s[i * block_size + j];                                  \
-                    float *ai = acc + (int64_t)i * head_dim;                                \
-                    _Pragma("omp simd")                                                     \
-                    for (int d = 0; d < head_dim; d++) ai[d] += p * kv[d];                  \
-                }                                                                           \
-            }                                                                               \
-        }                                                                                   \
+        EACH_ROW(T, LOAD, vc, v, {                                                          \
+            const float p = s[i * block_size + j];                                          \
+            float *ai = acc + (int64_t)i * head_dim;                                        \
+            _Pragma("omp simd")                                                             \
+            for (int d = 0; d < head_dim; d++) ai[d] += p * kv[d];                          \
+        })                                                                                  \
     }                                                                                       \
     for (int i = 0; i < nq; i++) {                                                          \
         T *op = out + row * st->o_t + (int64_t)(h0 * group + i) * st->o_h;                 \
@@ -243,8 +238,8 @@ static inline __attribute__((always_inline)) void decode_x8_item(
     const int nq = (h1 - h0) * group;
     /* the strides as locals: read through `st`, every store to the scores would make
      * the compiler load them again */
-    const int64_t k_b = st->k_b, k_s = st->k_s, k_h = st->k_h;
-    const int64_t v_b = st->v_b, v_s = st->v_s, v_h = st->v_h;
+    const int64_t k_s = st->k_s, k_h = st->k_h;
+    const int64_t v_s = st->v_s, v_h = st->v_h;
     const int64_t es = bf16 ? 2 : 4;            /* bytes per element */
     v8f *qv = (v8f *)work;                  /* [nq, lanes] scaled queries */
     v8f *acc = qv + (int64_t)nq * lanes;    /* [nq, lanes] */
@@ -261,29 +256,22 @@ static inline __attribute__((always_inline)) void decode_x8_item(
         m[i] = -FLT_MAX;
         l[i] = 0.0f;
     }
-    const int32_t *table = block_tables + (int64_t)seq * st->bt;
-    for (walk_t w = walk_begin(table, block_size, seq_lens[seq], window); walk_next(&w);) {
-        const int64_t block = w.block;
-        const int slot0 = w.slot0, n = w.n;
-        const int64_t kb = block * k_b + (int64_t)slot0 * k_s;  /* element offsets */
-        const int64_t vb = block * v_b + (int64_t)slot0 * v_s;
+    for (walk_t w = walk_seq(block_tables, st, seq, seq_lens, block_size, window); walk_next(&w);) {
+        const int n = w.n, has_next = w.has_next;
         /* The next block is elsewhere in the cache (its id comes from the table), where
          * the hardware prefetcher cannot follow: ask for its rows while this one runs,
          * its keys during the key pass and its values during the value pass. A core has
          * few misses in flight (its L1 miss buffers); asking for both in the key pass
          * would fill them there and leave the value pass with nothing in flight
          * (docs/performance.md). */
-        const int64_t peek = walk_peek(&w);
-        const int has_next = peek >= 0;
-        const int64_t next = has_next ? peek : 0;
-        const char *kn = (const char *)kc + next * k_b * es;
-        const char *vn = (const char *)vc + next * v_b * es;
+        const char *kn = (const char *)kc + w.k_next * es;
+        const char *vn = (const char *)vc + w.v_next * es;
         for (int j = 0; j < n; j++) {
             for (int h = h0; h < h1; h++) {
                 if (has_next)
                     for (int64_t c = 0; c < head_dim * es; c += 64)
                         __builtin_prefetch(kn + ((int64_t)j * k_s + (int64_t)h * k_h) * es + c);
-                const int64_t kp = kb + (int64_t)j * k_s + (int64_t)h * k_h;
+                const int64_t kp = w.k + (int64_t)j * k_s + (int64_t)h * k_h;
                 /* bf16: the key widened once for the whole group (fp32 keys are read
                  * straight from memory, where AVX2's 16 registers would spill them) */
                 v8f kw[MAX_LANES];
@@ -316,14 +304,14 @@ static inline __attribute__((always_inline)) void decode_x8_item(
                 const int i = (h - h0) * 2;
                 accumulate_values_pair(acc + i * 8, acc + (i + 1) * 8, s + i * block_size,
                                        s + (i + 1) * block_size,
-                                       (const uint16_t *)vc + vb + (int64_t)h * v_h,
+                                       (const uint16_t *)vc + w.v + (int64_t)h * v_h,
                                        v_s, n, has_next ? vn + (int64_t)h * v_h * es : NULL);
                 continue;
             }
 #endif
             for (int g = 0; g < group; g++) {
                 const int i = (h - h0) * group + g;
-                const char *vh = (const char *)vc + (vb + (int64_t)h * v_h) * es;
+                const char *vh = (const char *)vc + (w.v + (int64_t)h * v_h) * es;
                 /* the head's rows of the next block, asked for by its first query */
                 const char *ahead = has_next && g == 0 ? vn + (int64_t)h * v_h * es : NULL;
                 if (lanes == 8)  /* head_dim 64: the accumulator stays in registers */
@@ -369,8 +357,8 @@ static inline __attribute__((always_inline)) void decode_dp_item(
         int seq, int h0, int h1, int group, int block_size, int window, float scale,
         const strides_t *st, float *work, const int L) {
     const int head_dim = 16 * L, nq = (h1 - h0) * group;
-    const int64_t k_b = st->k_b, k_s = st->k_s, k_h = st->k_h;
-    const int64_t v_b = st->v_b, v_s = st->v_s, v_h = st->v_h;
+    const int64_t k_s = st->k_s, k_h = st->k_h;
+    const int64_t v_s = st->v_s, v_h = st->v_h;
     float *acc = work;                                  /* [nq, head_dim] */
     float *m = acc + (int64_t)nq * head_dim, *l = m + nq;
     float *s = l + nq;                                  /* [nq, block_size] */
@@ -385,23 +373,16 @@ static inline __attribute__((always_inline)) void decode_dp_item(
         m[i] = -FLT_MAX;
         l[i] = 0.0f;
     }
-    const int32_t *table = block_tables + (int64_t)seq * st->bt;
-    for (walk_t w = walk_begin(table, block_size, seq_lens[seq], window); walk_next(&w);) {
-        const int64_t block = w.block;
-        const int slot0 = w.slot0, n = w.n;
-        const int64_t kb = block * k_b + (int64_t)slot0 * k_s;
-        const int64_t vb = block * v_b + (int64_t)slot0 * v_s;
+    for (walk_t w = walk_seq(block_tables, st, seq, seq_lens, block_size, window); walk_next(&w);) {
+        const int n = w.n, has_next = w.has_next;
         /* the next block's rows asked for while this one runs (see decode_x8_item) */
-        const int64_t peek = walk_peek(&w);
-        const int has_next = peek >= 0;
-        const int64_t next = has_next ? peek : 0;
-        const uint16_t *kn = kc + next * k_b, *vn = vc + next * v_b;
+        const uint16_t *kn = kc + w.k_next, *vn = vc + w.v_next;
         for (int j = 0; j < n; j++)
             for (int h = h0; h < h1; h++) {
                 if (has_next)
                     for (int c = 0; c < head_dim; c += 32)
                         __builtin_prefetch(kn + (int64_t)j * k_s + (int64_t)h * k_h + c);
-                const uint16_t *kp = kc + kb + (int64_t)j * k_s + (int64_t)h * k_h;
+                const uint16_t *kp = kc + w.k + (int64_t)j * k_s + (int64_t)h * k_h;
                 __m512bh kv[4];
                 for (int c = 0; c < pairs; c++) kv[c] = (__m512bh)_mm512_loadu_si512(kp + 32 * c);
                 for (int g = 0; g < group; g++) {
@@ -423,7 +404,7 @@ static inline __attribute__((always_inline)) void decode_dp_item(
             }
         }
         for (int h = h0; h < h1; h++) {
-            const uint16_t *vh = vc + vb + (int64_t)h * v_h;
+            const uint16_t *vh = vc + w.v + (int64_t)h * v_h;
             for (int g = 0; g < group; g += 2) {
                 const int i = (h - h0) * group + g, two = g + 1 < group;
                 float *a0p = acc + (int64_t)i * head_dim, *a1p = a0p + head_dim;

@@ -46,7 +46,7 @@
  * inlined copy of the micro-kernel computed it. */
 #pragma GCC optimize("no-associative-math")
 
-#include "expand.h"
+#include "expand.h" /* and through it common.h: FOR_ROWS_1_TO_6 */
 
 /* ---- plain-C expansion, one block into y (ROW below makes a row of them) --------- */
 
@@ -491,14 +491,7 @@ direct_rows(const uint16_t *x, int64_t rows, int64_t ldx, const uint8_t *w, int6
             int64_t nb, uint16_t *out, int64_t ldo, int ncols, const int BLOCK, const int BYTES,
             void (*const blk)(const uint8_t *, __m512bh *)) {
 #define DIRECT(RR) direct_group(x, ldx, w, row_bytes, nb, out, ldo, ncols, RR, BLOCK, BYTES, blk)
-    switch (rows) {
-    case 6: DIRECT(6); break;
-    case 5: DIRECT(5); break;
-    case 4: DIRECT(4); break;
-    case 3: DIRECT(3); break;
-    case 2: DIRECT(2); break;
-    default: DIRECT(1); break;
-    }
+    FOR_ROWS_1_TO_6(rows, DIRECT);
 #undef DIRECT
 }
 
