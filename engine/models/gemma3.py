@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING
 
 from fusegen.engine.models.registry import register
 from fusegen.engine.models.config import FULL, SLIDING, rope_scaling_of
-from fusegen.engine.models.decoder import empty_param
 from fusegen.engine.models.gemma import (GemmaCausalLM, GemmaDecoderLayer, GemmaFamily,
                                          gemma_rms_norm, softcap_flag)
+from fusegen.engine.models.head_norm import HeadNorms
 
 if TYPE_CHECKING:
     from fusegen.engine.models.config import ModelConfig
@@ -26,16 +26,10 @@ if TYPE_CHECKING:
 _GLOBAL_THETA, _LOCAL_THETA = 1_000_000.0, 10_000.0  # transformers' defaults
 
 
-class Gemma3DecoderLayer(GemmaDecoderLayer):
-    def __init__(self, cfg: ModelConfig, index: int):
-        super().__init__(cfg, index)
-        self.q_norm = empty_param()  # [D]: 1 + w in fp32, shared by every query head
-        self.k_norm = empty_param()  # [D]: 1 + w in fp32, shared by every key head
-
-    def _qkv(self, x):
-        q, k, v = super()._qkv(x)  # [T, H, D], [T, K, D], [T, K, D]
-        return (gemma_rms_norm(q, self.q_norm, self.eps), gemma_rms_norm(k, self.k_norm, self.eps),
-                v)
+class Gemma3DecoderLayer(HeadNorms, GemmaDecoderLayer):
+    """Gemma's layer with a Gemma RMSNorm (weights 1 + w in fp32) on each query and key
+    head."""
+    head_norm = staticmethod(gemma_rms_norm)
 
 
 class Gemma3CausalLM(GemmaCausalLM):

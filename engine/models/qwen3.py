@@ -12,24 +12,17 @@ from typing import TYPE_CHECKING
 
 from fusegen.engine.models.registry import register
 from fusegen.engine.models.config import FULL, SLIDING, check_layer_types
-from fusegen.engine.models.decoder import CausalLM, DecoderLayer, empty_param
+from fusegen.engine.models.decoder import CausalLM, DecoderLayer
+from fusegen.engine.models.head_norm import HeadNorms
 from fusegen.engine.models.llama import Llama
-from fusegen.kernels.rms_norm import rms_norm
 
 if TYPE_CHECKING:
     from fusegen.engine.models.architecture import TensorSpec
     from fusegen.engine.models.config import ModelConfig
 
 
-class Qwen3DecoderLayer(DecoderLayer):
-    def __init__(self, cfg: ModelConfig, index: int):
-        super().__init__(cfg, index)
-        self.q_norm = empty_param()  # [D], shared by every query head
-        self.k_norm = empty_param()  # [D], shared by every key head
-
-    def _qkv(self, x):
-        q, k, v = super()._qkv(x)  # [T, H, D], [T, K, D], [T, K, D]
-        return rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps), v
+class Qwen3DecoderLayer(HeadNorms, DecoderLayer):
+    """Llama's layer with an RMSNorm on each query and key head."""
 
 
 class Qwen3CausalLM(CausalLM):
@@ -42,13 +35,13 @@ class Qwen3(Llama):
     model_type = "qwen3"
 
     def config_flags(self, raw: dict) -> dict:
-        bias = bool(raw.get("attention_bias", False))
+        # Llama's attention biases; no MLP bias, a window only with use_sliding_window
         layer_types = sliding_layer_types(raw)
         window = int(raw.get("sliding_window") or 0) if raw.get("use_sliding_window") else 0
         if SLIDING in layer_types and not window:
             raise ValueError("layer_types has sliding_attention layers but no sliding_window "
                              "is set (with use_sliding_window true); set both or neither")
-        return {"qkv_bias": bias, "o_bias": bias, "mlp_bias": False, "sliding_window": window,
+        return {**super().config_flags(raw), "mlp_bias": False, "sliding_window": window,
                 "layer_types": layer_types, "head_dim": int(raw.get("head_dim") or 128)}
 
     def layer_tensors(self, cfg: ModelConfig) -> list[TensorSpec]:
