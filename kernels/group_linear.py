@@ -19,7 +19,7 @@ result is the same whatever its batch and the thread count. Every other device, 
 FUSEGEN_KERNELS=reference, take the reference: a tile of output rows dequantized to fp32
 and multiplied with torch in fp32 (never a dense copy of the whole layer).
 
-bf16 x, on CPUs with AVX512_VNNI (kernels/group_vnni.py, csrc/quant_group_vnni.c): x is
+bf16 x, on CPUs with AVX512_VNNI or AVX2 (kernels/group_vnni.py, csrc/quant_group_vnni.c): x is
 quantized to int8 per block of 32 values (one fp32 scale each, as llama.cpp's Q8_0) and
 multiplied with the codes in integers, every row count in one call, each row's result
 independent of the batch. It reads the codes once a call and multiplies 64 byte pairs an
@@ -50,7 +50,7 @@ _FP16_MAX = 65504.0
 def group_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                  zeros: torch.Tensor | None, bits: int, group_size: int, out_features: int,
                  in_features: int) -> torch.Tensor:
-    """Dispatcher: bf16 x on a CPU with AVX512_VNNI takes the int8 product (any row
+    """Dispatcher: bf16 x on a CPU with AVX512_VNNI or AVX2 takes the int8 product (any row
     count); otherwise the C kernel where this build has one for (bits, x.dtype), else the
     reference. x [..., in_features] is taken as rows [T, in_features]."""
     check(qweight, scales, zeros, bits, group_size, out_features, in_features, x)

@@ -1,8 +1,8 @@
 """bf16 rows of x against a group-quantized int8 / int4 weight by int8 products
 (kernels/csrc/quant_group_vnni.c): x quantized per block of 32 values to int8 with one
 fp32 scale (as llama.cpp's Q8_0, bit for bit kernels/quant_vnni.py's quantization), each
-block's dot product with the weight codes taken in integers (AVX512_VNNI), then scaled
-in fp32.
+block's dot product with the weight codes taken in integers (AVX512_VNNI, or AVX2 with
+the same bits), then scaled in fp32.
 
 Shapes: x [T, in_features] bf16; qweight, scales, zeros as kernels/group_linear.py;
 returns [T, out_features] bf16.
@@ -34,7 +34,7 @@ def _library():
 @functools.cache
 def q8_available(bits: int) -> bool:
     """Whether this machine's build has the int8 product for int`bits` codes
-    (AVX512_VNNI)."""
+    (AVX512_VNNI or AVX2)."""
     lib = _library()
     return lib is not None and bool(lib.quant_group_q8_available(bits))
 
@@ -70,7 +70,7 @@ def group_linear_q8_native(x: torch.Tensor, qweight: torch.Tensor, scales: torch
                               None if zeros is None else zeros.contiguous(), bits, group_size,
                               out_features)
     if out is None:
-        raise RuntimeError(f"no int8 (AVX512_VNNI) kernel for int{bits} weights in this build")
+        raise RuntimeError(f"no int8 (AVX512_VNNI or AVX2) kernel for int{bits} weights in this build")
     return out
 
 

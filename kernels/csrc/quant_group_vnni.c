@@ -2,7 +2,8 @@
  * activations: out [T, N] = x [T, K] W^T with x quantized to int8 per block of 32 values,
  * as llama.cpp's Q8_0 and kernels/csrc/quant_vnni.c do it, and each block's dot product
  * taken in int32 by vpdpbusd (AVX512_VNNI: unsigned bytes times signed bytes, four at a
- * time).
+ * time). Builds for AVX2 CPUs without it take quant_group_avx2.h's form of the same
+ * kernel, which gives the same bits.
  *
  * Weight: W[o, i] = (q[o, i] - zero[o, i / g]) * scale[o, i / g], g = 32, 64 or 128; codes
  * q uint8, int8 one a byte [N, K], int4 two a byte [N, K / 2] in runs of 32 channels (byte
@@ -43,9 +44,13 @@ static int valid_format(int bits, int group, int64_t k) {
 }
 
 /* 1 where this build has the int8 product for int`bits` codes */
-int quant_group_q8_available(int bits) { return HAS_VNNI && (bits == 4 || bits == 8) ? 1 : 0; }
+int quant_group_q8_available(int bits) {
+    return (HAS_VNNI || HAS_AVX2_Q8) && (bits == 4 || bits == 8) ? 1 : 0;
+}
 
-#if HAS_VNNI
+#if HAS_AVX2_Q8
+#include "quant_group_avx2.h" /* xq_t, quantize_row, all_chunks on ymm registers */
+#elif HAS_VNNI
 
 /* x quantized: per row k codes, per 32 values d and sum(q) * mult (symmetric weights:
  * mult = -zero, the zero point's whole term; else 1) */
@@ -66,13 +71,6 @@ static void quantize_row(const uint16_t *x, int64_t k, int8_t *q, float *d, int3
         d[u] = quantize_block32(x, q, &qlo, &qhi);
         s[u] = mult * _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
     }
-}
-
-static void quantize_rows(const uint16_t *x, int64_t rows, int64_t ldx, const xq_t *xq) {
-    const int64_t k = xq->k, nu = k / 32;
-    _Pragma("omp for schedule(static)")
-    for (int64_t r = 0; r < rows; r++)
-        quantize_row(x + r * ldx, k, xq->q + r * k, xq->d + r * nu, xq->s + r * nu, xq->mult);
 }
 
 /* One 32-channel unit of NC = 16 columns: q[i] holds channels 4i..4i+3 of every column
@@ -240,6 +238,16 @@ static int all_chunks(const weight_t *W, const xq_t *xq, int64_t rows, uint16_t 
     return failed;
 }
 
+#endif
+
+#if HAS_VNNI || HAS_AVX2_Q8
+static void quantize_rows(const uint16_t *x, int64_t rows, int64_t ldx, const xq_t *xq) {
+    const int64_t k = xq->k, nu = k / 32;
+    _Pragma("omp for schedule(static)")
+    for (int64_t r = 0; r < rows; r++)
+        quantize_row(x + r * ldx, k, xq->q + r * k, xq->d + r * nu, xq->s + r * nu, xq->mult);
+}
+
 static int alloc_xq(xq_t *xq, int64_t rows, int64_t k) {
     void *tail;
     if (!(xq->q = alloc_codes(rows, k, 2, &tail))) return -1; /* d and the sum */
@@ -254,17 +262,18 @@ static int alloc_xq(xq_t *xq, int64_t rows, int64_t k) {
 /* x [rows, k] bf16 (row stride ldx) . W^T -> out [rows, n] bf16 (row stride ldo), by int8
  * products (see the top of this file); W the codes q, scales s and zero points z (0:
  * symmetric) of n rows. Any row count. Returns -1 for bits other than 4 / 8, a group size
- * other than 32 / 64 / 128, k not whole groups, a build without AVX512_VNNI or no memory. */
+ * other than 32 / 64 / 128, k not whole groups, a build without AVX512_VNNI or AVX2 or no
+ * memory. */
 int quant_group_q8_bf16(int bits, int group, const uint16_t *x, int64_t rows, int64_t ldx,
                         const uint8_t *q, const uint16_t *s, const uint8_t *z, int64_t n,
                         int64_t k, uint16_t *out, int64_t ldo, int num_threads) {
-    if (!HAS_VNNI || !valid_format(bits, group, k)) return -1;
+    if (!(HAS_VNNI || HAS_AVX2_Q8) || !valid_format(bits, group, k)) return -1;
     if (rows <= 0 || n <= 0) return 0;
-#if HAS_VNNI
+#if HAS_VNNI || HAS_AVX2_Q8
     xq_t xq;
     if (alloc_xq(&xq, rows, k)) return -1;
     const weight_t W = {bits, group, q, s, z, n, k};
-    if (!z) xq.mult = bits == 8 ? -128 : -8;
+    if (!z) xq.mult = bits == 8 ? (HAS_AVX2_Q8 ? 0 : -128) : -8; /* quant_group_avx2.h */
     QUANTIZE_THEN_MULTIPLY(quantize_rows, xq, x, rows, ldx, k, num_threads,
                            all_chunks(&W, &xq, rows, out, ldo));
 #else
