@@ -51,13 +51,20 @@ def job_start(job: str, llm) -> dict:
     own figures are the later counters less these (`stats_since`). An engine loaded
     afresh mid-job (its device group failed) starts from its own zero counters."""
     with _lock:
-        start = _job_starts.get(job)
-        if start is None or start[0]() is not llm:
+        start = job_started(job, llm)
+        if start is None:
             _job_starts.pop(job, None)
-            start = _job_starts[job] = (weakref.ref(llm), llm.stats())
+            start = llm.stats()
+            _job_starts[job] = (weakref.ref(llm), start)
             while len(_job_starts) > _MAX_JOBS:
                 del _job_starts[next(iter(_job_starts))]
-        return start[1]
+        return start
+
+
+def job_started(job: str, llm) -> dict | None:
+    """`job_start(job, llm)` where job `job` has used `llm` in this process, else None."""
+    start = _job_starts.get(job)
+    return start[1] if start is not None and start[0]() is llm else None
 
 
 def loaded_engine(model: str, engine_kwargs: dict):

@@ -7,8 +7,8 @@ from concurrent.futures import wait
 
 from fusegen.engine.errors import DeviceGroupError
 from fusegen.engine.llm_engine import stats_since
-from fusegen.jobs.engines import (drop_engine, get_engine, job_start, loaded_engine,
-                                  set_worker_device)
+from fusegen.jobs.engines import (drop_engine, get_engine, job_start, job_started,
+                                  loaded_engine, set_worker_device)
 from fusegen.jobs.errors import JobError
 from fusegen.jobs.formats import OPENAI_BATCH, mark_line_errors
 from fusegen.jobs.openai_batch import run_batch_partition
@@ -57,9 +57,10 @@ def engine_stats(spec: JobSpec, job: str | None = None) -> dict | None:
     loaded (a persistent worker's engine served earlier jobs). None where this worker ran
     none of the job (no engine, or another job's)."""
     llm = loaded_engine(spec.model, spec.engine_kwargs())
-    if llm is None:
+    start = None if llm is None or job is None else job_started(job, llm)
+    if llm is None or (job is not None and start is None):
         return None
-    stats = llm.stats() if job is None else stats_since(job_start(job, llm), llm.stats())
+    stats = llm.stats() if start is None else stats_since(start, llm.stats())
     # model_path: the files the model's name resolved to here (a hub id: its snapshot).
     return {**stats, "memory": llm.memory_report(), "model_path": llm.config.model}
 

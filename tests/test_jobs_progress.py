@@ -144,7 +144,9 @@ def test_a_job_start_is_kept_per_engine():
     assert engines.job_start("job-a", old) == {"num_generated_tokens": 7}
     old.generated = 9
     assert engines.job_start("job-a", old) == {"num_generated_tokens": 7}
+    assert engines.job_started("job-b", old) is None  # a job that never used it
     fresh = Engine()  # loaded anew mid-job (its device group failed): its own zero
+    assert engines.job_started("job-a", fresh) is None
     assert engines.job_start("job-a", fresh) == {"num_generated_tokens": 0}
     for i in range(engines._MAX_JOBS):
         engines.job_start(f"later-{i}", fresh)
