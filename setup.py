@@ -48,6 +48,10 @@ setup(
     extras_require={
         # Reading and writing s3:// URLs.
         "s3": ["s3fs>=2024.3"],
+        # The Dask dashboard of a job's cluster (`fusegen run` prints its address): Dask
+        # serves it always, but draws its pages with bokeh (3.1 on: Dask's requirement),
+        # which nothing else needs; without it a job says to install this extra.
+        "dashboard": ["bokeh>=3.1"],
         # `fusegen bench` baselines: transformers `generate` and accelerate offload.
         "bench": ["transformers>=4.45", "accelerate>=0.30"],
         # Structured output (json_schema, regex, choice, grammar): llguidance. Of the

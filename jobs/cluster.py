@@ -16,12 +16,17 @@ from fusegen.jobs.spec import JobSpec
 _LOOPBACK = "127.0.0.1"
 _ANY_GPU = ("auto", "cuda")  # device options that leave the GPU to fusegen
 log = logging.getLogger("fusegen.jobs")
+# Where the embedded cluster's dashboard gets its pages: Dask draws them with bokeh.
+DASHBOARD_EXTRA = "pip install 'fusegen[dashboard]'"
 
 
 @contextmanager
 def open_client(spec: JobSpec):
-    """A dask.distributed Client: to `spec.scheduler`, or to an embedded cluster."""
+    """A dask.distributed Client: to `spec.scheduler`, or to an embedded cluster. Its
+    workers' logs carry fusegen's log lines (jobs/worker_logs.py) while it is open."""
     from distributed import Client
+
+    from fusegen.jobs.worker_logs import WorkerLogs, unregister
 
     if spec.scheduler:
         try:
@@ -31,12 +36,17 @@ def open_client(spec: JobSpec):
                            f"({exc}); start one with `dask scheduler` or drop --scheduler") from None
         with client:
             _show_dashboard(client, local=False)
-            yield client
+            client.register_plugin(WorkerLogs(spec.redactor()))
+            try:
+                yield client
+            finally:
+                unregister(client)  # a shared cluster is left as it was found
         return
     cluster = _local_cluster(spec)
     try:
         with Client(cluster) as client:
             _show_dashboard(client, local=True)
+            client.register_plugin(WorkerLogs(spec.redactor()))
             yield client
     finally:
         close_engines()  # in-process engines: unblocks any task thread still waiting
@@ -46,7 +56,8 @@ def open_client(spec: JobSpec):
 def dashboard_link(client, local: bool) -> str | None:
     """The Dask dashboard's address when the scheduler serves one, else None. The embedded
     (`local`) cluster's listens on 127.0.0.1 at a free port, and shows pages only where
-    bokeh is installed; an external scheduler's is at its own host."""
+    bokeh is installed (`fusegen[dashboard]`); an external scheduler's is at its own
+    host."""
     try:
         port = client.scheduler_info().get("services", {}).get("dashboard")
     except Exception:  # noqa: BLE001 - no dashboard to show is no reason to fail the job
@@ -62,6 +73,8 @@ def _show_dashboard(client, local: bool) -> None:
     link = dashboard_link(client, local)
     if link:
         log.info("Dask dashboard: %s", redact_url(link))
+    elif local:
+        log.info("Dask dashboard: off, its pages need bokeh: %s", DASHBOARD_EXTRA)
 
 
 def _local_cluster(spec: JobSpec):

@@ -70,7 +70,8 @@ def group_linear_q8_native(x: torch.Tensor, qweight: torch.Tensor, scales: torch
                               None if zeros is None else zeros.contiguous(), bits, group_size,
                               out_features)
     if out is None:
-        raise RuntimeError(f"no int8 (AVX512_VNNI or AVX2) kernel for int{bits} weights in this build")
+        raise RuntimeError(f"no int8 (AVX512_VNNI or AVX2) kernel for int{bits} weights in "
+                           "this build")
     return out
 
 

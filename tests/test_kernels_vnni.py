@@ -168,7 +168,8 @@ def avx2_build(tmp_path_factory):
     """quant_vnni.c built for an AVX2 CPU (its vpmaddubsw form), where this CPU runs it"""
     if "avx2" not in native._cpu_flags().split() or "fma" not in native._cpu_flags().split():
         pytest.skip("this CPU cannot run an AVX2 build")
-    return build_for_other_cpu("quant_vnni.c", OTHER_CPU_BUILDS[1][0], tmp_path_factory.mktemp("avx2"),
+    return build_for_other_cpu("quant_vnni.c", OTHER_CPU_BUILDS[1][0],
+                               tmp_path_factory.mktemp("avx2"),
                                ("quant_gguf_q8_available", "quant_gguf_q8_bf16",
                                 "quant_gguf_q8_quantize_bf16"))
 
@@ -234,7 +235,8 @@ def test_builds_without_avx2_refuse(tmp_path):
     names = ("quant_gguf_q8_available", "quant_gguf_q8_bf16")
     x, out = torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.bfloat16)
     blocks = make_blocks(ql.Q8_0, 1, 32)
-    for i, flags in enumerate([OTHER_CPU_BUILDS[2][0], ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mf16c"]]):
+    no_fma = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mf16c"]
+    for i, flags in enumerate([OTHER_CPU_BUILDS[2][0], no_fma]):
         (tmp_path / str(i)).mkdir()
         lib = build_for_other_cpu("quant_vnni.c", flags, tmp_path / str(i), names)
         for qtype in QTYPES:
