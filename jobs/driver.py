@@ -224,6 +224,7 @@ def _execute(spec: JobSpec, todo: list[Partition], fingerprint: str, owner: str,
         fresh = [e for e in loaded if e["loaded"]]
         if fresh:  # where the weights and the KV cache live; not again for a reused engine
             progress.message("memory plan (per worker):\n" + fresh[0]["placement"])
+        progress.begin()
         topic = progress_topic(run_token)
         client.subscribe_topic(topic, lambda event: progress.partial(**event[1]))
         parts_of = {}  # task key -> its partition's name, for a worker that dies

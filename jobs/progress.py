@@ -80,6 +80,9 @@ class Progress:
         # counted from this job's start on that worker), None for an engine without one
         self.engines: dict[str, dict | None] = {}
         self.start = self._last = time.monotonic()
+        # when the engines were ready and rows began (`begin`): rates count from here, not
+        # from before the workers loaded the model
+        self.begun: float | None = None
         self.timeline: list[tuple[float, int, int]] = [(0.0, 0, 0)]
         self._finished: set[int] = set()
         self._lock = threading.Lock()
@@ -94,6 +97,10 @@ class Progress:
                 return
             self.in_flight[index] = (rows, tokens, errors)
             self._show()
+
+    def begin(self) -> None:
+        """The engines are loaded: generation starts now."""
+        self.begun = time.monotonic()
 
     def advance(self, index: int, rows: int, tokens: int, errors: int = 0) -> None:
         with self._lock:
@@ -156,7 +163,7 @@ class Progress:
         rows, finished, errors = self._totals()
         tokens = self._live_tokens(finished)
         done = self.skipped + rows
-        secs = max(now - self.start, 1e-9)
+        secs = max(now - (self.start if self.begun is None else self.begun), 1e-9)
         frac = done / self.total if self.total else 1.0
         eta = self._eta(rows, finished, errors, tokens, secs)
         return (f"[{'#' * int(frac * 30):<30}] {done}/{self.total} rows ({frac:.0%}) | "
@@ -165,10 +172,11 @@ class Progress:
 
     def _eta(self, rows: int, finished: int, errors: int, tokens: int,
              secs: float) -> float | None:
-        """Seconds left: the rows left x the mean tokens a row so far, less the tokens the
-        running rows have, at the current rate; from the row rate where rows generate no
-        tokens; None before a row has been generated (error rows, which finish at once,
-        say nothing of how long the others take)."""
+        """Seconds left at the current rate: the rows left x the mean tokens a row so far,
+        less the tokens the running rows have (but at least those again: a running row
+        past the mean is a long one, about halfway); from the row rate where rows generate
+        no tokens; None before a row has been generated (error rows, which finish at
+        once, say nothing of how long the others take)."""
         left = self.total - self.skipped - rows
         if rows <= errors:
             return None
@@ -179,7 +187,8 @@ class Progress:
         # started row is a floor under the finished rows' mean (the short ones finish
         # first).
         per_row = max(finished / rows, tokens / (rows + running))
-        return max(left * per_row - (tokens - finished), 0.0) * secs / tokens
+        in_running = tokens - finished
+        return max(left * per_row - in_running, in_running) * secs / tokens
 
     def _engine_load(self) -> str:
         """Running and waiting requests over the workers' engines, and the fullest KV

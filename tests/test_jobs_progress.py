@@ -62,6 +62,18 @@ def test_eta_from_tokens_counts_the_running_rows_tokens():
     assert p.line(20.0).endswith("ETA 0:01:15")
 
 
+def test_rates_count_from_when_the_engines_were_ready_and_long_running_rows_keep_an_eta():
+    p = Progress(8, mode="log", stream=io.StringIO())
+    p.start, p.begun = 0.0, 100.0  # 100 s loading the model
+    # 10 s of generation: the shortest row finished with 8 tokens, 7 running hold 57
+    p.partial(0, 1, 8, worker="w1", engine={"running": 7, "waiting": 0, "kv_used": 0.1,
+                                             "num_generated_tokens": 65})
+    # 6.5 tok/s; the 7 rows left at 8.125 tokens a row (65 / 8) are fewer tokens than
+    # the running rows have already: they need at least their 57 again, 8.8 s
+    assert p.line(110.0) == ("[###" + " " * 27 + "] 1/8 rows (12%) | 0 errors | 6.5 tok/s | "
+                             "7 running, 0 waiting | KV 10% | ETA 0:00:08")
+
+
 def test_eta_from_rows_where_rows_generate_no_tokens():
     p = Progress(30, mode="log", stream=io.StringIO())
     p.start = 0.0
