@@ -12,7 +12,7 @@ product is then exact integer arithmetic per block, scaled by the weight's fp32 
 the kernel sums the scaled blocks in fp32 (in a fixed order: each element's value depends
 only on its row of x and its weight row) and rounds once to bf16.
 
-Repacked blocks (pack_blocks, in place, AVX512_VNNI builds): each group of 16 weight rows
+Repacked blocks (pack_blocks, in place): each group of 16 weight rows
 interleaved field by field as the kernel's registers hold them (16 rows' fp16 scales side
 by side, their codes 4 bytes a row at a time), so a call loads them as they lie instead
 of transposing 16 rows' bytes and gathering their scales; the same bytes, the same bits
@@ -64,7 +64,8 @@ def q8_available(qtype: int) -> bool:
 @functools.cache
 def q8_packed_available(qtype: int) -> bool:
     """Whether this machine's build multiplies `qtype`'s repacked blocks (pack_blocks):
-    AVX512_VNNI builds (AVX2 builds read the blocks as stored)."""
+    wherever it has the int8 product (AVX2 builds read a group of 16 rows as two chunks
+    of 8)."""
     lib = _library()
     return lib is not None and bool(lib.quant_gguf_q8_packed_available(qtype))
 
@@ -151,9 +152,8 @@ def quant_linear_q8_native(x: torch.Tensor, blocks: torch.Tensor, qtype: int, ou
                          else (quant_linear_q8, q8_available))
     out = kernel(x, blocks.contiguous(), qtype, out_features) if available(qtype) else None
     if out is None:
-        raise RuntimeError(f"no int8 ({'AVX512_VNNI' if packed else 'AVX512_VNNI or AVX2'}) "
-                           f"kernel for {'repacked ' if packed else ''}{SUPPORTED[qtype]} "
-                           "in this build")
+        raise RuntimeError(f"no int8 (AVX512_VNNI or AVX2) kernel for "
+                           f"{'repacked ' if packed else ''}{SUPPORTED[qtype]} in this build")
     return out
 
 

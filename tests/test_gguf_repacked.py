@@ -21,7 +21,7 @@ from fusegen.kernels import quant_vnni as qv
 
 QTYPES = sorted(ql.SUPPORTED)
 needs_packed = pytest.mark.skipif(not qv.q8_packed_available(ql.Q4_1),
-                                  reason="no AVX512_VNNI build on this machine")
+                                  reason="no AVX512_VNNI or AVX2 build on this machine")
 
 
 def bf16_rows(rows: int, k: int, seed: int) -> torch.Tensor:

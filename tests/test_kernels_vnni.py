@@ -171,13 +171,15 @@ def avx2_build(tmp_path_factory):
     return build_for_other_cpu("quant_vnni.c", OTHER_CPU_BUILDS[1][0],
                                tmp_path_factory.mktemp("avx2"),
                                ("quant_gguf_q8_available", "quant_gguf_q8_bf16",
-                                "quant_gguf_q8_quantize_bf16"))
+                                "quant_gguf_q8_quantize_bf16", "quant_gguf_q8_packed_available",
+                                "quant_gguf_q8_packed_bf16"))
 
 
-def call_q8(lib, qtype, x, blocks, n, k, threads=2):
+def call_q8(lib, qtype, x, blocks, n, k, threads=2, packed=False):
     out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
-    assert lib.quant_gguf_q8_bf16(qtype, x.data_ptr(), x.shape[0], x.stride(0), blocks.data_ptr(),
-                                  n, k, out.data_ptr(), n, threads) == 0
+    fn = lib.quant_gguf_q8_packed_bf16 if packed else lib.quant_gguf_q8_bf16
+    assert fn(qtype, x.data_ptr(), x.shape[0], x.stride(0), blocks.data_ptr(), n, k,
+              out.data_ptr(), n, threads) == 0
     return out
 
 
@@ -185,8 +187,10 @@ def call_q8(lib, qtype, x, blocks, n, k, threads=2):
 def test_avx2_build_is_the_vnni_kernel_bit_for_bit(qtype, avx2_build):
     """The AVX2 form (8 columns a chunk, vpmaddubsw) gives the AVX-512 form's bits, and
     both the exact int8 product within the fp32 sums' rounding: odd column counts (within
-    and across its chunks of 8), every micro-kernel row count, 1 and 2 threads."""
+    and across its chunks of 8 and repacked groups of 16), every micro-kernel row count,
+    1 and 2 threads; over repacked blocks too (a group read as two chunks)."""
     assert avx2_build.quant_gguf_q8_available(qtype) == 1
+    assert avx2_build.quant_gguf_q8_packed_available(qtype) == 1
     block = ql.BLOCK_SIZES[qtype][0]
     x = bf16_rows(300, 5 * block if block == 32 else 3 * block, seed=qtype)
     x[2] = 0
@@ -195,13 +199,17 @@ def test_avx2_build_is_the_vnni_kernel_bit_for_bit(qtype, avx2_build):
                                                   q.data_ptr(), d.data_ptr()) == 0
     ref_q, ref_d = qv.quantize_rows(x)
     assert torch.equal(q, ref_q) and torch.equal(d, ref_d)
-    for n, nb in [(1, 1), (7, 2), (8, 1), (9, 3), (37, x.shape[1] // block)]:
+    for n, nb in [(1, 1), (7, 2), (8, 1), (9, 3), (16, 2), (37, x.shape[1] // block)]:
         k = nb * block
         blocks = make_blocks(qtype, n, k, seed=n + nb)
+        packed = blocks.clone()
+        qv.pack_blocks(packed, qtype, k)
         xk = x[:, :k].contiguous()
         for rows in (1, 2, 3, 4, 5, 9, 17, 300):
             for threads in (1, 2):
                 got = call_q8(avx2_build, qtype, xk[:rows], blocks, n, k, threads)
+                assert torch.equal(
+                    call_q8(avx2_build, qtype, xk[:rows], packed, n, k, threads, packed=True), got)
                 if qv.q8_available(qtype):
                     assert torch.equal(got, kernel(xk[:rows], blocks, qtype, n, k, threads))
                 else:

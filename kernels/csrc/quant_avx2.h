@@ -78,6 +78,29 @@ static inline __m256i bits(__m256i v, int shift, int mask) {
     return _mm256_and_si256(_mm256_srli_epi32(v, shift), _mm256_set1_epi32(mask));
 }
 
+/* A repacked group of 16 rows (quant_vnni.c's words): this chunk is its half `half`
+ * (rows 8 half ..), its lanes the second 32 bytes of each 64-byte word vector (16 bytes
+ * of each fp16 field) for half 1. sb: the group's current block. */
+static inline void words(const int RP, const int half, const uint8_t *const col[NC],
+                         const uint8_t *sb, int64_t off, __m256i T[4]) {
+    if (!RP) {
+        t8(col, off, T);
+        return;
+    }
+    for (int i = 0; i < 4; i++)
+        T[i] = _mm256_loadu_si256((const __m256i *)(sb + 16 * off + 64 * i + 32 * half));
+}
+
+static inline __m256i word(const int RP, const int half, const uint8_t *const col[NC],
+                           __m256i vindex, const uint8_t *sb, int64_t off) {
+    return RP ? _mm256_loadu_si256((const __m256i *)(sb + 16 * off + 32 * half))
+              : gather(col, vindex, off);
+}
+
+static inline __m256 fp16s(const int half, const uint8_t *sb, int64_t off) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 16 * off + 16 * half)));
+}
+
 /* Units per expansion step, steps per block, and the offset folded into the integer sums */
 #define UNITS(QT) ((QT) == Q6_K ? 4 : (QT) == Q4_K || (QT) == Q5_K ? 2 : 1)
 #define STEPS(QT) ((QT) == Q6_K ? 2 : (QT) == Q4_K || (QT) == Q5_K ? 4 : 1)
@@ -87,66 +110,81 @@ static inline __m256i bits(__m256i v, int shift, int mask) {
 /* Units [step * UNITS, (step + 1) * UNITS) of the 8 columns' blocks (col: each column's
  * current block): quant_vnni.c's expand */
 static inline __attribute__((always_inline)) void
-expand(const int QT, const uint8_t *const col[NC], __m256i vindex, int step, unit_t *u) {
+expand(const int QT, const int RP, const int half, const uint8_t *const col[NC], const uint8_t *sb,
+       __m256i vindex, int step, unit_t *u) {
     __m256i T[4], U[4];
     if (QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1) {
         const int qoff = QT == Q4_0 ? 2 : QT == Q4_1 ? 4 : QT == Q5_0 ? 6 : 8;
-        t8(col, qoff, T);
-        const __m256i g = gather(col, vindex, 0);
+        words(RP, half, col, sb, qoff, T);
         for (int i = 0; i < 4; i++) u->q[i] = low4(T[i]), u->q[4 + i] = high4(T[i]);
         if (QT == Q5_0 || QT == Q5_1) {
-            const __m256i qh = gather(col, vindex, QT == Q5_0 ? 2 : 4);
+            const __m256i qh = word(RP, half, col, vindex, sb, QT == Q5_0 ? 2 : 4);
             for (int i = 0; i < 8; i++) u->q[i] = fifth(u->q[i], qh, i);
         }
-        u->s = halves(g, 0);
-        u->t = HAS_MIN(QT) ? halves(g, 1) : _mm256_setzero_ps();
+        if (RP) {
+            u->s = fp16s(half, sb, 0);
+            u->t = HAS_MIN(QT) ? fp16s(half, sb, 2) : _mm256_setzero_ps();
+        } else {
+            const __m256i g = gather(col, vindex, 0);
+            u->s = halves(g, 0);
+            u->t = HAS_MIN(QT) ? halves(g, 1) : _mm256_setzero_ps();
+        }
     } else if (QT == Q8_0) {
-        t8(col, 2, T);
-        t8(col, 18, U);
+        words(RP, half, col, sb, 2, T);
+        words(RP, half, col, sb, 18, U);
         for (int i = 0; i < 4; i++) u->q[i] = T[i], u->q[4 + i] = U[i];
-        u->s = halves(gather(col, vindex, 0), 0), u->t = _mm256_setzero_ps();
+        u->s = RP ? fp16s(half, sb, 0) : halves(gather(col, vindex, 0), 0);
+        u->t = _mm256_setzero_ps();
     } else if (QT == Q4_K || QT == Q5_K) { /* step: sub-blocks 2 step, 2 step + 1 */
         const int qoff = (QT == Q5_K ? 48 : 16) + 32 * step;
-        t8(col, qoff, T);
-        t8(col, qoff + 16, U);
+        words(RP, half, col, sb, qoff, T);
+        words(RP, half, col, sb, qoff + 16, U);
         for (int i = 0; i < 4; i++) {
             u[0].q[i] = low4(T[i]), u[0].q[4 + i] = low4(U[i]);
             u[1].q[i] = high4(T[i]), u[1].q[4 + i] = high4(U[i]);
         }
         if (QT == Q5_K) {
             __m256i H[8];
-            t8(col, 16, H);
-            t8(col, 32, H + 4);
+            words(RP, half, col, sb, 16, H);
+            words(RP, half, col, sb, 32, H + 4);
             for (int j = 0; j < 2; j++) {
                 const __m256i bit = _mm256_set1_epi8((char)(1 << (2 * step + j)));
                 for (int i = 0; i < 8; i++) u[j].q[i] = add16_where(u[j].q[i], H[i], bit);
             }
         }
-        const __m256i g = gather(col, vindex, 0);
-        const __m256 d = halves(g, 0), dmin = halves(g, 1);
+        __m256 d, dmin;
+        if (RP) {
+            d = fp16s(half, sb, 0), dmin = fp16s(half, sb, 2);
+        } else {
+            const __m256i g = gather(col, vindex, 0);
+            d = halves(g, 0), dmin = halves(g, 1);
+        }
+#define WORD(off) word(RP, half, col, vindex, sb, off)
         for (int j = 0; j < 2; j++) { /* sub-block 2 step + j's 6-bit scale and min */
-            const int sb = 2 * step + j;
+            const int sub = 2 * step + j;
             __m256i sc, mn;
-            if (sb < 4) {
-                sc = bits(gather(col, vindex, 4), 8 * sb, 63);
-                mn = bits(gather(col, vindex, 8), 8 * sb, 63);
+            if (sub < 4) {
+                sc = bits(WORD(4), 8 * sub, 63);
+                mn = bits(WORD(8), 8 * sub, 63);
             } else {
-                const __m256i hi = gather(col, vindex, 12);
-                sc = _mm256_or_si256(bits(hi, 8 * (sb - 4), 0xf),
-                                     _mm256_slli_epi32(bits(gather(col, vindex, 4), 8 * (sb - 4) + 6, 3), 4));
-                mn = _mm256_or_si256(bits(hi, 8 * (sb - 4) + 4, 0xf),
-                                     _mm256_slli_epi32(bits(gather(col, vindex, 8), 8 * (sb - 4) + 6, 3), 4));
+                const __m256i hi = WORD(12);
+                sc = _mm256_or_si256(bits(hi, 8 * (sub - 4), 0xf),
+                                     _mm256_slli_epi32(bits(WORD(4), 8 * (sub - 4) + 6, 3), 4));
+                mn = _mm256_or_si256(bits(hi, 8 * (sub - 4) + 4, 0xf),
+                                     _mm256_slli_epi32(bits(WORD(8), 8 * (sub - 4) + 6, 3), 4));
             }
+#undef WORD
             u[j].s = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
             u[j].t = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mn)));
         }
     } else { /* Q6_K, step: the half of 128 values; unit j its quarter j */
         __m256i L[16], H[8];
-        for (int i = 0; i < 4; i++) t8(col, 64 * step + 16 * i, L + 4 * i);
-        t8(col, 128 + 32 * step, H);
-        t8(col, 128 + 32 * step + 16, H + 4);
-        const __m256 d = halves(gather(col, vindex, 206), 1);
-        const __m256i sc[2] = {gather(col, vindex, 192 + 8 * step), gather(col, vindex, 196 + 8 * step)};
+        for (int i = 0; i < 4; i++) words(RP, half, col, sb, 64 * step + 16 * i, L + 4 * i);
+        words(RP, half, col, sb, 128 + 32 * step, H);
+        words(RP, half, col, sb, 128 + 32 * step + 16, H + 4);
+        const __m256 d = RP ? fp16s(half, sb, 208) : halves(gather(col, vindex, 206), 1);
+        const __m256i sc[2] = {word(RP, half, col, vindex, sb, 192 + 8 * step),
+                               word(RP, half, col, vindex, sb, 196 + 8 * step)};
         for (int j = 0; j < 4; j++) {
             for (int i = 0; i < 8; i++) { /* values 4 i.. of the quarter: ql bytes 32 (j & 1) + 4 i */
                 const __m256i lo = L[4 * ((j & 1) * 2 + i / 4) + i % 4];
@@ -195,8 +233,9 @@ unit_dot(const int QT, const unit_t *u, const xq_t *xq, int64_t row, int64_t uni
 
 /* Rows [r0, r0 + R) against the chunk, each block expanded in registers as it comes */
 static inline __attribute__((always_inline)) void
-micro_direct(const int QT, const int R, const xq_t *xq, int64_t r0, const uint8_t *const col0[NC],
-             __m256i vindex, int64_t nb, int bytes, uint16_t *out, int64_t ldo, int ncols) {
+micro_direct(const int QT, const int RP, const int R, const xq_t *xq, int64_t r0,
+             const uint8_t *const col0[NC], const uint8_t *sb0, int half, __m256i vindex,
+             int64_t nb, int bytes, uint16_t *out, int64_t ldo, int ncols) {
     const int US = UNITS(QT);
     __m256 acc[RMAX];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
@@ -207,7 +246,7 @@ micro_direct(const int QT, const int R, const xq_t *xq, int64_t r0, const uint8_
         for (int64_t b = 0; b < NC * bytes; b += 64) _mm_prefetch(next + i * NC * bytes + b, _MM_HINT_T0);
         for (int step = 0; step < STEPS(QT); step++) {
             unit_t u[4];
-            expand(QT, col, vindex, step, u);
+            expand(QT, RP, half, col, sb0 + i * 2 * NC * bytes, vindex, step, u);
             for (int j = 0; j < US; j++)
                 for (int r = 0; r < R; r++)
                     acc[r] = unit_dot(QT, &u[j], xq, r0 + r, (i * STEPS(QT) + step) * US + j, acc[r]);
@@ -227,13 +266,17 @@ micro_units(const int QT, const int R, const xq_t *xq, int64_t r0, const unit_t 
     for (int r = 0; r < R; r++) store_row(out + r * ldo, acc[r], ncols);
 }
 
-/* every row of x against one chunk of 8 columns: quant_vnni.c's chunk_rows */
+/* every row of x against one chunk of 8 columns: quant_vnni.c's chunk_rows (RP: the
+ * chunk is half `half` of the repacked group at sb0) */
 static inline __attribute__((always_inline)) void
-chunk_rows(const int QT, const xq_t *xq, int64_t rows, const uint8_t *const col[NC], __m256i vindex,
-           int64_t nb, int bytes, unit_t *units, uint16_t *out, int64_t ldo, int ncols) {
+chunk_rows(const int QT, const int RP, const xq_t *xq, int64_t rows, const uint8_t *const col[NC],
+           const uint8_t *sb0, int half, __m256i vindex, int64_t nb, int bytes, unit_t *units,
+           uint16_t *out, int64_t ldo, int ncols) {
     int64_t r0 = 0;
-    if (rows <= RMAX) {
-#define DIRECT(R) micro_direct(QT, R, xq, 0, col, vindex, nb, bytes, out, ldo, ncols)
+    if (rows <= RMAX || RP) {
+#define DIRECT(R) \
+    micro_direct(QT, RP, R, xq, r0, col, sb0, half, vindex, nb, bytes, out + r0 * ldo, ldo, ncols)
+        for (; r0 + RMAX <= rows; r0 += RMAX) DIRECT(RMAX);
         RMAX_CASES(rows - r0, DIRECT)
 #undef DIRECT
         return;
@@ -245,7 +288,7 @@ chunk_rows(const int QT, const xq_t *xq, int64_t rows, const uint8_t *const col[
         for (int j = 0; j < NC; j++) c[j] = col[j] + i * bytes;
         for (int64_t b = 0; b < NC * bytes; b += 64) _mm_prefetch(next + i * NC * bytes + b, _MM_HINT_T1);
         for (int step = 0; step < STEPS(QT); step++)
-            expand(QT, c, vindex, step, units + (i * STEPS(QT) + step) * US);
+            expand(QT, 0, 0, c, 0, vindex, step, units + (i * STEPS(QT) + step) * US);
     }
     const int64_t nu = xq->k / 32;
     for (; r0 + RMAX <= rows; r0 += RMAX)
@@ -255,10 +298,10 @@ chunk_rows(const int QT, const xq_t *xq, int64_t rows, const uint8_t *const col[
 #undef UNITS_
 }
 
-/* packed: never set (the repacked layout's groups of 16 rows are AVX-512's) */
+/* packed: w's whole groups of 16 rows repacked (quant_gguf_q8_packed_bf16), two chunks a
+ * group */
 static int all_chunks(int qtype, int packed, const xq_t *xq, int64_t rows, const uint8_t *w,
                       int64_t n, int64_t nb, int bytes, uint16_t *out, int64_t ldo) {
-    (void)packed;
     const int64_t row_bytes = nb * bytes, chunks = (n + NC - 1) / NC;
     unit_t *units = rows > RMAX ? aligned_alloc(64, (size_t)(xq->k / 32) * sizeof(unit_t)) : 0;
     const int failed = rows > RMAX && !units; /* still takes part in the omp for */
@@ -275,8 +318,17 @@ static int all_chunks(int qtype, int packed, const xq_t *xq, int64_t rows, const
         }
         const __m256i vindex = _mm256_loadu_si256((const __m256i *)offsets);
         uint16_t *o = out + first;
-        switch (qtype) {
-#define TYPE(Q) case Q: chunk_rows(Q, xq, rows, col, vindex, nb, bytes, units, o, ldo, ncols); break;
+        const int64_t group = first / (2 * NC) * (2 * NC);
+        const int rp = packed && group + 2 * NC <= n, half = (int)(first - group) / NC;
+        const uint8_t *sb0 = w + group * row_bytes;
+        switch (qtype * 2 + rp) {
+#define TYPE(Q)                                                                            \
+    case 2 * Q:                                                                            \
+        chunk_rows(Q, 0, xq, rows, col, sb0, half, vindex, nb, bytes, units, o, ldo, ncols); \
+        break;                                                                             \
+    case 2 * Q + 1:                                                                        \
+        chunk_rows(Q, 1, xq, rows, col, sb0, half, vindex, nb, bytes, units, o, ldo, ncols); \
+        break;
         TYPE(Q4_0) TYPE(Q4_1) TYPE(Q5_0) TYPE(Q5_1) TYPE(Q8_0) TYPE(Q4_K) TYPE(Q5_K) TYPE(Q6_K)
 #undef TYPE
         default: break;

@@ -431,22 +431,18 @@ int quant_gguf_q8_bf16(int qtype, const uint16_t *x, int64_t rows, int64_t ldx,
     return multiply(qtype, 0, x, rows, ldx, w, n, k, out, ldo, num_threads);
 }
 
-/* 1 where this build multiplies `qtype`'s repacked blocks (AVX512_VNNI) */
-int quant_gguf_q8_packed_available(int qtype) {
-    int bytes;
-    return HAS_VNNI && block_shape(qtype, &bytes) ? 1 : 0;
-}
+/* 1 where this build multiplies `qtype`'s repacked blocks */
+int quant_gguf_q8_packed_available(int qtype) { return quant_gguf_q8_available(qtype); }
 
 /* quant_gguf_q8_bf16 with w repacked (kernels/quant_vnni.py's pack_blocks): each whole
  * group of 16 rows (output columns) holds, block by block, its 16 rows' blocks with each
  * field interleaved (the 16 rows' fp16 scales side by side, then their codes 4 bytes a
  * row at a time: the layout the kernel's registers take, so no transpose or gather runs);
  * a last group of fewer rows stays as stored. The same bytes, the same results bit for
- * bit. -1 as quant_gguf_q8_bf16, and without AVX512_VNNI. */
+ * bit. -1 as quant_gguf_q8_bf16. (AVX2 builds read a group as two chunks of 8 rows.) */
 int quant_gguf_q8_packed_bf16(int qtype, const uint16_t *x, int64_t rows, int64_t ldx,
                               const uint8_t *w, int64_t n, int64_t k, uint16_t *out,
                               int64_t ldo, int num_threads) {
-    if (!HAS_VNNI) return -1;
     return multiply(qtype, 1, x, rows, ldx, w, n, k, out, ldo, num_threads);
 }
 
