@@ -114,11 +114,15 @@ def output_shape(spec: JobSpec, preparer: RowPreparer, columns, first_row: int) 
 
 
 def _wait(futures: list, report, every: float = 1.0) -> list:
-    """The futures' results in order; meanwhile report(done) with the finished ones."""
+    """The futures' results in order; meanwhile report(done) with the finished ones, and
+    once more when all are (the engine's load as the part ends, so the driver's line
+    does not keep showing this part's requests running)."""
     while True:
         done, pending = wait(futures, timeout=every)
         if not pending:
-            return [f.result() for f in futures]
+            results = [f.result() for f in futures]
+            report(results)
+            return results
         report([f.result() for f in done])
 
 

@@ -106,6 +106,9 @@ def test_a_one_partition_job_reports_live_tokens_and_its_timeline_rises_before_t
     assert live and all(" 0.0 tok/s" not in line for line in live), lines
     assert all("8 running, 0 waiting" in line and line.endswith("ETA --:--")
                for line in live), live
+    # the part's last report, as its rows finished: nothing left running
+    assert lines[-1].startswith("[" + "#" * 30 + "] 8/8 rows (100%) | 0 errors | ")
+    assert lines[-1].endswith("| 0 running, 0 waiting | KV 0% | ETA 0:00:00"), lines
 
 
 def _manifest(out) -> dict:
