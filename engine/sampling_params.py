@@ -117,7 +117,7 @@ class SamplingParams:
         False, "Keep the stop string (or the stop token's text) that ended a row at the end "
         "of its text.", kind=bool, body=("include_stop_str_in_output",))
     # vLLM's structured-output objects (GuidedDecodingParams / StructuredOutputsParams):
-    # read into json_schema, regex, choice or grammar (engine/structured.py).
+    # read into json_schema, regex, choice or grammar (`vllm_constraint` below).
     guided_decoding: InitVar[object] = None
     structured_outputs: InitVar[object] = None
     # vLLM (as transformers) applies it to slow tokenizers only; fusegen's tokenizers are
@@ -144,8 +144,6 @@ class SamplingParams:
     def _read_vllm_constraint(self, guided_decoding, structured_outputs) -> None:
         """vLLM's constraint object as this request's constraint field; ValueError (as
         vLLM raises) for what fusegen cannot honour, naming what to use instead."""
-        from fusegen.engine.structured import vllm_constraint
-
         if guided_decoding is not None and structured_outputs is not None:
             raise ValueError("guided_decoding and structured_outputs both set a constraint; "
                              "pass one")
@@ -220,7 +218,7 @@ class StructuredOutputsParams:
     `backend` and `disable_fallback` change nothing; its JSON is laid out as json.dumps
     writes it, never with free whitespace, as `disable_any_whitespace=True` asks.
     `whitespace_pattern`, `structural_tag` and `disable_additional_properties=True` are
-    refused with what to use instead (engine/structured.py: `vllm_constraint`)."""
+    refused with what to use instead (`vllm_constraint` below)."""
     json: dict | str | type | None = None
     regex: str | None = None
     choice: list[str] | None = None
@@ -328,3 +326,39 @@ def _show(value, limit: int = 200) -> str:
     except ValueError:  # an int past Python's int-to-text limit (4,300 digits)
         return f"an integer of {value.bit_length():,} bits"
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
+def vllm_constraint(params, name: str) -> tuple[str, object]:
+    """vLLM's StructuredOutputsParams / GuidedDecodingParams (`name`: the keyword it came
+    by), fusegen's class or vLLM's own (read by attribute), as (SamplingParams field,
+    value). Raises ValueError naming what fusegen cannot honour and what to use instead."""
+    for attr, instead in (
+            ("whitespace_pattern", "fusegen writes JSON as json.dumps lays it out; give the "
+                                   "schema an \"x-guidance\" whitespace setting instead"),
+            ("structural_tag", "write the tags and their JSON bodies as a Lark grammar and "
+                               "pass it as grammar")):
+        if getattr(params, attr, None) is not None:
+            raise ValueError(f"{name}.{attr}: fusegen does not support it; {instead}")
+    if getattr(params, "disable_additional_properties", False):
+        raise ValueError(f"{name}.disable_additional_properties: fusegen does not rewrite "
+                         "schemas; add \"additionalProperties\": false to the schema's "
+                         "objects instead")
+    schema = getattr(params, "json", None)
+    if hasattr(schema, "model_json_schema"):  # a pydantic model class, as vLLM takes
+        schema = schema.model_json_schema()
+    given = {"json_schema": schema,
+             "json_object": {"type": "object"} if getattr(params, "json_object", None)
+             else None,
+             "regex": getattr(params, "regex", None),
+             "choice": getattr(params, "choice", None),
+             "grammar": getattr(params, "grammar", None)}
+    given = {k: v for k, v in given.items() if v is not None}
+    shown = {"json_schema": "json"}
+    if len(given) != 1:
+        names = " and ".join(shown.get(k, k) for k in given)
+        raise ValueError(f"{name} must set one of json, json_object, regex, choice and "
+                         f"grammar; got {names or 'none'}")
+    (field, value), = given.items()
+    if field == "choice" and isinstance(value, tuple):
+        value = list(value)
+    return ("json_schema" if field == "json_object" else field), value

@@ -265,38 +265,3 @@ def response_format_schema(response_format) -> dict | str | None:
                          '"json_schema": {"name": ..., "schema": {...}}')
     return schema
 
-
-def vllm_constraint(params, name: str) -> tuple[str, object]:
-    """vLLM's StructuredOutputsParams / GuidedDecodingParams (`name`: the keyword it came
-    by), fusegen's class or vLLM's own (read by attribute), as (SamplingParams field,
-    value). Raises ValueError naming what fusegen cannot honour and what to use instead."""
-    for attr, instead in (
-            ("whitespace_pattern", "fusegen writes JSON as json.dumps lays it out; give the "
-                                   "schema an \"x-guidance\" whitespace setting instead"),
-            ("structural_tag", "write the tags and their JSON bodies as a Lark grammar and "
-                               "pass it as grammar")):
-        if getattr(params, attr, None) is not None:
-            raise ValueError(f"{name}.{attr}: fusegen does not support it; {instead}")
-    if getattr(params, "disable_additional_properties", False):
-        raise ValueError(f"{name}.disable_additional_properties: fusegen does not rewrite "
-                         "schemas; add \"additionalProperties\": false to the schema's "
-                         "objects instead")
-    schema = getattr(params, "json", None)
-    if hasattr(schema, "model_json_schema"):  # a pydantic model class, as vLLM takes
-        schema = schema.model_json_schema()
-    given = {"json_schema": schema,
-             "json_object": {"type": "object"} if getattr(params, "json_object", None)
-             else None,
-             "regex": getattr(params, "regex", None),
-             "choice": getattr(params, "choice", None),
-             "grammar": getattr(params, "grammar", None)}
-    given = {k: v for k, v in given.items() if v is not None}
-    shown = {"json_schema": "json"}
-    if len(given) != 1:
-        names = " and ".join(shown.get(k, k) for k in given)
-        raise ValueError(f"{name} must set one of json, json_object, regex, choice and "
-                         f"grammar; got {names or 'none'}")
-    (field, value), = given.items()
-    if field == "choice" and isinstance(value, tuple):
-        value = list(value)
-    return ("json_schema" if field == "json_object" else field), value

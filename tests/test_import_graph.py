@@ -18,7 +18,6 @@ KNOWN: set[frozenset[str]] = set()
 KNOWN_ANNOTATION = {
     frozenset({"fusegen.engine.models.architecture", "fusegen.engine.models.config",
                "fusegen.engine.models.registry"}),
-    frozenset({"fusegen.engine.sampling_params", "fusegen.engine.structured"}),
 }
 
 
