@@ -8,7 +8,7 @@ from concurrent.futures import as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fusegen.engine.llm_engine import EngineStats
+from fusegen.engine.llm_engine import EngineStats, stats_since
 from fusegen.jobs.bench.results import EngineResult
 from fusegen.jobs.bench.workload import BenchRequest
 
@@ -175,19 +175,10 @@ def _report_progress(futures, progress: Callable[[str], None], start: float) -> 
                      f"({time.perf_counter() - start:.1f}s so far)")
 
 
-# mean_* figures are averages over these step counts; every other number is a running total.
-_MEANS = {"mean_running": "num_steps", "mean_decode_batch": "num_decode_steps"}
-
-
 def _stats_delta(before: dict, after: dict) -> dict:
     """The engine's counters for the timed run alone (they accumulate over the warm-up)."""
-    delta = {key: after[key] - before.get(key, 0) for key, value in after.items()
-             if isinstance(value, (int, float)) and key not in _MEANS and key != "max_num_seqs"}
-    for key, steps in _MEANS.items():
-        if key in after and steps in after:
-            total = after[key] * after[steps] - before.get(key, 0) * before.get(steps, 0)
-            delta[key] = total / delta[steps] if delta[steps] else 0.0
-    return delta
+    return {key: value for key, value in stats_since(before, after).items()
+            if isinstance(value, (int, float)) and key != "max_num_seqs"}
 
 
 def _prompts_and_params(requests: list[BenchRequest], schema: dict | None = None):
