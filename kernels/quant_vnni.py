@@ -127,7 +127,8 @@ def quant_linear_q8_packed(x: torch.Tensor, packed: torch.Tensor, qtype: int,
     return out if status == 0 else None
 
 
-def quant_linear_q8(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features: int) -> torch.Tensor:
+def quant_linear_q8(x: torch.Tensor, blocks: torch.Tensor, qtype: int,
+                    out_features: int) -> torch.Tensor:
     """The C kernel, unchecked (the dispatcher's hot path): x [T >= 1, in] bf16 with unit
     stride along in, blocks contiguous. None where the kernel declines the call."""
     rows, in_features = x.shape

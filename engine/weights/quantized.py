@@ -184,12 +184,13 @@ class GGUFLinear(CompressedLinear):
     of type `qtype`, multiplied by kernels/quant_linear.py (CPUs) or
     kernels/triton_quant.gguf_linear_triton (CUDA tensors, `on_triton`).
 
-    A resident layer (`may_repack`, keep_blocks) on a CPU whose build has the repacked
-    int8 product (AVX512_VNNI or AVX2, kernels/quant_vnni.py) repacks its blocks in place at its
-    first bf16 call (`packed` True): groups of 16 rows interleaved as the kernel's
+    A resident layer (`may_repack`, keep_blocks) on a CPU whose build has the int8
+    product (AVX512_VNNI or AVX2, kernels/quant_vnni.py) repacks its blocks in place at
+    its first bf16 call (`packed` True): groups of 16 rows interleaved as the kernel's
     registers take them, the same bytes, so no call transposes or gathers them again. A
     later call that another kernel serves (fp32 x, FUSEGEN_KERNELS set) unpacks them in
-    place for good. Streamed layers' staging slots refill every step: kept as stored."""
+    place for good. Streamed layers' staging slots refill every step: kept as stored.
+    (The tied head shares its blocks with the embedding's row lookups: kept as stored.)"""
     components = ("blocks",)
     format = "gguf"
     packed = False
