@@ -273,7 +273,9 @@ chunk_rows(const int QT, const int RP, const xq_t *xq, int64_t rows, const uint8
            const uint8_t *sb0, int half, __m256i vindex, int64_t nb, int bytes, unit_t *units,
            uint16_t *out, int64_t ldo, int ncols) {
     int64_t r0 = 0;
-    if (rows <= RMAX || RP) {
+    /* repacked blocks too go through the scratch past RMAX rows: expanding them again for
+     * each RMAX rows spills 16 ymm registers */
+    if (rows <= RMAX) {
 #define DIRECT(R) \
     micro_direct(QT, RP, R, xq, r0, col, sb0, half, vindex, nb, bytes, out + r0 * ldo, ldo, ncols)
         for (; r0 + RMAX <= rows; r0 += RMAX) DIRECT(RMAX);
@@ -288,7 +290,8 @@ chunk_rows(const int QT, const int RP, const xq_t *xq, int64_t rows, const uint8
         for (int j = 0; j < NC; j++) c[j] = col[j] + i * bytes;
         for (int64_t b = 0; b < NC * bytes; b += 64) _mm_prefetch(next + i * NC * bytes + b, _MM_HINT_T1);
         for (int step = 0; step < STEPS(QT); step++)
-            expand(QT, 0, 0, c, 0, vindex, step, units + (i * STEPS(QT) + step) * US);
+            expand(QT, RP, half, c, sb0 + i * 2 * NC * bytes, vindex, step,
+                   units + (i * STEPS(QT) + step) * US);
     }
     const int64_t nu = xq->k / 32;
     for (; r0 + RMAX <= rows; r0 += RMAX)
