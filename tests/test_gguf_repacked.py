@@ -125,6 +125,23 @@ def test_resident_linear_repacks_at_its_first_bf16_call(qtype):
 
 
 @needs_packed
+def test_repacked_rows_do_not_depend_on_the_batch():
+    """Deterministic mode (a row tile set): the repacked product serves every row count,
+    and a row alone has the bits it has among 64 or 100."""
+    kept, _ = _kept(ql.Q4_K, out_features=48, in_features=512)
+    kept.row_tile = 64
+    kept.may_repack = True
+    x = bf16_rows(100, 512, seed=5)
+    together = {n: kept(x[:n]) for n in (64, 100)}
+    assert kept.packed
+    for row in (0, 17, 63, 99):
+        alone = kept(x[row:row + 1])[0]
+        assert torch.equal(alone, together[100][row])
+        if row < 64:
+            assert torch.equal(alone, together[64][row])
+
+
+@needs_packed
 def test_reference_mode_unpacks(monkeypatch):
     kept, blocks = _kept(ql.Q4_1)
     kept.may_repack = True
