@@ -17,7 +17,7 @@ from fusegen.engine.weights.packed import can_pack
 from fusegen.engine.weights.quantized import gguf_kernel_types
 
 # The resolved forms whose decoder linears stay compressed (weights/quantized.py).
-COMPRESSED = ("gguf", "int8", "int4", "fp8")
+COMPRESSED = ("gguf", "int8", "int4", "fp8", "sparse")
 
 
 def plan_shape(model, cfg: ModelConfig, dtype: torch.dtype, quantization: str,

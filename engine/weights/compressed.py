@@ -1,6 +1,6 @@
 """A weight kept in a compressed form: `CompressedSource` (one checkpoint weight as
 stored, not read yet: a GGUF file's blocks, fusegen's group-quantized int8 / int4 codes,
-FP8 codes; docs/quantization.md) and `CompressedLinear`, the base of the `Linear`s that
+FP8 codes, fusegen's sparse bitmap tiles; docs/quantization.md, docs/sparsity.md) and `CompressedLinear`, the base of the `Linear`s that
 multiply such a weight as stored.
 
 A state-dict entry stored compressed carries its source as `.compressed` (the entry itself
@@ -18,7 +18,7 @@ import torch
 from fusegen.engine.weights.linear import Linear
 from fusegen.kernels.quant_linear import BLOCK_SIZES
 
-FORMATS = ("gguf", "group", "fp8")
+FORMATS = ("gguf", "group", "fp8", "sparse")
 GROUP_BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
 # int4 codes are packed two to a byte in runs of this many input channels
@@ -34,11 +34,20 @@ def _gguf_block(qtype: int) -> tuple[int, int]:
     return GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
 
 
-def component_shapes(format: str, params: tuple, shape: tuple[int, int]
+_SPARSE_VALUES = {"bfloat16": torch.bfloat16, "float16": torch.float16,
+                  "float32": torch.float32, "int8": torch.int8}
+SPARSE_TILE = 64  # output rows and input columns of a sparse tile (kernels/sparse_format.py)
+
+
+def component_shapes(format: str, params: tuple, shape: tuple[int, int],
+                     segments: tuple[tuple[int, int], ...] = ()
                      ) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """The components of a weight of dense `shape` [out, in] stored in `format` with
-    `params`: name -> (dtype, shape), dim 0 the output rows."""
+    `params`: name -> (dtype, shape), dim 0 the output rows (sparse tiles: dim 0 the
+    tiles, then the values; their sizes follow the `segments`' (out, nnz))."""
     out, inp = shape
+    if format == "sparse":
+        return _sparse_shapes(params[0], inp, segments)
     if format == "gguf":
         block, block_bytes = _gguf_block(params[0])
         return {"blocks": (torch.uint8, (out, inp // block * block_bytes))}
@@ -53,6 +62,20 @@ def component_shapes(format: str, params: tuple, shape: tuple[int, int]
         return {"weight_fp8": (torch.float8_e4m3fn, (out, inp)),
                 "weight_scale": (torch.float32, (out,))}
     raise ValueError(f"compressed format {format!r}; fusegen keeps {', '.join(FORMATS)}")
+
+
+def _sparse_shapes(values: str, inp: int, segments: tuple[tuple[int, int], ...]
+                   ) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """Sparse components of the stacked weights `segments` ((out, nnz) each): every
+    weight its own tile table, one after another (offsets: tiles + 1 a weight)."""
+    col_tiles = -(-inp // SPARSE_TILE)
+    tiles = sum(-(-rows // SPARSE_TILE) * col_tiles for rows, _ in segments)
+    shapes = {"bitmap": (torch.uint64, (tiles, 64)),
+              "offsets": (torch.int64, (tiles + len(segments),)),
+              "values": (_SPARSE_VALUES[values], (sum(nnz for _, nnz in segments),))}
+    if values == "int8":
+        shapes["scales"] = (torch.float32, (tiles,))
+    return shapes
 
 
 def _block_values(format: str, params: tuple) -> int:
@@ -80,17 +103,20 @@ class CompressedSource:
     name: str  # the checkpoint tensor's name, for errors
     read: object = dataclasses.field(repr=False, default=None)  # () -> {name: tensor}
     window: tuple[int, int, int, int] | None = None
+    # "sparse": (out_features, nnz) of each weight stacked in it (weights/sparse.py)
+    segments: tuple[tuple[int, int], ...] = ()
 
     @classmethod
-    def of(cls, format: str, params: tuple, shape: tuple[int, int], name: str, read
-           ) -> "CompressedSource":
+    def of(cls, format: str, params: tuple, shape: tuple[int, int], name: str, read,
+           segments: tuple[tuple[int, int], ...] = ()) -> "CompressedSource":
         """A whole stored weight; its bytes are its components'."""
         params, shape = tuple(params), tuple(int(s) for s in shape)
-        return cls(format, params, shape, _nbytes(component_shapes(format, params, shape)),
-                   name, read)
+        return cls(format, params, shape, _nbytes(component_shapes(format, params, shape,
+                                                                   segments)),
+                   name, read, segments=tuple(segments))
 
     def components(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        return component_shapes(self.format, self.params, self.shape)
+        return component_shapes(self.format, self.params, self.shape, self.segments)
 
     def load(self) -> dict[str, torch.Tensor]:
         """The components, each [rows, ...] with dim 0 the output rows (views of the
@@ -106,6 +132,10 @@ class CompressedSource:
     def narrow(self, dim: int, start: int, length: int) -> "CompressedSource":
         """Rows (dim 0) or input columns (dim 1) [start, start + length) of the weight;
         columns only in whole blocks (GGUF's block, or the group size)."""
+        if self.format == "sparse":
+            raise ValueError(f"{self.name}: a sparse weight's tiles are not split across "
+                             "ranks (tensor parallelism); run it with tensor_parallel_size=1, "
+                             "or quantization='dequantize' to expand it as it loads")
         if dim not in (0, 1):
             raise ValueError(f"{self.name}: a compressed weight narrows along dim 0 (output "
                              f"rows) or 1 (input columns), not {dim}")
@@ -162,7 +192,8 @@ def stack_sources(parts: list[CompressedSource]) -> CompressedSource:
 
     shape = (sum(p.shape[0] for p in parts), first.shape[1])
     return CompressedSource(first.format, first.params, shape, sum(p.nbytes for p in parts),
-                            " + ".join(p.name for p in parts), read)
+                            " + ".join(p.name for p in parts), read,
+                            segments=sum((p.segments for p in parts), ()))
 
 
 class CompressedLinear(Linear):

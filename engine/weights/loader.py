@@ -24,6 +24,8 @@ from fusegen.engine.weights.fp8 import SCALE_SUFFIXES, FP8Checkpoint, fp8_checkp
 from fusegen.engine.weights.groupquant import (COMPONENT_SUFFIXES, checkpoint_format,
                                                on_load_format, quantizable,
                                                quantize_on_load, read_group_checkpoint)
+from fusegen.engine.weights.sparse import (CONFIG_KEY, SUFFIXES, SparseFormat,
+                                           read_sparse_checkpoint, sparsity_config)
 
 _PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth")
 # Buffers some exporters write that carry no weights.
@@ -166,13 +168,20 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def declared_format(model_dir) -> object | None:
     """The quantized form a checkpoint directory's config.json declares: an
-    `FP8Checkpoint` (quant_method "fp8"), a `GroupFormat` (fusegen's), or None.
+    `FP8Checkpoint` (quant_method "fp8"), a `GroupFormat` (fusegen's), a `SparseFormat`
+    (a "sparsity_config": bitmap tiles, weights/sparse.py), or None.
     ModelLoadError naming the key for a declaration fusegen cannot run."""
+    sparse = sparsity_config(model_dir)
     try:
         fp8 = fp8_checkpoint(model_dir)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from None
-    return fp8 if fp8 is not None else checkpoint_format(model_dir)
+    declared = fp8 if fp8 is not None else checkpoint_format(model_dir)
+    if sparse is not None and declared is not None:
+        raise ModelLoadError(f"{Path(model_dir) / 'config.json'}: it declares both a "
+                             f"{CONFIG_KEY} and a quantization_config; a sparse checkpoint "
+                             f"keeps int8 values in its tiles ({CONFIG_KEY}.values 'int8')")
+    return sparse if sparse is not None else declared
 
 
 def load_state_dict(model_dir: str | Path, cfg: ModelConfig,
@@ -180,13 +189,15 @@ def load_state_dict(model_dir: str | Path, cfg: ModelConfig,
     """Every weight as a memory-mapped CPU tensor in the checkpoint's own dtype,
     checked name by name and shape by shape against the config. Nothing is read
     into memory until a tensor is used. A fusegen group-quantized checkpoint's linears
-    (weights/groupquant.py) and an FP8 checkpoint's (weights/fp8.py) are lazy entries
-    of their dequantized weights carrying their compressed form as `.compressed`."""
+    (weights/groupquant.py), an FP8 checkpoint's (weights/fp8.py) and a sparse
+    checkpoint's (weights/sparse.py, their tile tables checked here) are lazy entries of
+    their dequantized weights carrying their compressed form as `.compressed`."""
     model_dir = Path(model_dir)
     expected = expected_shapes(cfg)
     state: dict[str, torch.Tensor] = {}
     fmt = declared_format(model_dir)
-    suffixes = SCALE_SUFFIXES if isinstance(fmt, FP8Checkpoint) else COMPONENT_SUFFIXES
+    suffixes = (SCALE_SUFFIXES if isinstance(fmt, FP8Checkpoint) else tuple(SUFFIXES)
+                if isinstance(fmt, SparseFormat) else COMPONENT_SUFFIXES)
     files: dict[str, Path] = {}
     components: dict[str, tuple[Path, torch.Tensor]] = {}
     for name, path, tensor in iter_tensors(weight_files(model_dir, allow_pickle)):
@@ -214,7 +225,9 @@ def load_state_dict(model_dir: str | Path, cfg: ModelConfig,
     if isinstance(fmt, FP8Checkpoint):
         _read_fp8(state, files, components, fmt, model_dir)
     elif fmt is not None:
-        for name, entry in read_group_checkpoint(components, expected, fmt, model_dir).items():
+        read = read_sparse_checkpoint if isinstance(fmt, SparseFormat) else \
+            read_group_checkpoint
+        for name, entry in read(components, expected, fmt, model_dir).items():
             if name in state:
                 raise ModelLoadError(f"{model_dir}: {name!r} is stored both dense and "
                                      "quantized; the checkpoint holds one of them")

@@ -14,7 +14,8 @@ to the product, expanded only inside the matmul, never into a dense copy of the 
   whole weight rows, so stacking them along the output dimension stacks the weights.
 - `CompressedLinear`: the `Linear` of a compressed weight; `GGUFLinear` here (the C
   kernels on CPUs, kernels/triton_quant.py's on CUDA GPUs), `GroupQuantLinear` in
-  weights/groupquant.py, `FP8Linear` in weights/fp8.py. `keep_blocks` swaps a resident layer's
+  weights/groupquant.py, `FP8Linear` in weights/fp8.py, `SparseLinear` (bitmap tiles)
+  in weights/sparse.py. `keep_blocks` swaps a resident layer's
   Linears for them, `compress_shell` for empty ones whose tensors arrive per step.
 
 The placement plan (compressed bytes per layer, `layer_nbytes`) and the load make the
@@ -32,6 +33,7 @@ from fusegen.engine.weights.compressed import _block_values  # noqa: F401 - para
 from fusegen.engine.weights.fp8 import FP8Linear
 from fusegen.engine.weights.groupquant import GroupQuantExpertLinear, GroupQuantLinear
 from fusegen.engine.weights.linear import Linear, row_tiled
+from fusegen.engine.weights.sparse import SparseExpertLinear, SparseLinear
 from fusegen.kernels import _triton_available, use_native, use_triton
 from fusegen.kernels.quant_linear import SUPPORTED, has_kernel, quant_linear
 from fusegen.kernels.quant_vnni import (pack_blocks, q8_packed_available, quant_linear_q8_packed,
@@ -76,6 +78,8 @@ def can_keep(param: str, parts: list[CompressedSource], device: str = "cpu") -> 
     first = parts[0]
     if first.format == "gguf":
         return kept_as_blocks(param, [(p.params[0], p.shape) for p in parts], device)
+    if first.format == "sparse":  # each part keeps its own tile table (weights/sparse.py)
+        return len({p.shape[1] for p in parts}) == 1
     return (first.format in ("group", "fp8")
             and (first.format == "fp8" or first.params[0] in GROUP_BITS)
             and len({p.shape[1] for p in parts}) == 1)
@@ -138,6 +142,8 @@ def linear_class(format: str, linear: Linear) -> type["CompressedLinear"]:
     expert = isinstance(linear, ExpertLinear)
     if format == "group":
         return GroupQuantExpertLinear if expert else GroupQuantLinear
+    if format == "sparse":
+        return SparseExpertLinear if expert else SparseLinear
     if format == "fp8" and not expert:
         return FP8Linear
     if format == "gguf" and not expert:

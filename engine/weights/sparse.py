@@ -1,0 +1,289 @@
+"""fusegen's sparse weights (issue 32; the format: kernels/sparse_format.py and
+docs/sparsity.md) at run time: `SparseLinear` and its MoE expert form hold a pruned
+weight's bitmap tiles (bitmap, offsets, packed non-zeros, int8 scales) and multiply
+through kernels/sparse_linear.py where it is there, else by expanding a band of
+row-tiles at a time (never a dense copy of the whole weight); `read_sparse_checkpoint`
+serves a checkpoint's sparse linears (config.json's "sparsity_config") as compressed
+entries, format "sparse".
+
+A source's params are (values dtype name,); its `segments` are ((out_features, nnz), ...)
+of the weights stacked in it: a fused parameter (q, k, v into `qkv`) keeps each part's
+own tile table, one after the other in each component, so parts need not be whole
+row-tiles and a staging slot stacks the parts' components as stored.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from fusegen.engine.errors import ModelLoadError
+from fusegen.engine.weights.compressed import CompressedLinear, CompressedSource
+from fusegen.engine.weights.lazy import LazyTensor
+from fusegen.engine.weights.linear import Linear, row_tiled
+
+CONFIG_KEY = "sparsity_config"
+FORMAT = "fusegen-bitmap-tiles"
+VERSION = 1
+TILE = (64, 64)
+VALUES = ("bfloat16", "float16", "float32", "int8")
+METHODS = ("magnitude", "wanda")
+# checkpoint suffix -> component name in a SparseLinear and its staging slot
+SUFFIXES = {".sparse_bitmap": "bitmap", ".sparse_offsets": "offsets",
+            ".sparse_values": "values", ".sparse_scales": "scales"}
+# Output rows expanded at once where no sparse kernel multiplies: a band of whole
+# row-tiles, [BAND_ROWS, in] fp32 alive at a time.
+BAND_ROWS = 256
+
+
+def _codec():
+    from fusegen.kernels import sparse_format
+
+    return sparse_format
+
+
+@functools.cache
+def _kernel():
+    """kernels/sparse_linear.py's `sparse_linear(x, tiles)`, or None where it is absent."""
+    try:
+        from fusegen.kernels.sparse_linear import sparse_linear
+    except ImportError:
+        return None
+    return sparse_linear
+
+
+@dataclass(frozen=True, slots=True)
+class SparseFormat:
+    """A checkpoint's "sparsity_config": which weights are stored as bitmap tiles, and
+    their values' dtype."""
+    values: str
+    sparsity: float
+    method: str
+    modules: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return "sparse"  # the resolved quantization that keeps them (memory/shape.py)
+
+    @property
+    def params(self) -> tuple:
+        return (self.values,)
+
+
+def sparsity_config(model) -> SparseFormat | None:
+    """The sparse format a checkpoint directory's config.json declares, or None.
+    ModelLoadError naming the key and the value for a declaration fusegen cannot read."""
+    path = Path(model) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    sc = raw.get(CONFIG_KEY) if isinstance(raw, dict) else None
+    if sc is None:
+        return None
+
+    def bad(key, value, want):
+        return ModelLoadError(f"{path}: {CONFIG_KEY}.{key} is {value!r}; {want}")
+
+    if not isinstance(sc, dict):
+        raise ModelLoadError(f"{path}: {CONFIG_KEY} is {sc!r}, not an object")
+    if sc.get("format") != FORMAT:
+        raise bad("format", sc.get("format"), f"fusegen reads {FORMAT!r}")
+    if sc.get("version") != VERSION or isinstance(sc.get("version"), bool):
+        raise bad("version", sc.get("version"), f"this fusegen reads version {VERSION}; "
+                  "write the checkpoint again with this fusegen's `fusegen sparsify`")
+    if list(sc.get("tile", ())) != list(TILE):
+        raise bad("tile", sc.get("tile"), f"version {VERSION} tiles are {list(TILE)}")
+    if sc.get("values") not in VALUES:
+        raise bad("values", sc.get("values"), f"it must be one of {', '.join(VALUES)}")
+    sparsity = sc.get("sparsity")
+    if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) \
+            or not 0 < sparsity < 1:
+        raise bad("sparsity", sparsity, "it must be a number in (0, 1)")
+    if sc.get("method") not in METHODS:
+        raise bad("method", sc.get("method"), f"it must be one of {', '.join(METHODS)}")
+    modules = sc.get("modules")
+    if not isinstance(modules, list) or not modules or \
+            not all(isinstance(m, str) for m in modules):
+        raise bad("modules", modules, "it must be a non-empty list of weight names")
+    return SparseFormat(sc["values"], float(sparsity), sc["method"], tuple(modules))
+
+
+def read_sparse_checkpoint(tensors: dict[str, tuple[Path, torch.Tensor]],
+                           expected: dict[str, tuple[int, ...]], fmt: SparseFormat,
+                           model_dir: Path) -> dict[str, torch.Tensor]:
+    """The sparse linears of a checkpoint as state-dict entries under their dense
+    weights' names. `tensors`: the checkpoint's `NAME.sparse_*` tensors (name -> (file,
+    tensor)), taken out of it here; `expected`: every weight name's dense shape. Each
+    weight's tile table is checked (the codec's `check`: shapes, dtypes, offsets against
+    the bitmaps' popcounts, bits past the edge), errors naming the file and tensor."""
+    codec = _codec()
+    out = {}
+    for module in fmt.modules:
+        weight = module if module in expected else module + ".weight"
+        shape = expected.get(weight)
+        if shape is None or len(shape) != 2:
+            raise ModelLoadError(f"{model_dir}: config.json's {CONFIG_KEY}.modules lists "
+                                 f"{module!r}, which is no linear weight of this "
+                                 "architecture with this config.json")
+        parts, file = {}, None
+        for suffix, component in SUFFIXES.items():
+            if module + suffix in tensors:
+                file, parts[component] = tensors.pop(module + suffix)
+        for suffix in (".sparse_bitmap", ".sparse_offsets", ".sparse_values"):
+            if SUFFIXES[suffix] not in parts:
+                raise ModelLoadError(f"{model_dir}: tensor {module + suffix!r} is missing; "
+                                     f"{weight!r} is listed in {CONFIG_KEY}.modules")
+        tiles = codec.SparseTiles(parts["bitmap"], parts["offsets"], parts["values"],
+                                  parts.get("scales"), *shape)
+        try:
+            codec.check(tiles, *shape)
+        except ValueError as exc:
+            raise ModelLoadError(f"{file}: sparse weight {weight!r} {list(shape)}: {exc}"
+                                 ) from None
+        want = codec.VALUE_DTYPES[fmt.values]
+        if tiles.values.dtype != want:
+            raise ModelLoadError(
+                f"{file}: tensor {module + '.sparse_values'!r} is {tiles.values.dtype}; "
+                f"config.json's {CONFIG_KEY}.values says {fmt.values}")
+        out[weight] = sparse_entry(shape, fmt.values, weight, tiles.nnz, partial(dict, parts))
+    stray = sorted(n for n in tensors if n.endswith(tuple(SUFFIXES)))
+    if stray:
+        raise ModelLoadError(f"{tensors[stray[0]][0]}: tensor {stray[0]!r} belongs to no "
+                             f"weight listed in config.json's {CONFIG_KEY}.modules")
+    return out
+
+
+def sparse_entry(shape: tuple[int, int], values: str, name: str, nnz: int, read
+                 ) -> torch.Tensor:
+    """A state-dict entry for a sparse weight: a lazy tensor of the dense weight (fp32,
+    decoded when used: quantization="dequantize", a layer left dense) carrying its tiles
+    as `.compressed`."""
+    source = CompressedSource.of("sparse", (values,), shape, name, read,
+                                 segments=((int(shape[0]), int(nnz)),))
+    entry = LazyTensor(tuple(shape), torch.float32, partial(_decoded, source))
+    entry.compressed = source
+    return entry
+
+
+def _decoded(source: CompressedSource) -> torch.Tensor:
+    return _codec().decode(_tiles(source.load(), source.shape[0], source.shape[1]))
+
+
+def _tiles(parts: dict[str, torch.Tensor], out_features: int, in_features: int):
+    return _codec().SparseTiles(parts["bitmap"], parts["offsets"], parts["values"],
+                                parts.get("scales"), out_features, in_features)
+
+
+def segment_tiles(components: dict[str, torch.Tensor | None],
+                  segments: tuple[tuple[int, int], ...], in_features: int) -> list:
+    """The stacked components of `segments` ((out, nnz) each, in order) as one
+    `SparseTiles` a segment, views of `components` (no copy)."""
+    codec = _codec()
+    n_ti = -(-in_features // codec.TILE_IN)
+    out, tile, value = [], 0, 0
+    for i, (rows, nnz) in enumerate(segments):
+        n = -(-rows // codec.TILE_OUT) * n_ti
+        scales = components.get("scales")
+        out.append(codec.SparseTiles(
+            components["bitmap"][tile:tile + n],
+            components["offsets"][tile + i:tile + i + n + 1],
+            components["values"][value:value + nnz],
+            None if scales is None else scales[tile:tile + n], rows, in_features))
+        tile, value = tile + n, value + nnz
+    return out
+
+
+def tiles_product(x: torch.Tensor, tiles) -> torch.Tensor:
+    """x [n, in] @ W.T -> [n, out] for one weight's tiles: the sparse kernel where it is
+    there, else a band of `BAND_ROWS` output rows expanded (fp32, then x's dtype) and
+    multiplied at a time."""
+    kernel = _kernel()
+    if kernel is not None:
+        return kernel(x, tiles)
+    codec = _codec()
+    out = x.new_empty(x.shape[0], tiles.out_features)
+    for start in range(0, tiles.out_features, BAND_ROWS):
+        stop = min(start + BAND_ROWS, tiles.out_features)
+        band = codec.decode_rows(tiles, start, stop).to(x.dtype)  # [stop - start, in]
+        torch.mm(x, band.t(), out=out[:, start:stop])
+    return out
+
+
+class SparseLinear(CompressedLinear):
+    """W held as bitmap tiles: `bitmap` uint64 [tiles, 64], `offsets` int64 [tiles +
+    segments], `values` [nnz] (bf16 / fp16 / fp32 / int8), `scales` fp32 [tiles] or None
+    (not int8); params (values dtype name,), `segments` ((out, nnz) of each stacked
+    weight, whose outputs are concatenated)."""
+    components = ("bitmap", "offsets", "values", "scales")
+    format = "sparse"
+
+    def __init__(self, bias: bool = False):
+        super().__init__(bias=bias)
+        self.segments: tuple[tuple[int, int], ...] = ()
+
+    @classmethod
+    def shell(cls, linear: Linear, source: CompressedSource) -> "SparseLinear":
+        module = super().shell(linear, source)
+        module.segments = source.segments
+        return module
+
+    def _parts(self, segments) -> list:
+        return segment_tiles({n: getattr(self, n) for n in self.components}, segments,
+                             self.in_features)
+
+    def _product(self, x: torch.Tensor, parts: list) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        outs = [tiles_product(rows, tiles) for tiles in parts]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        parts = self._parts(self.segments)
+        if self.row_tile is not None:
+            return row_tiled(x, partial(_tile, self._product, parts), self.out_features,
+                             self.bias, self.row_tile)
+        out = self._product(x, parts)
+        if self.bias is not None:
+            out += self.bias
+        return out
+
+
+class SparseExpertLinear(SparseLinear):
+    """E experts' sparse weights stacked, as `ExpertLinear`'s: the segments are the
+    experts' weights in turn (each expert's the same count: gate and up, or down);
+    x [n, in] -> [n, out] through expert `expert`'s."""
+
+    def __init__(self, bias: bool = False, num_experts: int = 1):
+        super().__init__(bias=bias)
+        self.num_experts = num_experts
+
+    @classmethod
+    def shell(cls, linear: Linear, source: CompressedSource) -> "SparseExpertLinear":
+        module = super().shell(linear, source)
+        module.num_experts = linear.num_experts
+        if len(source.segments) % module.num_experts or source.shape[0] % module.num_experts:
+            raise ValueError(f"{source.name}: {len(source.segments)} sparse weights of "
+                             f"{source.shape[0]} rows do not split into "
+                             f"{module.num_experts} experts")
+        module.out_features = source.shape[0] // module.num_experts  # one expert's
+        return module
+
+    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        per = len(self.segments) // self.num_experts
+        # tiles and values before this expert's: the views start there
+        parts = self._parts(self.segments)[expert * per:(expert + 1) * per]
+        if self.row_tile is not None:
+            return row_tiled(x, partial(_tile, self._product, parts), self.out_features,
+                             None, self.row_tile)
+        return self._product(x, parts)
+
+
+def _tile(product, parts, rows: torch.Tensor, out: torch.Tensor | None = None
+          ) -> torch.Tensor:
+    result = product(rows, parts)
+    return result if out is None else out.copy_(result)
