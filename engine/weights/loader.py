@@ -62,7 +62,8 @@ def weight_files(model_dir: Path, allow_pickle: bool = False) -> list[Path]:
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
               "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
               "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-              "F8_E4M3": torch.float8_e4m3fn}  # FP8 checkpoints' codes (weights/fp8.py)
+              "F8_E4M3": torch.float8_e4m3fn,  # FP8 checkpoints' codes (weights/fp8.py)
+              "U64": torch.uint64}  # sparse checkpoints' tile bitmaps (weights/sparse.py)
 
 
 def _safetensors_views(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
