@@ -83,6 +83,10 @@ _SIGNATURES = {
     # csrc/quant_group_vnni.c
     "quant_group_q8_available": [_I],
     "quant_group_q8_bf16": [_I, _I, _P, _L, _L, _P, _P, _P, _L, _L, _P, _L, _I],
+    # csrc/sparse_tiles.c
+    "sparse_tiles_available": [],
+    **{f"sparse_tiles_{t}": [_P, _L, _L, _P, _P, _P, _I, _P, _L, _L, _P, _L, _I, _I]
+       for t in ("f32", "bf16")},
 }
 
 
