@@ -11,6 +11,7 @@ _COMMANDS = {
     "bench": "fusegen.jobs.bench_cmd:bench",
     "perplexity": "fusegen.jobs.bench.perplexity:perplexity",
     "quantize": "fusegen.jobs.quantize_cmd:quantize",
+    "sparsify": "fusegen.jobs.sparsify_cmd:sparsify",
     "workflow": "fusegen.workflows.cli:workflow",
 }
 

@@ -1,12 +1,13 @@
 """AWQ-style activation-aware scaling for `fusegen quantize --method awq`.
 
 Calibration prompts run through fusegen's engine (fp32, CPU) while each decoder linear's
-input is recorded (mean |x| per input channel and a sample of rows; an MoE expert's per
-expert, on the rows routed to it). For each group of linears sharing an input (q/k/v,
-o, gate/up, down) the search tries s = mean|x|^alpha over a grid of alphas and keeps the
-one whose quantized weight (w * s) gives the least output error on the recorded rows
-against the dense weight (alpha 0 is round-to-nearest, so the result is never worse than
-it). `fold` then moves 1/s into the op before the linear (the norm for q/k/v and
+input is recorded (mean |x| and the L2 norm per input channel, and a sample of rows; an
+MoE expert's per expert, on the rows routed to it; Wanda pruning, engine/weights/
+sparsify.py, scores weights by those L2 norms). For each group of linears sharing an
+input (q/k/v, o, gate/up, down) the search tries s = mean|x|^alpha over a grid of
+alphas and keeps the one whose quantized weight (w * s) gives the least output error on
+the recorded rows against the dense weight (alpha 0 is round-to-nearest, so the result
+is never worse than it). `fold` then moves 1/s into the op before the linear (the norm for q/k/v and
 gate/up, v's rows for o, up's rows for down): in fp32 the folded model computes the same
 function.
 
@@ -37,34 +38,41 @@ _MAX_PROMPT_TOKENS = 512  # a longer calibration prompt is cut to its first toke
 
 @dataclass(slots=True)
 class Inputs:
-    """One linear's recorded input: the sum of |x| per input channel over `count` rows,
-    and a sample of those rows [n, in]."""
+    """One linear's recorded input: the sums of |x| and of x^2 per input channel over
+    `count` rows, and a sample of those rows [n, in]."""
     sum_abs: torch.Tensor
     count: int
     rows: torch.Tensor
+    sum_sq: torch.Tensor | None = None
 
     @property
     def mean_abs(self) -> torch.Tensor:
         return self.sum_abs / self.count
 
+    @property
+    def l2_norm(self) -> torch.Tensor:
+        """||x_k||_2 over every row seen, per input channel k [in]."""
+        return self.sum_sq.sqrt()
+
 
 class _Rows:
-    """|x| summed per input channel over every row seen, and every `stride`-th row kept
-    (the first row seen always: an input seen at all has a sample)."""
+    """|x| and x^2 summed per input channel over every row seen, and every `stride`-th
+    row kept (the first row seen always: an input seen at all has a sample)."""
 
     def __init__(self, stride: int):
-        self.stride, self.sum_abs, self.count, self.rows = stride, None, 0, []
+        self.stride, self.sum_abs, self.sum_sq, self.count, self.rows = stride, None, None, 0, []
 
     def add(self, x: torch.Tensor) -> None:
         rows = x.reshape(-1, x.shape[-1]).float()  # [T, in]
-        total = rows.abs().sum(0)
+        total, squares = rows.abs().sum(0), rows.square().sum(0)
         self.sum_abs = total if self.sum_abs is None else self.sum_abs + total
+        self.sum_sq = squares if self.sum_sq is None else self.sum_sq + squares
         first = -self.count % self.stride  # the next kept row's index in this call
         self.rows.append(rows[first::self.stride].clone())
         self.count += rows.shape[0]
 
     def inputs(self) -> Inputs:
-        return Inputs(self.sum_abs, self.count, torch.cat(self.rows))
+        return Inputs(self.sum_abs, self.count, torch.cat(self.rows), self.sum_sq)
 
 
 class _Recorder(torch.nn.Module):

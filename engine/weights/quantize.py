@@ -10,6 +10,11 @@ and renamed when complete.
 
 AWQ (`method="awq"`) first searches per-channel scales on calibration prompts and folds
 them into the weights (engine/weights/awq.py).
+
+The writer is shared with `fusegen sparsify` (engine/weights/sparsify.py): a *form*
+decides what each decoder linear becomes (`planned`: the output tensors' names, shapes
+and dtypes, before any is written; `produce`: those tensors), and the config entries
+written beside the weights.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -36,33 +42,36 @@ _COPIED_PREFIXES = ("tokenizer", "special_tokens_map", "added_tokens", "vocab", 
                     "chat_template", "generation_config")
 
 
-def open_source(path) -> Source:
+def open_source(path, command: str = "quantize") -> Source:
     """A checkpoint directory (safetensors) or a GGUF file; QuantizeError (--model)
-    when it is neither or does not match its config."""
+    when it is neither, does not match its config, or is already quantized or sparse
+    (`command`, the verb the message suggests: quantize / sparsify)."""
     path = Path(path)
     try:
         if is_gguf(path):
             return _gguf_source(path)
         if not path.is_dir():
             raise QuantizeError(f"{path}: no such checkpoint directory or .gguf file", "model")
-        return _dir_source(path)
+        return _dir_source(path, command)
     except ModelLoadError as exc:
         raise QuantizeError(str(exc), "model") from None
 
 
-def _dir_source(path: Path) -> Source:
+def _dir_source(path: Path, command: str) -> Source:
     from fusegen.engine.weights.loader import load_state_dict
 
+    raw = json.loads((path / "config.json").read_text()) \
+        if (path / "config.json").is_file() else {}
+    for key, what in (("quantization_config", "quantized"), ("sparsity_config", "sparse")):
+        if raw.get(key) is not None:
+            raise QuantizeError(f"{path}: already {what} (config.json's {key} is "
+                                f"{json.dumps(raw[key])}); {command} the 16-bit checkpoint "
+                                "it was made from", "model")
     cfg = ModelConfig.from_dir(path)
-    raw = json.loads((path / "config.json").read_text())
-    if raw.get("quantization_config") is not None:
-        raise QuantizeError(f"{path}: already quantized (config.json's quantization_config "
-                            f"is {json.dumps(raw['quantization_config'])}); quantize the "
-                            "16-bit checkpoint it was made from", "model")
     tensors = load_state_dict(path, cfg)  # checked against config.json; a tied head left out
 
-    def write_metadata(out: Path, entry: dict) -> None:
-        _write_json(out / "config.json", _with_entry(raw, entry))
+    def write_metadata(out: Path, entries: dict) -> None:
+        _write_json(out / "config.json", {**raw, **entries})
         for file in sorted(path.iterdir()):
             if file.is_file() and file.name.startswith(_COPIED_PREFIXES):
                 shutil.copy2(file, out / file.name)
@@ -81,11 +90,11 @@ def _gguf_source(path: Path) -> Source:
     cfg = gguf_model_config(path)
     tensors = load_gguf_state_dict(path, cfg, torch.float32)  # dequantized when read
 
-    def write_metadata(out: Path, entry: dict) -> None:
+    def write_metadata(out: Path, entries: dict) -> None:
         raw = hf_config(reader.metadata, reader.tensors, str(path))
-        _write_json(out / "config.json", _with_entry({
+        _write_json(out / "config.json", {
             **raw, "model_type": get_architecture(cfg.architecture).model_type,
-            "dtype": "bfloat16", "torch_dtype": "bfloat16"}, entry))
+            "dtype": "bfloat16", "torch_dtype": "bfloat16", **entries})
         _write_json(out / "generation_config.json",
                     {k: raw[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
                      if raw.get(k) is not None})
@@ -93,10 +102,6 @@ def _gguf_source(path: Path) -> Source:
                                      cfg.max_position_embeddings)
 
     return Source(path, cfg, tensors, write_metadata, out_dtype=torch.bfloat16)
-
-
-def _with_entry(config: dict, entry: dict | None) -> dict:
-    return config if entry is None else {**config, "quantization_config": entry}
 
 
 def quantized_tensors(cfg: ModelConfig) -> dict[str, int]:
@@ -124,39 +129,70 @@ def check_group_size(cfg: ModelConfig, group_size: int) -> None:
 
 _ST_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
              torch.uint8: "U8", torch.int8: "I8", torch.int32: "I32", torch.int64: "I64",
-             torch.float64: "F64", torch.int16: "I16", torch.bool: "BOOL"}
+             torch.uint64: "U64", torch.float64: "F64", torch.int16: "I16", torch.bool: "BOOL"}
+
+Planned = list[tuple[str, tuple[int, ...], torch.dtype]]  # (name, shape, dtype) per tensor
 
 
-def _planned(name: str, source: Source, spec: QuantizeSpec | None, quantized: dict
-             ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+class LinearForm(Protocol):
+    """What each decoder linear (a `quantized_tensors` name) is written as."""
+
+    def planned(self, name: str, source: Source) -> Planned:
+        """The output tensors the linear `name` becomes, before any is written."""
+
+    def produce(self, name: str, weight: torch.Tensor) -> list[torch.Tensor]:
+        """Those tensors, in `planned`'s order, from the (transformed) weight."""
+
+    def config_entries(self) -> dict:
+        """The entries added to config.json (e.g. {"quantization_config": ...})."""
+
+
+class GroupCodes:
+    """Group-quantized codes (docs/quantization.md): NAME.qweight / .scales (/ .zeros)."""
+
+    def __init__(self, spec: QuantizeSpec):
+        self.spec = spec
+
+    def planned(self, name: str, source: Source) -> Planned:
+        spec, (out, inp) = self.spec, source.tensors[name].shape
+        base = name.removesuffix(".weight")
+        groups = (out, inp // spec.group_size)
+        planned = [(base + ".qweight", (out, inp if spec.bits == 8 else inp // 2), torch.uint8),
+                   (base + ".scales", groups, torch.float16)]
+        return planned + ([] if spec.symmetric else [(base + ".zeros", groups, torch.uint8)])
+
+    def produce(self, name: str, weight: torch.Tensor) -> list[torch.Tensor]:
+        from fusegen.kernels.group_linear import quantize_group
+
+        spec = self.spec
+        try:
+            qweight, scales, zeros = quantize_group(weight, spec.bits, spec.group_size,
+                                                    spec.symmetric)
+        except ValueError as exc:  # inf / NaN, or a scale past fp16
+            raise QuantizeError(f"tensor {name!r}: {exc}", "model") from None
+        return [qweight, scales] + ([] if zeros is None else [zeros])
+
+    def config_entries(self) -> dict:
+        return {"quantization_config": self.spec.config_entry()}
+
+
+def _planned(name: str, source: Source, form: LinearForm | None, linears: dict) -> Planned:
     """The output tensors one source tensor becomes: (name, shape, dtype)."""
     tensor = source.tensors[name]
-    if spec is None or name not in quantized:
+    if form is None or name not in linears:
         return [(name, tuple(tensor.shape), source.out_dtype or tensor.dtype)]
-    out, inp = tensor.shape
-    base = name.removesuffix(".weight")
-    groups = (out, inp // spec.group_size)
-    planned = [(base + ".qweight", (out, inp if spec.bits == 8 else inp // 2), torch.uint8),
-               (base + ".scales", groups, torch.float16)]
-    return planned + ([] if spec.symmetric else [(base + ".zeros", groups, torch.uint8)])
+    return form.planned(name, source)
 
 
-def _produce(name: str, source: Source, spec: QuantizeSpec | None, quantized: dict,
+def _produce(name: str, source: Source, form: LinearForm | None, linears: dict,
              transform: Callable | None) -> list[torch.Tensor]:
     """One source tensor's output tensors, in `_planned`'s order."""
     tensor = source.read(name)
     if transform is not None:  # on a copy: the source's views stay as the file holds them
         tensor = transform(name, tensor.to(torch.float32, copy=True))
-    if spec is None or name not in quantized:
+    if form is None or name not in linears:
         return [tensor.to(source.out_dtype or source.tensors[name].dtype)]
-    from fusegen.kernels.group_linear import quantize_group
-
-    try:
-        qweight, scales, zeros = quantize_group(tensor, spec.bits, spec.group_size,
-                                                spec.symmetric)
-    except ValueError as exc:  # inf / NaN, or a scale past fp16
-        raise QuantizeError(f"tensor {name!r}: {exc}", "model") from None
-    return [qweight, scales] + ([] if zeros is None else [zeros])
+    return form.produce(name, tensor)
 
 
 def _write_shard(path: Path, planned: list[tuple[str, tuple, torch.dtype]],
@@ -183,12 +219,12 @@ def _write_shard(path: Path, planned: list[tuple[str, tuple, torch.dtype]],
     return 8 + len(text) + offset
 
 
-def _write_weights(out: Path, source: Source, spec: QuantizeSpec | None,
+def _write_weights(out: Path, source: Source, form: LinearForm | None,
                    transform: Callable | None, max_shard_bytes: int, report: Report) -> None:
     from fusegen.engine.weights.gguf_export import shard_plan
 
-    quantized = quantized_tensors(source.cfg) if spec is not None else {}
-    plans = {name: _planned(name, source, spec, quantized) for name in source.tensors}
+    quantized = quantized_tensors(source.cfg) if form is not None else {}
+    plans = {name: _planned(name, source, form, quantized) for name in source.tensors}
     sizes = {name: sum(math.prod(s) * d.itemsize for _, s, d in plan)
              for name, plan in plans.items()}
     shards = shard_plan(sizes, max_shard_bytes)
@@ -198,7 +234,7 @@ def _write_weights(out: Path, source: Source, spec: QuantizeSpec | None,
     for names, file in zip(shards, files):
         planned = [entry for name in names for entry in plans[name]]
         produced = (t for name in names
-                    for t in _produce(name, source, spec, quantized, transform))
+                    for t in _produce(name, source, form, quantized, transform))
         report.bytes_after += _write_shard(out / file, planned, produced)
     if len(shards) > 1:
         weight_map = {entry[0]: file for names, file in zip(shards, files)
@@ -229,27 +265,39 @@ def quantize_checkpoint(model, output, spec: QuantizeSpec, *,
     if spec.method == "rtn" and prompts:
         raise QuantizeError("calibration prompts are used only by method awq (--method awq)",
                             "calibration")
-    _check_output(output, source.path, overwrite)
+    check_output(output, source.path, overwrite)
     report = Report(output)
     transform = None
     if spec.method == "awq":
         scales = search_scales(source, calibrate(source, prompts), spec, report)
         transform = fold(source, scales)
+    write_checkpoint(source, output, None if dense else GroupCodes(spec), report,
+                     transform=transform, max_shard_bytes=max_shard_bytes)
+    return report
+
+
+def write_checkpoint(source: Source, output: Path, form: LinearForm | None, report: Report,
+                     *, transform: Callable | None = None,
+                     max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+    """`source` written at `output` (checked by `check_output` first) with its decoder
+    linears in `form` (None: dense, as the source holds them) and `form`'s config
+    entries: written under a temporary name, renamed when complete; nothing is left
+    at `output` when it fails or is interrupted (an existing one stays as it was)."""
     staging = output.with_name(f".{output.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        source.write_metadata(staging, None if dense else spec.config_entry())
-        _write_weights(staging, source, None if dense else spec, transform, max_shard_bytes,
-                       report)
+        source.write_metadata(staging, {} if form is None else form.config_entries())
+        _write_weights(staging, source, form, transform, max_shard_bytes, report)
         _replace(staging, output)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return report
 
 
-def _check_output(output: Path, source: Path, overwrite: bool) -> None:
+def check_output(output: Path, source: Path, overwrite: bool) -> None:
+    """QuantizeError (--output) for an output that would replace the source, or that
+    exists and --overwrite was not given, or that is not a directory."""
     resolved, src = output.resolve(), source.resolve()
     if resolved == src or resolved in src.parents:
         raise QuantizeError(f"{output}: the output would replace the source model "

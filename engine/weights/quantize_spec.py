@@ -71,7 +71,7 @@ class Source:
     path: Path
     cfg: ModelConfig
     tensors: dict[str, torch.Tensor]  # memory-mapped views, or a GGUF file's LazyTensors
-    write_metadata: Callable[[Path, dict], None]  # (out dir, quantization entry)
+    write_metadata: Callable[[Path, dict], None]  # (out dir, config.json entries added)
     out_dtype: torch.dtype | None = None  # None: each tensor's own; a GGUF file: bf16
 
     def read(self, name: str) -> torch.Tensor:
