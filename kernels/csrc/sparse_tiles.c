@@ -195,7 +195,8 @@ load8(const call_t *c, int64_t at, int count, const int VT) {
         p = tail;
     }
     if (VT == V_F32) return _mm256_loadu_ps((const float *)p);
-    if (VT == V_I8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    if (VT == V_I8)
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
     const __m128i h = _mm_loadu_si128((const __m128i *)p);
     if (VT == V_F16) return _mm256_cvtph_ps(h);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));

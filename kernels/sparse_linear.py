@@ -1,0 +1,136 @@
+"""A linear layer whose weight stays in fusegen's sparse tiles (kernels/sparse_format.py):
+x @ W.T with W expanded only inside the product ("load as sparse, compute as dense").
+
+Shapes:
+  x        [..., in_features] fp32, bf16 or fp16, taken as rows [T, in]
+  tiles    SparseTiles of W [out, in]: bitmap uint64 [n_tiles, 64], offsets int64
+           [n_tiles + 1], values [nnz] bf16 / fp16 / fp32 / int8, scales fp32 [n_tiles]
+           with int8 values
+  returns  [..., out] in x.dtype
+
+On CPUs the C kernel (kernels/csrc/sparse_tiles.c) takes fp32 and bf16 x: each column's
+mask word expands its packed values into registers and every row of x multiplies them,
+every output element summed over k in one order (a row's result is the same whatever its
+batch and the thread count). fp16 x, other devices and FUSEGEN_KERNELS=reference take the
+torch path: a band of row-tiles expanded to fp32 at a time (never the whole dense weight)
+and multiplied in fp32. The tiles are trusted here: whoever loads them checks them once
+(`sparse_format.check`), not every call.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from fusegen.kernels import use_native
+from fusegen.kernels.sparse_format import TILE_OUT, SparseTiles, decode, decode_rows
+
+BAND_ROWS = 4 * TILE_OUT  # output rows the torch path expands at a time
+_VALUE_TYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, torch.int8: 3}
+_NATIVE = {torch.float32: "sparse_tiles_f32", torch.bfloat16: "sparse_tiles_bf16"}
+
+
+def sparse_linear(x: torch.Tensor, tiles: SparseTiles) -> torch.Tensor:
+    """Dispatcher: the C kernel for fp32 / bf16 x on a CPU where the build has it, else
+    the torch path. x [..., in_features] -> [..., out_features] in x.dtype."""
+    _check_x(x, tiles)
+    if x.dim() != 2:
+        rows = sparse_linear(x.reshape(-1, tiles.in_features), tiles)
+        return rows.view(*x.shape[:-1], tiles.out_features)
+    if x.shape[0] and x.dtype in _NATIVE and use_native(x) and has_kernel():
+        out = _sparse_linear_native(x, tiles)
+        if out is not None:
+            return out
+    return sparse_linear_torch(x, tiles)
+
+
+def sparse_linear_torch(x: torch.Tensor, tiles: SparseTiles) -> torch.Tensor:
+    """BAND_ROWS output rows expanded to fp32 at a time, multiplied in fp32, rounded once
+    to x.dtype."""
+    _check_x(x, tiles)
+    xf = x.float()
+    out = torch.empty(*x.shape[:-1], tiles.out_features, dtype=torch.float32,
+                      device=x.device)
+    for start in range(0, tiles.out_features, BAND_ROWS):
+        stop = min(start + BAND_ROWS, tiles.out_features)
+        out[..., start:stop] = xf @ decode_rows(tiles, start, stop).to(x.device).T
+    return out.to(x.dtype)
+
+
+def sparse_linear_reference(x: torch.Tensor, tiles: SparseTiles) -> torch.Tensor:
+    """The whole weight decoded to dense fp32, F.linear in fp32, rounded to x.dtype
+    (tests)."""
+    _check_x(x, tiles)
+    return F.linear(x.float(), decode(tiles).to(x.device)).to(x.dtype)
+
+
+def sparse_linear_native(x: torch.Tensor, tiles: SparseTiles, plain: bool = False,
+                         lib=None) -> torch.Tensor:
+    """The C kernel alone (tests): x [T, in] fp32 or bf16; `plain` takes its plain-C
+    path; `lib` another build of csrc/sparse_tiles.c (another CPU's instruction set).
+    RuntimeError where this build has no kernel or it declines the call."""
+    _check_x(x, tiles)
+    if x.dim() != 2:
+        raise ValueError(f"sparse_linear_native takes rows [T, in], got {list(x.shape)}")
+    if x.dtype not in _NATIVE or (lib is None and not has_kernel()):
+        raise RuntimeError(f"no C sparse tile kernel for {x.dtype} x in this build")
+    out = _sparse_linear_native(x, tiles, plain, lib or _library())
+    if out is None:
+        raise RuntimeError(f"the C sparse tile kernel declined {x.dtype} x of "
+                           f"{x.shape[0]} rows with {tiles.values.dtype} values")
+    return out
+
+
+@functools.cache
+def has_kernel() -> bool:
+    """Whether this machine's build has the C sparse tile kernel."""
+    return _library() is not None
+
+
+@functools.cache
+def kernel_paths() -> int:
+    """The build's paths (csrc/sparse_tiles.c's `sparse_tiles_available`): 1 the kernel,
+    | 2 AVX-512, | 4 VBMI2's expanding loads, | 8 AVX2; 0 without a build."""
+    lib = _library()
+    return int(lib.sparse_tiles_available()) if lib is not None else 0
+
+
+@functools.cache  # on the hot path of every call
+def _library():
+    import ctypes
+
+    from fusegen.kernels import native
+
+    lib = native.library_with("sparse_tiles_available")
+    if lib is not None:
+        for name in ("sparse_tiles_available", *_NATIVE.values()):
+            getattr(lib, name).restype = ctypes.c_int
+    return lib
+
+
+def _check_x(x: torch.Tensor, tiles: SparseTiles) -> None:
+    if x.dim() < 1 or x.shape[-1] != tiles.in_features:
+        raise ValueError(f"x of shape {list(x.shape)} against a sparse weight "
+                         f"[{tiles.out_features}, {tiles.in_features}]: x's last size must "
+                         f"be in_features = {tiles.in_features}")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"sparse_linear takes fp32, bf16 or fp16 x, got {x.dtype}")
+
+
+def _sparse_linear_native(x: torch.Tensor, tiles: SparseTiles, plain: bool = False,
+                          lib=None):
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty(x.shape[0], tiles.out_features, dtype=x.dtype)
+    if x.shape[0] == 0:
+        return out
+    bitmap, offsets, values = (t.contiguous() for t in (tiles.bitmap, tiles.offsets,
+                                                         tiles.values))
+    scales = None if tiles.scales is None else tiles.scales.contiguous()
+    status = getattr(lib or _library(), _NATIVE[x.dtype])(
+        x.data_ptr(), x.shape[0], x.stride(0), bitmap.data_ptr(), offsets.data_ptr(),
+        values.data_ptr(), _VALUE_TYPES[values.dtype],
+        None if scales is None else scales.data_ptr(), tiles.out_features,
+        tiles.in_features, out.data_ptr(), tiles.out_features, torch.get_num_threads(),
+        int(plain))
+    return out if status == 0 else None

@@ -1,0 +1,151 @@
+"""x @ W.T on a weight kept in sparse tiles (kernels/sparse_linear.py,
+kernels/csrc/sparse_tiles.c, format in kernels/sparse_format.py): the C kernel against
+the dense fp32 product over odd shapes, tails, row counts from 0 to 130, empty and fully
+dense tiles and every value type; each row's bits the same alone or in a batch and on 1
+or 2 threads; the AVX-512 (without VBMI2), AVX2 and baseline builds giving the native
+build's bits; the dispatcher and the torch path."""
+import pytest
+import torch
+
+from quant_helpers import assert_close, build_for_other_cpu
+from fusegen.kernels import sparse_format as sf
+from fusegen.kernels import sparse_linear as sl
+
+VALUE_TYPES = ["bfloat16", "float16", "float32", "int8"]
+SHAPES = [(1, 1), (65, 130), (130, 65), (200, 3), (64, 64), (3, 200)]
+ROWS = [0, 1, 3, 17, 64, 130]
+# another CPU's build of the kernel file, and the paths it reports (sparse_tiles_available)
+OTHER_BUILDS = [(["-march=x86-64", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"],
+                 1 | 2), (["-march=x86-64-v3"], 1 | 8), (["-march=x86-64"], 1)]
+OTHER_IDS = ["avx512-without-vbmi2", "avx2", "baseline"]
+
+needs_kernel = pytest.mark.skipif(not sl.has_kernel(), reason="no C kernels in this build")
+
+
+def pruned_tiles(out_features, in_features, values, sparsity=0.7, seed=0):
+    """Tiles of a random weight with `sparsity` of its entries zero, and the dense fp32
+    weight they decode to (the product's ground truth)."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_features, in_features, generator=gen)
+    w = w * (torch.rand(out_features, in_features, generator=gen) >= sparsity)
+    tiles = sf.encode(w, values)
+    return tiles, sf.decode(tiles)
+
+
+def rows_of(count, in_features, dtype, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(count, in_features, generator=gen).to(dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("values", VALUE_TYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_kernel_matches_the_dense_product(shape, values, dtype):
+    tiles, w = pruned_tiles(*shape, values)
+    for count in ROWS:
+        x = rows_of(count, shape[1], dtype)
+        got = sl.sparse_linear_native(x, tiles)
+        assert got.shape == (count, shape[0]) and got.dtype == dtype
+        assert_close(got, sl.sparse_linear_reference(x, tiles), x, w)
+        assert torch.equal(sl.sparse_linear_native(x, tiles, plain=True), got)
+
+
+@needs_kernel
+@pytest.mark.parametrize("values", VALUE_TYPES)
+def test_empty_and_fully_dense_tiles(values):
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(150, 200, generator=gen)
+    w[:64, 64:128] = 0                                  # an empty tile
+    w[64:128, :64] = w[64:128, :64].abs() + 0.5          # a fully dense tile
+    w[128:, 128:] = 0                                    # an empty edge tile
+    w[64:128, 128:192] *= torch.rand(64, 64, generator=gen) >= 0.9
+    tiles = sf.encode(w, values)
+    counts = (tiles.offsets[1:] - tiles.offsets[:-1]).tolist()
+    assert counts[1] == 0 and counts[4] == 4096 and counts[11] == 0
+    x = rows_of(17, 200, torch.float32)
+    assert_close(sl.sparse_linear_native(x, tiles), sl.sparse_linear_reference(x, tiles), x,
+                 sf.decode(tiles))
+    zero = sf.encode(torch.zeros(70, 90), values)        # no values at all
+    assert torch.equal(sl.sparse_linear_native(x[:, :90], zero), torch.zeros(17, 70))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("values", VALUE_TYPES)
+def test_each_row_is_the_same_alone_in_a_batch_and_on_any_thread_count(values, dtype):
+    tiles, _ = pruned_tiles(330, 260, values, sparsity=0.5, seed=2)
+    x = rows_of(37, 260, dtype)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            results.append(sl.sparse_linear_native(x, tiles))
+            alone = torch.cat([sl.sparse_linear_native(x[r:r + 1], tiles) for r in range(37)])
+            assert torch.equal(alone, results[-1])
+            assert torch.equal(sl.sparse_linear_native(x[5:22], tiles), results[-1][5:22])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0], results[1])
+
+
+@pytest.mark.parametrize("flags,paths", OTHER_BUILDS, ids=OTHER_IDS)
+def test_other_cpu_builds_give_the_same_bits(flags, paths, tmp_path):
+    lib = build_for_other_cpu("sparse_tiles.c", flags, tmp_path,
+                              ("sparse_tiles_available", "sparse_tiles_f32",
+                               "sparse_tiles_bf16"))
+    assert lib.sparse_tiles_available() == paths
+    for values in VALUE_TYPES:
+        tiles, w = pruned_tiles(130, 200, values, seed=3)
+        for dtype in (torch.float32, torch.bfloat16):
+            for count in (1, 7, 17):
+                x = rows_of(count, 200, dtype)
+                got = sl.sparse_linear_native(x, tiles, lib=lib)
+                assert_close(got, sl.sparse_linear_reference(x, tiles), x, w)
+                assert torch.equal(sl.sparse_linear_native(x, tiles, plain=True, lib=lib), got)
+                if sl.has_kernel():
+                    assert torch.equal(sl.sparse_linear_native(x, tiles), got)
+
+
+@pytest.mark.parametrize("values", VALUE_TYPES)
+def test_torch_path_expands_bands_and_matches_the_reference(values, monkeypatch):
+    tiles, w = pruned_tiles(300, 70, values, seed=4)        # two bands of BAND_ROWS
+    calls = []
+    real = sf.decode_rows
+    monkeypatch.setattr(sl, "decode_rows", lambda t, a, b: calls.append((a, b)) or real(t, a, b))
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = rows_of(9, 70, dtype)
+        got = sl.sparse_linear_torch(x, tiles)
+        assert got.dtype == dtype
+        assert_close(got, sl.sparse_linear_reference(x, tiles), x, w)
+    assert set(calls) == {(0, 256), (256, 300)}
+
+
+def test_dispatcher_shapes_dtypes_and_modes(monkeypatch):
+    tiles, w = pruned_tiles(65, 130, "bfloat16")
+    x = rows_of(6, 130, torch.bfloat16).view(2, 3, 130)
+    got = sl.sparse_linear(x, tiles)
+    assert got.shape == (2, 3, 65) and got.dtype == torch.bfloat16
+    if sl.has_kernel():
+        assert torch.equal(got.view(6, 65), sl.sparse_linear_native(x.view(6, 130), tiles))
+    fp16 = sl.sparse_linear(x.half(), tiles)                # the torch path
+    assert fp16.dtype == torch.float16
+    assert torch.equal(fp16, sl.sparse_linear_torch(x.half(), tiles))
+    monkeypatch.setenv("FUSEGEN_KERNELS", "reference")
+    assert torch.equal(sl.sparse_linear(x, tiles), sl.sparse_linear_torch(x, tiles))
+    assert sl.sparse_linear(x[:0], tiles).shape == (0, 3, 65)
+
+
+def test_bad_x_is_refused_by_name():
+    tiles, _ = pruned_tiles(65, 130, "float32")
+    with pytest.raises(ValueError, match=r"x of shape \[4, 129\] .* \[65, 130\]: .* "
+                                         r"in_features = 130"):
+        sl.sparse_linear(torch.zeros(4, 129), tiles)
+    with pytest.raises(ValueError, match="fp32, bf16 or fp16 x, got torch.int32"):
+        sl.sparse_linear(torch.zeros(4, 130, dtype=torch.int32), tiles)
+    with pytest.raises(ValueError, match=r"takes rows \[T, in\]"):
+        sl.sparse_linear_native(torch.zeros(1, 4, 130), tiles)
+    if sl.has_kernel():
+        with pytest.raises(RuntimeError, match="no C sparse tile kernel for torch.float16"):
+            sl.sparse_linear_native(torch.zeros(4, 130, dtype=torch.float16), tiles)
