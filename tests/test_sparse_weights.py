@@ -286,3 +286,40 @@ def test_missing_and_stray_components_are_named(tmp_path, tmp_path_factory):
     bad = write_pruned(src, tmp_path / "b", "float32", config_edit=unlist)
     with pytest.raises(ModelLoadError, match=r"belongs to no weight listed"):
         generate(bad)
+
+
+@pytest.mark.parametrize("arch", ["mixtral"])  # attention and every expert split
+def test_tensor_parallel_ranks_generate_like_one_process(arch, tmp_path, tmp_path_factory):
+    """Two ranks each hold their slice of every sparse weight (q/k/v and gate/up rows, o
+    and down columns; windows cut inside tiles re-tiled), as tiles; greedy fp32 tokens
+    equal the pruned dense weights' in one process, and a rank's planned layer bytes are
+    the larger rank's tiles exactly."""
+    src = source(arch, tmp_path_factory)
+    want, _, _ = generate(write_pruned(src, tmp_path / "d", None))
+    sparse = write_pruned(src, tmp_path / "s", "float32")
+    with LLM(str(sparse), tensor_parallel_size=2, **OPTIONS) as llm:
+        got = [o.token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+        layer_bytes = llm.placement.sizes.layer_bytes
+    assert got == want
+    cfg = ModelConfig.from_dir(str(sparse))
+    from fusegen.engine.parallel.shard import shard_kept
+    from fusegen.engine.weights.loader import checkpoint_tensors
+    from fusegen.engine.weights.quantized import split_kept
+
+    state = checkpoint_tensors(sparse, cfg, torch.float32, "sparse")
+    arch_ = get_architecture(cfg.architecture)
+    most = 0
+    for i in range(cfg.num_layers):
+        kept, dense = split_kept(arch_.layer_sources(state, i, cfg))
+        assert sorted(kept) == ["down.weight", "gate_up.weight", "o.weight", "qkv.weight"]
+        for rank in range(2):
+            parts = shard_kept(cfg, kept, rank, 2, i)
+            loaded = sum(codec.nbytes(codec.SparseTiles(
+                c["bitmap"], c["offsets"], c["values"], None, *p.shape))
+                for ps in parts.values() for p in ps for c in [p.load()])
+            assert loaded == sum(p.nbytes for ps in parts.values() for p in ps)
+            norms = sum(t.numel() * 4 for ts in dense.values() for t in ts
+                        if t.dim() == 1)
+            router = sum(t.numel() * 4 for ts in dense.values() for t in ts if t.dim() == 2)
+            most = max(most, loaded + norms + router)
+    assert layer_bytes == most

@@ -159,15 +159,19 @@ def rank_layer_nbytes(cfg: ModelConfig, sources: dict[str, list], tp: int, items
                       index: int, device: str = "cpu") -> int:
     """Layer `index`'s weight bytes on one rank of a tp-way split (every rank holds as
     many): its compressed parameters' components, the rest dense at `itemsize` bytes a
-    value. Refuses a split inside a compressed weight's blocks (`shard_kept`)."""
+    value. Refuses a split inside a compressed weight's blocks (`shard_kept`). Sparse
+    tiles hold each rank's own non-zeros: the largest rank's bytes."""
     from fusegen.engine.weights.quantized import split_kept
 
     kept, dense = split_kept(sources, device)
-    kept = shard_kept(cfg, kept, 0, tp, index)
+    ranks = range(tp) if any(p.format == "sparse" for ps in kept.values() for p in ps) \
+        else range(1)
+    kept_bytes = max(sum(part.nbytes for parts in shard_kept(cfg, kept, r, tp, index).values()
+                         for part in parts) for r in ranks)
     dense = shard_layer_sources(cfg, {name: [_Extent(tuple(t.shape)) for t in parts]
                                       for name, parts in dense.items()}, 0, tp)
-    return (sum(part.nbytes for parts in kept.values() for part in parts)
-            + sum(math.prod(e.shape) for parts in dense.values() for e in parts) * itemsize)
+    return kept_bytes + sum(math.prod(e.shape) for parts in dense.values()
+                            for e in parts) * itemsize
 
 
 def shard_fixed_sources(cfg: ModelConfig, sources: dict[str, list], tp_rank: int,

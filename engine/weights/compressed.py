@@ -80,8 +80,8 @@ def _sparse_shapes(values: str, inp: int, segments: tuple[tuple[int, int], ...]
 
 def _block_values(format: str, params: tuple) -> int:
     """Input channels per block: the unit a weight's columns are split in."""
-    if format == "fp8":
-        return 1  # one scale per output row: any columns
+    if format in ("fp8", "sparse"):
+        return 1  # one scale per output row, or tiles re-cut on narrowing: any columns
     return _gguf_block(params[0])[0] if format == "gguf" else params[1]
 
 
@@ -131,17 +131,18 @@ class CompressedSource:
 
     def narrow(self, dim: int, start: int, length: int) -> "CompressedSource":
         """Rows (dim 0) or input columns (dim 1) [start, start + length) of the weight;
-        columns only in whole blocks (GGUF's block, or the group size)."""
-        if self.format == "sparse":
-            raise ValueError(f"{self.name}: a sparse weight's tiles are not split across "
-                             "ranks (tensor parallelism); run it with tensor_parallel_size=1, "
-                             "or quantization='dequantize' to expand it as it loads")
+        columns only in whole blocks (GGUF's block, or the group size); a sparse weight's
+        window is cut into tiles of its own (weights/sparse.py `narrow_tiles`)."""
         if dim not in (0, 1):
             raise ValueError(f"{self.name}: a compressed weight narrows along dim 0 (output "
                              f"rows) or 1 (input columns), not {dim}")
         if start < 0 or length < 1 or start + length > self.shape[dim]:
             raise ValueError(f"{self.name}: [{start}, {start + length}) is outside dim {dim} "
                              f"of its {list(self.shape)} weight")
+        if self.format == "sparse":  # re-tiled from the window when read
+            from fusegen.engine.weights.sparse import narrow_tiles
+
+            return narrow_tiles(self, dim, start, length)
         block = _block_values(self.format, self.params)
         if dim == 1 and (start % block or length % block):
             raise ValueError(

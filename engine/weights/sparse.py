@@ -179,6 +179,71 @@ def _tiles(parts: dict[str, torch.Tensor], out_features: int, in_features: int):
                                 parts.get("scales"), out_features, in_features)
 
 
+def narrow_tiles(source: CompressedSource, dim: int, start: int, length: int
+                 ) -> CompressedSource:
+    """Rows (dim 0) or input columns (dim 1) [start, start + length) of one sparse weight
+    (a tensor-parallel rank's slice) as a sparse weight of its own: the window's kept
+    weights (the bitmaps' mask, kept zeros too) cut into tiles from its own origin, when
+    read. Float values move as they are; int8 values are scaled again per new tile
+    (the same codes where the window keeps whole tiles)."""
+    if len(source.segments) != 1:
+        raise ValueError(f"{source.name}: stacked sparse weights are narrowed part by part")
+    out, inp = source.shape
+    window = (slice(start, start + length), slice(None)) if dim == 0 else \
+        (slice(None), slice(start, start + length))
+    shape = (length, inp) if dim == 0 else (out, length)
+    nnz = int(_mask(source.load(), out, inp)[window].sum())
+    return CompressedSource.of("sparse", source.params, shape, source.name,
+                               partial(_window_parts, source, window),
+                               segments=((shape[0], nnz),))
+
+
+def _mask(parts: dict[str, torch.Tensor], out: int, inp: int) -> torch.Tensor:
+    """The kept weights of a tile table: bool [out, in]."""
+    n_to, n_ti = -(-out // TILE[0]), -(-inp // TILE[1])
+    shifts = torch.arange(TILE[0], dtype=torch.int64)
+    bits = (parts["bitmap"].view(torch.int64).unsqueeze(-1) >> shifts) & 1  # [t, c, j]
+    grid = bits.bool().view(n_to, n_ti, TILE[1], TILE[0]).permute(0, 3, 1, 2)
+    return grid.reshape(n_to * TILE[0], n_ti * TILE[1])[:out, :inp]
+
+
+def _window_parts(source: CompressedSource, window) -> dict[str, torch.Tensor]:
+    parts = source.load()
+    out, inp = source.shape
+    mask = _mask(parts, out, inp)[window]
+    dense = _codec().decode(_tiles(parts, out, inp))[window]
+    return _retile(dense, mask, source.params[0])
+
+
+def _retile(dense: torch.Tensor, mask: torch.Tensor, values: str) -> dict[str, torch.Tensor]:
+    """fp32 weights [out, in] and their kept mask as tile components (the format's order:
+    tiles row-tile major, then local column, then local row)."""
+    out, inp = dense.shape
+    n_to, n_ti = -(-out // TILE[0]), -(-inp // TILE[1])
+
+    def tiled(t):  # [out, in] -> [tiles, 64 columns, 64 rows], zero past the edge
+        padded = t.new_zeros(n_to * TILE[0], n_ti * TILE[1])
+        padded[:out, :inp] = t
+        return (padded.view(n_to, TILE[0], n_ti, TILE[1]).permute(0, 2, 3, 1)
+                .reshape(n_to * n_ti, TILE[1], TILE[0]))
+
+    kept, w = tiled(mask), tiled(dense)
+    shifts = torch.arange(TILE[0], dtype=torch.int64)
+    bitmap = (kept.to(torch.int64) << shifts).sum(-1).view(torch.uint64)  # disjoint bits
+    counts = kept.sum((1, 2))
+    offsets = torch.zeros(len(counts) + 1, dtype=torch.int64)
+    offsets[1:] = counts.cumsum(0)
+    flat = w[kept]
+    if values != "int8":
+        return {"bitmap": bitmap, "offsets": offsets,
+                "values": flat.to(_codec().VALUE_DTYPES[values])}
+    scales = torch.where(kept, w.abs(), 0.0).amax((1, 2)) / 127
+    per = scales.repeat_interleave(counts)
+    codes = torch.round(flat / torch.where(per > 0, per, 1.0)).clamp(-127, 127)
+    return {"bitmap": bitmap, "offsets": offsets, "values": codes.to(torch.int8),
+            "scales": scales}
+
+
 def segment_tiles(components: dict[str, torch.Tensor | None],
                   segments: tuple[tuple[int, int], ...], in_features: int) -> list:
     """The stacked components of `segments` ((out, nnz) each, in order) as one
