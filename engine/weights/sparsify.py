@@ -130,13 +130,30 @@ class SparseForm:
             "modules": sorted(self.modules)}}
 
 
+class PrunedDense(SparseForm):
+    """The pruned weights written dense, in the source's dtype, with no config entry:
+    the same model as the sparse checkpoint, to compare it against."""
+
+    def planned(self, name: str, source: Source) -> Planned:
+        tensor = source.tensors[name]
+        return [(name, tuple(tensor.shape), tensor.dtype)]
+
+    def produce(self, name: str, weight: torch.Tensor) -> list[torch.Tensor]:
+        return [self.pruned(name, weight).to(weight.dtype)]
+
+    def config_entries(self) -> dict:
+        return {}
+
+
 def sparsify_checkpoint(model, output, spec: SparsifySpec, *,
                         prompts: list[str] | None = None, overwrite: bool = False,
-                        max_shard_bytes: int = MAX_SHARD_BYTES) -> SparseReport:
+                        max_shard_bytes: int = MAX_SHARD_BYTES, dense: bool = False
+                        ) -> SparseReport:
     """Write `model` (a 16-bit / fp32 checkpoint directory) pruned by `spec` into the
-    directory `output`; `prompts`: wanda's calibration prompts. QuantizeError, naming
-    the option, for a bad input, before anything is written; nothing is written at
-    `output` then, nor when interrupted."""
+    directory `output`; `prompts`: wanda's calibration prompts; `dense`: the pruned
+    weights written dense instead (`PrunedDense`). QuantizeError, naming the option,
+    for a bad input, before anything is written; nothing is written at `output` then,
+    nor when interrupted."""
     output = Path(output)
     if spec.method == "wanda" and not prompts:
         raise QuantizeError("method wanda needs calibration prompts (--calibration)",
@@ -155,7 +172,7 @@ def sparsify_checkpoint(model, output, spec: SparsifySpec, *,
     check_output(output, source.path, overwrite)
     report = SparseReport(output)
     norms = wanda_norms(source, prompts, report) if spec.method == "wanda" else {}
-    form = SparseForm(spec, values, modules, norms, report)
+    form = (PrunedDense if dense else SparseForm)(spec, values, modules, norms, report)
     write_checkpoint(source, output, form, report, max_shard_bytes=max_shard_bytes)
     return report
 
