@@ -74,6 +74,9 @@ def report_lines(report) -> list[str]:
     lines = [f"{key}: {count} linears, {dense} B dense -> {sparse} B sparse "
              f"({_ratio(sparse, dense)})" for key, (dense, sparse, count) in
              sorted(layers.items(), key=lambda item: _layer_order(item[0]))]
+    lines.insert(0, f"bytes of the decoder linears, dense ({report.dense_dtype}) against "
+                 f"sparse ({report.values} values, bitmaps, offsets"
+                 f"{', scales' if report.values == 'int8' else ''}):")
     dense = sum(d for d, _ in report.layers.values())
     sparse = sum(s for _, s in report.layers.values())
     lines.append(f"total: {len(report.layers)} linears, {dense} B dense -> {sparse} B sparse "

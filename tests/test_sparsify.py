@@ -157,6 +157,9 @@ def test_magnitude_round_trip(odd_dir, tmp_path, values):
         assert (out / name).read_bytes() == (odd_dir / name).read_bytes()
     assert [p.name for p in tmp_path.iterdir()] == ["s"]  # no staging directory left
     # the report: per layer and in total, dense bytes (fp32 source) against the format's
+    value_name = {"bf16": "bfloat16", "fp32": "float32", "int8": "int8"}[values]
+    assert f"bytes of the decoder linears, dense (float32) against sparse ({value_name} " \
+        f"values, bitmaps, offsets{', scales' if values == 'int8' else ''}):" in result.output
     for i in (0, 1):
         names = [n for n in linears if f".layers.{i}." in n]
         dense = sum(4 * source_tensors(odd_dir)[n].numel() for n in names)

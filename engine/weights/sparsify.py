@@ -78,6 +78,8 @@ class SparseReport(Report):
     """`Report`, and per linear (dense weight name) its bytes dense (the source's dtype)
     and in the sparse form (the codec's `nbytes`)."""
     layers: dict[str, tuple[int, int]] = field(default_factory=dict)
+    dense_dtype: str = ""  # the source linears' dtype (float32, bfloat16, ...)
+    values: str = ""  # the sparse values' dtype, as the config entry names it
     # wanda: the expert linears pruned by magnitude, no calibration token routed there
     by_magnitude: list[str] = field(default_factory=list)
 
@@ -170,7 +172,8 @@ def sparsify_checkpoint(model, output, spec: SparsifySpec, *,
                                 f"{name!r}'s rows of {in_features}; choose a lower one",
                                 "sparsity")
     check_output(output, source.path, overwrite)
-    report = SparseReport(output)
+    report = SparseReport(output, dense_dtype=str(source.tensors[next(iter(modules))].dtype)
+                          .removeprefix("torch."), values=values)
     norms = wanda_norms(source, prompts, report) if spec.method == "wanda" else {}
     form = (PrunedDense if dense else SparseForm)(spec, values, modules, norms, report)
     write_checkpoint(source, output, form, report, max_shard_bytes=max_shard_bytes)
