@@ -269,7 +269,7 @@ def expert_norms(block: str, x: torch.Tensor, weights: dict, config, arch: str) 
     return norms
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["llama", "phi3", "gemma3", "qwen3_moe", "mixtral"])
 def test_wanda_keeps_top_weight_times_input_norm(tmp_path, arch):
     """Each row keeps the top |w| * ||x_k|| of norms computed here independently of
     fusegen's engine. The two fp32 passes round differently (about 1e-6 relative), so
