@@ -60,14 +60,13 @@ def open_source(path, command: str = "quantize") -> Source:
 def _dir_source(path: Path, command: str) -> Source:
     from fusegen.engine.weights.loader import load_state_dict
 
-    raw = json.loads((path / "config.json").read_text()) \
-        if (path / "config.json").is_file() else {}
+    cfg = ModelConfig.from_dir(path)  # a missing or unreadable config.json named
+    raw = json.loads((path / "config.json").read_text())
     for key, what in (("quantization_config", "quantized"), ("sparsity_config", "sparse")):
         if raw.get(key) is not None:
             raise QuantizeError(f"{path}: already {what} (config.json's {key} is "
                                 f"{json.dumps(raw[key])}); {command} the 16-bit checkpoint "
                                 "it was made from", "model")
-    cfg = ModelConfig.from_dir(path)
     tensors = load_state_dict(path, cfg)  # checked against config.json; a tied head left out
 
     def write_metadata(out: Path, entries: dict) -> None:
