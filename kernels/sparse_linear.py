@@ -96,6 +96,11 @@ def kernel_paths() -> int:
     return int(lib.sparse_tiles_available()) if lib is not None else 0
 
 
+@functools.cache
+def _kernel(dtype: torch.dtype):
+    return getattr(_library(), _NATIVE[dtype])
+
+
 @functools.cache  # on the hot path of every call
 def _library():
     import ctypes
@@ -124,13 +129,14 @@ def _sparse_linear_native(x: torch.Tensor, tiles: SparseTiles, plain: bool = Fal
     out = torch.empty(x.shape[0], tiles.out_features, dtype=x.dtype)
     if x.shape[0] == 0:
         return out
-    bitmap, offsets, values = (t.contiguous() for t in (tiles.bitmap, tiles.offsets,
-                                                         tiles.values))
-    scales = None if tiles.scales is None else tiles.scales.contiguous()
-    status = getattr(lib or _library(), _NATIVE[x.dtype])(
-        x.data_ptr(), x.shape[0], x.stride(0), bitmap.data_ptr(), offsets.data_ptr(),
-        values.data_ptr(), _VALUE_TYPES[values.dtype],
-        None if scales is None else scales.data_ptr(), tiles.out_features,
-        tiles.in_features, out.data_ptr(), tiles.out_features, torch.get_num_threads(),
-        int(plain))
+    values, scales = tiles.values, tiles.scales
+    if not (tiles.bitmap.is_contiguous() and tiles.offsets.is_contiguous()
+            and values.is_contiguous() and (scales is None or scales.is_contiguous())):
+        return None  # the format's tensors are contiguous as encoded and as loaded
+    kernel = _kernel(x.dtype) if lib is None else getattr(lib, _NATIVE[x.dtype])
+    status = kernel(x.data_ptr(), x.shape[0], x.stride(0), tiles.bitmap.data_ptr(),
+                    tiles.offsets.data_ptr(), values.data_ptr(), _VALUE_TYPES[values.dtype],
+                    None if scales is None else scales.data_ptr(), tiles.out_features,
+                    tiles.in_features, out.data_ptr(), tiles.out_features,
+                    torch.get_num_threads(), int(plain))
     return out if status == 0 else None

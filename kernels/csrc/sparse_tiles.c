@@ -247,7 +247,7 @@ store_rows(const call_t *c, const float *sums, int64_t r0, const int R, int64_t 
 #if SP_AVX512 || SP_AVX2
 static inline __attribute__((always_inline)) void
 band_pass(const call_t *c, int64_t to, int h, int64_t r0, const int R, const int VT) {
-    vec_t acc[R][NV];
+    vec_t acc[MR][NV]; /* a fixed size: R rows of it live in registers */
     for (int r = 0; r < R; r++)
         for (int v = 0; v < NV; v++) acc[r][v] = (vec_t){0};
     const float *x = c->x + r0 * c->ldx;
@@ -288,7 +288,12 @@ band_pass(const call_t *c, int64_t to, int h, int64_t r0, const int R, const int
     }
     float sums[MR * CH] __attribute__((aligned(64)));
     for (int r = 0; r < R; r++)
-        for (int v = 0; v < NV; v++) memcpy(sums + r * CH + v * VL, &acc[r][v], sizeof(vec_t));
+        for (int v = 0; v < NV; v++)
+#if SP_AVX512
+            _mm512_store_ps(sums + r * CH + v * VL, acc[r][v]);
+#else
+            _mm256_store_ps(sums + r * CH + v * VL, acc[r][v]);
+#endif
     const int64_t o0 = to * TILE + h * CH;
     const int nrows = c->n - o0 < CH ? (int)(c->n - o0) : CH;
     if (nrows > 0) store_rows(c, sums, r0, R, o0, nrows, VT);
