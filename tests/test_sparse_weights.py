@@ -155,6 +155,20 @@ def test_int8_values_generate_like_their_dense_weights(arch, tmp_path, tmp_path_
     assert layer.qkv.values.dtype == torch.int8 and layer.qkv.scales.dtype == torch.float32
 
 
+@pytest.mark.parametrize("kernels, deterministic", [("reference", False), ("auto", True)])
+def test_torch_path_and_deterministic_mode(kernels, deterministic, monkeypatch, tmp_path,
+                                           tmp_path_factory):
+    """The torch path (bands of row-tiles expanded, FUSEGEN_KERNELS=reference) and
+    deterministic mode (row-tiled calls) give the pruned dense weights' tokens too."""
+    src = source("qwen2", tmp_path_factory)
+    want, _, _ = generate(write_pruned(src, tmp_path / "d", None))
+    sparse = write_pruned(src, tmp_path / "s", "float32")
+    monkeypatch.setenv("FUSEGEN_KERNELS", kernels)
+    got, runner, _ = generate(sparse, deterministic=deterministic)
+    assert got == want
+    assert (runner.model.layers[0].qkv.row_tile is not None) == deterministic
+
+
 NUM_LAYERS = 5
 
 

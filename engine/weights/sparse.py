@@ -1,8 +1,8 @@
 """fusegen's sparse weights (issue 32; the format: kernels/sparse_format.py and
 docs/sparsity.md) at run time: `SparseLinear` and its MoE expert form hold a pruned
 weight's bitmap tiles (bitmap, offsets, packed non-zeros, int8 scales) and multiply
-through kernels/sparse_linear.py where it is there, else by expanding a band of
-row-tiles at a time (never a dense copy of the whole weight); `read_sparse_checkpoint`
+through kernels/sparse_linear.py (the C kernel, else bands of row-tiles expanded at a
+time: never a dense copy of the whole weight); `read_sparse_checkpoint`
 serves a checkpoint's sparse linears (config.json's "sparsity_config") as compressed
 entries, format "sparse".
 
@@ -35,9 +35,6 @@ METHODS = ("magnitude", "wanda")
 # checkpoint suffix -> component name in a SparseLinear and its staging slot
 SUFFIXES = {".sparse_bitmap": "bitmap", ".sparse_offsets": "offsets",
             ".sparse_values": "values", ".sparse_scales": "scales"}
-# Output rows expanded at once where no sparse kernel multiplies: a band of whole
-# row-tiles, [BAND_ROWS, in] fp32 alive at a time.
-BAND_ROWS = 256
 
 
 def _codec():
@@ -48,11 +45,8 @@ def _codec():
 
 @functools.cache
 def _kernel():
-    """kernels/sparse_linear.py's `sparse_linear(x, tiles)`, or None where it is absent."""
-    try:
-        from fusegen.kernels.sparse_linear import sparse_linear
-    except ImportError:
-        return None
+    from fusegen.kernels.sparse_linear import sparse_linear
+
     return sparse_linear
 
 
@@ -264,19 +258,11 @@ def segment_tiles(components: dict[str, torch.Tensor | None],
 
 
 def tiles_product(x: torch.Tensor, tiles) -> torch.Tensor:
-    """x [n, in] @ W.T -> [n, out] for one weight's tiles: the sparse kernel where it is
-    there, else a band of `BAND_ROWS` output rows expanded (fp32, then x's dtype) and
-    multiplied at a time."""
-    kernel = _kernel()
-    if kernel is not None:
-        return kernel(x, tiles)
-    codec = _codec()
-    out = x.new_empty(x.shape[0], tiles.out_features)
-    for start in range(0, tiles.out_features, BAND_ROWS):
-        stop = min(start + BAND_ROWS, tiles.out_features)
-        band = codec.decode_rows(tiles, start, stop).to(x.dtype)  # [stop - start, in]
-        torch.mm(x, band.t(), out=out[:, start:stop])
-    return out
+    """x [n, in] @ W.T -> [n, out] for one weight's tiles: kernels/sparse_linear.py's C
+    kernel (each column's mask word expanded into registers; fp32 / bf16 x on CPUs),
+    else its torch path, a band of row-tiles expanded at a time (never the whole
+    weight)."""
+    return _kernel()(x, tiles)
 
 
 class SparseLinear(CompressedLinear):
