@@ -11,7 +11,8 @@ Shapes:
 On CPUs the C kernel (kernels/csrc/sparse_tiles.c) takes fp32 and bf16 x: each column's
 mask word expands its packed values into registers and every row of x multiplies them,
 every output element summed over k in one order (a row's result is the same whatever its
-batch and the thread count). fp16 x, other devices and FUSEGEN_KERNELS=reference take the
+batch and the thread count). bf16 x against bf16 values, with AVX512_BF16, takes two
+channels a step by vdpbf16ps (pairs of k ascending: other bits than the FMA paths'). fp16 x, other devices and FUSEGEN_KERNELS=reference take the
 torch path: a band of row-tiles expanded to fp32 at a time (never the whole dense weight)
 and multiplied in fp32. The tiles are trusted here: whoever loads them checks them once
 (`sparse_format.check`), not every call.
@@ -91,7 +92,8 @@ def has_kernel() -> bool:
 @functools.cache
 def kernel_paths() -> int:
     """The build's paths (csrc/sparse_tiles.c's `sparse_tiles_available`): 1 the kernel,
-    | 2 AVX-512, | 4 VBMI2's expanding loads, | 8 AVX2; 0 without a build."""
+    | 2 AVX-512, | 4 VBMI2's expanding loads, | 8 AVX2, | 16 bf16 x against bf16 values
+    by vdpbf16ps; 0 without a build."""
     lib = _library()
     return int(lib.sparse_tiles_available()) if lib is not None else 0
 

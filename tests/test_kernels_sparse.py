@@ -3,7 +3,8 @@ kernels/csrc/sparse_tiles.c, format in kernels/sparse_format.py): the C kernel a
 the dense fp32 product over odd shapes, tails, row counts from 0 to 130, empty and fully
 dense tiles and every value type; each row's bits the same alone or in a batch and on 1
 or 2 threads; the AVX-512 (without VBMI2), AVX2 and baseline builds giving the native
-build's bits; the dispatcher and the torch path."""
+build's bits (but bf16 x against bf16 values by vdpbf16ps); the dispatcher and the torch
+path."""
 import pytest
 import torch
 
@@ -32,6 +33,12 @@ def pruned_tiles(out_features, in_features, values, sparsity=0.7, seed=0):
     return tiles, sf.decode(tiles)
 
 
+def by_pairs(values, dtype):
+    """Whether the native build multiplies bf16 x and bf16 values two channels at a time by
+    vdpbf16ps: its own fixed order, other bits than the FMA paths' (plain C, other CPUs)."""
+    return bool(sl.kernel_paths() & 16) and values == "bfloat16" and dtype == torch.bfloat16
+
+
 def rows_of(count, in_features, dtype, seed=1):
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(count, in_features, generator=gen).to(dtype)
@@ -48,7 +55,11 @@ def test_kernel_matches_the_dense_product(shape, values, dtype):
         got = sl.sparse_linear_native(x, tiles)
         assert got.shape == (count, shape[0]) and got.dtype == dtype
         assert_close(got, sl.sparse_linear_reference(x, tiles), x, w)
-        assert torch.equal(sl.sparse_linear_native(x, tiles, plain=True), got)
+        plain = sl.sparse_linear_native(x, tiles, plain=True)
+        if by_pairs(values, dtype):
+            assert_close(plain, sl.sparse_linear_reference(x, tiles), x, w)
+        else:
+            assert torch.equal(plain, got)
 
 
 @needs_kernel
@@ -104,7 +115,7 @@ def test_other_cpu_builds_give_the_same_bits(flags, paths, tmp_path):
                 got = sl.sparse_linear_native(x, tiles, lib=lib)
                 assert_close(got, sl.sparse_linear_reference(x, tiles), x, w)
                 assert torch.equal(sl.sparse_linear_native(x, tiles, plain=True, lib=lib), got)
-                if sl.has_kernel():
+                if sl.has_kernel() and not by_pairs(values, dtype):
                     assert torch.equal(sl.sparse_linear_native(x, tiles), got)
 
 

@@ -21,10 +21,13 @@
  *     packed, widened and moved to their rows by vpermd with a table indexed by the mask
  *     byte, the empty lanes zeroed.
  *   plain C: each set bit's value added into its row's sum, the reference expansion.
+ *   bf16 x against bf16 values with AVX512_BF16 (and VBMI2): two columns a step, their
+ *     expanded words interleaved into pairs and multiplied by vdpbf16ps (`band_pass_dp`).
  * The path is chosen by the compiler's target flags (native.py builds with -march=native).
  *
  * Numerics: every output element is one fp32 sum over k ascending, x[r, k] x W[o, k] added
- * by an FMA each (a weight the bitmap does not hold adds nothing), whatever T, MR, the
+ * by an FMA each (vdpbf16ps's pairs of k for bf16 x and values, where the build has it;
+ * a weight the bitmap does not hold adds nothing), whatever T, MR, the
  * thread count or the row's place in the batch: a row's result is independent of its
  * batch. bf16 x is widened to fp32 (exact) and the sums rounded once to bf16; fp32 x gives
  * fp32 sums. int8 weights are code x scale rounded once in fp32, as the format's decode.
@@ -47,6 +50,11 @@
 #define SP_VBMI2 1
 #else
 #define SP_VBMI2 0
+#endif
+#if SP_VBMI2 && defined(__AVX512BF16__)
+#define SP_DP 1 /* bf16 x against bf16 values: two columns a step by vdpbf16ps */
+#else
+#define SP_DP 0
 #endif
 #if !SP_AVX512 && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -83,6 +91,8 @@ typedef struct {
     void *out; /* [rows, n], row stride ldo: fp32, or bf16 for out_bf16 */
     int64_t ldo;
     int out_bf16;
+    const uint16_t *xb; /* SP_DP: bf16 x [rows, ldxb], one zero past k (pairs of channels) */
+    int64_t ldxb;
 } call_t;
 
 static inline int popcount64(uint64_t w) { return __builtin_popcountll(w); }
@@ -338,6 +348,66 @@ static void band_plain(const call_t *c, int64_t to, int64_t r0, int R, int vt) {
     }
 }
 
+#if SP_DP
+/* bf16 x against bf16 values: columns k and k + 1 expanded together and interleaved into
+ * word pairs (row j's two weights in one dword, in PERM_UNPACK's lane order), multiplied
+ * with x's pair (x[k], x[k + 1]) by vdpbf16ps: half the widening and the FMAs of
+ * band_pass. Each element is summed over the pairs of k ascending (a row's result is
+ * independent of its batch), products exact, in vdpbf16ps's fp32 sums. */
+static inline __attribute__((always_inline)) void
+band_pass_dp(const call_t *c, int64_t to, int64_t r0, const int R) {
+    __m512 acc[MR][4];
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < 4; v++) acc[r][v] = _mm512_setzero_ps();
+    const uint16_t *x = c->xb + r0 * c->ldxb, *values = (const uint16_t *)c->values;
+    for (int64_t ti = 0; ti < c->n_ti; ti++) {
+        const int64_t t = to * c->n_ti + ti;
+        int64_t at = c->offsets[t];
+        if (at == c->offsets[t + 1]) continue;
+        const uint64_t *words = c->bitmap + t * TILE;
+        const int cols = c->k - TILE * ti < TILE ? (int)(c->k - TILE * ti) : TILE;
+        const uint16_t *xk = x + TILE * ti;
+        for (int col = 0; col < cols; col += 2) {
+            const uint64_t w0 = words[col], w1 = col + 1 < cols ? words[col + 1] : 0;
+            const uint16_t *p0 = values + at, *p1 = p0 + popcount64(w0);
+            at += popcount64(w0) + popcount64(w1);
+            if (!(w0 | w1)) continue;
+            const __mmask32 lo0 = (__mmask32)w0, lo1 = (__mmask32)w1;
+            const __m512i a0 = _mm512_maskz_expandloadu_epi16(lo0, p0);
+            const __m512i b0 = _mm512_maskz_expandloadu_epi16((__mmask32)(w0 >> 32),
+                                                              p0 + popcount64(lo0));
+            const __m512i a1 = _mm512_maskz_expandloadu_epi16(lo1, p1);
+            const __m512i b1 = _mm512_maskz_expandloadu_epi16((__mmask32)(w1 >> 32),
+                                                              p1 + popcount64(lo1));
+            const __m512bh pair[4] = {(__m512bh)_mm512_unpacklo_epi16(a0, a1),
+                                      (__m512bh)_mm512_unpackhi_epi16(a0, a1),
+                                      (__m512bh)_mm512_unpacklo_epi16(b0, b1),
+                                      (__m512bh)_mm512_unpackhi_epi16(b0, b1)};
+            for (int r = 0; r < R; r++) {
+                const __m512bh xp = (__m512bh)_mm512_set1_epi32((int)load32(
+                    (const uint8_t *)(xk + r * c->ldxb + col)));
+                for (int v = 0; v < 4; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], pair[v], xp);
+            }
+        }
+    }
+    float sums[MR * CH] __attribute__((aligned(64)));
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < 4; v++) _mm512_store_ps(sums + r * CH + v * VL, acc[r][v]);
+    const int64_t o0 = to * TILE;
+    const int nrows = c->n - o0 < TILE ? (int)(c->n - o0) : TILE;
+    store_rows(c, sums, r0, R, o0, nrows, V_BF16);
+}
+
+static void band_dp(const call_t *c, int64_t to) {
+    for (int64_t r0 = 0; r0 < c->rows; r0 += MR) {
+        const int rows = c->rows - r0 < MR ? (int)(c->rows - r0) : MR;
+#define DP_CALL(R) band_pass_dp(c, to, r0, R)
+        FOR_ROWS_1_TO_6(rows, DP_CALL)
+#undef DP_CALL
+    }
+}
+#endif
+
 /* band `to`, every row of x in blocks of MR; one function per value type, so the type is
  * a constant inside the loops */
 #if SP_AVX512 || SP_AVX2
@@ -370,6 +440,9 @@ static int product(call_t *c, int vt, int num_threads, int plain) {
 #if SP_AVX512 || SP_AVX2
     if (!plain) band = vt == V_BF16 ? band_bf16 : vt == V_F16 ? band_f16
                      : vt == V_F32 ? band_f32 : band_i8;
+#if SP_DP
+    if (!plain && c->xb) band = band_dp;
+#endif
 #endif
     (void)plain;
     _Pragma("omp parallel for num_threads(num_threads) schedule(static)")
@@ -393,9 +466,9 @@ static int make_call(call_t *c, const uint64_t *bitmap, const int64_t *offsets,
 }
 
 /* Which paths this build has: 1 (the kernel), | 2 AVX-512, | 4 VBMI2's expanding loads,
- * | 8 AVX2. */
+ * | 8 AVX2, | 16 bf16 x against bf16 values by vdpbf16ps (other bits than the FMA paths'). */
 int sparse_tiles_available(void) {
-    return 1 | (SP_AVX512 ? 2 : 0) | (SP_VBMI2 ? 4 : 0) | (SP_AVX2 ? 8 : 0);
+    return 1 | (SP_AVX512 ? 2 : 0) | (SP_VBMI2 ? 4 : 0) | (SP_AVX2 ? 8 : 0) | (SP_DP ? 16 : 0);
 }
 
 /* x [rows, k] fp32 (row stride ldx) . W^T -> out [rows, n] fp32 (row stride ldo); W the
@@ -422,6 +495,20 @@ int sparse_tiles_bf16(const uint16_t *x, int64_t rows, int64_t ldx, const uint64
     call_t c;
     if (make_call(&c, bitmap, offsets, values, vt, scales, n, k)) return -1;
     if (rows <= 0) return 0;
+#if SP_DP
+    if (vt == V_BF16 && !plain) { /* x as bf16 pairs, a zero past the last channel */
+        uint16_t *xb = malloc((size_t)rows * (k + 1) * 2);
+        if (!xb) return -1;
+        for (int64_t r = 0; r < rows; r++) {
+            memcpy(xb + r * (k + 1), x + r * ldx, (size_t)k * 2);
+            xb[r * (k + 1) + k] = 0;
+        }
+        c.xb = xb, c.ldxb = k + 1, c.rows = rows, c.out = out, c.ldo = ldo, c.out_bf16 = 1;
+        const int status = product(&c, vt, num_threads, plain);
+        free(xb);
+        return status;
+    }
+#endif
     float *xf = malloc((size_t)rows * k * 4);
     if (!xf) return -1;
     for (int64_t r = 0; r < rows; r++)
