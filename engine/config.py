@@ -155,6 +155,8 @@ def _runs_here(model, device: str, gguf: bool, own) -> str:
     elif own is not None and own.name == "fp8":
         forms = ["None or 'fp8' (its FP8 weights as stored, compute capability 8.9 or "
                  "later)"] * device.startswith("cuda") + ["'dequantize'"]
+    elif own is not None and own.name == "sparse":  # a "sparsity_config" (weights/sparse.py)
+        forms = ["None (its sparse tiles as stored)", "'dequantize'"]
     elif own is not None:
         forms = [f"None or {own.name!r} (its {own.name} codes as stored)", "'dequantize'"]
     else:

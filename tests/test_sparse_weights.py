@@ -337,3 +337,14 @@ def test_tensor_parallel_ranks_generate_like_one_process(arch, tmp_path, tmp_pat
             router = sum(t.numel() * 4 for ts in dense.values() for t in ts if t.dim() == 2)
             most = max(most, loaded + norms + router)
     assert layer_bytes == most
+
+
+def test_another_quantization_is_refused_naming_the_forms(tmp_path, tmp_path_factory):
+    from fusegen.engine.errors import EngineConfigError
+
+    sparse = write_pruned(source("llama", tmp_path_factory), tmp_path / "s", "float32")
+    with pytest.raises(EngineConfigError) as info:
+        LLM(str(sparse), quantization="int8", **OPTIONS)
+    assert str(info.value).endswith(
+        "on cpu this model runs with quantization=None (its sparse tiles as stored), "
+        "'dequantize'")

@@ -92,7 +92,10 @@ class CompressedSource:
     `format` "gguf": params (qtype,), components {"blocks": uint8 [out, row_bytes]};
     "group": params (bits, group_size, symmetric), components {"qweight", "scales", and
     "zeros" when asymmetric} (docs/quantization.md); "fp8": params (), components
-    {"weight_fp8" e4m3 [out, in], "weight_scale" fp32 [out]}. `shape` is the dense weight's
+    {"weight_fp8" e4m3 [out, in], "weight_scale" fp32 [out]}; "sparse": params (values
+    dtype name,), components {"bitmap", "offsets", "values", and "scales" with int8
+    values}, one tile table per weight in `segments` ((out, nnz) each: weights/sparse.py,
+    docs/sparsity.md). `shape` is the dense weight's
     [out, in]; `read()` returns the whole stored weight's components (rows in Hugging
     Face order), `window` the (row start, rows, column start, columns) of it this source
     is (`narrow`)."""
