@@ -79,7 +79,8 @@ def can_keep(param: str, parts: list[CompressedSource], device: str = "cpu") -> 
     if first.format == "gguf":
         return kept_as_blocks(param, [(p.params[0], p.shape) for p in parts], device)
     if first.format == "sparse":  # each part keeps its own tile table (weights/sparse.py)
-        return len({p.shape[1] for p in parts}) == 1
+        # kernels/sparse_linear.py multiplies CPU tensors; elsewhere decoded as it loads
+        return device == "cpu" and len({p.shape[1] for p in parts}) == 1
     return (first.format in ("group", "fp8")
             and (first.format == "fp8" or first.params[0] in GROUP_BITS)
             and len({p.shape[1] for p in parts}) == 1)
