@@ -276,6 +276,7 @@ class SparseLinear(CompressedLinear):
     def __init__(self, bias: bool = False):
         super().__init__(bias=bias)
         self.segments: tuple[tuple[int, int], ...] = ()
+        self._views: list | None = None  # each segment's SparseTiles, until a set_weight
 
     @classmethod
     def shell(cls, linear: Linear, source: CompressedSource) -> "SparseLinear":
@@ -283,9 +284,15 @@ class SparseLinear(CompressedLinear):
         module.segments = source.segments
         return module
 
-    def _parts(self, segments) -> list:
-        return segment_tiles({n: getattr(self, n) for n in self.components}, segments,
-                             self.in_features)
+    def set_weight(self, name: str, tensor: torch.Tensor) -> None:
+        super().set_weight(name, tensor)
+        self._views = None  # new components (a staging slot's, each step): views anew
+
+    def _parts(self) -> list:
+        if self._views is None:
+            self._views = segment_tiles({n: getattr(self, n) for n in self.components},
+                                        self.segments, self.in_features)
+        return self._views
 
     def _product(self, x: torch.Tensor, parts: list) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -294,7 +301,7 @@ class SparseLinear(CompressedLinear):
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        parts = self._parts(self.segments)
+        parts = self._parts()
         if self.row_tile is not None:
             return row_tiled(x, partial(_tile, self._product, parts), self.out_features,
                              self.bias, self.row_tile)
@@ -326,8 +333,7 @@ class SparseExpertLinear(SparseLinear):
 
     def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
         per = len(self.segments) // self.num_experts
-        # tiles and values before this expert's: the views start there
-        parts = self._parts(self.segments)[expert * per:(expert + 1) * per]
+        parts = self._parts()[expert * per:(expert + 1) * per]
         if self.row_tile is not None:
             return row_tiled(x, partial(_tile, self._product, parts), self.out_features,
                              None, self.row_tile)
