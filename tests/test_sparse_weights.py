@@ -183,6 +183,11 @@ def test_streamed_sparse_layers_generate_like_resident(arch, resident, host, tmp
     layer_bytes = layer_file_bytes(sparse)
     assert sizes.layer_bytes == max(layer_bytes)  # the tiles' exact bytes, the largest
     assert ref_report["layers"] == {"device": NUM_LAYERS, "host": 0, "disk": 0}
+    for i, layer in enumerate(ref.model.layers):  # resident: the tiles as stored, exactly
+        held = sum(t.numel() * t.element_size() for t in layer.state_dict().values())
+        held += sum(getattr(layer, n).nbytes for n in (*LINEARS, "router")
+                    if hasattr(layer, n))  # a mixture of experts' router: dense
+        assert held == layer_bytes[i]
     kv = sizes.min_kv_blocks * sizes.kv_block_bytes
     budget = budget_for_resident_layers(sizes, resident, kv_reserve=kv)
     got, runner, report = generate(sparse, device_memory=budget, host_memory=host,
