@@ -448,3 +448,13 @@ def test_written_checkpoint_runs_as_pruned_dense(tmp_path, arch, method):
             tokens[form] = [o.token_ids for o in llm.generate(
                 ["Hello world", "The quick brown fox", "1 2 3"], params, use_tqdm=False)]
     assert tokens["sparse"] == tokens["dense"]
+
+
+def test_tiles_encoded_again_past_the_cache(odd_dir, tmp_path, monkeypatch):
+    """Past the planning cache's budget each linear is pruned and encoded again when
+    written: the same bytes as when every linear's tiles were kept."""
+    sp.sparsify_checkpoint(odd_dir, tmp_path / "cached", sp.SparsifySpec(0.6, values="int8"))
+    monkeypatch.setattr(sp, "_CACHE_BYTES", 20_000)  # a few linears' tiles, not all
+    sp.sparsify_checkpoint(odd_dir, tmp_path / "again", sp.SparsifySpec(0.6, values="int8"))
+    assert (tmp_path / "cached" / "model.safetensors").read_bytes() == \
+        (tmp_path / "again" / "model.safetensors").read_bytes()

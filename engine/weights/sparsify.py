@@ -31,7 +31,10 @@ METHODS = ("magnitude", "wanda")
 VALUES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "int8": "int8"}
 _SOURCE_VALUES = {torch.bfloat16: "bfloat16", torch.float16: "float16",
                   torch.float32: "float32"}
-_ROW_BAND = 1024  # rows scored and sorted at once: bounds the sort's memory on wide linears
+_ROW_BAND = 1024  # rows scored and ranked at once: bounds the memory on wide linears
+# Tiles encoded while planning the files are kept for writing them, up to this many
+# bytes; past it a linear is pruned and encoded again when written.
+_CACHE_BYTES = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,14 +64,16 @@ def kept_count(in_features: int, sparsity: float) -> int:
 
 
 def prune_rows(w: torch.Tensor, scores: torch.Tensor, kept: int) -> torch.Tensor:
-    """w [out, in] with all but each row's `kept` highest `scores` [out, in] set to 0;
-    of equal scores the lower column is kept. fp32."""
+    """w [out, in] with all but each row's `kept` highest `scores` [out, in] (finite,
+    >= 0) set to 0; of equal scores the lower column is kept. fp32."""
     pruned = torch.zeros(w.shape, dtype=torch.float32)
+    # Each score's fp32 bits (ordered as the non-negative floats are) above its column
+    # counted from the right: every key distinct, equal scores ranked by column.
+    columns = torch.arange(w.shape[1] - 1, -1, -1, dtype=torch.int64)
     for start in range(0, w.shape[0], _ROW_BAND):
         band = slice(start, start + _ROW_BAND)
-        # a stable descending sort keeps equal scores in column order
-        order = torch.sort(scores[band], dim=1, descending=True, stable=True).indices
-        keep = order[:, :kept]
+        bits = scores[band].float().contiguous().view(torch.int32).to(torch.int64)
+        keep = torch.topk((bits << 32) | columns, kept, dim=1, sorted=False).indices
         pruned[band].scatter_(1, keep, w[band].float().gather(1, keep))
     return pruned
 
@@ -92,6 +97,7 @@ class SparseForm:
                  norms: dict[str, torch.Tensor], report: SparseReport):
         self.spec, self.values, self.modules = spec, values, modules
         self.norms, self.report = norms, report  # norms: wanda's ||x|| per linear [in]
+        self._planned_tiles, self._cached_bytes = {}, 0  # planned, kept to be written
 
     def pruned(self, name: str, weight: torch.Tensor) -> torch.Tensor:
         """The weight [out, in] pruned (fp32, the pruned ones 0)."""
@@ -113,14 +119,21 @@ class SparseForm:
         from fusegen.kernels import sparse_format
 
         tiles = self._encoded(name, source.read(name))
-        self.report.layers[name] = (source.nbytes(name), sparse_format.nbytes(tiles))
+        nbytes = sparse_format.nbytes(tiles)
+        self.report.layers[name] = (source.nbytes(name), nbytes)
+        if self._cached_bytes + nbytes <= _CACHE_BYTES:
+            self._planned_tiles[name] = tiles
+            self._cached_bytes += nbytes
         return [(key, tuple(t.shape), t.dtype)
                 for key, t in sparse_format.tensors(name, tiles).items()]
 
     def produce(self, name: str, weight: torch.Tensor) -> list[torch.Tensor]:
         from fusegen.kernels import sparse_format
 
-        return list(sparse_format.tensors(name, self._encoded(name, weight)).values())
+        tiles = self._planned_tiles.pop(name, None)
+        if tiles is None:
+            tiles = self._encoded(name, weight)
+        return list(sparse_format.tensors(name, tiles).values())
 
     def config_entries(self) -> dict:
         from fusegen.kernels import sparse_format
