@@ -1,7 +1,7 @@
 """A weight kept in a compressed form: `CompressedSource` (one checkpoint weight as
 stored, not read yet: a GGUF file's blocks, fusegen's group-quantized int8 / int4 codes,
-FP8 codes, fusegen's sparse bitmap tiles; docs/quantization.md, docs/sparsity.md) and `CompressedLinear`, the base of the `Linear`s that
-multiply such a weight as stored.
+FP8 codes, fusegen's sparse bitmap tiles; docs/quantization.md, docs/sparsity.md) and
+`CompressedLinear`, the base of the `Linear`s that multiply such a weight as stored.
 
 A state-dict entry stored compressed carries its source as `.compressed` (the entry itself
 still reads as a dense tensor, dequantized on use). The format modules (weights/gguf.py,
