@@ -1,4 +1,4 @@
-"""The group codes' int8 product built for an AVX2 CPU (kernels/csrc/quant_group_avx2.h:
+"""The group codes' int8 product built for an AVX2 CPU (kernels/csrc/quant_avx2.h's layer:
 vpmaddubsw + vpmaddwd, 8 columns a chunk, int8 codes taken signed): the torch
 reference's bits (which the AVX512_VNNI kernel gives too) for every bits / symmetric /
 group size, odd shapes, row and thread counts, and codes at the ends of their range

@@ -1,342 +1,149 @@
-/* quant_vnni.c's int8 products on AVX2 (included there for builds without AVX512_VNNI):
- * the same numbers bit for bit, on ymm registers.
+/* vnni.h's vector layer on AVX2 (included there for builds without AVX512_VNNI): the same
+ * operations on ymm registers, so that quant_vnni.c and quant_group_vnni.c give the same
+ * bits on either.
  *
- * What differs from the AVX-512 form: a chunk is NC = 8 output columns (one a dword lane
- * of a ymm), and vpdpbusd is vpmaddubsw + vpmaddwd + vpaddd (dot4 in vnni.h, llama.cpp's
- * AVX2 form). vpmaddubsw sums two products of an unsigned and a signed byte in int16 with
- * saturation; no pair saturates here, so each block's integer sum is the exact one the
- * VNNI form takes:
+ * What differs from the AVX-512 layer: a chunk is NC = 8 output columns (one a dword lane
+ * of a ymm), loads and transposes take 8 columns, and vpdpbusd is vpmaddubsw + vpmaddwd +
+ * vpaddd (dot4, llama.cpp's AVX2 form). vpmaddubsw sums two products of an unsigned and a
+ * signed byte in int16 with saturation; no pair saturates here, so each block's integer
+ * sum is the exact one the VNNI form takes:
  *   - 4-, 5- and 6-bit codes (0..63) times x's codes (-127..127): |pair| <= 2 * 63 * 127
  *     = 16002;
- *   - Q8_0's codes are signed (-128..127): the unsigned operand is |w| (0..128, vpabsb
- *     giving 0x80 = 128 for -128) and the signed one x * sign(w) (vpsignb, -127..127), so
- *     |pair| <= 2 * 128 * 127 = 32512 and no +128 offset is folded in.
- * The fp32 factors, their products and the fp32 multiply-adds are the VNNI form's, in
- * its order, for every element. */
+ *   - 8-bit codes are multiplied signed (CODES8_SIGNED: GGUF Q8_0's as stored, group
+ *     codes c as c - 128): the unsigned operand is |w| (0..128, vpabsb giving 0x80 = 128
+ *     for -128) and the signed one x * sign(w) (vpsignb, -127..127), so |pair| <= 2 * 128
+ *     * 127 = 32512, and the kernels fold in the offsets that go with signed codes.
+ * The fp32 factors, their products and the fp32 multiply-adds are the VNNI form's, in its
+ * order, for every element. */
 
-/* x quantized: per row k codes, per 32 values d and d * sum(q), per 16 values sum(q) */
-typedef struct {
-    int8_t *q;
-    float *d, *ds;
-    int32_t *s16;
-    int64_t k;
-} xq_t;
+#define NC 8 /* columns per chunk: one a dword lane of a ymm */
+#define CODES8_SIGNED 1
+/* repacked blocks past RMAX rows go through the per-thread scratch, as stored ones do:
+ * expanding them again for each RMAX rows spills the 16 ymm registers */
+#define REPACKED_DIRECT 0
 
-/* one row: k bf16 values -> codes, d, d * sum, sums per 16 */
-static void quantize_row(const uint16_t *x, int64_t k, int8_t *q, float *d, float *ds,
-                         int32_t *s16) {
-    for (int64_t u = 0; u < k / 32; u++, x += 32, q += 32) {
-        int32_t sa, sb;
-        const float dx = quantize_block32_avx2(x, q, &sa, &sb);
-        d[u] = dx;
-        ds[u] = dx * (float)(sa + sb);
-        s16[2 * u] = sa, s16[2 * u + 1] = sb;
-    }
+#define VW 256 /* the vector width, for vnni.h's plain operations: _mm256_* */
+typedef __m256i vi;
+typedef __m256 vf;
+
+/* a 128-bit lane of dwords a, b, c, d (lowest first) in both lanes */
+static inline vi vi_lanes32(int32_t a, int32_t b, int32_t c, int32_t d) {
+    return _mm256_setr_epi32(a, b, c, d, a, b, c, d);
+}
+static inline vf vf_load_fp16(const void *p) { /* NC fp16 values -> fp32 */
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 }
 
-/* One 32-value unit of NC = 8 columns: as quant_vnni.c's unit_t (Q8_0's codes signed) */
-typedef struct {
-    __m256i q[8];
-    __m256 s, t;
-} unit_t;
+/* 8 int32 (each within int8) -> 8 bytes, in order */
+static inline __m128i narrow8(__m256i v) {
+    const __m256i w = _mm256_packs_epi32(v, v); /* lane l: v's 4 l.. twice */
+    const __m256i b = _mm256_packs_epi16(w, w);
+    return _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+}
+
+/* 32 bf16 values -> their codes in q[32] and the sums of the codes 0..15 (*sa) and
+ * 16..31 (*sb); returns d: the AVX-512 layer's numbers */
+static inline float quantize_block32(const uint16_t *x, int8_t *q, int32_t *sa, int32_t *sb) {
+    __m256 f[4];
+    for (int i = 0; i < 4; i++)
+        f[i] = _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(x + 8 * i))), 16));
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, f[0]), _mm256_andnot_ps(sign, f[1])),
+                             _mm256_max_ps(_mm256_andnot_ps(sign, f[2]), _mm256_andnot_ps(sign, f[3])));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h);
+    /* a division (divss): -ffast-math would otherwise multiply by 1 / 127 */
+    const float d = _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(amax), _mm_set_ss(127.0f)));
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    __m256i c[4];
+    for (int i = 0; i < 4; i++) {
+        c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(f[i], _mm256_set1_ps(id)));
+        _mm_storel_epi64((__m128i *)(q + 8 * i), narrow8(c[i]));
+    }
+    for (int half = 0; half < 2; half++) {
+        const __m256i s = _mm256_add_epi32(c[2 * half], c[2 * half + 1]);
+        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+        *(half ? sb : sa) = _mm_cvtsi128_si32(t);
+    }
+    return d;
+}
+
+/* T[i] dword c = the 4 bytes at col[c] + off + 4 i: NC columns' 16 bytes transposed */
+static inline void transpose_cols(const uint8_t *const col[NC], int64_t off, vi T[4]) {
+    __m256i z[4]; /* z[g]'s 128-bit lane l: column 4 l + g, so that T's dword c is column c */
+    for (int g = 0; g < 4; g++)
+        z[g] = _mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(col[g] + off))),
+            _mm_loadu_si128((const __m128i *)(col[4 + g] + off)), 1);
+    const __m256i a = _mm256_unpacklo_epi32(z[0], z[1]), b = _mm256_unpackhi_epi32(z[0], z[1]);
+    const __m256i c = _mm256_unpacklo_epi32(z[2], z[3]), d = _mm256_unpackhi_epi32(z[2], z[3]);
+    T[0] = _mm256_unpacklo_epi64(a, c), T[1] = _mm256_unpackhi_epi64(a, c);
+    T[2] = _mm256_unpacklo_epi64(b, d), T[3] = _mm256_unpackhi_epi64(b, d);
+}
 
 /* the 4 bytes at col[c] + off, dword c (vindex: each column's offset from col[0]) */
-static inline __m256i gather(const uint8_t *const col[NC], __m256i vindex, int64_t off) {
+static inline vi gather(const uint8_t *const col[NC], vi vindex, int64_t off) {
     return _mm256_i32gather_epi32((const int *)(col[0] + off), vindex, 1);
 }
 
+/* the low 16 bits of each dword, in order (values < 2^16) */
+static inline __m128i low16x8(__m256i v) {
+    const __m256i w = _mm256_packus_epi32(v, v); /* lane l: dwords 4 l.. twice */
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(w, 0x08));
+}
+
 /* fp16 in the low (high = 0) or high half of each dword -> fp32 */
-static inline __m256 halves(__m256i v, const int high) {
+static inline vf halves(vi v, const int high) {
     return _mm256_cvtph_ps(low16x8(high ? _mm256_srli_epi32(v, 16)
                                         : _mm256_and_si256(v, _mm256_set1_epi32(0xffff))));
 }
 
-static inline __m256i low4(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0xf)); }
-static inline __m256i high4(__m256i v) { return low4(_mm256_srli_epi32(v, 4)); }
-
-/* bytes of v where `bit` (one set bit a byte) is set: 16 added */
-static inline __m256i add16_where(__m256i q, __m256i v, __m256i bit) {
+/* q + 16 in the bytes where v has `bit` (one set bit a byte) set */
+static inline vi add16_where(vi q, vi v, vi bit) {
     const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
     return _mm256_add_epi8(q, _mm256_and_si256(set, _mm256_set1_epi8(16)));
 }
 
-/* bits 4 i .. 4 i + 3 of each dword of qh as 16 added to the 4 bytes of q */
-static inline __m256i fifth(__m256i q, __m256i qh, int i) {
-    const __m256i spread = _mm256_setr_epi32(0, 0x04040404, 0x08080808, 0x0c0c0c0c,
-                                             0, 0x04040404, 0x08080808, 0x0c0c0c0c);
-    const __m256i bits = _mm256_shuffle_epi8(_mm256_srli_epi32(qh, 4 * i), spread);
-    return add16_where(q, bits, _mm256_set1_epi32(0x08040201));
+/* acc + the sums of 4 products, unsigned bytes of u times signed bytes of s, per dword
+ * (vpdpbusd's): exact where no pair of products leaves int16 (|u| |s| <= 16383 a pair) */
+static inline vi dot4(vi acc, vi u, vi s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+/* dot4 with 8-bit weight codes w (signed here: CODES8_SIGNED), the sign moved onto s */
+static inline vi dot8(vi acc, vi w, vi s) {
+    return dot4(acc, _mm256_abs_epi8(w), _mm256_sign_epi8(s, w));
 }
 
-/* signed byte `b` of each dword -> fp32 */
-static inline __m256 sbyte(__m256i v, int b) {
-    return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24 - 8 * b), 24));
+/* 8 floats -> bf16, nearest even (as torch rounds), NaN kept quiet */
+static inline __m128i to_bf16x8(__m256 f) {
+    const __m256i u = _mm256_castps_si256(f);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd), 16);
+    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
+    return low16x8(_mm256_blendv_epi8(r, quiet, nan));
 }
 
-/* unsigned bits [shift, shift + width) of each dword */
-static inline __m256i bits(__m256i v, int shift, int mask) {
-    return _mm256_and_si256(_mm256_srli_epi32(v, shift), _mm256_set1_epi32(mask));
+static inline vi bcast32(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
 }
 
-/* A repacked group of 16 rows (quant_vnni.c's words): this chunk is its half `half`
- * (rows 8 half ..), its lanes the second 32 bytes of each 64-byte word vector (16 bytes
- * of each fp16 field) for half 1. sb: the group's current block. */
-static inline void words(const int RP, const int half, const uint8_t *const col[NC],
-                         const uint8_t *sb, int64_t off, __m256i T[4]) {
-    if (!RP) {
-        t8(col, off, T);
-        return;
+/* the first ncols lanes of acc as bf16 */
+static inline void store_row(uint16_t *out, vf acc, int ncols) {
+    const __m128i v = to_bf16x8(acc);
+    if (ncols == NC) {
+        _mm_storeu_si128((__m128i *)out, v);
+    } else {
+        uint16_t tmp[NC];
+        _mm_storeu_si128((__m128i *)tmp, v);
+        memcpy(out, tmp, (size_t)ncols * 2);
     }
-    for (int i = 0; i < 4; i++)
-        T[i] = _mm256_loadu_si256((const __m256i *)(sb + 16 * off + 64 * i + 32 * half));
-}
-
-static inline __m256i word(const int RP, const int half, const uint8_t *const col[NC],
-                           __m256i vindex, const uint8_t *sb, int64_t off) {
-    return RP ? _mm256_loadu_si256((const __m256i *)(sb + 16 * off + 32 * half))
-              : gather(col, vindex, off);
-}
-
-static inline __m256 fp16s(const int half, const uint8_t *sb, int64_t off) {
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 16 * off + 16 * half)));
-}
-
-/* Units per expansion step, steps per block, and the offset folded into the integer sums */
-#define UNITS(QT) ((QT) == Q6_K ? 4 : (QT) == Q4_K || (QT) == Q5_K ? 2 : 1)
-#define STEPS(QT) ((QT) == Q6_K ? 2 : (QT) == Q4_K || (QT) == Q5_K ? 4 : 1)
-#define OFFSET(QT) ((QT) == Q4_0 ? 8 : (QT) == Q5_0 ? 16 : (QT) == Q6_K ? 32 : 0)
-#define HAS_MIN(QT) ((QT) == Q4_1 || (QT) == Q5_1 || (QT) == Q4_K || (QT) == Q5_K)
-
-/* Units [step * UNITS, (step + 1) * UNITS) of the 8 columns' blocks (col: each column's
- * current block): quant_vnni.c's expand */
-static inline __attribute__((always_inline)) void
-expand(const int QT, const int RP, const int half, const uint8_t *const col[NC], const uint8_t *sb,
-       __m256i vindex, int step, unit_t *u) {
-    __m256i T[4], U[4];
-    if (QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1) {
-        const int qoff = QT == Q4_0 ? 2 : QT == Q4_1 ? 4 : QT == Q5_0 ? 6 : 8;
-        words(RP, half, col, sb, qoff, T);
-        for (int i = 0; i < 4; i++) u->q[i] = low4(T[i]), u->q[4 + i] = high4(T[i]);
-        if (QT == Q5_0 || QT == Q5_1) {
-            const __m256i qh = word(RP, half, col, vindex, sb, QT == Q5_0 ? 2 : 4);
-            for (int i = 0; i < 8; i++) u->q[i] = fifth(u->q[i], qh, i);
-        }
-        if (RP) {
-            u->s = fp16s(half, sb, 0);
-            u->t = HAS_MIN(QT) ? fp16s(half, sb, 2) : _mm256_setzero_ps();
-        } else {
-            const __m256i g = gather(col, vindex, 0);
-            u->s = halves(g, 0);
-            u->t = HAS_MIN(QT) ? halves(g, 1) : _mm256_setzero_ps();
-        }
-    } else if (QT == Q8_0) {
-        words(RP, half, col, sb, 2, T);
-        words(RP, half, col, sb, 18, U);
-        for (int i = 0; i < 4; i++) u->q[i] = T[i], u->q[4 + i] = U[i];
-        u->s = RP ? fp16s(half, sb, 0) : halves(gather(col, vindex, 0), 0);
-        u->t = _mm256_setzero_ps();
-    } else if (QT == Q4_K || QT == Q5_K) { /* step: sub-blocks 2 step, 2 step + 1 */
-        const int qoff = (QT == Q5_K ? 48 : 16) + 32 * step;
-        words(RP, half, col, sb, qoff, T);
-        words(RP, half, col, sb, qoff + 16, U);
-        for (int i = 0; i < 4; i++) {
-            u[0].q[i] = low4(T[i]), u[0].q[4 + i] = low4(U[i]);
-            u[1].q[i] = high4(T[i]), u[1].q[4 + i] = high4(U[i]);
-        }
-        if (QT == Q5_K) {
-            __m256i H[8];
-            words(RP, half, col, sb, 16, H);
-            words(RP, half, col, sb, 32, H + 4);
-            for (int j = 0; j < 2; j++) {
-                const __m256i bit = _mm256_set1_epi8((char)(1 << (2 * step + j)));
-                for (int i = 0; i < 8; i++) u[j].q[i] = add16_where(u[j].q[i], H[i], bit);
-            }
-        }
-        __m256 d, dmin;
-        if (RP) {
-            d = fp16s(half, sb, 0), dmin = fp16s(half, sb, 2);
-        } else {
-            const __m256i g = gather(col, vindex, 0);
-            d = halves(g, 0), dmin = halves(g, 1);
-        }
-#define WORD(off) word(RP, half, col, vindex, sb, off)
-        for (int j = 0; j < 2; j++) { /* sub-block 2 step + j's 6-bit scale and min */
-            const int sub = 2 * step + j;
-            __m256i sc, mn;
-            if (sub < 4) {
-                sc = bits(WORD(4), 8 * sub, 63);
-                mn = bits(WORD(8), 8 * sub, 63);
-            } else {
-                const __m256i hi = WORD(12);
-                sc = _mm256_or_si256(bits(hi, 8 * (sub - 4), 0xf),
-                                     _mm256_slli_epi32(bits(WORD(4), 8 * (sub - 4) + 6, 3), 4));
-                mn = _mm256_or_si256(bits(hi, 8 * (sub - 4) + 4, 0xf),
-                                     _mm256_slli_epi32(bits(WORD(8), 8 * (sub - 4) + 6, 3), 4));
-            }
-#undef WORD
-            u[j].s = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
-            u[j].t = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mn)));
-        }
-    } else { /* Q6_K, step: the half of 128 values; unit j its quarter j */
-        __m256i L[16], H[8];
-        for (int i = 0; i < 4; i++) words(RP, half, col, sb, 64 * step + 16 * i, L + 4 * i);
-        words(RP, half, col, sb, 128 + 32 * step, H);
-        words(RP, half, col, sb, 128 + 32 * step + 16, H + 4);
-        const __m256 d = RP ? fp16s(half, sb, 208) : halves(gather(col, vindex, 206), 1);
-        const __m256i sc[2] = {word(RP, half, col, vindex, sb, 192 + 8 * step),
-                               word(RP, half, col, vindex, sb, 196 + 8 * step)};
-        for (int j = 0; j < 4; j++) {
-            for (int i = 0; i < 8; i++) { /* values 4 i.. of the quarter: ql bytes 32 (j & 1) + 4 i */
-                const __m256i lo = L[4 * ((j & 1) * 2 + i / 4) + i % 4];
-                const __m256i hb = _mm256_and_si256(_mm256_srli_epi32(H[i], 2 * j), _mm256_set1_epi8(3));
-                u[j].q[i] = _mm256_or_si256(j >> 1 ? high4(lo) : low4(lo), _mm256_slli_epi32(hb, 4));
-            }
-            u[j].s = _mm256_mul_ps(d, sbyte(sc[j >> 1], (2 * j) & 3));
-            u[j].t = _mm256_mul_ps(d, sbyte(sc[j >> 1], (2 * j + 1) & 3));
-        }
-    }
-}
-
-/* acc + 4 products a dword of the weight codes w and x's broadcast codes xb (Q8_0: w
- * signed, the sign moved onto x) */
-static inline __m256i dot_codes(const int QT, __m256i acc, __m256i w, __m256i xb) {
-    if (QT == Q8_0) return dot4(acc, _mm256_abs_epi8(w), _mm256_sign_epi8(xb, w));
-    return dot4(acc, w, xb);
-}
-
-/* one row's unit against the 8 columns: quant_vnni.c's unit_dot */
-static inline __attribute__((always_inline)) __m256
-unit_dot(const int QT, const unit_t *u, const xq_t *xq, int64_t row, int64_t unit, __m256 acc) {
-    const int64_t at = row * (xq->k / 32) + unit;
-    const int8_t *q = xq->q + row * xq->k + unit * 32;
-    const __m256 dx = _mm256_set1_ps(xq->d[at]);
-    const int32_t sa = xq->s16[2 * at], sb = xq->s16[2 * at + 1];
-    if (QT == Q6_K) { /* two 16-value halves, each its own scale */
-        __m256i ia = _mm256_set1_epi32(-OFFSET(QT) * sa), ib = _mm256_set1_epi32(-OFFSET(QT) * sb);
-        for (int i = 0; i < 4; i++) {
-            ia = dot_codes(QT, ia, u->q[i], bcast32(q + 4 * i));
-            ib = dot_codes(QT, ib, u->q[4 + i], bcast32(q + 16 + 4 * i));
-        }
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(u->s, dx), acc);
-        return _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib), _mm256_mul_ps(u->t, dx), acc);
-    }
-    __m256i i0 = OFFSET(QT) ? _mm256_set1_epi32(-OFFSET(QT) * (sa + sb)) : _mm256_setzero_si256();
-    __m256i i1 = _mm256_setzero_si256();
-    for (int i = 0; i < 8; i += 2) {
-        i0 = dot_codes(QT, i0, u->q[i], bcast32(q + 4 * i));
-        i1 = dot_codes(QT, i1, u->q[i + 1], bcast32(q + 4 * i + 4));
-    }
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1)), _mm256_mul_ps(u->s, dx), acc);
-    if (HAS_MIN(QT)) acc = _mm256_fmadd_ps(u->t, _mm256_set1_ps(xq->ds[at]), acc);
-    return acc;
-}
-
-/* Rows [r0, r0 + R) against the chunk, each block expanded in registers as it comes */
-static inline __attribute__((always_inline)) void
-micro_direct(const int QT, const int RP, const int R, const xq_t *xq, int64_t r0,
-             const uint8_t *const col0[NC], const uint8_t *sb0, int half, __m256i vindex,
-             int64_t nb, int bytes, uint16_t *out, int64_t ldo, int ncols) {
-    const int US = UNITS(QT);
-    __m256 acc[RMAX];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    const char *next = (const char *)col0[0] + NC * nb * bytes; /* the next chunk's rows */
-    for (int64_t i = 0; i < nb; i++) {
-        const uint8_t *col[NC];
-        for (int c = 0; c < NC; c++) col[c] = col0[c] + i * bytes;
-        for (int64_t b = 0; b < NC * bytes; b += 64) _mm_prefetch(next + i * NC * bytes + b, _MM_HINT_T0);
-        for (int step = 0; step < STEPS(QT); step++) {
-            unit_t u[4];
-            expand(QT, RP, half, col, sb0 + i * 2 * NC * bytes, vindex, step, u);
-            for (int j = 0; j < US; j++)
-                for (int r = 0; r < R; r++)
-                    acc[r] = unit_dot(QT, &u[j], xq, r0 + r, (i * STEPS(QT) + step) * US + j, acc[r]);
-        }
-    }
-    for (int r = 0; r < R; r++) store_row(out + r * ldo, acc[r], ncols);
-}
-
-/* Rows [r0, r0 + R) against the chunk's units expanded beforehand (`units`, nu of them) */
-static inline __attribute__((always_inline)) void
-micro_units(const int QT, const int R, const xq_t *xq, int64_t r0, const unit_t *units, int64_t nu,
-            uint16_t *out, int64_t ldo, int ncols) {
-    __m256 acc[RMAX];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t unit = 0; unit < nu; unit++)
-        for (int r = 0; r < R; r++) acc[r] = unit_dot(QT, &units[unit], xq, r0 + r, unit, acc[r]);
-    for (int r = 0; r < R; r++) store_row(out + r * ldo, acc[r], ncols);
-}
-
-/* every row of x against one chunk of 8 columns: quant_vnni.c's chunk_rows (RP: the
- * chunk is half `half` of the repacked group at sb0) */
-static inline __attribute__((always_inline)) void
-chunk_rows(const int QT, const int RP, const xq_t *xq, int64_t rows, const uint8_t *const col[NC],
-           const uint8_t *sb0, int half, __m256i vindex, int64_t nb, int bytes, unit_t *units,
-           uint16_t *out, int64_t ldo, int ncols) {
-    int64_t r0 = 0;
-    /* repacked blocks too go through the scratch past RMAX rows: expanding them again for
-     * each RMAX rows spills 16 ymm registers */
-    if (rows <= RMAX) {
-#define DIRECT(R) \
-    micro_direct(QT, RP, R, xq, r0, col, sb0, half, vindex, nb, bytes, out + r0 * ldo, ldo, ncols)
-        for (; r0 + RMAX <= rows; r0 += RMAX) DIRECT(RMAX);
-        RMAX_CASES(rows - r0, DIRECT)
-#undef DIRECT
-        return;
-    }
-    const int US = UNITS(QT);
-    const char *next = (const char *)col[0] + NC * nb * bytes;
-    for (int64_t i = 0; i < nb; i++) {
-        const uint8_t *c[NC];
-        for (int j = 0; j < NC; j++) c[j] = col[j] + i * bytes;
-        for (int64_t b = 0; b < NC * bytes; b += 64) _mm_prefetch(next + i * NC * bytes + b, _MM_HINT_T1);
-        for (int step = 0; step < STEPS(QT); step++)
-            expand(QT, RP, half, c, sb0 + i * 2 * NC * bytes, vindex, step,
-                   units + (i * STEPS(QT) + step) * US);
-    }
-    const int64_t nu = xq->k / 32;
-    for (; r0 + RMAX <= rows; r0 += RMAX)
-        micro_units(QT, RMAX, xq, r0, units, nu, out + r0 * ldo, ldo, ncols);
-#define UNITS_(R) micro_units(QT, R, xq, r0, units, nu, out + r0 * ldo, ldo, ncols)
-    RMAX_CASES(rows - r0, UNITS_)
-#undef UNITS_
-}
-
-/* packed: w's whole groups of 16 rows repacked (quant_gguf_q8_packed_bf16), two chunks a
- * group */
-static int all_chunks(int qtype, int packed, const xq_t *xq, int64_t rows, const uint8_t *w,
-                      int64_t n, int64_t nb, int bytes, uint16_t *out, int64_t ldo) {
-    const int64_t row_bytes = nb * bytes, chunks = (n + NC - 1) / NC;
-    unit_t *units = rows > RMAX ? aligned_alloc(64, (size_t)(xq->k / 32) * sizeof(unit_t)) : 0;
-    const int failed = rows > RMAX && !units; /* still takes part in the omp for */
-    _Pragma("omp for schedule(static) nowait") /* the parallel region's end waits */
-    for (int64_t ch = 0; ch < chunks; ch++) {
-        if (failed) continue;
-        const int64_t first = ch * NC;
-        const int ncols = n - first < NC ? (int)(n - first) : NC;
-        const uint8_t *col[NC];
-        int32_t offsets[NC];
-        for (int c = 0; c < NC; c++) { /* a last chunk's missing columns repeat its last one */
-            offsets[c] = (int32_t)((c < ncols ? c : ncols - 1) * row_bytes);
-            col[c] = w + first * row_bytes + offsets[c];
-        }
-        const __m256i vindex = _mm256_loadu_si256((const __m256i *)offsets);
-        uint16_t *o = out + first;
-        const int64_t group = first / (2 * NC) * (2 * NC);
-        const int rp = packed && group + 2 * NC <= n, half = (int)(first - group) / NC;
-        const uint8_t *sb0 = w + group * row_bytes;
-        switch (qtype * 2 + rp) {
-#define TYPE(Q)                                                                            \
-    case 2 * Q:                                                                            \
-        chunk_rows(Q, 0, xq, rows, col, sb0, half, vindex, nb, bytes, units, o, ldo, ncols); \
-        break;                                                                             \
-    case 2 * Q + 1:                                                                        \
-        chunk_rows(Q, 1, xq, rows, col, sb0, half, vindex, nb, bytes, units, o, ldo, ncols); \
-        break;
-        TYPE(Q4_0) TYPE(Q4_1) TYPE(Q5_0) TYPE(Q5_1) TYPE(Q8_0) TYPE(Q4_K) TYPE(Q5_K) TYPE(Q6_K)
-#undef TYPE
-        default: break;
-        }
-    }
-    free(units);
-    return failed;
 }

@@ -2,8 +2,9 @@
  * activations: out [T, N] = x [T, K] W^T with x quantized to int8 per block of 32 values,
  * as llama.cpp's Q8_0 and kernels/csrc/quant_vnni.c do it, and each block's dot product
  * taken in int32 by vpdpbusd (AVX512_VNNI: unsigned bytes times signed bytes, four at a
- * time). Builds for AVX2 CPUs without it take quant_group_avx2.h's form of the same
- * kernel, which gives the same bits.
+ * time). The kernel is written once against vnni.h's vector layer; AVX2 builds take
+ * quant_avx2.h's form of that layer (vpmaddubsw, 8 columns a ymm, int8 codes c taken
+ * signed as c - 128 with the zero point's factor 128 - zero), which gives the same bits.
  *
  * Weight: W[o, i] = (q[o, i] - zero[o, i / g]) * scale[o, i / g], g = 32, 64 or 128; codes
  * q uint8, int8 one a byte [N, K], int4 two a byte [N, K / 2] in runs of 32 channels (byte
@@ -21,13 +22,13 @@
  * Layout in registers (quant_vnni.c's): a zmm holds 16 weight rows (output columns), one a
  * 32-bit lane; a unit of 32 channels is transposed 4 bytes at a time as it is expanded, so
  * vpdpbusd with one broadcast dword of x adds 4 values of 16 columns and each column's
- * int32 sum stays in its own lane. Threads split the output columns in chunks of NC = 16;
- * a chunk's scales and zero points are transposed to per-group vectors first. A call of
- * up to RMAX rows expands each unit in registers as it comes; a larger call expands the
- * chunk's units once into a per-thread scratch and runs RMAX rows of x at a time over it.
- * An element's value depends on its row of x and its weight row only: the same operations
- * in the same order whatever the row count, the row's place, the thread count or the path
- * (batch-invariant).
+ * int32 sum stays in its own lane. Threads split the output columns in chunks of NC = 16
+ * (8 on AVX2); a chunk's scales and zero points are transposed to per-group vectors
+ * first. A call of up to RMAX rows expands each unit in registers as it comes; a larger
+ * call expands the chunk's units once into a per-thread scratch and runs RMAX rows of x
+ * at a time over it. An element's value depends on its row of x and its weight row only:
+ * the same operations in the same order whatever the row count, the row's place, the
+ * thread count or the path (batch-invariant).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -48,12 +49,10 @@ int quant_group_q8_available(int bits) {
     return (HAS_VNNI || HAS_AVX2_Q8) && (bits == 4 || bits == 8) ? 1 : 0;
 }
 
-#if HAS_AVX2_Q8
-#include "quant_group_avx2.h" /* xq_t, quantize_row, all_chunks on ymm registers */
-#elif HAS_VNNI
+#if HAS_VNNI || HAS_AVX2_Q8
 
 /* x quantized: per row k codes, per 32 values d and sum(q) * mult (symmetric weights:
- * mult = -zero, the zero point's whole term; else 1) */
+ * mult = the zero point's whole term a sum, see quant_group_q8_bf16; else 1) */
 typedef struct {
     int8_t *q;
     float *d;
@@ -67,74 +66,95 @@ typedef struct {
 static void quantize_row(const uint16_t *x, int64_t k, int8_t *q, float *d, int32_t *s,
                          int32_t mult) {
     for (int64_t u = 0; u < k / 32; u++, x += 32, q += 32) {
-        __m512i qlo, qhi;
-        d[u] = quantize_block32(x, q, &qlo, &qhi);
-        s[u] = mult * _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+        int32_t sa, sb;
+        d[u] = quantize_block32(x, q, &sa, &sb);
+        s[u] = mult * (sa + sb);
     }
 }
 
-/* One 32-channel unit of NC = 16 columns: q[i] holds channels 4i..4i+3 of every column
- * (column c in dword c, one unsigned code a byte) */
+static void quantize_rows(const uint16_t *x, int64_t rows, int64_t ldx, const xq_t *xq) {
+    const int64_t k = xq->k, nu = k / 32;
+    _Pragma("omp for schedule(static)")
+    for (int64_t r = 0; r < rows; r++)
+        quantize_row(x + r * ldx, k, xq->q + r * k, xq->d + r * nu, xq->s + r * nu, xq->mult);
+}
+
+static int alloc_xq(xq_t *xq, int64_t rows, int64_t k) {
+    void *tail;
+    if (!(xq->q = alloc_codes(rows, k, 2, &tail))) return -1; /* d and the sum */
+    xq->d = tail;
+    xq->s = (int32_t *)(xq->d + rows * (k / 32));
+    xq->k = k;
+    xq->mult = 1;
+    return 0;
+}
+
+/* One 32-channel unit of NC columns: q[i] holds channels 4i..4i+3 of every column (column
+ * c in dword c, one code a byte: unsigned, int8 codes c as c - 128 where CODES8_SIGNED) */
 typedef struct {
-    __m512i q[8];
+    vi q[8];
 } unit_t;
 
-/* A chunk's group constants: per group, each column's fp32 scale and -zero */
+/* A chunk's group constants: per group, each column's fp32 scale and its integer sums'
+ * zero-point factor (-zero; int8 codes taken signed: 128 - zero) */
 typedef struct {
-    __m512 s;
-    __m512i z;
+    vf s;
+    vi z;
 } gconst_t;
 
-/* unit `unit` of the 16 columns (col: each column's codes) */
+/* unit `unit` of the NC columns (col: each column's codes) */
 static inline __attribute__((always_inline)) void
 expand(const int BITS, const uint8_t *const col[NC], int64_t unit, unit_t *u) {
-    __m512i T[4], U[4];
+    vi T[4], U[4];
     if (BITS == 8) {
-        t16(col, 32 * unit, T);
-        t16(col, 32 * unit + 16, U);
-        for (int i = 0; i < 4; i++) u->q[i] = T[i], u->q[4 + i] = U[i];
-    } else { /* low nibbles: channels 0..15, high: 16..31 */
-        const __m512i mask = _mm512_set1_epi8(0xf);
-        t16(col, 16 * unit, T);
+        const vi flip = vi_set8((char)0x80); /* c -> c - 128 */
+        transpose_cols(col, 32 * unit, T);
+        transpose_cols(col, 32 * unit + 16, U);
         for (int i = 0; i < 4; i++)
-            u->q[i] = _mm512_and_si512(T[i], mask),
-            u->q[4 + i] = _mm512_and_si512(_mm512_srli_epi32(T[i], 4), mask);
+            u->q[i] = CODES8_SIGNED ? vi_xor(T[i], flip) : T[i],
+            u->q[4 + i] = CODES8_SIGNED ? vi_xor(U[i], flip) : U[i];
+    } else { /* low nibbles: channels 0..15, high: 16..31 */
+        const vi mask = vi_set8(0xf);
+        transpose_cols(col, 16 * unit, T);
+        for (int i = 0; i < 4; i++)
+            u->q[i] = vi_and(T[i], mask), u->q[4 + i] = vi_and(vi_srl32(T[i], 4), mask);
     }
 }
 
-/* the chunk's columns' scales (fp32) and -zero points, group by group */
-static void group_consts(const uint16_t *scales, const uint8_t *zeros, int zero, int64_t groups,
-                         const int64_t row[NC], gconst_t *gc) {
+/* the chunk's columns' scales (fp32) and zero-point factors, group by group */
+static void group_consts(int bits, const uint16_t *scales, const uint8_t *zeros, int zero,
+                         int64_t groups, const int64_t row[NC], gconst_t *gc) {
+    const int shift = bits == 8 && CODES8_SIGNED ? 128 : 0;
     for (int64_t g = 0; g < groups; g++) {
         uint16_t h[NC];
         int32_t z[NC];
         for (int c = 0; c < NC; c++) {
             h[c] = scales[row[c] * groups + g];
-            z[c] = -(zeros ? zeros[row[c] * groups + g] : zero);
+            z[c] = shift - (zeros ? zeros[row[c] * groups + g] : zero);
         }
-        gc[g].s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
-        gc[g].z = _mm512_loadu_si512(z);
+        gc[g].s = vf_load_fp16(h);
+        gc[g].z = vi_load(z);
     }
 }
 
-/* one row's unit against the 16 columns: acc += float(isum) * (scale * d) (the same
+/* one row's unit against the NC columns: acc += float(isum) * (scale * d) (the same
  * operations, in the same order, for every row count and path) */
-static inline __attribute__((always_inline)) __m512
-unit_dot(const int SYM, const unit_t *u, const gconst_t *gc, const xq_t *xq, int64_t row,
-         int64_t unit, __m512 acc) {
+static inline __attribute__((always_inline)) vf
+unit_dot(const int BITS, const int SYM, const unit_t *u, const gconst_t *gc, const xq_t *xq,
+         int64_t row, int64_t unit, vf acc) {
     const int64_t at = row * (xq->k / 32) + unit;
     const int8_t *q = xq->q + row * xq->k + unit * 32;
     /* two chains of integer sums (exact: their order is free), the first from the zero
-     * point's term, -zero * sum(q) */
-    __m512i i0 = SYM ? _mm512_set1_epi32(xq->s[at])
-                     : _mm512_mullo_epi32(gc->z, _mm512_set1_epi32(xq->s[at]));
-    __m512i i1 = _mm512_setzero_si512();
+     * point's term, factor * sum(q) */
+    vi i0 = SYM ? vi_set32(xq->s[at]) : vi_mullo32(gc->z, vi_set32(xq->s[at]));
+    vi i1 = vi_zero();
     for (int i = 0; i < 8; i += 2) {
-        i0 = _mm512_dpbusd_epi32(i0, u->q[i], bcast32(q + 4 * i));
-        i1 = _mm512_dpbusd_epi32(i1, u->q[i + 1], bcast32(q + 4 * i + 4));
+        const vi x0 = bcast32(q + 4 * i), x1 = bcast32(q + 4 * i + 4);
+        i0 = BITS == 8 ? dot8(i0, u->q[i], x0) : dot4(i0, u->q[i], x0);
+        i1 = BITS == 8 ? dot8(i1, u->q[i + 1], x1) : dot4(i1, u->q[i + 1], x1);
     }
-    const __m512 sd = _mm512_mul_ps(gc->s, _mm512_set1_ps(xq->d[at]));
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)), sd, acc);
+    const vf sd = vf_mul(gc->s, vf_set(xq->d[at]));
+    return vf_fma(vf_from_i32(vi_add32(i0, i1)), sd, acc);
 }
 
 /* Rows [0, R) against the chunk, each unit expanded in registers as it comes */
@@ -142,8 +162,8 @@ static inline __attribute__((always_inline)) void
 micro_direct(const int BITS, const int SYM, const int R, const xq_t *xq, const uint8_t *const col[NC],
              const gconst_t *gc, int64_t upg, int64_t row_bytes, uint16_t *out, int64_t ldo,
              int ncols) {
-    __m512 acc[RMAX];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    vf acc[RMAX];
+    for (int r = 0; r < R; r++) acc[r] = vf_zero();
     /* the next chunk's rows follow this chunk's in memory: as many of their bytes
      * prefetched a unit as the unit reads of this chunk's */
     const char *next = (const char *)col[0] + NC * row_bytes;
@@ -152,25 +172,25 @@ micro_direct(const int BITS, const int SYM, const int R, const xq_t *xq, const u
         for (int64_t b = 0; b < NC * ub; b += 64) _mm_prefetch(next + unit * NC * ub + b, _MM_HINT_T0);
         unit_t u;
         expand(BITS, col, unit, &u);
-        for (int r = 0; r < R; r++) acc[r] = unit_dot(SYM, &u, &gc[unit / upg], xq, r, unit, acc[r]);
+        for (int r = 0; r < R; r++) acc[r] = unit_dot(BITS, SYM, &u, &gc[unit / upg], xq, r, unit, acc[r]);
     }
     for (int r = 0; r < R; r++) store_row(out + r * ldo, acc[r], ncols);
 }
 
 /* Rows [r0, r0 + R) against the chunk's units expanded beforehand */
 static inline __attribute__((always_inline)) void
-micro_units(const int SYM, const int R, const xq_t *xq, int64_t r0, const unit_t *units, const gconst_t *gc,
-            int64_t upg, uint16_t *out, int64_t ldo, int ncols) {
-    __m512 acc[RMAX];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+micro_units(const int BITS, const int SYM, const int R, const xq_t *xq, int64_t r0, const unit_t *units,
+            const gconst_t *gc, int64_t upg, uint16_t *out, int64_t ldo, int ncols) {
+    vf acc[RMAX];
+    for (int r = 0; r < R; r++) acc[r] = vf_zero();
     const int64_t nu = xq->k / 32;
     for (int64_t unit = 0; unit < nu; unit++)
         for (int r = 0; r < R; r++)
-            acc[r] = unit_dot(SYM, &units[unit], &gc[unit / upg], xq, r0 + r, unit, acc[r]);
+            acc[r] = unit_dot(BITS, SYM, &units[unit], &gc[unit / upg], xq, r0 + r, unit, acc[r]);
     for (int r = 0; r < R; r++) store_row(out + r * ldo, acc[r], ncols);
 }
 
-/* every row of x against one chunk of 16 columns */
+/* every row of x against one chunk of NC columns */
 static inline __attribute__((always_inline)) void
 chunk_rows(const int BITS, const int SYM, const xq_t *xq, int64_t rows, const uint8_t *const col[NC],
            const gconst_t *gc, int64_t upg, int64_t row_bytes, unit_t *units, uint16_t *out,
@@ -190,8 +210,8 @@ chunk_rows(const int BITS, const int SYM, const xq_t *xq, int64_t rows, const ui
         expand(BITS, col, unit, &units[unit]);
     }
     for (; r0 + RMAX <= rows; r0 += RMAX)
-        micro_units(SYM, RMAX, xq, r0, units, gc, upg, out + r0 * ldo, ldo, ncols);
-#define UNITS_(R) micro_units(SYM, R, xq, r0, units, gc, upg, out + r0 * ldo, ldo, ncols)
+        micro_units(BITS, SYM, RMAX, xq, r0, units, gc, upg, out + r0 * ldo, ldo, ncols);
+#define UNITS_(R) micro_units(BITS, SYM, R, xq, r0, units, gc, upg, out + r0 * ldo, ldo, ncols)
     RMAX_CASES(rows - r0, UNITS_)
 #undef UNITS_
 }
@@ -225,7 +245,7 @@ static int all_chunks(const weight_t *W, const xq_t *xq, int64_t rows, uint16_t 
             row[c] = first + (c < ncols ? c : ncols - 1);
             col[c] = W->q + row[c] * row_bytes;
         }
-        group_consts(W->s, W->z, W->bits == 8 ? 128 : 8, groups, row, gc);
+        group_consts(W->bits, W->s, W->z, W->bits == 8 ? 128 : 8, groups, row, gc);
         uint16_t *o = out + first;
 #define CHUNK(B, S) chunk_rows(B, S, xq, rows, col, gc, upg, row_bytes, units, o, ldo, ncols)
         if (W->bits == 8)
@@ -236,26 +256,6 @@ static int all_chunks(const weight_t *W, const xq_t *xq, int64_t rows, uint16_t 
     }
     free(mem);
     return failed;
-}
-
-#endif
-
-#if HAS_VNNI || HAS_AVX2_Q8
-static void quantize_rows(const uint16_t *x, int64_t rows, int64_t ldx, const xq_t *xq) {
-    const int64_t k = xq->k, nu = k / 32;
-    _Pragma("omp for schedule(static)")
-    for (int64_t r = 0; r < rows; r++)
-        quantize_row(x + r * ldx, k, xq->q + r * k, xq->d + r * nu, xq->s + r * nu, xq->mult);
-}
-
-static int alloc_xq(xq_t *xq, int64_t rows, int64_t k) {
-    void *tail;
-    if (!(xq->q = alloc_codes(rows, k, 2, &tail))) return -1; /* d and the sum */
-    xq->d = tail;
-    xq->s = (int32_t *)(xq->d + rows * (k / 32));
-    xq->k = k;
-    xq->mult = 1;
-    return 0;
 }
 #endif
 
@@ -273,7 +273,8 @@ int quant_group_q8_bf16(int bits, int group, const uint16_t *x, int64_t rows, in
     xq_t xq;
     if (alloc_xq(&xq, rows, k)) return -1;
     const weight_t W = {bits, group, q, s, z, n, k};
-    if (!z) xq.mult = bits == 8 ? (HAS_AVX2_Q8 ? 0 : -128) : -8; /* quant_group_avx2.h */
+    /* symmetric: the zero point's whole term, -zero (int8 codes taken signed: 128 - 128) */
+    if (!z) xq.mult = bits == 8 ? (CODES8_SIGNED ? 0 : -128) : -8;
     QUANTIZE_THEN_MULTIPLY(quantize_rows, xq, x, rows, ldx, k, num_threads,
                            all_chunks(&W, &xq, rows, out, ldo));
 #else

@@ -1,9 +1,10 @@
 /* Integer products against a weight kept as its GGUF blocks, bf16 activations:
  * out [T, N] = x [T, K] W^T with x quantized to int8 per block of 32 values, as
  * llama.cpp's Q8_0 "vec_dot_type", and each block's dot product taken in int32 by
- * vpdpbusd (AVX512_VNNI: unsigned bytes times signed bytes, four at a time). Builds for
- * AVX2 CPUs without it take quant_avx2.h's form of the same kernel (vpmaddubsw, 8 columns
- * a ymm), which gives the same bits.
+ * vpdpbusd (AVX512_VNNI: unsigned bytes times signed bytes, four at a time). The kernel
+ * is written once against vnni.h's vector layer; AVX2 builds take quant_avx2.h's form of
+ * that layer (vpmaddubsw, 8 columns a ymm, Q8_0's codes kept signed with no +128
+ * offset), which gives the same bits.
  *
  * Block layouts: kernels/csrc/quant_gguf.c. Numerics, for each row of x and each block
  * of 32 channels:
@@ -23,12 +24,13 @@
  * column c's values 4i..4i+3), so vpdpbusd with one broadcast dword of x adds 4 values
  * of 16 columns, and a unit of 32 values leaves each column's exact int32 sum in its own
  * lane: no reduction across lanes, one fp32 multiply-add a block (two for the minimum,
- * two for Q6_K's halves). Threads split the output columns in chunks of NC = 16. A call
- * of up to RMAX rows expands each block in registers as it comes; a larger call expands
- * a chunk's blocks once into a per-thread scratch and runs RMAX rows of x at a time over
- * it. Repacked blocks (quant_gguf_q8_packed_bf16) are loaded as they lie, every RMAX
- * rows, with no scratch. The next chunk's bytes, which follow this chunk's in memory, are
- * prefetched in order. An element's value depends on its row of x and its weight row only: the same
+ * two for Q6_K's halves). Threads split the output columns in chunks of NC = 16 (8 on
+ * AVX2). A call of up to RMAX rows expands each block in registers as it comes; a larger
+ * call expands a chunk's blocks once into a per-thread scratch and runs RMAX rows of x at
+ * a time over it. Repacked blocks (quant_gguf_q8_packed_bf16) are loaded as they lie,
+ * every RMAX rows with no scratch where REPACKED_DIRECT (AVX-512). The next chunk's
+ * bytes, which follow this chunk's in memory, are prefetched in order. An element's value
+ * depends on its row of x and its weight row only: the same
  * operations in the same order whatever the row count, the row's place, the thread
  * count, the path or which R-variant ran it (batch-invariant).
  */
@@ -40,6 +42,8 @@
 #pragma GCC optimize("no-associative-math")
 
 #include "vnni.h"
+
+#define GROUP 16 /* rows a repacked group: quant_gguf_q8_packed_bf16's */
 
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
@@ -64,9 +68,7 @@ int quant_gguf_q8_available(int qtype) {
     return (HAS_VNNI || HAS_AVX2_Q8) && block_shape(qtype, &bytes) ? 1 : 0;
 }
 
-#if HAS_AVX2_Q8
-#include "quant_avx2.h" /* xq_t, quantize_row, all_chunks on ymm registers */
-#elif HAS_VNNI
+#if HAS_VNNI || HAS_AVX2_Q8
 
 /* x quantized: per row k codes, per 32 values d and d * sum(q), per 16 values sum(q) */
 typedef struct {
@@ -80,310 +82,14 @@ typedef struct {
 static void quantize_row(const uint16_t *x, int64_t k, int8_t *q, float *d, float *ds,
                          int32_t *s16) {
     for (int64_t u = 0; u < k / 32; u++, x += 32, q += 32) {
-        __m512i qlo, qhi;
-        const float dx = quantize_block32(x, q, &qlo, &qhi);
-        const int32_t sa = _mm512_reduce_add_epi32(qlo), sb = _mm512_reduce_add_epi32(qhi);
+        int32_t sa, sb;
+        const float dx = quantize_block32(x, q, &sa, &sb);
         d[u] = dx;
         ds[u] = dx * (float)(sa + sb);
         s16[2 * u] = sa, s16[2 * u + 1] = sb;
     }
 }
 
-/* One 32-value unit of NC = 16 columns: q[i] holds values 4i..4i+3 of every column (column
- * c in dword c, one value a byte: unsigned codes); s = each column's d_w, t its min (Q4_1,
- * Q5_1, K-quants), or for Q6_K the d_w of values 16..31 (s then those of 0..15). */
-typedef struct {
-    __m512i q[8];
-    __m512 s, t;
-} unit_t;
-
-/* the 4 bytes at col[c] + off, dword c (vindex: each column's offset from col[0]) */
-static inline __m512i gather(const uint8_t *const col[NC], __m512i vindex, int64_t off) {
-    return _mm512_i32gather_epi32(vindex, (const void *)(col[0] + off), 1);
-}
-
-/* fp16 in the low (high = 0) or high half of each dword -> fp32 */
-static inline __m512 halves(__m512i v, const int high) {
-    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(high ? _mm512_srli_epi32(v, 16) : v));
-}
-
-static inline __m512i low4(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi8(0xf)); }
-static inline __m512i high4(__m512i v) { return low4(_mm512_srli_epi32(v, 4)); }
-
-/* bits 4 i .. 4 i + 3 of each dword of qh as 16 added to the 4 bytes of q */
-static inline __m512i fifth(__m512i q, __m512i qh, int i) {
-    const __m512i spread = _mm512_set4_epi32(0x0c0c0c0c, 0x08080808, 0x04040404, 0x00000000);
-    const __m512i bits = _mm512_shuffle_epi8(_mm512_srli_epi32(qh, 4 * i), spread);
-    const __mmask64 set = _mm512_test_epi8_mask(bits, _mm512_set1_epi32(0x08040201));
-    return _mm512_mask_add_epi8(q, set, q, _mm512_set1_epi8(16));
-}
-
-/* signed byte `b` of each dword -> fp32 */
-static inline __m512 sbyte(__m512i v, int b) {
-    return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * b), 24));
-}
-
-/* unsigned bits [shift, shift + width) of each dword */
-static inline __m512i bits(__m512i v, int shift, int mask) {
-    return _mm512_and_si512(_mm512_srli_epi32(v, shift), _mm512_set1_epi32(mask));
-}
-
-/* A repacked group of 16 columns' blocks (RP, quant_gguf_q8_packed_bf16): each block's
- * field at byte `off` of width 4 (codes, 4-byte scale words) held at 16 off as its 16
- * columns' words side by side, word i of column c at 16 (off + 4 i) + 4 c; fp16 fields
- * (d, dmin) at 16 off as 16 fp16 values. sb: the group's current block. Otherwise the
- * columns' own blocks (col), transposed and gathered as they come. */
-static inline void words(const int RP, const uint8_t *const col[NC], const uint8_t *sb,
-                         int64_t off, __m512i T[4]) {
-    if (!RP) {
-        t16(col, off, T);
-        return;
-    }
-    for (int i = 0; i < 4; i++) T[i] = _mm512_loadu_si512(sb + 16 * off + 64 * i);
-}
-
-static inline __m512i word(const int RP, const uint8_t *const col[NC], __m512i vindex,
-                           const uint8_t *sb, int64_t off) {
-    return RP ? _mm512_loadu_si512(sb + 16 * off) : gather(col, vindex, off);
-}
-
-/* a repacked group's fp16 field at `off` -> fp32 */
-static inline __m512 fp16s(const uint8_t *sb, int64_t off) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 16 * off)));
-}
-
-/* Units per expansion step, steps per block, and the offset folded into the integer sums */
-#define UNITS(QT) ((QT) == Q6_K ? 4 : (QT) == Q4_K || (QT) == Q5_K ? 2 : 1)
-#define STEPS(QT) ((QT) == Q6_K ? 2 : (QT) == Q4_K || (QT) == Q5_K ? 4 : 1)
-#define OFFSET(QT) ((QT) == Q4_0 ? 8 : (QT) == Q5_0 ? 16 : (QT) == Q8_0 ? 128 : (QT) == Q6_K ? 32 : 0)
-#define HAS_MIN(QT) ((QT) == Q4_1 || (QT) == Q5_1 || (QT) == Q4_K || (QT) == Q5_K)
-
-/* Units [step * UNITS, (step + 1) * UNITS) of the 16 columns' blocks (col: each column's
- * current block) */
-static inline __attribute__((always_inline)) void
-expand(const int QT, const int RP, const uint8_t *const col[NC], const uint8_t *sb,
-       __m512i vindex, int step, unit_t *u) {
-    __m512i T[4], U[4];
-    if (QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1) {
-        const int qoff = QT == Q4_0 ? 2 : QT == Q4_1 ? 4 : QT == Q5_0 ? 6 : 8;
-        words(RP, col, sb, qoff, T);
-        for (int i = 0; i < 4; i++) u->q[i] = low4(T[i]), u->q[4 + i] = high4(T[i]);
-        if (QT == Q5_0 || QT == Q5_1) {
-            const __m512i qh = word(RP, col, vindex, sb, QT == Q5_0 ? 2 : 4);
-            for (int i = 0; i < 8; i++) u->q[i] = fifth(u->q[i], qh, i);
-        }
-        if (RP) {
-            u->s = fp16s(sb, 0);
-            u->t = HAS_MIN(QT) ? fp16s(sb, 2) : _mm512_setzero_ps();
-        } else {
-            const __m512i g = gather(col, vindex, 0);
-            u->s = halves(g, 0);
-            u->t = HAS_MIN(QT) ? halves(g, 1) : _mm512_setzero_ps();
-        }
-    } else if (QT == Q8_0) {
-        const __m512i flip = _mm512_set1_epi8((char)0x80);
-        words(RP, col, sb, 2, T);
-        words(RP, col, sb, 18, U);
-        for (int i = 0; i < 4; i++)
-            u->q[i] = _mm512_xor_si512(T[i], flip), u->q[4 + i] = _mm512_xor_si512(U[i], flip);
-        u->s = RP ? fp16s(sb, 0) : halves(gather(col, vindex, 0), 0), u->t = _mm512_setzero_ps();
-    } else if (QT == Q4_K || QT == Q5_K) { /* step: sub-blocks 2 step, 2 step + 1 */
-        const int qoff = (QT == Q5_K ? 48 : 16) + 32 * step;
-        words(RP, col, sb, qoff, T);
-        words(RP, col, sb, qoff + 16, U);
-        for (int i = 0; i < 4; i++) {
-            u[0].q[i] = low4(T[i]), u[0].q[4 + i] = low4(U[i]);
-            u[1].q[i] = high4(T[i]), u[1].q[4 + i] = high4(U[i]);
-        }
-        if (QT == Q5_K) {
-            __m512i H[8];
-            words(RP, col, sb, 16, H);
-            words(RP, col, sb, 32, H + 4);
-            const __m512i sixteen = _mm512_set1_epi8(16);
-            for (int j = 0; j < 2; j++) {
-                const __m512i bit = _mm512_set1_epi8((char)(1 << (2 * step + j)));
-                for (int i = 0; i < 8; i++)
-                    u[j].q[i] = _mm512_mask_add_epi8(u[j].q[i], _mm512_test_epi8_mask(H[i], bit),
-                                                     u[j].q[i], sixteen);
-            }
-        }
-        __m512 d, dmin;
-        if (RP) {
-            d = fp16s(sb, 0), dmin = fp16s(sb, 2);
-        } else {
-            const __m512i g = gather(col, vindex, 0);
-            d = halves(g, 0), dmin = halves(g, 1);
-        }
-        for (int j = 0; j < 2; j++) { /* sub-block 2 step + j's 6-bit scale and min */
-            const int sub = 2 * step + j;
-            __m512i sc, mn;
-            if (sub < 4) {
-                sc = bits(word(RP, col, vindex, sb, 4), 8 * sub, 63);
-                mn = bits(word(RP, col, vindex, sb, 8), 8 * sub, 63);
-            } else {
-                const __m512i hi = word(RP, col, vindex, sb, 12);
-                sc = _mm512_or_si512(bits(hi, 8 * (sub - 4), 0xf),
-                                     _mm512_slli_epi32(bits(word(RP, col, vindex, sb, 4), 8 * (sub - 4) + 6, 3), 4));
-                mn = _mm512_or_si512(bits(hi, 8 * (sub - 4) + 4, 0xf),
-                                     _mm512_slli_epi32(bits(word(RP, col, vindex, sb, 8), 8 * (sub - 4) + 6, 3), 4));
-            }
-            u[j].s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
-            u[j].t = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn)));
-        }
-    } else { /* Q6_K, step: the half of 128 values; unit j its quarter j */
-        __m512i L[16], H[8];
-        for (int i = 0; i < 4; i++) words(RP, col, sb, 64 * step + 16 * i, L + 4 * i);
-        words(RP, col, sb, 128 + 32 * step, H);
-        words(RP, col, sb, 128 + 32 * step + 16, H + 4);
-        const __m512 d = RP ? fp16s(sb, 208) : halves(gather(col, vindex, 206), 1);
-        const __m512i sc[2] = {word(RP, col, vindex, sb, 192 + 8 * step),
-                               word(RP, col, vindex, sb, 196 + 8 * step)};
-        for (int j = 0; j < 4; j++) {
-            for (int i = 0; i < 8; i++) { /* values 4 i.. of the quarter: ql bytes 32 (j & 1) + 4 i */
-                const __m512i lo = L[4 * ((j & 1) * 2 + i / 4) + i % 4];
-                const __m512i hb = _mm512_and_si512(_mm512_srli_epi32(H[i], 2 * j), _mm512_set1_epi8(3));
-                u[j].q[i] = _mm512_or_si512(j >> 1 ? high4(lo) : low4(lo), _mm512_slli_epi32(hb, 4));
-            }
-            u[j].s = _mm512_mul_ps(d, sbyte(sc[j >> 1], (2 * j) & 3));
-            u[j].t = _mm512_mul_ps(d, sbyte(sc[j >> 1], (2 * j + 1) & 3));
-        }
-    }
-}
-
-/* one row's unit against the 16 columns: acc += its fp32 terms (the same operations, in
- * the same order, for every row count and path) */
-static inline __attribute__((always_inline)) __m512
-unit_dot(const int QT, const unit_t *u, const xq_t *xq, int64_t row, int64_t unit, __m512 acc) {
-    const int64_t at = row * (xq->k / 32) + unit;
-    const int8_t *q = xq->q + row * xq->k + unit * 32;
-    const __m512 dx = _mm512_set1_ps(xq->d[at]);
-    const int32_t sa = xq->s16[2 * at], sb = xq->s16[2 * at + 1];
-    if (QT == Q6_K) { /* two 16-value halves, each its own scale */
-        __m512i ia = _mm512_set1_epi32(-OFFSET(QT) * sa), ib = _mm512_set1_epi32(-OFFSET(QT) * sb);
-        for (int i = 0; i < 4; i++) {
-            ia = _mm512_dpbusd_epi32(ia, u->q[i], bcast32(q + 4 * i));
-            ib = _mm512_dpbusd_epi32(ib, u->q[4 + i], bcast32(q + 16 + 4 * i));
-        }
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_mul_ps(u->s, dx), acc);
-        return _mm512_fmadd_ps(_mm512_cvtepi32_ps(ib), _mm512_mul_ps(u->t, dx), acc);
-    }
-    /* two chains of integer sums (exact: their order is free), then one fp32 term */
-    __m512i i0 = OFFSET(QT) ? _mm512_set1_epi32(-OFFSET(QT) * (sa + sb)) : _mm512_setzero_si512();
-    __m512i i1 = _mm512_setzero_si512();
-    for (int i = 0; i < 8; i += 2) {
-        i0 = _mm512_dpbusd_epi32(i0, u->q[i], bcast32(q + 4 * i));
-        i1 = _mm512_dpbusd_epi32(i1, u->q[i + 1], bcast32(q + 4 * i + 4));
-    }
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)), _mm512_mul_ps(u->s, dx), acc);
-    if (HAS_MIN(QT)) acc = _mm512_fmadd_ps(u->t, _mm512_set1_ps(xq->ds[at]), acc);
-    return acc;
-}
-
-/* Rows [r0, r0 + R) against the chunk, each block expanded in registers as it comes */
-static inline __attribute__((always_inline)) void
-micro_direct(const int QT, const int RP, const int R, const xq_t *xq, int64_t r0, const uint8_t *const col0[NC],
-             __m512i vindex, int64_t nb, int bytes, uint16_t *out, int64_t ldo, int ncols) {
-    const int US = UNITS(QT);
-    __m512 acc[RMAX];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    /* the next chunk's rows follow this chunk's in memory (NC * nb * bytes of them): a
-     * block's worth of them prefetched a block */
-    const char *next = (const char *)col0[0] + NC * nb * bytes;
-    for (int64_t i = 0; i < nb; i++) {
-        const uint8_t *col[NC];
-        for (int c = 0; c < NC; c++) col[c] = col0[c] + i * bytes;
-        for (int64_t b = 0; b < NC * bytes; b += 64) _mm_prefetch(next + i * NC * bytes + b, _MM_HINT_T0);
-        for (int step = 0; step < STEPS(QT); step++) {
-            unit_t u[4];
-            expand(QT, RP, col, col0[0] + i * NC * bytes, vindex, step, u);
-            for (int j = 0; j < US; j++)
-                for (int r = 0; r < R; r++)
-                    acc[r] = unit_dot(QT, &u[j], xq, r0 + r, (i * STEPS(QT) + step) * US + j, acc[r]);
-        }
-    }
-    for (int r = 0; r < R; r++) store_row(out + r * ldo, acc[r], ncols);
-}
-
-/* Rows [r0, r0 + R) against the chunk's units expanded beforehand (`units`, nu of them) */
-static inline __attribute__((always_inline)) void
-micro_units(const int QT, const int R, const xq_t *xq, int64_t r0, const unit_t *units, int64_t nu,
-            uint16_t *out, int64_t ldo, int ncols) {
-    __m512 acc[RMAX];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t unit = 0; unit < nu; unit++)
-        for (int r = 0; r < R; r++) acc[r] = unit_dot(QT, &units[unit], xq, r0 + r, unit, acc[r]);
-    for (int r = 0; r < R; r++) store_row(out + r * ldo, acc[r], ncols);
-}
-
-/* every row of x against one chunk of 16 columns: up to RMAX rows straight from the
- * blocks, more through the chunk's units expanded once into `units` */
-static inline __attribute__((always_inline)) void
-chunk_rows(const int QT, const int RP, const xq_t *xq, int64_t rows, const uint8_t *const col[NC], __m512i vindex,
-           int64_t nb, int bytes, unit_t *units, uint16_t *out, int64_t ldo, int ncols) {
-    int64_t r0 = 0;
-    /* repacked blocks expand from their loads in a few operations: again for each RMAX
-     * rows rather than through the scratch */
-    if (rows <= RMAX || RP) {
-#define DIRECT(R) micro_direct(QT, RP, R, xq, r0, col, vindex, nb, bytes, out + r0 * ldo, ldo, ncols)
-        for (; r0 + RMAX <= rows; r0 += RMAX) DIRECT(RMAX);
-        RMAX_CASES(rows - r0, DIRECT)
-#undef DIRECT
-        return;
-    }
-    const int US = UNITS(QT);
-    const char *next = (const char *)col[0] + NC * nb * bytes; /* as micro_direct */
-    for (int64_t i = 0; i < nb; i++) {
-        const uint8_t *c[NC];
-        for (int j = 0; j < NC; j++) c[j] = col[j] + i * bytes;
-        for (int64_t b = 0; b < NC * bytes; b += 64) _mm_prefetch(next + i * NC * bytes + b, _MM_HINT_T1);
-        for (int step = 0; step < STEPS(QT); step++)
-            expand(QT, RP, c, col[0] + i * NC * bytes, vindex, step, units + (i * STEPS(QT) + step) * US);
-    }
-    const int64_t nu = xq->k / 32;
-    for (; r0 + RMAX <= rows; r0 += RMAX)
-        micro_units(QT, RMAX, xq, r0, units, nu, out + r0 * ldo, ldo, ncols);
-#define UNITS_(R) micro_units(QT, R, xq, r0, units, nu, out + r0 * ldo, ldo, ncols)
-    RMAX_CASES(rows - r0, UNITS_)
-#undef UNITS_
-}
-
-/* packed: w's whole groups of NC rows repacked (quant_gguf_q8_packed_bf16) */
-static int all_chunks(int qtype, int packed, const xq_t *xq, int64_t rows, const uint8_t *w,
-                      int64_t n, int64_t nb, int bytes, uint16_t *out, int64_t ldo) {
-    const int64_t row_bytes = nb * bytes, chunks = (n + NC - 1) / NC;
-    /* a thread's units of one chunk, for calls of more than RMAX rows */
-    unit_t *units = rows > RMAX ? aligned_alloc(64, (size_t)(xq->k / 32) * sizeof(unit_t)) : 0;
-    const int failed = rows > RMAX && !units; /* still takes part in the omp for */
-    _Pragma("omp for schedule(static) nowait") /* the parallel region's end waits */
-    for (int64_t ch = 0; ch < chunks; ch++) {
-        if (failed) continue;
-        const int64_t first = ch * NC;
-        const int ncols = n - first < NC ? (int)(n - first) : NC;
-        const uint8_t *col[NC];
-        int32_t offsets[NC];
-        for (int c = 0; c < NC; c++) { /* a last chunk's missing columns repeat its last one */
-            offsets[c] = (int32_t)((c < ncols ? c : ncols - 1) * row_bytes);
-            col[c] = w + first * row_bytes + offsets[c];
-        }
-        const __m512i vindex = _mm512_loadu_si512(offsets);
-        uint16_t *o = out + first;
-        const int rp = packed && ncols == NC; /* a last partial group stays as stored */
-        switch (qtype * 2 + rp) {
-#define TYPE(Q)                                                                            \
-    case 2 * Q: chunk_rows(Q, 0, xq, rows, col, vindex, nb, bytes, units, o, ldo, ncols); break; \
-    case 2 * Q + 1: chunk_rows(Q, 1, xq, rows, col, vindex, nb, bytes, units, o, ldo, ncols); break;
-        TYPE(Q4_0) TYPE(Q4_1) TYPE(Q5_0) TYPE(Q5_1) TYPE(Q8_0) TYPE(Q4_K) TYPE(Q5_K) TYPE(Q6_K)
-#undef TYPE
-        default: break;
-        }
-    }
-    free(units);
-    return failed;
-}
-
-#endif
-
-#if HAS_VNNI || HAS_AVX2_Q8
 static void quantize_rows(const uint16_t *x, int64_t rows, int64_t ldx, const xq_t *xq) {
     const int64_t k = xq->k, nu = k / 32;
     _Pragma("omp for schedule(static)")
@@ -401,6 +107,301 @@ static int alloc_xq(xq_t *xq, int64_t rows, int64_t k) {
     xq->s16 = (int32_t *)(xq->ds + rows * nu);
     xq->k = k;
     return 0;
+}
+
+_Static_assert(GROUP % NC == 0, "a repacked group is whole chunks");
+
+/* One 32-value unit of NC columns: q[i] holds values 4i..4i+3 of every column (column c
+ * in dword c, one value a byte: unsigned codes, Q8_0's signed where CODES8_SIGNED); s =
+ * each column's d_w, t its min (Q4_1, Q5_1, K-quants), or for Q6_K the d_w of values
+ * 16..31 (s then those of 0..15). */
+typedef struct {
+    vi q[8];
+    vf s, t;
+} unit_t;
+
+static inline vi low4(vi v) { return vi_and(v, vi_set8(0xf)); }
+static inline vi high4(vi v) { return low4(vi_srl32(v, 4)); }
+
+/* bits 4 i .. 4 i + 3 of each dword of qh as 16 added to the 4 bytes of q */
+static inline vi fifth(vi q, vi qh, int i) {
+    const vi spread = vi_lanes32(0, 0x04040404, 0x08080808, 0x0c0c0c0c);
+    return add16_where(q, vi_shuffle8(vi_srl32(qh, 4 * i), spread), vi_set32(0x08040201));
+}
+
+/* signed byte `b` of each dword -> fp32 */
+static inline vf sbyte(vi v, int b) { return vf_from_i32(vi_sra32(vi_sll32(v, 24 - 8 * b), 24)); }
+
+/* unsigned bits [shift, shift + width) of each dword */
+static inline vi bits(vi v, int shift, int mask) { return vi_and(vi_srl32(v, shift), vi_set32(mask)); }
+
+/* A repacked group of GROUP columns' blocks (RP, quant_gguf_q8_packed_bf16): each block's
+ * field at byte `off` of width 4 (codes, 4-byte scale words) held at GROUP off as its
+ * columns' words side by side, word i of column c at GROUP (off + 4 i) + 4 c; fp16 fields
+ * (d, dmin) at GROUP off as GROUP fp16 values. This chunk is the group's part `half`
+ * (columns NC half ..). sb: the group's current block. Otherwise the columns' own blocks
+ * (col), transposed and gathered as they come. */
+static inline void words(const int RP, const int half, const uint8_t *const col[NC],
+                         const uint8_t *sb, int64_t off, vi T[4]) {
+    if (!RP) {
+        transpose_cols(col, off, T);
+        return;
+    }
+    for (int i = 0; i < 4; i++) T[i] = vi_load(sb + GROUP * (off + 4 * i) + 4 * NC * half);
+}
+
+static inline vi word(const int RP, const int half, const uint8_t *const col[NC], vi vindex,
+                      const uint8_t *sb, int64_t off) {
+    return RP ? vi_load(sb + GROUP * off + 4 * NC * half) : gather(col, vindex, off);
+}
+
+/* a repacked group's fp16 field at `off` -> fp32 */
+static inline vf fp16s(const int half, const uint8_t *sb, int64_t off) {
+    return vf_load_fp16(sb + GROUP * off + 2 * NC * half);
+}
+
+/* Units per expansion step, steps per block, and the offset folded into the integer sums */
+#define UNITS(QT) ((QT) == Q6_K ? 4 : (QT) == Q4_K || (QT) == Q5_K ? 2 : 1)
+#define STEPS(QT) ((QT) == Q6_K ? 2 : (QT) == Q4_K || (QT) == Q5_K ? 4 : 1)
+#define OFFSET(QT) \
+    ((QT) == Q4_0 ? 8 : (QT) == Q5_0 ? 16 : (QT) == Q8_0 && !CODES8_SIGNED ? 128 : (QT) == Q6_K ? 32 : 0)
+#define HAS_MIN(QT) ((QT) == Q4_1 || (QT) == Q5_1 || (QT) == Q4_K || (QT) == Q5_K)
+
+/* Units [step * UNITS, (step + 1) * UNITS) of the NC columns' blocks (col: each column's
+ * current block) */
+static inline __attribute__((always_inline)) void
+expand(const int QT, const int RP, const int half, const uint8_t *const col[NC], const uint8_t *sb,
+       vi vindex, int step, unit_t *u) {
+    vi T[4], U[4];
+#define WORD(off) word(RP, half, col, vindex, sb, off)
+    if (QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1) {
+        const int qoff = QT == Q4_0 ? 2 : QT == Q4_1 ? 4 : QT == Q5_0 ? 6 : 8;
+        words(RP, half, col, sb, qoff, T);
+        for (int i = 0; i < 4; i++) u->q[i] = low4(T[i]), u->q[4 + i] = high4(T[i]);
+        if (QT == Q5_0 || QT == Q5_1) {
+            const vi qh = WORD(QT == Q5_0 ? 2 : 4);
+            for (int i = 0; i < 8; i++) u->q[i] = fifth(u->q[i], qh, i);
+        }
+        if (RP) {
+            u->s = fp16s(half, sb, 0);
+            u->t = HAS_MIN(QT) ? fp16s(half, sb, 2) : vf_zero();
+        } else {
+            const vi g = gather(col, vindex, 0);
+            u->s = halves(g, 0);
+            u->t = HAS_MIN(QT) ? halves(g, 1) : vf_zero();
+        }
+    } else if (QT == Q8_0) {
+        const vi flip = vi_set8((char)0x80); /* signed codes -> unsigned, +128 */
+        words(RP, half, col, sb, 2, T);
+        words(RP, half, col, sb, 18, U);
+        for (int i = 0; i < 4; i++)
+            u->q[i] = CODES8_SIGNED ? T[i] : vi_xor(T[i], flip),
+            u->q[4 + i] = CODES8_SIGNED ? U[i] : vi_xor(U[i], flip);
+        u->s = RP ? fp16s(half, sb, 0) : halves(gather(col, vindex, 0), 0), u->t = vf_zero();
+    } else if (QT == Q4_K || QT == Q5_K) { /* step: sub-blocks 2 step, 2 step + 1 */
+        const int qoff = (QT == Q5_K ? 48 : 16) + 32 * step;
+        words(RP, half, col, sb, qoff, T);
+        words(RP, half, col, sb, qoff + 16, U);
+        for (int i = 0; i < 4; i++) {
+            u[0].q[i] = low4(T[i]), u[0].q[4 + i] = low4(U[i]);
+            u[1].q[i] = high4(T[i]), u[1].q[4 + i] = high4(U[i]);
+        }
+        if (QT == Q5_K) {
+            vi H[8];
+            words(RP, half, col, sb, 16, H);
+            words(RP, half, col, sb, 32, H + 4);
+            for (int j = 0; j < 2; j++) {
+                const vi bit = vi_set8((char)(1 << (2 * step + j)));
+                for (int i = 0; i < 8; i++) u[j].q[i] = add16_where(u[j].q[i], H[i], bit);
+            }
+        }
+        vf d, dmin;
+        if (RP) {
+            d = fp16s(half, sb, 0), dmin = fp16s(half, sb, 2);
+        } else {
+            const vi g = gather(col, vindex, 0);
+            d = halves(g, 0), dmin = halves(g, 1);
+        }
+        for (int j = 0; j < 2; j++) { /* sub-block 2 step + j's 6-bit scale and min */
+            const int sub = 2 * step + j;
+            vi sc, mn;
+            if (sub < 4) {
+                sc = bits(WORD(4), 8 * sub, 63);
+                mn = bits(WORD(8), 8 * sub, 63);
+            } else {
+                const vi hi = WORD(12);
+                sc = vi_or(bits(hi, 8 * (sub - 4), 0xf), vi_sll32(bits(WORD(4), 8 * (sub - 4) + 6, 3), 4));
+                mn = vi_or(bits(hi, 8 * (sub - 4) + 4, 0xf), vi_sll32(bits(WORD(8), 8 * (sub - 4) + 6, 3), 4));
+            }
+            u[j].s = vf_mul(d, vf_from_i32(sc));
+            u[j].t = vf_sub(vf_zero(), vf_mul(dmin, vf_from_i32(mn)));
+        }
+    } else { /* Q6_K, step: the half of 128 values; unit j its quarter j */
+        vi L[16], H[8];
+        for (int i = 0; i < 4; i++) words(RP, half, col, sb, 64 * step + 16 * i, L + 4 * i);
+        words(RP, half, col, sb, 128 + 32 * step, H);
+        words(RP, half, col, sb, 128 + 32 * step + 16, H + 4);
+        const vf d = RP ? fp16s(half, sb, 208) : halves(gather(col, vindex, 206), 1);
+        const vi sc[2] = {WORD(192 + 8 * step), WORD(196 + 8 * step)};
+        for (int j = 0; j < 4; j++) {
+            for (int i = 0; i < 8; i++) { /* values 4 i.. of the quarter: ql bytes 32 (j & 1) + 4 i */
+                const vi lo = L[4 * ((j & 1) * 2 + i / 4) + i % 4];
+                const vi hb = vi_and(vi_srl32(H[i], 2 * j), vi_set8(3));
+                u[j].q[i] = vi_or(j >> 1 ? high4(lo) : low4(lo), vi_sll32(hb, 4));
+            }
+            u[j].s = vf_mul(d, sbyte(sc[j >> 1], (2 * j) & 3));
+            u[j].t = vf_mul(d, sbyte(sc[j >> 1], (2 * j + 1) & 3));
+        }
+    }
+#undef WORD
+}
+
+/* acc + 4 products a dword of the weight codes w and x's broadcast codes xb */
+static inline vi dot_codes(const int QT, vi acc, vi w, vi xb) {
+    return QT == Q8_0 ? dot8(acc, w, xb) : dot4(acc, w, xb);
+}
+
+/* one row's unit against the NC columns: acc += its fp32 terms (the same operations, in
+ * the same order, for every row count and path) */
+static inline __attribute__((always_inline)) vf
+unit_dot(const int QT, const unit_t *u, const xq_t *xq, int64_t row, int64_t unit, vf acc) {
+    const int64_t at = row * (xq->k / 32) + unit;
+    const int8_t *q = xq->q + row * xq->k + unit * 32;
+    const vf dx = vf_set(xq->d[at]);
+    const int32_t sa = xq->s16[2 * at], sb = xq->s16[2 * at + 1];
+    if (QT == Q6_K) { /* two 16-value halves, each its own scale */
+        vi ia = vi_set32(-OFFSET(QT) * sa), ib = vi_set32(-OFFSET(QT) * sb);
+        for (int i = 0; i < 4; i++) {
+            ia = dot_codes(QT, ia, u->q[i], bcast32(q + 4 * i));
+            ib = dot_codes(QT, ib, u->q[4 + i], bcast32(q + 16 + 4 * i));
+        }
+        acc = vf_fma(vf_from_i32(ia), vf_mul(u->s, dx), acc);
+        return vf_fma(vf_from_i32(ib), vf_mul(u->t, dx), acc);
+    }
+    /* two chains of integer sums (exact: their order is free), then one fp32 term */
+    vi i0 = OFFSET(QT) ? vi_set32(-OFFSET(QT) * (sa + sb)) : vi_zero();
+    vi i1 = vi_zero();
+    for (int i = 0; i < 8; i += 2) {
+        i0 = dot_codes(QT, i0, u->q[i], bcast32(q + 4 * i));
+        i1 = dot_codes(QT, i1, u->q[i + 1], bcast32(q + 4 * i + 4));
+    }
+    acc = vf_fma(vf_from_i32(vi_add32(i0, i1)), vf_mul(u->s, dx), acc);
+    if (HAS_MIN(QT)) acc = vf_fma(u->t, vf_set(xq->ds[at]), acc);
+    return acc;
+}
+
+/* Rows [r0, r0 + R) against the chunk, each block expanded in registers as it comes (sb0:
+ * the chunk's repacked group) */
+static inline __attribute__((always_inline)) void
+micro_direct(const int QT, const int RP, const int R, const xq_t *xq, int64_t r0,
+             const uint8_t *const col0[NC], const uint8_t *sb0, int half, vi vindex,
+             int64_t nb, int bytes, uint16_t *out, int64_t ldo, int ncols) {
+    const int US = UNITS(QT);
+    vf acc[RMAX];
+    for (int r = 0; r < R; r++) acc[r] = vf_zero();
+    /* the next chunk's rows follow this chunk's in memory (NC * nb * bytes of them): a
+     * block's worth of them prefetched a block */
+    const char *next = (const char *)col0[0] + NC * nb * bytes;
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t *col[NC];
+        for (int c = 0; c < NC; c++) col[c] = col0[c] + i * bytes;
+        for (int64_t b = 0; b < NC * bytes; b += 64) _mm_prefetch(next + i * NC * bytes + b, _MM_HINT_T0);
+        for (int step = 0; step < STEPS(QT); step++) {
+            unit_t u[4];
+            expand(QT, RP, half, col, sb0 + i * GROUP * bytes, vindex, step, u);
+            for (int j = 0; j < US; j++)
+                for (int r = 0; r < R; r++)
+                    acc[r] = unit_dot(QT, &u[j], xq, r0 + r, (i * STEPS(QT) + step) * US + j, acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) store_row(out + r * ldo, acc[r], ncols);
+}
+
+/* Rows [r0, r0 + R) against the chunk's units expanded beforehand (`units`, nu of them) */
+static inline __attribute__((always_inline)) void
+micro_units(const int QT, const int R, const xq_t *xq, int64_t r0, const unit_t *units, int64_t nu,
+            uint16_t *out, int64_t ldo, int ncols) {
+    vf acc[RMAX];
+    for (int r = 0; r < R; r++) acc[r] = vf_zero();
+    for (int64_t unit = 0; unit < nu; unit++)
+        for (int r = 0; r < R; r++) acc[r] = unit_dot(QT, &units[unit], xq, r0 + r, unit, acc[r]);
+    for (int r = 0; r < R; r++) store_row(out + r * ldo, acc[r], ncols);
+}
+
+/* every row of x against one chunk of NC columns: up to RMAX rows (and repacked blocks
+ * where REPACKED_DIRECT) straight from the blocks, more through the chunk's units
+ * expanded once into `units` (RP: the chunk is part `half` of the repacked group at sb0) */
+static inline __attribute__((always_inline)) void
+chunk_rows(const int QT, const int RP, const xq_t *xq, int64_t rows, const uint8_t *const col[NC],
+           const uint8_t *sb0, int half, vi vindex, int64_t nb, int bytes, unit_t *units,
+           uint16_t *out, int64_t ldo, int ncols) {
+    int64_t r0 = 0;
+    if (rows <= RMAX || (RP && REPACKED_DIRECT)) {
+#define DIRECT(R) \
+    micro_direct(QT, RP, R, xq, r0, col, sb0, half, vindex, nb, bytes, out + r0 * ldo, ldo, ncols)
+        for (; r0 + RMAX <= rows; r0 += RMAX) DIRECT(RMAX);
+        RMAX_CASES(rows - r0, DIRECT)
+#undef DIRECT
+        return;
+    }
+    const int US = UNITS(QT);
+    const char *next = (const char *)col[0] + NC * nb * bytes; /* as micro_direct */
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t *c[NC];
+        for (int j = 0; j < NC; j++) c[j] = col[j] + i * bytes;
+        for (int64_t b = 0; b < NC * bytes; b += 64) _mm_prefetch(next + i * NC * bytes + b, _MM_HINT_T1);
+        for (int step = 0; step < STEPS(QT); step++)
+            expand(QT, RP, half, c, sb0 + i * GROUP * bytes, vindex, step,
+                   units + (i * STEPS(QT) + step) * US);
+    }
+    const int64_t nu = xq->k / 32;
+    for (; r0 + RMAX <= rows; r0 += RMAX)
+        micro_units(QT, RMAX, xq, r0, units, nu, out + r0 * ldo, ldo, ncols);
+#define UNITS_(R) micro_units(QT, R, xq, r0, units, nu, out + r0 * ldo, ldo, ncols)
+    RMAX_CASES(rows - r0, UNITS_)
+#undef UNITS_
+}
+
+/* packed: w's whole groups of GROUP rows repacked (quant_gguf_q8_packed_bf16), GROUP / NC
+ * chunks a group */
+static int all_chunks(int qtype, int packed, const xq_t *xq, int64_t rows, const uint8_t *w,
+                      int64_t n, int64_t nb, int bytes, uint16_t *out, int64_t ldo) {
+    const int64_t row_bytes = nb * bytes, chunks = (n + NC - 1) / NC;
+    /* a thread's units of one chunk, for calls of more than RMAX rows */
+    unit_t *units = rows > RMAX ? aligned_alloc(64, (size_t)(xq->k / 32) * sizeof(unit_t)) : 0;
+    const int failed = rows > RMAX && !units; /* still takes part in the omp for */
+    _Pragma("omp for schedule(static) nowait") /* the parallel region's end waits */
+    for (int64_t ch = 0; ch < chunks; ch++) {
+        if (failed) continue;
+        const int64_t first = ch * NC;
+        const int ncols = n - first < NC ? (int)(n - first) : NC;
+        const uint8_t *col[NC];
+        int32_t offsets[NC];
+        for (int c = 0; c < NC; c++) { /* a last chunk's missing columns repeat its last one */
+            offsets[c] = (int32_t)((c < ncols ? c : ncols - 1) * row_bytes);
+            col[c] = w + first * row_bytes + offsets[c];
+        }
+        const vi vindex = vi_load(offsets);
+        uint16_t *o = out + first;
+        /* a last partial group stays as stored */
+        const int64_t group = first / GROUP * GROUP;
+        const int rp = packed && group + GROUP <= n, half = (int)(first - group) / NC;
+        const uint8_t *sb0 = w + group * row_bytes;
+        switch (qtype * 2 + rp) {
+#define TYPE(Q)                                                                              \
+    case 2 * Q:                                                                              \
+        chunk_rows(Q, 0, xq, rows, col, sb0, half, vindex, nb, bytes, units, o, ldo, ncols); \
+        break;                                                                               \
+    case 2 * Q + 1:                                                                          \
+        chunk_rows(Q, 1, xq, rows, col, sb0, half, vindex, nb, bytes, units, o, ldo, ncols); \
+        break;
+        TYPE(Q4_0) TYPE(Q4_1) TYPE(Q5_0) TYPE(Q5_1) TYPE(Q8_0) TYPE(Q4_K) TYPE(Q5_K) TYPE(Q6_K)
+#undef TYPE
+        default: break;
+        }
+    }
+    free(units);
+    return failed;
 }
 #endif
 
@@ -458,8 +459,6 @@ static const int FIELDS[][5][3] = {
     [Q5_K] = {{0, 2, 2}, {2, 2, 2}, {4, 172, 4}},
     [Q6_K] = {{0, 208, 4}, {208, 2, 2}},
 };
-#define GROUP 16 /* rows a repacked group: quant_gguf_q8_packed_bf16's */
-
 /* w [rows, k / block * bytes] repacked in place (unpack: back to the blocks as stored),
  * one group of GROUP rows at a time through a scratch copy of it; the last rows % GROUP
  * rows untouched. -1 for an unknown type, k not whole blocks or no memory. */

@@ -1,7 +1,11 @@
 /* What the int8-product kernels (quant_vnni.c: GGUF blocks, quant_group_vnni.c: group
- * codes) share: the AVX512_VNNI feature test, the chunking (NC output columns a chunk, one
- * a dword lane; RMAX rows of x a micro-kernel call), the quantization of a block of 32
- * bf16 activations, the transpose of 16 columns' bytes, and the bf16 stores.
+ * codes) share: the feature test, the chunking (NC output columns a chunk, one a dword
+ * lane; RMAX rows of x a micro-kernel call), and a vector layer the kernels are written
+ * against once: the types vi (int32 lanes) and vf (fp32 lanes), their operations, the
+ * quantization of a block of 32 bf16 activations, the transpose of NC columns' bytes, the
+ * int8 dot products and the bf16 stores. AVX512_VNNI builds take the zmm layer below (NC
+ * = 16, vpdpbusd); AVX2 builds quant_avx2.h's ymm one (NC = 8, vpmaddubsw + vpmaddwd),
+ * which gives the same bits.
  *
  * Activations, as llama.cpp's Q8_0: per 32 values d = amax / 127 (fp32, IEEE division),
  * q = round(x * (1 / d)) to the nearest, ties to even (vcvtps2dq), d = 0 giving q = 0. */
@@ -71,10 +75,29 @@ static inline int8_t *alloc_codes(int64_t rows, int64_t k, int per_unit, void **
 #endif
 
 #if HAS_VNNI
-#define NC 16  /* columns per chunk: one a dword lane */
+#define NC 16 /* columns per chunk: one a dword lane of a zmm */
+/* 8-bit weight codes are multiplied as unsigned bytes (vpdpbusd's): signed codes shifted
+ * by +128, the offset folded into the integer sums */
+#define CODES8_SIGNED 0
+/* repacked blocks expand from their loads in a few operations: again for each RMAX rows
+ * rather than through the per-thread scratch */
+#define REPACKED_DIRECT 1
 
-/* 32 bf16 values -> their codes in q[32] and (as int32) in *lo, *hi; returns d */
-static inline float quantize_block32(const uint16_t *x, int8_t *q, __m512i *lo, __m512i *hi) {
+#define VW 512 /* the vector width, for vnni.h's plain operations: _mm512_* */
+typedef __m512i vi;
+typedef __m512 vf;
+
+/* a 128-bit lane of dwords a, b, c, d (lowest first) in every lane */
+static inline vi vi_lanes32(int32_t a, int32_t b, int32_t c, int32_t d) {
+    return _mm512_set4_epi32(d, c, b, a);
+}
+static inline vf vf_load_fp16(const void *p) { /* NC fp16 values -> fp32 */
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+
+/* 32 bf16 values -> their codes in q[32] and the sums of the codes 0..15 (*sa) and
+ * 16..31 (*sb); returns d */
+static inline float quantize_block32(const uint16_t *x, int8_t *q, int32_t *sa, int32_t *sb) {
     const __m512i raw = _mm512_loadu_si512(x);
     const __m512 a = _mm512_castsi512_ps(
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
@@ -84,15 +107,16 @@ static inline float quantize_block32(const uint16_t *x, int8_t *q, __m512i *lo, 
     /* a division (divss): -ffast-math would otherwise multiply by 1 / 127 */
     const float d = _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(amax), _mm_set_ss(127.0f)));
     const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    *lo = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(id)));
-    *hi = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(id)));
-    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(*lo));
-    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(*hi));
+    const __m512i lo = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(id)));
+    const __m512i hi = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(id)));
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(lo));
+    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(hi));
+    *sa = _mm512_reduce_add_epi32(lo), *sb = _mm512_reduce_add_epi32(hi);
     return d;
 }
 
-/* T[i] dword c = the 4 bytes at col[c] + off + 4 i: 16 columns' 16 bytes transposed */
-static inline void t16(const uint8_t *const col[NC], int64_t off, __m512i T[4]) {
+/* T[i] dword c = the 4 bytes at col[c] + off + 4 i: NC columns' 16 bytes transposed */
+static inline void transpose_cols(const uint8_t *const col[NC], int64_t off, vi T[4]) {
     __m512i z[4]; /* z[g]'s 128-bit lane l: column 4 l + g, so that T's dword c is column c */
     for (int g = 0; g < 4; g++) {
         z[g] = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(col[g] + off)));
@@ -106,6 +130,26 @@ static inline void t16(const uint8_t *const col[NC], int64_t off, __m512i T[4]) 
     T[2] = _mm512_unpacklo_epi64(b, d), T[3] = _mm512_unpackhi_epi64(b, d);
 }
 
+/* the 4 bytes at col[c] + off, dword c (vindex: each column's offset from col[0]) */
+static inline vi gather(const uint8_t *const col[NC], vi vindex, int64_t off) {
+    return _mm512_i32gather_epi32(vindex, (const void *)(col[0] + off), 1);
+}
+
+/* fp16 in the low (high = 0) or high half of each dword -> fp32 */
+static inline vf halves(vi v, const int high) {
+    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(high ? _mm512_srli_epi32(v, 16) : v));
+}
+
+/* q + 16 in the bytes where v has `bit` (one set bit a byte) set */
+static inline vi add16_where(vi q, vi v, vi bit) {
+    return _mm512_mask_add_epi8(q, _mm512_test_epi8_mask(v, bit), q, _mm512_set1_epi8(16));
+}
+
+/* acc + the sums of 4 products, unsigned bytes of u times signed bytes of s, per dword */
+static inline vi dot4(vi acc, vi u, vi s) { return _mm512_dpbusd_epi32(acc, u, s); }
+/* dot4 with 8-bit weight codes w (unsigned here: CODES8_SIGNED) */
+static inline vi dot8(vi acc, vi w, vi s) { return _mm512_dpbusd_epi32(acc, w, s); }
+
 /* 16 floats -> bf16, nearest even (as torch rounds), NaN kept quiet */
 static inline __m256i to_bf16x16(__m512 f) {
     const __m512i u = _mm512_castps_si512(f);
@@ -117,109 +161,45 @@ static inline __m256i to_bf16x16(__m512 f) {
     return _mm512_cvtepi32_epi16(r);
 }
 
-static inline __m512i bcast32(const int8_t *p) {
+static inline vi bcast32(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
     return _mm512_set1_epi32(v);
 }
 
-static inline void store_row(uint16_t *out, __m512 acc, int ncols) {
+/* the first ncols lanes of acc as bf16 */
+static inline void store_row(uint16_t *out, vf acc, int ncols) {
     _mm256_mask_storeu_epi16(out, (__mmask16)((1u << ncols) - 1), to_bf16x16(acc));
 }
 #elif HAS_AVX2_Q8
-#define NC 8 /* columns per chunk: one a dword lane of a ymm */
+#include "quant_avx2.h" /* the same layer on ymm registers */
+#endif
 
-/* 8 int32 (each within int8) -> 8 bytes, in order */
-static inline __m128i narrow8(__m256i v) {
-    const __m256i w = _mm256_packs_epi32(v, v); /* lane l: v's 4 l.. twice */
-    const __m256i b = _mm256_packs_epi16(w, w);
-    return _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
-}
-
-/* 32 bf16 values -> their codes in q[32] and the sums of the codes 0..15 (*sa) and
- * 16..31 (*sb); returns d: quantize_block32's numbers on ymm registers */
-static inline float quantize_block32_avx2(const uint16_t *x, int8_t *q, int32_t *sa, int32_t *sb) {
-    __m256 f[4];
-    for (int i = 0; i < 4; i++)
-        f[i] = _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(x + 8 * i))), 16));
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, f[0]), _mm256_andnot_ps(sign, f[1])),
-                             _mm256_max_ps(_mm256_andnot_ps(sign, f[2]), _mm256_andnot_ps(sign, f[3])));
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_max_ss(h, _mm_movehdup_ps(h));
-    const float amax = _mm_cvtss_f32(h);
-    /* a division (divss): -ffast-math would otherwise multiply by 1 / 127 */
-    const float d = _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(amax), _mm_set_ss(127.0f)));
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    __m256i c[4];
-    for (int i = 0; i < 4; i++) {
-        c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(f[i], _mm256_set1_ps(id)));
-        _mm_storel_epi64((__m128i *)(q + 8 * i), narrow8(c[i]));
-    }
-    for (int half = 0; half < 2; half++) {
-        const __m256i s = _mm256_add_epi32(c[2 * half], c[2 * half + 1]);
-        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
-        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
-        *(half ? sb : sa) = _mm_cvtsi128_si32(t);
-    }
-    return d;
-}
-
-/* T[i] dword c = the 4 bytes at col[c] + off + 4 i: 8 columns' 16 bytes transposed */
-static inline void t8(const uint8_t *const col[NC], int64_t off, __m256i T[4]) {
-    __m256i z[4]; /* z[g]'s 128-bit lane l: column 4 l + g, so that T's dword c is column c */
-    for (int g = 0; g < 4; g++)
-        z[g] = _mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(col[g] + off))),
-            _mm_loadu_si128((const __m128i *)(col[4 + g] + off)), 1);
-    const __m256i a = _mm256_unpacklo_epi32(z[0], z[1]), b = _mm256_unpackhi_epi32(z[0], z[1]);
-    const __m256i c = _mm256_unpacklo_epi32(z[2], z[3]), d = _mm256_unpackhi_epi32(z[2], z[3]);
-    T[0] = _mm256_unpacklo_epi64(a, c), T[1] = _mm256_unpackhi_epi64(a, c);
-    T[2] = _mm256_unpacklo_epi64(b, d), T[3] = _mm256_unpackhi_epi64(b, d);
-}
-
-/* the low 16 bits of each dword, in order (values < 2^16) */
-static inline __m128i low16x8(__m256i v) {
-    const __m256i w = _mm256_packus_epi32(v, v); /* lane l: dwords 4 l.. twice */
-    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(w, 0x08));
-}
-
-/* 8 floats -> bf16, nearest even (as torch rounds), NaN kept quiet: to_bf16x16's */
-static inline __m128i to_bf16x8(__m256 f) {
-    const __m256i u = _mm256_castps_si256(f);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    const __m256i r = _mm256_srli_epi32(
-        _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd), 16);
-    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
-    return low16x8(_mm256_blendv_epi8(r, quiet, nan));
-}
-
-static inline __m256i bcast32(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm256_set1_epi32(v);
-}
-
-static inline void store_row(uint16_t *out, __m256 acc, int ncols) {
-    const __m128i v = to_bf16x8(acc);
-    if (ncols == NC) {
-        _mm_storeu_si128((__m128i *)out, v);
-    } else {
-        uint16_t tmp[NC];
-        _mm_storeu_si128((__m128i *)tmp, v);
-        memcpy(out, tmp, (size_t)ncols * 2);
-    }
-}
-
-/* acc + the sums of 4 products, unsigned bytes of u times signed bytes of s, per dword
- * (vpdpbusd's): exact where no pair of products leaves int16 (|u| |s| <= 16383 a pair) */
-static inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-}
+#if HAS_VNNI || HAS_AVX2_Q8
+/* The layer's plain operations, one intrinsic each: _mm512_* or _mm256_* by VW */
+#define MM_(w, op) _mm##w##_##op
+#define MM(w, op) MM_(w, op)
+#define MMSI_(w, op) _mm##w##_##op##_si##w
+#define MMSI(w, op) MMSI_(w, op)
+static inline vi vi_zero(void) { return MMSI(VW, setzero)(); }
+static inline vf vf_zero(void) { return MM(VW, setzero_ps)(); }
+static inline vi vi_set8(char v) { return MM(VW, set1_epi8)(v); }
+static inline vi vi_set32(int32_t v) { return MM(VW, set1_epi32)(v); }
+static inline vf vf_set(float v) { return MM(VW, set1_ps)(v); }
+static inline vi vi_load(const void *p) { return MMSI(VW, loadu)((const vi *)p); }
+static inline vi vi_and(vi a, vi b) { return MMSI(VW, and)(a, b); }
+static inline vi vi_or(vi a, vi b) { return MMSI(VW, or)(a, b); }
+static inline vi vi_xor(vi a, vi b) { return MMSI(VW, xor)(a, b); }
+static inline vi vi_add32(vi a, vi b) { return MM(VW, add_epi32)(a, b); }
+static inline vi vi_mullo32(vi a, vi b) { return MM(VW, mullo_epi32)(a, b); }
+static inline vi vi_srl32(vi v, int n) { return MM(VW, srli_epi32)(v, n); }
+static inline vi vi_sll32(vi v, int n) { return MM(VW, slli_epi32)(v, n); }
+static inline vi vi_sra32(vi v, int n) { return MM(VW, srai_epi32)(v, n); }
+static inline vi vi_shuffle8(vi v, vi idx) { return MM(VW, shuffle_epi8)(v, idx); }
+static inline vf vf_from_i32(vi v) { return MM(VW, cvtepi32_ps)(v); }
+static inline vf vf_mul(vf a, vf b) { return MM(VW, mul_ps)(a, b); }
+static inline vf vf_sub(vf a, vf b) { return MM(VW, sub_ps)(a, b); }
+static inline vf vf_fma(vf a, vf b, vf c) { return MM(VW, fmadd_ps)(a, b, c); }
 #endif
 
 #endif /* FUSEGEN_KERNELS_VNNI_H */
