@@ -119,23 +119,23 @@ def quant_linear_q8_packed(x: torch.Tensor, packed: torch.Tensor, qtype: int,
                            out_features: int) -> torch.Tensor:
     """quant_linear_q8 over pack_blocks' layout, unchecked (a GGUFLinear's hot path):
     the same bits. None where the kernel declines the call."""
-    rows, in_features = x.shape
-    out = torch.empty(rows, out_features, dtype=torch.bfloat16)
-    status = _library().quant_gguf_q8_packed_bf16(
-        qtype, x.data_ptr(), rows, x.stride(0), packed.data_ptr(), out_features, in_features,
-        out.data_ptr(), out_features, torch.get_num_threads())
-    return out if status == 0 else None
+    return _call(_library().quant_gguf_q8_packed_bf16, x, packed, qtype, out_features)
 
 
 def quant_linear_q8(x: torch.Tensor, blocks: torch.Tensor, qtype: int,
                     out_features: int) -> torch.Tensor:
     """The C kernel, unchecked (the dispatcher's hot path): x [T >= 1, in] bf16 with unit
     stride along in, blocks contiguous. None where the kernel declines the call."""
+    return _call(_library().quant_gguf_q8_bf16, x, blocks, qtype, out_features)
+
+
+def _call(kernel, x: torch.Tensor, w: torch.Tensor, qtype: int,
+          out_features: int) -> torch.Tensor | None:
+    """`kernel` (one of the two entry points, the same arguments) on all the threads."""
     rows, in_features = x.shape
     out = torch.empty(rows, out_features, dtype=torch.bfloat16)
-    status = _library().quant_gguf_q8_bf16(
-        qtype, x.data_ptr(), rows, x.stride(0), blocks.data_ptr(), out_features, in_features,
-        out.data_ptr(), out_features, torch.get_num_threads())
+    status = kernel(qtype, x.data_ptr(), rows, x.stride(0), w.data_ptr(), out_features,
+                    in_features, out.data_ptr(), out_features, torch.get_num_threads())
     return out if status == 0 else None
 
 
