@@ -85,8 +85,7 @@ _SIGNATURES = {
     "quant_group_q8_bf16": [_I, _I, _P, _L, _L, _P, _P, _P, _L, _L, _P, _L, _I],
     # csrc/sparse_tiles.c
     "sparse_tiles_available": [],
-    **{f"sparse_tiles_{t}": [_P, _L, _L, _P, _P, _P, _I, _P, _L, _L, _P, _L, _I, _I]
-       for t in ("f32", "bf16")},
+    "sparse_tiles": [_P, _I, _L, _L, _P, _P, _P, _I, _P, _L, _L, _P, _L, _I, _I],
 }
 
 
@@ -176,5 +175,5 @@ def library() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.argtypes = argtypes
         fn.restype = ctypes.c_int if name.startswith(
-            ("paged_", "rotary_cache_", "gemm_argmax", "gemm_tiles", "quant_")) else None
+            ("paged_", "rotary_cache_", "gemm_argmax", "gemm_tiles", "quant_", "sparse_")) else None
     return lib

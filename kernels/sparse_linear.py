@@ -29,7 +29,7 @@ from fusegen.kernels.sparse_format import TILE_OUT, SparseTiles, decode, decode_
 
 BAND_ROWS = 4 * TILE_OUT  # output rows the torch path expands at a time
 _VALUE_TYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, torch.int8: 3}
-_NATIVE = {torch.float32: "sparse_tiles_f32", torch.bfloat16: "sparse_tiles_bf16"}
+_NATIVE = {torch.float32: 0, torch.bfloat16: 1}  # x dtypes the C kernel takes: x_bf16
 
 
 def sparse_linear(x: torch.Tensor, tiles: SparseTiles) -> torch.Tensor:
@@ -98,22 +98,11 @@ def kernel_paths() -> int:
     return int(lib.sparse_tiles_available()) if lib is not None else 0
 
 
-@functools.cache
-def _kernel(dtype: torch.dtype):
-    return getattr(_library(), _NATIVE[dtype])
-
-
 @functools.cache  # on the hot path of every call
 def _library():
-    import ctypes
-
     from fusegen.kernels import native
 
-    lib = native.library_with("sparse_tiles_available")
-    if lib is not None:
-        for name in ("sparse_tiles_available", *_NATIVE.values()):
-            getattr(lib, name).restype = ctypes.c_int
-    return lib
+    return native.library_with("sparse_tiles_available")
 
 
 def _check_x(x: torch.Tensor, tiles: SparseTiles) -> None:
@@ -135,10 +124,9 @@ def _sparse_linear_native(x: torch.Tensor, tiles: SparseTiles, plain: bool = Fal
     if not (tiles.bitmap.is_contiguous() and tiles.offsets.is_contiguous()
             and values.is_contiguous() and (scales is None or scales.is_contiguous())):
         return None  # the format's tensors are contiguous as encoded and as loaded
-    kernel = _kernel(x.dtype) if lib is None else getattr(lib, _NATIVE[x.dtype])
-    status = kernel(x.data_ptr(), x.shape[0], x.stride(0), tiles.bitmap.data_ptr(),
-                    tiles.offsets.data_ptr(), values.data_ptr(), _VALUE_TYPES[values.dtype],
-                    None if scales is None else scales.data_ptr(), tiles.out_features,
-                    tiles.in_features, out.data_ptr(), tiles.out_features,
-                    torch.get_num_threads(), int(plain))
+    status = (lib or _library()).sparse_tiles(
+        x.data_ptr(), _NATIVE[x.dtype], x.shape[0], x.stride(0), tiles.bitmap.data_ptr(),
+        tiles.offsets.data_ptr(), values.data_ptr(), _VALUE_TYPES[values.dtype],
+        None if scales is None else scales.data_ptr(), tiles.out_features, tiles.in_features,
+        out.data_ptr(), tiles.out_features, torch.get_num_threads(), int(plain))
     return out if status == 0 else None

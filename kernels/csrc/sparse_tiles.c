@@ -471,30 +471,22 @@ int sparse_tiles_available(void) {
     return 1 | (SP_AVX512 ? 2 : 0) | (SP_VBMI2 ? 4 : 0) | (SP_AVX2 ? 8 : 0) | (SP_DP ? 16 : 0);
 }
 
-/* x [rows, k] fp32 (row stride ldx) . W^T -> out [rows, n] fp32 (row stride ldo); W the
- * tiles (bitmap, offsets, values of type vt: 0 bf16, 1 fp16, 2 fp32, 3 int8 with scales).
- * plain: the plain-C path (tests). Returns -1 for an unknown value type, int8 values
- * without scales or an empty shape. */
-int sparse_tiles_f32(const float *x, int64_t rows, int64_t ldx, const uint64_t *bitmap,
-                     const int64_t *offsets, const void *values, int vt, const float *scales,
-                     int64_t n, int64_t k, float *out, int64_t ldo, int num_threads,
-                     int plain) {
+/* x [rows, k] (row stride ldx) . W^T -> out [rows, n] (row stride ldo), x and out fp32
+ * (x_bf16 0) or bf16 (x_bf16 1: x widened to fp32, exactly, and the sums rounded once to
+ * bf16); W the tiles (bitmap, offsets, values of type vt: 0 bf16, 1 fp16, 2 fp32, 3 int8
+ * with scales). plain: the plain-C path (tests). Returns -1 for an unknown value type,
+ * int8 values without scales, an empty shape, or memory for the widened x run out. */
+int sparse_tiles(const void *xv, int x_bf16, int64_t rows, int64_t ldx, const uint64_t *bitmap,
+                 const int64_t *offsets, const void *values, int vt, const float *scales,
+                 int64_t n, int64_t k, void *out, int64_t ldo, int num_threads, int plain) {
     call_t c;
     if (make_call(&c, bitmap, offsets, values, vt, scales, n, k)) return -1;
     if (rows <= 0) return 0;
-    c.x = x, c.rows = rows, c.ldx = ldx, c.out = out, c.ldo = ldo, c.out_bf16 = 0;
-    return product(&c, vt, num_threads, plain);
-}
-
-/* As sparse_tiles_f32 for bf16 x and out: x widened to fp32 (exact), the sums rounded
- * once to bf16. -1 also when memory for the widened x runs out. */
-int sparse_tiles_bf16(const uint16_t *x, int64_t rows, int64_t ldx, const uint64_t *bitmap,
-                      const int64_t *offsets, const void *values, int vt, const float *scales,
-                      int64_t n, int64_t k, uint16_t *out, int64_t ldo, int num_threads,
-                      int plain) {
-    call_t c;
-    if (make_call(&c, bitmap, offsets, values, vt, scales, n, k)) return -1;
-    if (rows <= 0) return 0;
+    if (!x_bf16) {
+        c.x = xv, c.rows = rows, c.ldx = ldx, c.out = out, c.ldo = ldo, c.out_bf16 = 0;
+        return product(&c, vt, num_threads, plain);
+    }
+    const uint16_t *x = xv;
 #if SP_DP
     if (vt == V_BF16 && !plain) { /* x as bf16 pairs, a zero past the last channel */
         uint16_t *xb = malloc((size_t)rows * (k + 1) * 2);
