@@ -1,12 +1,15 @@
 """Helpers shared by the tests of compressed weights and their kernels: GGUF blocks as a
 writer makes them, a C kernel file compiled for another CPU, the message of a refused
-configuration, a generation's tokens, and a script run in a child process under Triton's
-interpreter."""
+configuration, a generation's tokens, a script run in a child process under Triton's
+interpreter, and what the `fusegen quantize` / `fusegen sparsify` tests share (calibration
+prompts, MoE shapes, a command's run, a written checkpoint's tensors, a usage error), and
+a test checkpoint made once and rewritten with its decoder linears compressed."""
 from __future__ import annotations
 
 import ctypes
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,9 +18,20 @@ import numpy as np
 import pytest
 import torch
 
+from click.testing import CliRunner
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
 from fusegen.engine import LLM, EngineConfigError
+from fusegen.engine.models import get_architecture
+from fusegen.engine.models.config import ModelConfig
+from fusegen.engine.weights.groupquant import quantizable
+from fusegen.engine.weights.loader import load_state_dict, weight_files
+from fusegen.jobs.cli import main
 from fusegen.kernels import native
 from fusegen.kernels import quant_linear as ql
+
+from checkpoints import make_hf_checkpoint
 
 # compiler flags of the x86-64 builds other CPUs get, and the kernel families each build
 # reports (the bit mask of its `*_available`): AVX-512 without AVX512_BF16, AVX2, baseline
@@ -25,6 +39,17 @@ OTHER_CPU_BUILDS = [
     (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"], 1 | 2 | 4),
     (["-mavx2", "-mfma", "-mf16c"], 1 | 2), ([], 1 | 2)]
 OTHER_CPU_IDS = ["avx512-without-bf16", "avx2", "baseline"]
+
+# calibration text, the MoE shapes each MoE architecture is made with, and the name
+# suffixes of the linears a compressing command rewrites
+PROMPTS = ["The quick brown fox jumps over the lazy dog, again and again and again.",
+           "Hello world, this is a test of the calibration pass.",
+           "1 2 3 4 5 6 7 8 9 10 11 12", "Bonjour tout le monde"]
+MOE = {"mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+       "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                         norm_topk_prob=True)}
+LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                   "down_proj", "qkv_proj", "gate_up_proj", "w1", "w2", "w3")
 
 
 def make_blocks(qtype: int, out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
@@ -122,3 +147,87 @@ def run_interpreted(script: str, *args: str):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run_command(command: str, *args):
+    """`fusegen <command> <args>` through click's runner (each argument as str)."""
+    return CliRunner().invoke(main, [command, *map(str, args)])
+
+
+def read_all(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files a checkpoint directory holds, as stored."""
+    tensors = {}
+    for path in weight_files(directory):
+        with safe_open(str(path), "pt") as f:
+            tensors |= {name: f.get_tensor(name) for name in f.keys()}
+    return tensors
+
+
+def source_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors as the loader reads them (fused and renamed)."""
+    return load_state_dict(directory, ModelConfig.from_dir(directory))
+
+
+def is_linear(name: str) -> bool:
+    """A decoder layer's linear weight, one a compressing command rewrites."""
+    return ".layers." in name and name.endswith(".weight") and \
+        name.rsplit(".", 2)[-2] in LINEAR_SUFFIXES
+
+
+def assert_usage_error(result, *parts, out: Path):
+    """A command refused with click's usage exit code, its output naming every part, and
+    nothing written at `out` (nor a temporary directory beside it)."""
+    assert result.exit_code == 2, result.output
+    for part in parts:
+        assert part in result.output, result.output
+    assert not out.exists()
+    assert not list(out.parent.glob(f".{out.name}.*"))
+
+
+def cached_checkpoint(cache: dict, arch: str, tmp_path_factory, **options) -> Path:
+    """A tiny `arch` checkpoint (sentencepiece for Gemma, else BPE; seed 7) with `options`,
+    made once per (arch, options) and kept in `cache`."""
+    key = arch + repr(sorted(options.items()))
+    if key not in cache:
+        cache[key] = make_hf_checkpoint(
+            tmp_path_factory.mktemp(arch), arch,
+            "sentencepiece" if arch.startswith("gemma") else "bpe", seed=7, **options)
+    return cache[key]
+
+
+def compressible_names(model_dir: Path) -> dict[str, str]:
+    """The checkpoint names of the decoder linears a compressed format stores (int8 / int4
+    groups, sparse tiles) -> their layer parameter (the architecture's tensor list)."""
+    cfg = ModelConfig.from_dir(str(model_dir))
+    arch = get_architecture(cfg.architecture)
+    return {arch.layer_prefix.format(i) + name: param for i in range(cfg.num_layers)
+            for name, shape, param in arch.layer_tensors(cfg) if quantizable(param, shape)}
+
+
+def write_rewritten(src: Path, dst: Path, convert, edit=None, config_entry=None) -> Path:
+    """`src` written to `dst` with each decoder linear (compressible_names) replaced by
+    the tensors `convert(name, weight)` returns, every other tensor as it was, in one
+    model.safetensors beside `src`'s other files. `edit(tensors)` may damage the tensors
+    before they are written; `config_entry` (key, value) is added to config.json."""
+    names = compressible_names(src)
+    state = {}
+    for path in sorted(src.glob("*.safetensors")):
+        state |= load_file(path)
+    out = {}
+    for name, tensor in state.items():
+        if name in names:
+            out |= convert(name, tensor)
+        else:
+            out[name] = tensor
+    if edit is not None:
+        edit(out)
+    dst.mkdir(parents=True)
+    for path in src.iterdir():
+        if path.suffix != ".safetensors" and path.name != "model.safetensors.index.json":
+            shutil.copy(path, dst / path.name)
+    save_file({n: t.contiguous() for n, t in out.items()}, dst / "model.safetensors")
+    if config_entry is not None:
+        config = json.loads((dst / "config.json").read_text())
+        config[config_entry[0]] = config_entry[1]
+        (dst / "config.json").write_text(json.dumps(config))
+    return dst

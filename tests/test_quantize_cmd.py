@@ -5,28 +5,19 @@ round-to-nearest, its folding leaving the fp32 model's logits as they were, MoE 
 and routers included; an expert without calibration rows left round-to-nearest), and
 each bad argument's error."""
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
-from safetensors import safe_open
 
 from checkpoints import load_hf, make_hf_checkpoint
+from quant_helpers import (MOE, PROMPTS, assert_usage_error, is_linear, read_all, run_command,
+                           source_tensors)
 from fusegen.engine.weights import awq, quantize as qz
-from fusegen.engine.weights.loader import load_state_dict, weight_files
-from fusegen.engine.models.config import ModelConfig
-from fusegen.jobs.cli import main
 from fusegen.kernels.group_linear import dequantize_group, quantize_group
 
-PROMPTS = ["The quick brown fox jumps over the lazy dog, again and again and again.",
-           "Hello world, this is a test of the calibration pass.",
-           "1 2 3 4 5 6 7 8 9 10 11 12", "Bonjour tout le monde"]
-MOE = {"mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
-       "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-                         norm_topk_prob=True)}
-LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                   "down_proj", "qkv_proj", "gate_up_proj", "w1", "w2", "w3")
+run_cli = partial(run_command, "quantize")
 
 
 @pytest.fixture(scope="module")
@@ -36,30 +27,9 @@ def wide_dir(tmp_path_factory):
                               intermediate_size=256)
 
 
-def run_cli(*args):
-    return CliRunner().invoke(main, ["quantize", *map(str, args)])
-
-
-def read_all(directory: Path) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for path in weight_files(directory):
-        with safe_open(str(path), "pt") as f:
-            tensors |= {name: f.get_tensor(name) for name in f.keys()}
-    return tensors
-
-
-def source_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    return load_state_dict(directory, ModelConfig.from_dir(directory))
-
-
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
         a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
-
-
-def is_linear(name: str) -> bool:
-    return ".layers." in name and name.endswith(".weight") and \
-        name.rsplit(".", 2)[-2] in LINEAR_SUFFIXES
 
 
 def check_quantized(source: dict, written: dict, bits: int, group_size: int,
@@ -368,14 +338,6 @@ def test_awq_expert_without_calibration_rows_is_round_to_nearest(tmp_path):
 
 
 # -- errors ---------------------------------------------------------------------------
-
-def assert_usage_error(result, *parts, out: Path):
-    assert result.exit_code == 2, result.output
-    for part in parts:
-        assert part in result.output, result.output
-    assert not out.exists()
-    assert not list(out.parent.glob(f".{out.name}.*"))
-
 
 def test_bad_arguments(llama_dir, wide_dir, tmp_path):
     out = tmp_path / "q"

@@ -7,19 +7,18 @@ naming the tensor and the file."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from checkpoints import ARCHS, make_hf_checkpoint
+from checkpoints import ARCHS
+from quant_helpers import cached_checkpoint, generate_tokens, write_rewritten
 from fusegen.engine import LLM, SamplingParams
 from fusegen.engine.errors import ModelLoadError
 from fusegen.engine.models import get_architecture
-from fusegen.engine.models.config import ModelConfig
-from fusegen.engine.weights.groupquant import GroupQuantExpertLinear, GroupQuantLinear, quantizable
+from fusegen.engine.weights.groupquant import GroupQuantExpertLinear, GroupQuantLinear
 from fusegen.engine.weights.linear import ROW_TILE, Linear
 from fusegen.kernels.group_linear import dequantize_group, quantize_group
 
@@ -43,15 +42,6 @@ def fmt_id(fmt) -> str:
     return f"int{bits}-g{group_size}-{'sym' if symmetric else 'asym'}"
 
 
-def quantized_names(model_dir: Path) -> dict[str, str]:
-    """The checkpoint names of the decoder linears int8 / int4 quantize -> their layer
-    parameter (the architecture's tensor list)."""
-    cfg = ModelConfig.from_dir(str(model_dir))
-    arch = get_architecture(cfg.architecture)
-    return {arch.layer_prefix.format(i) + name: param for i in range(cfg.num_layers)
-            for name, shape, param in arch.layer_tensors(cfg) if quantizable(param, shape)}
-
-
 def write_group_checkpoint(src: Path, dst: Path, fmt, dense: bool = False,
                            edit=None) -> Path:
     """`src`'s weights with its decoder linears quantized by `quantize_group`, written as
@@ -59,57 +49,37 @@ def write_group_checkpoint(src: Path, dst: Path, fmt, dense: bool = False,
     (fp32 `dequantize_group` values, an ordinary checkpoint). `edit(tensors)` may damage
     the tensors before they are written."""
     bits, group_size, symmetric = fmt
-    names = quantized_names(src)
-    state = {}
-    for path in sorted(src.glob("*.safetensors")):
-        state |= load_file(path)
-    out = {}
-    for name, tensor in state.items():
-        if name not in names:
-            out[name] = tensor
-            continue
+
+    def convert(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         qweight, scales, zeros = quantize_group(tensor, bits, group_size, symmetric)
         if dense:
-            out[name] = dequantize_group(qweight, scales, zeros, bits, group_size,
-                                         tensor.shape[1])
-            continue
+            return {name: dequantize_group(qweight, scales, zeros, bits, group_size,
+                                           tensor.shape[1])}
         base = name.removesuffix(".weight")
-        out[f"{base}.qweight"], out[f"{base}.scales"] = qweight, scales
+        out = {f"{base}.qweight": qweight, f"{base}.scales": scales}
         if zeros is not None:
             out[f"{base}.zeros"] = zeros
-    if edit is not None:
-        edit(out)
-    dst.mkdir(parents=True)
-    for path in src.iterdir():
-        if path.suffix != ".safetensors" and path.name != "model.safetensors.index.json":
-            shutil.copy(path, dst / path.name)
-    save_file({n: t.contiguous() for n, t in out.items()}, dst / "model.safetensors")
-    if not dense:
-        config = json.loads((dst / "config.json").read_text())
-        config["quantization_config"] = {"quant_method": "fusegen", "bits": bits,
-                                         "group_size": group_size, "symmetric": symmetric,
-                                         "method": "rtn"}
-        (dst / "config.json").write_text(json.dumps(config))
-    return dst
+        return out
+
+    entry = None if dense else ("quantization_config", {
+        "quant_method": "fusegen", "bits": bits, "group_size": group_size,
+        "symmetric": symmetric, "method": "rtn"})
+    return write_rewritten(src, dst, convert, edit, entry)
 
 
 _SOURCES: dict[str, Path] = {}
 
 
 def source_checkpoint(arch: str, tmp_path_factory) -> Path:
-    if arch not in _SOURCES:
-        _SOURCES[arch] = make_hf_checkpoint(
-            tmp_path_factory.mktemp(arch), arch,
-            "sentencepiece" if arch.startswith("gemma") else "bpe", seed=7, **SIZES,
-            **OVERRIDES.get(arch, {}))
-    return _SOURCES[arch]
+    return cached_checkpoint(_SOURCES, arch, tmp_path_factory, **SIZES,
+                             **OVERRIDES.get(arch, {}))
 
 
 def generate(path, **options):
-    with LLM(str(path), **OPTIONS, **options) as llm:
-        outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
-        assert llm.stats()["num_steps"] == PARAMS.max_tokens  # the prompts fused in one batch
-        return [o.token_ids for o in outs], llm.engine.runner, llm.memory_report()
+    tokens, runner, report, stats = generate_tokens(path, PROMPTS, PARAMS, **OPTIONS,
+                                                    **options)
+    assert stats["num_steps"] == PARAMS.max_tokens  # the prompts fused in one batch
+    return tokens, runner, report
 
 
 def check_compressed(runner, fmt, moe: bool) -> None:

@@ -4,22 +4,20 @@ stored dense, on every architecture, resident and streamed; the plan and staging
 hold the tiles' exact bytes; damaged tile tables and declarations are named."""
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from checkpoints import ARCHS, make_hf_checkpoint
+from checkpoints import ARCHS
+from quant_helpers import cached_checkpoint, compressible_names, generate_tokens, write_rewritten
 from fusegen.engine import LLM, SamplingParams
 from fusegen.engine.errors import ModelLoadError
 from fusegen.engine.memory.placement import budget_for_resident_layers
 from fusegen.engine.models import get_architecture
 from fusegen.engine.models.config import ModelConfig
 from fusegen.engine.weights.compressed import CompressedSource
-from fusegen.engine.weights.groupquant import quantizable
 from fusegen.engine.weights.sparse import SparseExpertLinear, SparseLinear, segment_tiles
 from fusegen.kernels import sparse_format as codec
 
@@ -35,14 +33,6 @@ OVERRIDES = {"mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
 LINEARS = ("qkv", "o", "gate_up", "down")
 
 
-def sparse_names(model_dir: Path) -> dict[str, str]:
-    """The checkpoint names of the decoder linears stored sparse -> their layer param."""
-    cfg = ModelConfig.from_dir(str(model_dir))
-    arch = get_architecture(cfg.architecture)
-    return {arch.layer_prefix.format(i) + name: param for i in range(cfg.num_layers)
-            for name, shape, param in arch.layer_tensors(cfg) if quantizable(param, shape)}
-
-
 def prune(w: torch.Tensor, sparsity: float = 0.5) -> torch.Tensor:
     """w with the `sparsity` share of each row's smallest |w| set to zero."""
     drop = int(w.shape[1] * sparsity)
@@ -55,57 +45,37 @@ def write_pruned(src: Path, dst: Path, values: str | None, edit=None,
     """`src` with its decoder linears pruned to 50% per row, written to `dst`: dense
     (values None; int8 values' dequantized weights where `values` is "int8-dense") or
     sparse with `values`. `edit(tensors)` / `config_edit(sparsity_config)` damage them."""
-    names = sparse_names(src)
-    state = {}
-    for path in sorted(src.glob("*.safetensors")):
-        state |= load_file(path)
-    out = {}
-    for name, tensor in state.items():
-        if name not in names:
-            out[name] = tensor
-            continue
+
+    def convert(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         pruned = prune(tensor.float())
         if values is None:
-            out[name] = pruned
-        elif values == "int8-dense":  # what int8 tiles hold, stored dense
-            out[name] = codec.decode(codec.encode(pruned, "int8"))
-        else:
-            out |= codec.tensors(name, codec.encode(pruned, values))
-    if edit is not None:
-        edit(out)
-    dst.mkdir(parents=True)
-    for path in src.iterdir():
-        if path.suffix != ".safetensors" and path.name != "model.safetensors.index.json":
-            shutil.copy(path, dst / path.name)
-    save_file({n: t.contiguous() for n, t in out.items()}, dst / "model.safetensors")
+            return {name: pruned}
+        if values == "int8-dense":  # what int8 tiles hold, stored dense
+            return {name: codec.decode(codec.encode(pruned, "int8"))}
+        return codec.tensors(name, codec.encode(pruned, values))
+
+    entry = None
     if values not in (None, "int8-dense"):
-        config = json.loads((dst / "config.json").read_text())
-        config["sparsity_config"] = {"format": "fusegen-bitmap-tiles", "version": 1,
-                                     "tile": [64, 64], "values": values, "sparsity": 0.5,
-                                     "method": "magnitude", "modules": sorted(names)}
+        entry = ("sparsity_config", {
+            "format": "fusegen-bitmap-tiles", "version": 1, "tile": [64, 64],
+            "values": values, "sparsity": 0.5, "method": "magnitude",
+            "modules": sorted(compressible_names(src))})
         if config_edit is not None:
-            config_edit(config["sparsity_config"])
-        (dst / "config.json").write_text(json.dumps(config))
-    return dst
+            config_edit(entry[1])
+    return write_rewritten(src, dst, convert, edit, entry)
 
 
 _SOURCES: dict[str, Path] = {}
 
 
 def source(arch: str, tmp_path_factory, **extra) -> Path:
-    key = arch + repr(sorted(extra.items()))
-    if key not in _SOURCES:
-        _SOURCES[key] = make_hf_checkpoint(
-            tmp_path_factory.mktemp(arch), arch,
-            "sentencepiece" if arch.startswith("gemma") else "bpe", seed=7, **SIZES,
-            **OVERRIDES.get(arch, {}), **extra)
-    return _SOURCES[key]
+    return cached_checkpoint(_SOURCES, arch, tmp_path_factory, **SIZES,
+                             **OVERRIDES.get(arch, {}), **extra)
 
 
 def generate(path, **options):
-    with LLM(str(path), **OPTIONS, **options) as llm:
-        outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
-        return [o.token_ids for o in outs], llm.engine.runner, llm.memory_report()
+    tokens, runner, report, _ = generate_tokens(path, PROMPTS, PARAMS, **OPTIONS, **options)
+    return tokens, runner, report
 
 
 def check_sparse(runner, moe: bool) -> None:
@@ -137,7 +107,7 @@ def test_sparse_checkpoint_generates_like_pruned_dense(arch, tmp_path, tmp_path_
 
 
 def _round_bf16(src):
-    names = sparse_names(src)
+    names = compressible_names(src)
 
     def edit(tensors):
         for name in names:

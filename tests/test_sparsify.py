@@ -5,31 +5,23 @@ tokens routed to them), the written tiles decode to the pruned weights (exactly,
 within int8's rounding), the config entry, the report's exact bytes, and each bad
 input's error with nothing written."""
 import json
+from functools import partial
 import re
 from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
-from safetensors import safe_open
 
 from checkpoints import make_hf_checkpoint
+from quant_helpers import (LINEAR_SUFFIXES, MOE, PROMPTS, assert_usage_error, is_linear,
+                           read_all, run_command, source_tensors)
 from fusegen.engine.weights import quantize as qz
 from fusegen.engine.weights import sparsify as sp
-from fusegen.engine.weights.loader import load_state_dict, weight_files
-from fusegen.engine.models.config import ModelConfig
-from fusegen.jobs.cli import main
 from fusegen.kernels import sparse_format
 
-PROMPTS = ["The quick brown fox jumps over the lazy dog, again and again and again.",
-           "Hello world, this is a test of the calibration pass.",
-           "1 2 3 4 5 6 7 8 9 10 11 12", "Bonjour tout le monde"]
-MOE = {"mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
-       "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-                         norm_topk_prob=True)}
-LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                   "down_proj", "qkv_proj", "gate_up_proj", "w1", "w2", "w3")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+run_cli = partial(run_command, "sparsify")
 
 
 @pytest.fixture(scope="module")
@@ -37,27 +29,6 @@ def odd_dir(tmp_path_factory):
     """Llama whose linears cut tiles at their edges: 96 hidden, 160 intermediate."""
     return make_hf_checkpoint(tmp_path_factory.mktemp("odd"), "llama", hidden_size=96,
                               intermediate_size=160)
-
-
-def run_cli(*args):
-    return CliRunner().invoke(main, ["sparsify", *map(str, args)])
-
-
-def read_all(directory: Path) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for path in weight_files(directory):
-        with safe_open(str(path), "pt") as f:
-            tensors |= {name: f.get_tensor(name) for name in f.keys()}
-    return tensors
-
-
-def source_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    return load_state_dict(directory, ModelConfig.from_dir(directory))
-
-
-def is_linear(name: str) -> bool:
-    return ".layers." in name and name.endswith(".weight") and \
-        name.rsplit(".", 2)[-2] in LINEAR_SUFFIXES
 
 
 def decoded(written: dict, name: str, shape) -> sparse_format.SparseTiles:
@@ -339,14 +310,6 @@ def test_wanda_expert_without_tokens_pruned_by_magnitude(tmp_path):
 
 # -- errors ---------------------------------------------------------------------------
 
-def assert_usage_error(result, *parts, out: Path):
-    assert result.exit_code == 2, result.output
-    for part in parts:
-        assert part in result.output, result.output
-    assert not out.exists()
-    assert not list(out.parent.glob(f".{out.name}.*"))
-
-
 def test_bad_inputs(odd_dir, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -390,8 +353,7 @@ def test_bad_inputs(odd_dir, tmp_path):
                        "'--model'", "quantized: already quantized (config.json's "
                        "quantization_config is", "sparsify the 16-bit checkpoint", out=out)
     # quantize refuses a sparse source likewise
-    result = CliRunner().invoke(main, ["quantize", "--model", str(sparse), "--bits", "8",
-                                       "--output", str(out)])
+    result = run_command("quantize", "--model", sparse, "--bits", 8, "--output", out)
     assert result.exit_code == 2 and "already sparse" in result.output \
         and "quantize the 16-bit checkpoint" in result.output
     unknown = tmp_path / "unknown"
