@@ -13,6 +13,47 @@ import click
 _FORMATS = (".parquet", ".jsonl", ".txt")
 
 
+def calibration_options(method: str):
+    """--calibration, --calibration-column and --calibration-rows, declared once for each
+    command whose --method `method` reads calibration prompts (see calibration_prompts)."""
+    options = [
+        click.option("--calibration", type=click.Path(path_type=Path),
+                     help=f"Calibration prompts for --method {method}: a .parquet or .jsonl "
+                     "file (the --calibration-column) or a .txt file (one prompt a line)."),
+        click.option("--calibration-column", default="prompt", show_default=True,
+                     help="The column (or JSON key) holding the calibration prompts."),
+        click.option("--calibration-rows", type=click.IntRange(min=1), default=64,
+                     show_default=True, help="Calibration prompts read at most (the first "
+                     "ones; each cut to 512 tokens).")]
+
+    def apply(command):
+        for option in reversed(options):  # as if stacked in this order above the command
+            command = option(command)
+        return command
+    return apply
+
+
+def output_options(command):
+    """--output (written under a temporary name, then renamed) and --overwrite."""
+    command = click.option("--overwrite/--no-overwrite", default=False,
+                           help="Replace an existing --output directory.")(command)
+    return click.option("--output", required=True, type=click.Path(path_type=Path),
+                        help="Directory to write (made under a temporary name, renamed when "
+                        "complete).")(command)
+
+
+def calibration_prompts(method: str, calibrated: str, calibration: Path | None,
+                        column: str, max_rows: int) -> list[str] | None:
+    """The prompts of `calibration` (read_prompts) where --method is `calibrated`, which
+    needs them; None for another method, which refuses a --calibration file."""
+    if method == calibrated and calibration is None:
+        raise _bad(f"--method {calibrated} needs calibration prompts: pass --calibration "
+                   "FILE (.parquet, .jsonl or .txt)")
+    if method != calibrated and calibration is not None:
+        raise _bad(f"--calibration is used only by --method {calibrated}")
+    return None if calibration is None else read_prompts(calibration, column, max_rows)
+
+
 @click.command()
 @click.option("--model", "model", required=True,
               help="Source: a checkpoint directory (config.json, *.safetensors, tokenizer) "
@@ -26,17 +67,8 @@ _FORMATS = (".parquet", ".jsonl", ".txt")
 @click.option("--method", type=click.Choice(["rtn", "awq"]), default="rtn", show_default=True,
               help="rtn: round to nearest; awq: activation-aware scales searched on "
               "--calibration prompts, folded into the norms before quantizing.")
-@click.option("--calibration", type=click.Path(path_type=Path),
-              help="Calibration prompts for --method awq: a .parquet or .jsonl file (the "
-              "--calibration-column) or a .txt file (one prompt a line).")
-@click.option("--calibration-column", default="prompt", show_default=True,
-              help="The column (or JSON key) holding the calibration prompts.")
-@click.option("--calibration-rows", type=click.IntRange(min=1), default=64, show_default=True,
-              help="Calibration prompts read at most (the first ones; each cut to 512 tokens).")
-@click.option("--output", required=True, type=click.Path(path_type=Path),
-              help="Directory to write (made under a temporary name, renamed when complete).")
-@click.option("--overwrite/--no-overwrite", default=False,
-              help="Replace an existing --output directory.")
+@calibration_options("awq")
+@output_options
 def quantize(model, bits, group_size, symmetric, method, calibration, calibration_column,
              calibration_rows, output, overwrite):
     """Write a group-quantized int8 / int4 copy of a checkpoint: every decoder-layer
@@ -45,13 +77,8 @@ def quantize(model, bits, group_size, symmetric, method, calibration, calibratio
 
     try:
         spec = QuantizeSpec(int(bits), int(group_size), symmetric, method)
-        if method == "awq" and calibration is None:
-            raise _bad("--method awq needs calibration prompts: pass --calibration FILE "
-                       "(.parquet, .jsonl or .txt)")
-        if method == "rtn" and calibration is not None:
-            raise _bad("--calibration is used only by --method awq")
-        prompts = None if calibration is None else \
-            read_prompts(calibration, calibration_column, calibration_rows)
+        prompts = calibration_prompts(method, "awq", calibration, calibration_column,
+                                      calibration_rows)
         report = quantize_checkpoint(model, output, spec, prompts=prompts, overwrite=overwrite)
     except QuantizeError as exc:
         raise click.BadParameter(str(exc), param_hint=f"'--{exc.option}'") from None

@@ -5,11 +5,10 @@ as `fusegen quantize` reads them (jobs/quantize_cmd.py); the engine does the res
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import click
 
-from fusegen.jobs.quantize_cmd import read_prompts
+from fusegen.jobs.quantize_cmd import calibration_options, calibration_prompts, output_options
 
 
 @click.command()
@@ -22,20 +21,11 @@ from fusegen.jobs.quantize_cmd import read_prompts
 @click.option("--method", type=click.Choice(["magnitude", "wanda"]), default="magnitude",
               show_default=True, help="magnitude: keep the largest |w| of each row; wanda: "
               "the largest |w| * ||x||, x the layer's inputs on --calibration prompts.")
-@click.option("--calibration", type=click.Path(path_type=Path),
-              help="Calibration prompts for --method wanda: a .parquet or .jsonl file (the "
-              "--calibration-column) or a .txt file (one prompt a line).")
-@click.option("--calibration-column", default="prompt", show_default=True,
-              help="The column (or JSON key) holding the calibration prompts.")
-@click.option("--calibration-rows", type=click.IntRange(min=1), default=64, show_default=True,
-              help="Calibration prompts read at most (the first ones; each cut to 512 tokens).")
+@calibration_options("wanda")
 @click.option("--values", type=click.Choice(["bf16", "fp16", "fp32", "int8"]),
               help="The kept weights' dtype (int8: with one scale a 64 x 64 tile); by "
               "default the source's.")
-@click.option("--output", required=True, type=click.Path(path_type=Path),
-              help="Directory to write (made under a temporary name, renamed when complete).")
-@click.option("--overwrite/--no-overwrite", default=False,
-              help="Replace an existing --output directory.")
+@output_options
 def sparsify(model, sparsity, method, calibration, calibration_column, calibration_rows,
              values, output, overwrite):
     """Write a pruned copy of a checkpoint: every decoder-layer linear keeps the same
@@ -46,13 +36,8 @@ def sparsify(model, sparsity, method, calibration, calibration_column, calibrati
 
     try:
         spec = SparsifySpec(sparsity, method, values)
-        if method == "wanda" and calibration is None:
-            raise _bad("--method wanda needs calibration prompts: pass --calibration FILE "
-                       "(.parquet, .jsonl or .txt)")
-        if method == "magnitude" and calibration is not None:
-            raise _bad("--calibration is used only by --method wanda")
-        prompts = None if calibration is None else \
-            read_prompts(calibration, calibration_column, calibration_rows)
+        prompts = calibration_prompts(method, "wanda", calibration, calibration_column,
+                                      calibration_rows)
         report = sparsify_checkpoint(model, output, spec, prompts=prompts,
                                      overwrite=overwrite)
     except QuantizeError as exc:
@@ -95,7 +80,3 @@ def _layer_order(key: str):
 
 def _ratio(sparse: int, dense: int) -> str:
     return f"{sparse / dense:.3f}x" if dense else "-"
-
-
-def _bad(message: str, option: str = "calibration") -> click.BadParameter:
-    return click.BadParameter(message, param_hint=f"'--{option}'")
