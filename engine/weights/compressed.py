@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
-from fusegen.engine.weights.linear import Linear
+from fusegen.engine.weights.linear import Linear, row_tiled
 from fusegen.kernels.quant_linear import BLOCK_SIZES
 
 FORMATS = ("gguf", "group", "fp8", "sparse")
@@ -241,3 +242,34 @@ class CompressedLinear(Linear):
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in
                    (*(getattr(self, n) for n in self.components), self.bias) if t is not None)
+
+
+def expert_shell(module: CompressedLinear, linear: Linear, source: CompressedSource,
+                 units: int = 0, what: str = "") -> CompressedLinear:
+    """An expert Linear's shell (`module`, from CompressedLinear.shell over `source`, the E
+    experts' weights stacked) given `linear`'s expert count and one expert's rows as
+    out_features; a ValueError naming `source` where its rows (or its `units`, `what`
+    they are, such as sparse weights) do not split evenly into the experts."""
+    module.num_experts = experts = linear.num_experts
+    if units % experts or source.shape[0] % experts:
+        counted = f"{units} {what} of " if what else ""
+        raise ValueError(f"{source.name}: {counted}{source.shape[0]} rows do not split "
+                         f"into {experts} experts")
+    module.out_features = source.shape[0] // experts  # one expert's
+    return module
+
+
+def expert_product(x: torch.Tensor, product, out_features: int,
+                   row_tile: int | None) -> torch.Tensor:
+    """x [n, in] -> product(x) [n, out_features], one expert's rows (no bias): in calls of
+    `row_tile` rows where one is set (row_tiled), so each output sums in one order."""
+    if row_tile is not None:
+        return row_tiled(x, partial(tile_product, product), out_features, None, row_tile)
+    return product(x)
+
+
+def tile_product(product, rows: torch.Tensor, out: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """row_tiled's matmul over `product`: product(rows), copied into `out` where given."""
+    result = product(rows)
+    return result if out is None else out.copy_(result)

@@ -22,7 +22,8 @@ import torch
 from fusegen.engine.errors import ModelLoadError
 from fusegen.engine.weights.linear import Linear, row_tiled
 from fusegen.engine.weights.compressed import (GROUP_BITS, GROUP_SIZES, CompressedLinear,
-                                               CompressedSource, component_shapes)
+                                               CompressedSource, component_shapes,
+                                               expert_product, expert_shell)
 from fusegen.engine.weights.lazy import LazyTensor
 from fusegen.kernels import use_native, use_triton
 
@@ -257,13 +258,7 @@ class GroupQuantExpertLinear(GroupQuantLinear):
 
     @classmethod
     def shell(cls, linear: Linear, source: CompressedSource) -> "GroupQuantExpertLinear":
-        module = super().shell(linear, source)
-        module.num_experts = linear.num_experts
-        if source.shape[0] % module.num_experts:
-            raise ValueError(f"{source.name}: {source.shape[0]} rows do not split into "
-                             f"{module.num_experts} experts")
-        module.out_features = source.shape[0] // module.num_experts  # one expert's
-        return module
+        return expert_shell(super().shell(linear, source), linear, source)
 
     def set_weight(self, name: str, tensor: torch.Tensor) -> None:
         if name in self.components:
@@ -275,12 +270,6 @@ class GroupQuantExpertLinear(GroupQuantLinear):
         product = partial(self._product, qweight=self.qweight[expert],
                           scales=self.scales[expert], zeros=zeros,
                           out_features=self.out_features)
-        if self.row_tile is not None and not self._batch_invariant(x):
-            return row_tiled(x, partial(_tile, product), self.out_features, None,
-                             self.row_tile)
-        return product(x)
-
-
-def _tile(product, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    result = product(rows)
-    return result if out is None else out.copy_(result)
+        tiled = self.row_tile is not None and not self._batch_invariant(x)
+        return expert_product(x, product, self.out_features,
+                              self.row_tile if tiled else None)

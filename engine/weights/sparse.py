@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from fusegen.engine.errors import ModelLoadError
-from fusegen.engine.weights.compressed import CompressedLinear, CompressedSource
+from fusegen.engine.weights.compressed import (CompressedLinear, CompressedSource, expert_product,
+                                              expert_shell, tile_product)
 from fusegen.engine.weights.lazy import LazyTensor
 from fusegen.engine.weights.linear import Linear, row_tiled
 
@@ -303,8 +304,8 @@ class SparseLinear(CompressedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         parts = self._parts()
         if self.row_tile is not None:
-            return row_tiled(x, partial(_tile, self._product, parts), self.out_features,
-                             self.bias, self.row_tile)
+            return row_tiled(x, partial(tile_product, partial(self._product, parts=parts)),
+                             self.out_features, self.bias, self.row_tile)
         out = self._product(x, parts)
         if self.bias is not None:
             out += self.bias
@@ -322,25 +323,11 @@ class SparseExpertLinear(SparseLinear):
 
     @classmethod
     def shell(cls, linear: Linear, source: CompressedSource) -> "SparseExpertLinear":
-        module = super().shell(linear, source)
-        module.num_experts = linear.num_experts
-        if len(source.segments) % module.num_experts or source.shape[0] % module.num_experts:
-            raise ValueError(f"{source.name}: {len(source.segments)} sparse weights of "
-                             f"{source.shape[0]} rows do not split into "
-                             f"{module.num_experts} experts")
-        module.out_features = source.shape[0] // module.num_experts  # one expert's
-        return module
+        return expert_shell(super().shell(linear, source), linear, source,
+                            len(source.segments), "sparse weights")
 
     def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
         per = len(self.segments) // self.num_experts
         parts = self._parts()[expert * per:(expert + 1) * per]
-        if self.row_tile is not None:
-            return row_tiled(x, partial(_tile, self._product, parts), self.out_features,
-                             None, self.row_tile)
-        return self._product(x, parts)
-
-
-def _tile(product, parts, rows: torch.Tensor, out: torch.Tensor | None = None
-          ) -> torch.Tensor:
-    result = product(rows, parts)
-    return result if out is None else out.copy_(result)
+        return expert_product(x, partial(self._product, parts=parts), self.out_features,
+                              self.row_tile)
