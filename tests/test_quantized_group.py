@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from checkpoints import ARCHS
-from quant_helpers import cached_checkpoint, generate_tokens, write_rewritten
+from quant_helpers import cached_checkpoint, compressible_names, generate_tokens, write_rewritten
 from fusegen.engine import LLM, SamplingParams
 from fusegen.engine.errors import ModelLoadError
 from fusegen.engine.models import get_architecture
@@ -40,6 +40,10 @@ LINEARS = ("qkv", "o")  # every architecture's attention linears
 def fmt_id(fmt) -> str:
     bits, group_size, symmetric = fmt
     return f"int{bits}-g{group_size}-{'sym' if symmetric else 'asym'}"
+
+
+# the checkpoint names of the decoder linears int8 / int4 quantize -> their layer parameter
+quantized_names = compressible_names
 
 
 def write_group_checkpoint(src: Path, dst: Path, fmt, dense: bool = False,
