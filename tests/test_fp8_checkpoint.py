@@ -18,8 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from checkpoints import make_hf_checkpoint
-from quant_helpers import config_error
-from test_quantized_group import quantized_names
+from quant_helpers import compressible_names, config_error
 from fusegen.engine import LLM, SamplingParams
 from fusegen.engine.config import resolve_quantization
 from fusegen.engine.errors import ModelLoadError
@@ -71,7 +70,7 @@ def write_fp8_checkpoint(src: Path, dst: Path, scheme: str, dense: bool = False,
     """`src` with its decoder linears (but UNCONVERTED) in e4m3 and `scheme`'s scales,
     config.json declaring quant_method "fp8"; `dense`: the dequantized weights as an
     ordinary fp32 checkpoint instead. `edit(tensors)` may damage the tensors."""
-    names = quantized_names(src)
+    names = compressible_names(src)
     out = {}
     for name, tensor in load_file(src / "model.safetensors").items():
         if name not in names or name == UNCONVERTED:

@@ -42,9 +42,6 @@ def fmt_id(fmt) -> str:
     return f"int{bits}-g{group_size}-{'sym' if symmetric else 'asym'}"
 
 
-# the checkpoint names of the decoder linears int8 / int4 quantize -> their layer parameter
-quantized_names = compressible_names
-
 
 def write_group_checkpoint(src: Path, dst: Path, fmt, dense: bool = False,
                            edit=None) -> Path:
