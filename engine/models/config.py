@@ -4,11 +4,16 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from fusegen.engine.errors import ModelLoadError
-from fusegen.engine.models.registry import SUPPORTED_ARCHITECTURES, get_architecture
+
+# config.json architecture name -> its family's `config_flags(raw)`, in registration order:
+# engine/models/registry.py fills it as each family module registers, so parsing a config
+# needs no import of the registry (whose architectures take a ModelConfig).
+ARCHITECTURE_FLAGS: dict[str, Callable[[dict], dict]] = {}
 
 # Bounds on what a config may claim before anything is sized from it (per-layer lists,
 # rotary tables, the memory plan). The longest context in circulation (Llama 4 Scout's
@@ -94,11 +99,11 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
         archs = raw.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        arch = next((a for a in archs if a in ARCHITECTURE_FLAGS), None)
         if arch is None:
             raise ModelLoadError(
                 f"{source}: architectures {archs} not supported; fusegen runs "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+                f"{', '.join(ARCHITECTURE_FLAGS)}")
         try:
             num_heads = int(raw["num_attention_heads"])
             hidden = int(raw["hidden_size"])
@@ -122,7 +127,7 @@ class ModelConfig:
             )
             _check_sizes(fields)  # before the flags build anything per layer
             # The architecture's flags may restate common fields (Gemma 3's rotary tables).
-            flags = get_architecture(arch).config_flags(raw)
+            flags = ARCHITECTURE_FLAGS[arch](raw)
             if "rope_scaling" not in flags:
                 fields["rope_scaling"] = _rope_scaling(raw)
             cfg = cls(**(fields | flags))

@@ -7,6 +7,7 @@ from collections.abc import KeysView
 from typing import TYPE_CHECKING
 
 from fusegen.engine.errors import ModelLoadError
+from fusegen.engine.models.config import ARCHITECTURE_FLAGS
 
 if TYPE_CHECKING:
     from fusegen.engine.models.architecture import Architecture
@@ -21,6 +22,7 @@ def register(cls: type[Architecture]) -> type[Architecture]:
     arch = cls()
     for name in cls.hf_names:
         _ARCHITECTURES[name] = arch
+        ARCHITECTURE_FLAGS[name] = arch.config_flags
     return cls
 
 

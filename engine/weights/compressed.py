@@ -11,6 +11,7 @@ decides which parameters stay compressed and swaps a layer's Linears for them.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -86,6 +87,12 @@ def _block_values(format: str, params: tuple) -> int:
     return _gguf_block(params[0])[0] if format == "gguf" else params[1]
 
 
+# format -> how a window of one of its weights becomes a source of its own, for formats
+# whose windows are no views of the stored components (weights/sparse.py fills "sparse":
+# its sources exist only once that module has built them).
+NARROWED_BY: dict[str, Callable] = {}
+
+
 @dataclass(frozen=True, slots=True)
 class CompressedSource:
     """One checkpoint weight in its compressed form, not read yet.
@@ -143,10 +150,8 @@ class CompressedSource:
         if start < 0 or length < 1 or start + length > self.shape[dim]:
             raise ValueError(f"{self.name}: [{start}, {start + length}) is outside dim {dim} "
                              f"of its {list(self.shape)} weight")
-        if self.format == "sparse":  # re-tiled from the window when read
-            from fusegen.engine.weights.sparse import narrow_tiles
-
-            return narrow_tiles(self, dim, start, length)
+        if self.format in NARROWED_BY:  # e.g. sparse: re-tiled from the window when read
+            return NARROWED_BY[self.format](self, dim, start, length)
         block = _block_values(self.format, self.params)
         if dim == 1 and (start % block or length % block):
             raise ValueError(

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from fusegen.engine.errors import ModelLoadError
-from fusegen.engine.weights.compressed import (CompressedLinear, CompressedSource, expert_product,
-                                              expert_shell, tile_product)
+from fusegen.engine.weights.compressed import (NARROWED_BY, CompressedLinear, CompressedSource,
+                                              expert_product, expert_shell, tile_product)
 from fusegen.engine.weights.lazy import LazyTensor
 from fusegen.engine.weights.linear import Linear, row_tiled
 
@@ -191,6 +191,9 @@ def narrow_tiles(source: CompressedSource, dim: int, start: int, length: int
     return CompressedSource.of("sparse", source.params, shape, source.name,
                                partial(_window_parts, source, window),
                                segments=((shape[0], nnz),))
+
+
+NARROWED_BY["sparse"] = narrow_tiles
 
 
 def _mask(parts: dict[str, torch.Tensor], out: int, inp: int) -> torch.Tensor:
