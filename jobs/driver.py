@@ -291,12 +291,13 @@ def _stream(client, spec, todo, fingerprint, owner, run_token, progress, results
 
 def _worker_left(event: dict, parts_of: dict[str, str]) -> None:
     """Name a worker that left the cluster while it ran (or held queued) partitions of
-    this job: the scheduler's "remove-worker" event. Dask runs those partitions again on
-    the other workers; their parts are written only when they complete."""
+    this job, or held finished ones whose results the driver had not collected yet: the
+    scheduler's "remove-worker" event. Dask runs those partitions again on the other
+    workers; their parts are written only when they complete."""
     if event.get("action") != "remove-worker":
         return
-    names = sorted({parts_of[key] for key in event.get("processing-tasks", ())
-                    if key in parts_of})
+    keys = [*event.get("processing-tasks", ()), *event.get("lost-computed-tasks", ())]
+    names = sorted({parts_of[key] for key in keys if key in parts_of})
     if names:
         how = "was retired" if event.get("expected") else "died"
         log.warning("worker %s %s while running %s; Dask retries %s on the other workers",

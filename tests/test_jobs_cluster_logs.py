@@ -62,7 +62,20 @@ def test_the_in_process_worker_logs_them_as_the_driver_set_its_level():
     assert not [h for h in logger.handlers if type(h).__name__ == "_ToWorkerLog"]
 
 
-def test_an_external_cluster_is_left_as_found():
+@pytest.fixture
+def driver_at_warning():
+    """The driver's logging as a plain script leaves it, whatever tests before set:
+    "fusegen" at WARNING, its children unset."""
+    loggers = [logging.getLogger(n) for n in ("fusegen", "fusegen.engine", "fusegen.kernels")]
+    levels = [lg.level for lg in loggers]
+    for lg, level in zip(loggers, (logging.WARNING, logging.NOTSET, logging.NOTSET)):
+        lg.setLevel(level)
+    yield
+    for lg, level in zip(loggers, levels):
+        lg.setLevel(level)
+
+
+def test_an_external_cluster_is_left_as_found(driver_at_warning):
     logger = logging.getLogger("fusegen")
     with LocalCluster(n_workers=1, processes=False, dashboard_address=None) as local, \
             Client(local) as mine:

@@ -29,7 +29,9 @@ def test_option_columns_match_the_engine_alone(tmp_path):
               SamplingParams(n=3, stop_token_ids=[7], seed=row_seed(4, 3), **common)]
     with LLM(tiny_model_dir()) as llm:
         expected = llm.generate(prompts, params)
-        assert llm.engine_load() == {"running": 0, "waiting": 0, "kv_used": 0.0}
+        generated = sum(len(c.token_ids) for e in expected for c in e.outputs)
+        assert llm.engine_load() == {"running": 0, "waiting": 0, "kv_used": 0.0,
+                                     "num_generated_tokens": generated}
     completions = [(i, c) for i, e in enumerate(expected) for c in e.outputs]
     assert out.column("row_id").to_pylist() == [i for i, _ in completions] == [0, 0, 1, 2, 3, 3, 3]
     assert out.column("completion_index").to_pylist() == [c.index for _, c in completions]

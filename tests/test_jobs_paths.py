@@ -92,10 +92,15 @@ def test_scheduler_addresses_of_this_machine_are_not_remote():
 
 def test_a_worker_that_leaves_mid_job_is_named_with_its_partitions(caplog):
     parts_of = {"fusegen-abc-part-00003.parquet-t1": "part-00003.parquet",
-                "fusegen-abc-part-00001.parquet-t1": "part-00001.parquet"}
+                "fusegen-abc-part-00001.parquet-t1": "part-00001.parquet",
+                "fusegen-abc-part-00002.parquet-t1": "part-00002.parquet"}
     with caplog.at_level(logging.WARNING, logger="fusegen.jobs"):
         driver._worker_left({"action": "remove-worker", "worker": "tcp://10.0.0.9:4001",
-                             "processing-tasks": set(parts_of) | {"other-job-key"},
+                             "processing-tasks": {"fusegen-abc-part-00003.parquet-t1",
+                                                  "fusegen-abc-part-00001.parquet-t1",
+                                                  "other-job-key"},
+                             # finished there, its result not collected: computed again
+                             "lost-computed-tasks": {"fusegen-abc-part-00002.parquet-t1"},
                              "expected": False}, parts_of)
         driver._worker_left({"action": "remove-worker", "worker": "tcp://10.0.0.8:4001",
                              "processing-tasks": {"other-job-key"}, "expected": False},
@@ -104,4 +109,4 @@ def test_a_worker_that_leaves_mid_job_is_named_with_its_partitions(caplog):
                             parts_of)
     assert [r.getMessage() for r in caplog.records] == [
         "worker tcp://10.0.0.9:4001 died while running part-00001.parquet, "
-        "part-00003.parquet; Dask retries them on the other workers"]
+        "part-00002.parquet, part-00003.parquet; Dask retries them on the other workers"]
