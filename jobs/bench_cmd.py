@@ -81,6 +81,20 @@ def _timeout_option(flag: str, what: str):
               help="fusegen's prefix caching; both: run fusegen with it on, then again with "
                    "it off, reporting the prefill tokens each computed (the labelling "
                    "preset shares a 1,024-token instruction).")
+@click.option("--sparsity", "sparsity", metavar="S[,S...]",
+              help="Also run fusegen on the model pruned to each of these shares of every "
+                   "decoder linear's weights (unstructured, per output row; e.g. "
+                   "0.5,0.7,0.8), stored in fusegen's sparse format and cached beside the "
+                   "checkpoint, on the same requests: the report gives each one's bytes per "
+                   "decoder layer, median decode step and output tok/s against dense (and "
+                   "under the offload presets the bytes streamed and the stall per step), "
+                   "and the sparsity from which sparse decodes faster.")
+@click.option("--sparse-values", type=click.Choice(["bfloat16", "int8", "both"]),
+              help="How the kept weights are stored: bf16, int8 codes with a scale per "
+                   "tile, or a run of each. Default bfloat16.")
+@click.option("--sparse-method", type=click.Choice(["magnitude"]),
+              help="How the weights are pruned: magnitude (|w|, no calibration). Default "
+                   "magnitude.")
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Where benchmark checkpoints are kept (default: $FUSEGEN_CACHE_DIR or "
                    "~/.cache/fusegen).")
@@ -93,8 +107,8 @@ def _timeout_option(flag: str, what: str):
                    "with .html (none without --json).")
 def bench(preset_name, model_name, revision, num_requests, layers, hf_batch_size, dtype, device, seed, skip_hf,
           skip_hf_static, skip_hf_continuous, vllm_python, vllm_timeout, llamacpp,
-          llamacpp_timeout, deterministic_too, structured, prefix_caching, cache_dir, json_path,
-          report_path, **engine):
+          llamacpp_timeout, deterministic_too, structured, prefix_caching, sparsity,
+          sparse_values, sparse_method, cache_dir, json_path, report_path, **engine):
     """Benchmark fusegen against transformers and vLLM on a seeded workload.
 
     Builds (once, cached) a random model of the preset's shape, or loads a real one
@@ -105,8 +119,9 @@ def bench(preset_name, model_name, revision, num_requests, layers, hf_batch_size
     transformers' continuous batching, and prints throughput, model FLOP/s and the
     ratios, beside the matmul FLOP/s and memory bandwidth measured in the same run.
     With --json, writes the figures there and an HTML report beside them (--report).
+    With --sparsity, also runs fusegen on the model pruned to each sparsity.
     """
-    from fusegen.jobs.bench.harness import BenchConfig, run_benchmark
+    from fusegen.jobs.bench.harness import BenchConfig, SparseSourceError, run_benchmark
     from fusegen.jobs.bench.report import format_report
 
     report_path = _report_path(report_path, json_path)
@@ -115,6 +130,7 @@ def bench(preset_name, model_name, revision, num_requests, layers, hf_batch_size
     options = {k: v for k, v in engine.items() if v is not None}
     try:
         EngineOptions.from_kwargs(options)  # a bad value fails before any model is built
+        sparse = _sparse_options(sparsity, sparse_values, sparse_method)
         model = _real_model(model_name or preset.default_model, revision, layers)
         config = BenchConfig(preset, model=model, dtype=dtype, device=device, seed=seed,
                              cache_dir=cache_dir,
@@ -124,10 +140,13 @@ def bench(preset_name, model_name, revision, num_requests, layers, hf_batch_size
                              structured=structured, prefix_caching=prefix_caching,
                              vllm_python=vllm_python, vllm_timeout=vllm_timeout,
                              llamacpp=_llamacpp_dir(llamacpp),
-                             llamacpp_timeout=llamacpp_timeout)
+                             llamacpp_timeout=llamacpp_timeout, **sparse)
     except (ValueError, EngineConfigError) as exc:
         raise click.UsageError(str(exc)) from None
-    report = run_benchmark(config, _progress_printer())
+    try:
+        report = run_benchmark(config, _progress_printer())
+    except SparseSourceError as exc:  # raised before any timed run
+        raise click.UsageError(str(exc)) from None
     click.echo(format_report(report))
     if json_path is not None:
         _write(json_path, json.dumps(report, indent=2) + "\n")
@@ -166,6 +185,22 @@ def _llamacpp_dir(value: str | None) -> Path | None:
     from fusegen.jobs.bench.llamacpp_runner import default_bin_dir
 
     return Path(value) if value else default_bin_dir()
+
+
+def _sparse_options(sparsity: str | None, values: str | None, method: str | None) -> dict:
+    """BenchConfig's sparse fields from --sparsity, --sparse-values, --sparse-method."""
+    from fusegen.jobs.bench.sparse import parse_sparsities
+
+    if sparsity is None:
+        given = [flag for flag, value in (("--sparse-values", values),
+                                          ("--sparse-method", method)) if value is not None]
+        if given:
+            raise ValueError(f"{given[0]} applies to the sparse runs; pass --sparsity too "
+                             "(e.g. --sparsity 0.5,0.7,0.8)")
+        return {}
+    return {"sparsities": parse_sparsities(sparsity),
+            "sparse_values": ("bfloat16", "int8") if values == "both" else (values or "bfloat16",),
+            "sparse_method": method or "magnitude"}
 
 
 def _real_model(name: str | None, revision: str | None, layers: int | None):

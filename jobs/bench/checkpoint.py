@@ -6,7 +6,10 @@ A checkpoint lives under <cache>/bench/<preset>-<hash of its shape>/. A changed 
 kept, so that switching back does not rebuild (delete the directory to reclaim the space).
 An export lives under <cache>/bench/gguf-export/<file stem>-<dtype>-<hash of the file's
 path, size and mtime>/: a changed file exports anew. A directory counts as built only
-once its marker file exists (written last, in a temporary directory renamed into place)."""
+once its marker file exists (written last, in a temporary directory renamed into place).
+A pruned variant (`--sparsity`) lives under <cache>/bench/sparse/<source name>-<hash of the
+source's path, files' sizes and mtimes>-<method><sparsity>-<values>/, written by
+`fusegen sparsify`'s writer: a changed source prunes anew."""
 from __future__ import annotations
 
 import hashlib
@@ -20,9 +23,12 @@ from fusegen.jobs.bench.presets import PresetModel
 
 _MARKER = "bench_shape.json"
 _EXPORT_MARKER = "bench_export.json"
+_SPARSE_MARKER = "bench_sparse.json"
 _MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
 # Bump when engine.weights.gguf_export's output changes.
 _EXPORT_VERSION = 1
+# Bump when engine.weights.sparsify's output changes.
+_SPARSE_VERSION = 1
 # Bump when engine.models.synthetic's output changes in a way the shape does not show.
 _BUILDER_VERSION = 1
 _SEED = 0
@@ -86,6 +92,40 @@ def ensure_export(gguf: Path, dtype: str, cache_dir: Path,
              f"the baselines, in {path}")
     return _build_once(path, lambda tmp: export_gguf(gguf, tmp, getattr(torch, dtype)),
                        _EXPORT_MARKER, {"gguf": str(gguf), "dtype": dtype})
+
+
+def sparse_dir(source: Path, sparsity: float, values: str, method: str,
+               cache_dir: Path) -> Path:
+    """Where `source` (a checkpoint directory or a GGUF file) pruned to `sparsity` with
+    `values` (sparsify's name: bf16, int8) is cached."""
+    source = Path(source).resolve()
+    files = sorted(p for p in ([source] if source.is_file() else source.iterdir())
+                   if p.is_file() and p.suffix in (".safetensors", ".json", ".gguf"))
+    key = {"path": str(source), "sparsifier": _SPARSE_VERSION,
+           "files": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    return (Path(cache_dir) / "bench" / "sparse"
+            / f"{source.stem}-{digest}-{method}{sparsity:g}-{values}")
+
+
+def ensure_sparse_checkpoint(source: Path, sparsity: float, values: str, method: str,
+                             cache_dir: Path,
+                             progress: Callable[[str], None] = lambda _: None) -> Path:
+    """`source` pruned per row by `method` to `sparsity`, its kept values stored as
+    `values` (bf16, int8), in fusegen's sparse format: written first when missing.
+    QuantizeError (a ValueError naming the option) where sparsify refuses the source."""
+    from fusegen.engine.weights.sparsify import SparsifySpec, sparsify_checkpoint
+
+    spec = SparsifySpec(sparsity, method, values)
+    path = sparse_dir(source, sparsity, values, method, cache_dir)
+    if (path / _SPARSE_MARKER).is_file():
+        progress(f"sparse: cached {sparsity:g} {values} checkpoint {path}")
+        return path
+    progress(f"sparse: pruning {Path(source).name} to {sparsity:g} by {method}, {values} "
+             f"values, into {path}")
+    return _build_once(path, lambda tmp: sparsify_checkpoint(source, tmp, spec),
+                       _SPARSE_MARKER, {"source": str(source), "sparsity": sparsity,
+                                        "values": values, "method": method})
 
 
 def _build_once(path: Path, build: Callable[[Path], object], marker: str, about: dict) -> Path:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from fusegen.engine.llm_engine import EngineStats, stats_since
 from fusegen.jobs.bench.results import EngineResult
+from fusegen.jobs.bench.sparse import linear_bytes_by_layer
 from fusegen.jobs.bench.workload import BenchRequest
 
 # `fusegen bench --structured half`: a labelling answer, what constrained jobs ask for.
@@ -70,6 +71,9 @@ def run_fusegen(model_dir: Path, requests: list[BenchRequest], warmup: list[Benc
         offload = _offload_figures(llm, streamer, delta)
         memory = llm.memory_report()
         weight_bytes = runner.step_weight_bytes()
+        # None where this process holds no model (a device group's ranks do)
+        model = getattr(runner, "model", None)
+        layer_bytes = None if model is None else linear_bytes_by_layer(model)
         cuda_graphs = None if graphs is None else {
             "replays": graphs.replays - replays_before, "recorded": len(graphs.graphs),
             "failed": graphs.failed}
@@ -92,6 +96,8 @@ def run_fusegen(model_dir: Path, requests: list[BenchRequest], warmup: list[Benc
         # allocated at load (sized from free memory unless kv_cache_memory says)
         "kv_cache_bytes": memory["device"]["kv_cache"] + memory["host"]["kv_cache"],
         "weight_bytes": weight_bytes,
+        "linear_bytes_by_layer": layer_bytes,  # each decoder layer's linears, as held
+        "output_digest": output_digest([o.token_ids for o in outputs]),
         "decode_step_times_s": steps.decode_step_times_s,  # each timed decode step, in order
         "memory": memory,  # bytes per tier and use, budgets, layers and KV blocks per tier
         **offload,
@@ -102,6 +108,15 @@ def run_fusegen(model_dir: Path, requests: list[BenchRequest], warmup: list[Benc
         result.extra["num_constrained"] = len(constrained)
         result.extra["num_structured_valid"] = sum(c.structured_valid is True for c in constrained)
     return result
+
+
+def output_digest(token_ids: list[list[int]]) -> str:
+    """sha256 of each request's output ids, in workload order: two runs of the same
+    requests gave the same tokens exactly when their digests are equal."""
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps([list(t) for t in token_ids]).encode()).hexdigest()
 
 
 @dataclass(slots=True)

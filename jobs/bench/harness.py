@@ -50,6 +50,11 @@ class BenchConfig:
     # Runs on the model's own GGUF file, so the model must be one.
     llamacpp: Path | None = None
     llamacpp_timeout: float = 3600.0  # seconds for llama.cpp's whole run, its load included
+    # fusegen again on the model pruned to each sparsity (jobs/bench/sparse.py), with
+    # each of sparse_values ("bfloat16", "int8"); () : no sparse runs
+    sparsities: tuple[float, ...] = ()
+    sparse_values: tuple[str, ...] = ("bfloat16",)
+    sparse_method: str = "magnitude"
 
     def __post_init__(self):
         if self.prefix_caching not in ("on", "off", "both"):
@@ -91,6 +96,8 @@ class BenchConfig:
             raise ValueError(f"--vllm-timeout must be positive; got {self.vllm_timeout}")
         if self.llamacpp is not None:
             self._check_llamacpp()
+        if self.sparsities:
+            self._check_sparse()
         longest = self.preset.shared_prefix_len + self.preset.prompt_len.high \
             + self.preset.output_len.high
         if self.model is not None and longest > self.shape.max_position_embeddings:
@@ -114,6 +121,31 @@ class BenchConfig:
         fixed = self.preset.shared_prefix_len == 0 and all(
             d.low == d.high for d in (self.preset.prompt_len, self.preset.output_len))
         choose_tool(self.llamacpp, fixed)  # ValueError naming the folder and the setup script
+
+    def _check_sparse(self) -> None:
+        from fusegen.jobs.bench.sparse import variants
+
+        for share in self.sparsities:
+            if not 0 < share < 1:
+                raise ValueError(f"--sparsity {share} is outside (0, 1): it is the share of "
+                                 "each row's weights pruned, such as 0.7 for 70%")
+        variants(self.sparsities, self.sparse_values, self.sparse_method)  # names checked
+        quantization = self.engine_options.get("quantization")
+        if quantization is not None:
+            raise ValueError(f"--sparsity runs the pruned checkpoints in their sparse form; "
+                             f"--quantization {quantization} would run them otherwise: leave "
+                             "it out")
+        if int(self.engine_options.get("tensor_parallel_size") or 1) \
+                * int(self.engine_options.get("pipeline_parallel_size") or 1) > 1:
+            raise ValueError("--sparsity measures the layers one process holds; run it "
+                             "without --tensor-parallel-size / --pipeline-parallel-size")
+
+    @property
+    def sparse_variants(self) -> list:
+        from fusegen.jobs.bench.sparse import variants
+
+        return variants(self.sparsities, self.sparse_values, self.sparse_method) \
+            if self.sparsities else []
 
     @property
     def shape(self) -> PresetModel:
@@ -157,6 +189,7 @@ def run_benchmark(config: BenchConfig, progress: Progress = lambda _: None) -> d
         progress(f"model: {model.source}{where}: {shape.num_layers} layers, hidden "
                  f"{shape.hidden_size}, vocab {shape.vocab_size}")
     model_dir = model.path
+    sparse_dirs = _sparse_checkpoints(config, model_dir, progress)  # before any timed run
 
     progress(f"ceiling: measuring matmul FLOP/s and memory bandwidth on {config.device}")
     dtypes = tuple(dict.fromkeys(("bfloat16", "float32", config.dtype)))
@@ -194,6 +227,11 @@ def run_benchmark(config: BenchConfig, progress: Progress = lambda _: None) -> d
             config, (model_dir, requests, warmup), progress, "with prefix caching off",
             {**engine_options, "enable_prefix_caching": False},
             name="fusegen_no_prefix_cache", label="fusegen, no prefix cache"))
+    for variant, path in sparse_dirs.items():
+        results.append(_fusegen_again(
+            config, (path, requests, warmup), progress, f"on {path.name}", engine_options,
+            name=variant.name, label=variant.label))
+        results[-1].extra["checkpoint"] = str(path)
     _release_memory(config.device)  # fusegen's weights and KV pool, before vLLM and transformers
     results += _run_llamacpp(config, model, requests, warmup, ceiling.num_threads,
                              results[0], progress)
@@ -215,6 +253,28 @@ def run_benchmark(config: BenchConfig, progress: Progress = lambda _: None) -> d
             result.model_flops = flops.workload_flops(shape, result.counts)
     return build_report(config, model, hf_dir, requests, ceiling, results,
                         load if model.gguf else None)
+
+
+class SparseSourceError(ValueError):
+    """The model cannot be pruned for --sparsity (sparsify refused it): a usage error."""
+
+
+def _sparse_checkpoints(config: BenchConfig, model_dir: Path, progress: Progress) -> dict:
+    """Each sparse variant's checkpoint directory (cached), written before any timed run
+    so that a source sparsify refuses fails first."""
+    from fusegen.engine.weights.quantize_spec import QuantizeError
+    from fusegen.jobs.bench.checkpoint import ensure_sparse_checkpoint
+    from fusegen.jobs.bench.sparse import VALUES
+
+    out = {}
+    for variant in config.sparse_variants:
+        try:
+            out[variant] = on_a_passing_thread(
+                ensure_sparse_checkpoint, model_dir, variant.sparsity, VALUES[variant.values],
+                variant.method, config.cache_dir, progress)
+        except QuantizeError as exc:
+            raise SparseSourceError(f"--sparsity: {model_dir} cannot be pruned: {exc}") from None
+    return out
 
 
 def _fusegen_again(config: BenchConfig, run: tuple, progress: Progress, what: str,

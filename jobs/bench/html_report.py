@@ -31,6 +31,7 @@ def render_bench_html(report: dict) -> str:
         _results_table(results, report.get("ratios", {})),
         "<h2>Decode step time</h2>",
         step_time_svg(results),
+        *(sparse_section(report["sparse"]) if "sparse" in report else ()),
         "<h2>Memory plan</h2>",
         memory_plan(results.get("fusegen", {}).get("memory")),
         "<h2>The table</h2>",
@@ -96,6 +97,52 @@ def step_time_svg(results: dict) -> str:
         notes += (f" (each point the mean of {-(-longest // _MAX_POINTS)} consecutive steps)")
     return svg.line_chart(series, title="decode step time, ms", x_max_format="step {:,.0f}",
                           y_format="{:.2f}") + f"\n<p>{notes}</p>"
+
+
+# A sparse run's figures in its row: the JSON key, the column, how it is shown.
+_SPARSE_FIGURES = (("linear_bytes_per_layer", "linear bytes / layer", "{:,.0f}".format),
+                   ("bytes_ratio", "x dense", "{:.3f}x".format),
+                   ("decode_step_median_s", "decode step ms (median)",
+                    lambda v: f"{v * 1e3:.2f}"),
+                   ("decode_speedup", "decode speedup", "{:.2f}x".format),
+                   ("output_tokens_per_s", "out tok/s", "{:,.1f}".format),
+                   ("throughput_ratio", "x dense", "{:.2f}x".format))
+_OFFLOAD_FIGURES = (("streamed_bytes_per_step", "streamed MB / step",
+                     lambda v: f"{v / 1e6:,.1f}"),
+                    ("stall_per_step_s", "stall ms / step", lambda v: f"{v * 1e3:.2f}"))
+
+
+def sparse_section(sparse: dict) -> list[str]:
+    """`fusegen bench --sparsity`: dense and each pruned run, their bytes per decoder
+    layer, median decode step and output rate against dense (under the memory pool,
+    the layers resident and the bytes streamed and the stall a step), as a table and
+    as bars of the decode speedup; the sparsity from which sparse wins."""
+    rows = sparse["rows"]
+    offloaded = any("offload" in row for row in rows)
+    table = []
+    for row in rows:
+        cells = [f"<td>{svg.e(row['label'])}</td>",
+                 *(_cell(row.get(key), show) for key, _, show in _SPARSE_FIGURES)]
+        if offloaded:
+            offload = row.get("offload", {})
+            layers = offload.get("layers", {})
+            cells += [_cell(layers.get("device"), str),
+                      *(_cell(offload.get(key), show) for key, _, show in _OFFLOAD_FIGURES)]
+        table.append(cells)
+    header = ["run", *(h for _, h, _ in _SPARSE_FIGURES)]
+    if offloaded:
+        header += ["layers resident", *(h for _, h, _ in _OFFLOAD_FIGURES)]
+    wins = "; ".join(
+        f"{svg.e(values)} values: " + (f"sparse decodes faster from {share * 100:g}% on"
+                                       if share is not None else "no measured sparsity wins")
+        for values, share in sparse["wins_from"].items())
+    bars = svg.bar_chart([(row["label"], row["decode_speedup"]) for row in rows
+                          if row["decode_speedup"] is not None],
+                         title="decode speedup against dense (median decode step)",
+                         css_class="sparse-bar", value_format="{:.2f}x")
+    return ["<h2>Sparse weights</h2>",
+            f"<p>{svg.e(sparse['method'])} pruning, per output row; {wins}</p>",
+            svg.grid(header, table), bars]
 
 
 def memory_plan(memory: dict | None) -> str:

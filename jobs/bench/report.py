@@ -7,6 +7,7 @@ from fusegen.jobs.bench import flops
 from fusegen.jobs.bench.ceiling import Ceiling
 from fusegen.jobs.bench.machine import describe_machine, now_iso, versions
 from fusegen.jobs.bench.results import EngineResult
+from fusegen.jobs.bench.sparse import format_sparse, summarize
 from fusegen.jobs.bench.workload import BenchRequest, describe_workload
 
 _RATES = ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "flops_per_s")
@@ -43,6 +44,8 @@ def build_report(config, model, baseline_dir: Path, requests: list[BenchRequest]
                    if r is not fusegen and r.skipped is None and fusegen.skipped is None},
         "utilisation": _utilisation(fusegen, shape, dtype, ceiling),
         **({} if load is None else {"load": {**load, "file_bytes": model.path.stat().st_size}}),
+        **({"sparse": summarize(engines, config.sparse_variants)}
+           if config.sparse_variants else {}),
     }
 
 
@@ -156,6 +159,8 @@ def format_report(report: dict) -> str:
             f"matmul ceiling; memory roofline {util['memory_roofline_fraction']:.1%} "
             f"({util['num_steps']} steps x {util['weight_bytes'] / 1e6:,.1f} MB of weights + KV "
             f"reads over the measured bandwidth)")
+    if "sparse" in report:
+        lines += format_sparse(report["sparse"])
     return "\n".join(lines)
 
 
