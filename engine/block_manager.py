@@ -58,6 +58,11 @@ class BlockManager:
         return self.num_blocks - self.num_free_blocks
 
     @property
+    def max_request_blocks(self) -> int:
+        """The most blocks one request can hold: what `Scheduler.check_fits` admits."""
+        return self.num_blocks
+
+    @property
     def num_cached_free_blocks(self) -> int:
         return len(self._evictable)
 

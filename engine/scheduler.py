@@ -85,11 +85,12 @@ class Scheduler:
         longest = min(request.num_prompt_tokens + request.params.max_tokens, self.max_model_len)
         # The last sampled token is never fed back, so it needs no KV slot.
         need = self.block_manager.blocks_for(longest - 1)
-        if need > self.block_manager.num_blocks:
+        if need > self.block_manager.max_request_blocks:
             size = self.block_manager.block_size
             return (f"the request may grow to {longest} tokens, which needs {need} KV blocks "
                     f"of {size} tokens, "
-                    f"but the KV cache holds {self.block_manager.num_blocks} blocks in all; "
+                    f"but a request can hold {self.block_manager.max_request_blocks} blocks "
+                    "of the KV cache in all; "
                     "lower max_tokens or give the KV cache more memory")
         return None
 

@@ -9,6 +9,7 @@ compiler and for tests.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import threading
 from dataclasses import dataclass
@@ -89,13 +90,14 @@ def _per_step(key: tuple, compute):
 
 def paged_decode_native(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, *,
                         scale: float, sliding_window: int = 0, seq_ids=None,
-                        num_threads: int | None = None) -> torch.Tensor:
+                        num_threads: int | None = None, lse=None) -> torch.Tensor:
     """Decode attention for the sequences `seq_ids` (default: all), each with exactly one
     query row at query_start_loc[i], written into `out` in place. CPU tensors; the C
-    kernel must be available (`kernels.native.library()`)."""
+    kernel must be available (`kernels.native.library()`). `lse` [T, Hq] fp32: each
+    computed row's log-sum-exp of its scaled scores written there too (kernels/csrc/lse.h)."""
     assert q.dtype in _NATIVE_DECODE, f"unsupported dtype {q.dtype}"
     failed = _call(_NATIVE_DECODE[q.dtype], q, k_cache, v_cache, block_tables, seq_lens,
-                   query_start_loc, out, scale, sliding_window, seq_ids, num_threads)
+                   query_start_loc, out, scale, sliding_window, seq_ids, num_threads, lse)
     if failed:
         raise ValueError(f"the CPU decode kernel takes head_dim <= 256 and block_size <= 256 "
                          f"with num_heads a multiple of num_kv_heads; got head_dim "
@@ -106,24 +108,25 @@ def paged_decode_native(q, k_cache, v_cache, block_tables, seq_lens, query_start
 
 def paged_prefill_native(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
                          seq_ids, *, scale: float, sliding_window: int = 0,
-                         num_threads: int | None = None) -> bool:
+                         num_threads: int | None = None, lse=None) -> bool:
     """Prefill attention (kernels/csrc/paged_prefill.c) for the sequences `seq_ids`, each
     with its query rows query_start_loc[i]..[i+1] the last of its seq_lens[i] tokens,
     into `out` in place. fp32 or bf16 (computed in fp32, rounded once at the end); False
     (nothing written) for another dtype or a shape the kernel does not take (head_dim not
     a multiple of 32, more than 16 query heads per KV head), which the caller then runs
-    another way."""
+    another way. `lse` as for paged_decode_native."""
     name = _NATIVE_PREFILL.get(q.dtype)
     if name is None or seq_ids is None or len(seq_ids) == 0 or not (
             q.dtype == k_cache.dtype == v_cache.dtype == out.dtype):
         return False
     return _call(name, q, k_cache, v_cache, block_tables, seq_lens,
-                 query_start_loc, out, scale, sliding_window, seq_ids, num_threads) == 0
+                 query_start_loc, out, scale, sliding_window, seq_ids, num_threads, lse) == 0
 
 
 def _call(name, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, scale,
-          sliding_window, seq_ids, num_threads) -> int:
-    """Check what the C kernels index unchecked, then call `name`; its return code.
+          sliding_window, seq_ids, num_threads, lse=None) -> int:
+    """Check what the C kernels index unchecked, then call `name` (its `_lse` form
+    with `lse`); its return code.
     Every layer of a step makes this call with the step's metadata: what is derived
     from it alone (int32 copies, pointers, the bounds check) is derived once a step."""
     num_heads, head_dim = q.shape[1:]
@@ -149,14 +152,32 @@ def _call(name, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, ou
     if args.num_items == 0:
         return 0
     strides = _strides(q_strides, out_strides, k_strides, v_strides, args.table_stride)
-    failed = getattr(native.library(), name)(
+    extra = ()
+    if lse is not None:
+        if not (lse.dtype == torch.float32 and lse.is_contiguous()
+                and lse.shape == q.shape[:2]):
+            raise AssertionError(f"lse must be contiguous fp32 {tuple(q.shape[:2])}; got "
+                                 f"{lse.dtype} {tuple(lse.shape)}")
+        name, extra = name + "_lse", (lse.data_ptr(),)
+    failed = _kernel(name)(
         q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         args.block_tables, args.seq_lens, args.query_start_loc, args.seq_ids, args.num_items,
         num_heads, num_kv_heads, head_dim, block_size, sliding_window, scale, strides,
-        num_threads or torch.get_num_threads())
+        num_threads or torch.get_num_threads(), *extra)
     if failed == 2:
         raise MemoryError(f"the CPU attention kernel {name} could not allocate its scratch")
     return failed
+
+
+@functools.cache
+def _kernel(name: str):
+    """The C entry point `name`; the `_lse` forms (declared here, beside their only
+    caller) take the plain form's arguments and then the log-sum-exp output."""
+    fn = getattr(native.library(), name)
+    if name.endswith("_lse"):
+        fn.argtypes = getattr(native.library(), name[:-4]).argtypes + [ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+    return fn
 
 
 @functools.lru_cache(maxsize=256)  # a few per model and table width: built once

@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "common.h" /* strides_t, bf16 conversions */
+#include "lse.h"    /* lse_out_t: the rows' log-sum-exp, where asked for */
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -48,7 +49,7 @@ static void NAME##_item(const T *q, T *out, const T *kc, const T *vc,           
                         const int32_t *block_tables, const int32_t *seq_lens,              \
                         const int32_t *query_start_loc, int seq, int h0, int h1,           \
                         int group, int head_dim, int block_size, int window, float scale,  \
-                        const strides_t *st, float *work) {                                \
+                        const strides_t *st, float *work, lse_out_t lse) {                 \
     const int nq = (h1 - h0) * group;            /* query heads of this item */             \
     float *qf = work;                            /* [nq, D] scaled queries */              \
     float *acc = qf + (int64_t)nq * head_dim;    /* [nq, D] */                             \
@@ -98,13 +99,15 @@ static void NAME##_item(const T *q, T *out, const T *kc, const T *vc,           
         T *op = out + row * st->o_t + (int64_t)(h0 * group + i) * st->o_h;                 \
         const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;                                 \
         for (int d = 0; d < head_dim; d++) op[d] = STORE(acc[i * head_dim + d] * inv);     \
+        put_lse(lse, row, h0 * group + i, m[i], l[i]);                                      \
     }                                                                                       \
 }                                                                                           \
                                                                                             \
-int NAME(const T *q, T *out, const T *kc, const T *vc, const int32_t *block_tables,        \
+int NAME##_lse(const T *q, T *out, const T *kc, const T *vc, const int32_t *block_tables,  \
          const int32_t *seq_lens, const int32_t *query_start_loc, const int32_t *seq_ids,   \
          int num_items, int num_heads, int num_kv_heads, int head_dim, int block_size,     \
-         int window, float scale, const strides_t *st, int num_threads) {                   \
+         int window, float scale, const strides_t *st, int num_threads, float *lse_p) {     \
+    const lse_out_t lse = {lse_p, num_heads};                                               \
     if (head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK || num_heads % num_kv_heads)     \
         return 1;                                                                           \
     const int group = num_heads / num_kv_heads;                                             \
@@ -129,11 +132,20 @@ int NAME(const T *q, T *out, const T *kc, const T *vc, const int32_t *block_tabl
             if (!work) { out_of_memory = 1; continue; }                                     \
             (vector ? VECTOR_ITEM : NAME##_item)(                                           \
                 q, out, kc, vc, block_tables, seq_lens, query_start_loc, seq, h0,           \
-                h0 + heads_per, group, head_dim, block_size, window, scale, st, work);      \
+                h0 + heads_per, group, head_dim, block_size, window, scale, st, work, lse); \
         }                                                                                   \
         free(work);                                                                         \
     }                                                                                       \
     return out_of_memory ? 2 : 0;                                                           \
+}                                                                                           \
+                                                                                            \
+int NAME(const T *q, T *out, const T *kc, const T *vc, const int32_t *block_tables,        \
+         const int32_t *seq_lens, const int32_t *query_start_loc, const int32_t *seq_ids,   \
+         int num_items, int num_heads, int num_kv_heads, int head_dim, int block_size,     \
+         int window, float scale, const strides_t *st, int num_threads) {                   \
+    return NAME##_lse(q, out, kc, vc, block_tables, seq_lens, query_start_loc, seq_ids,    \
+                      num_items, num_heads, num_kv_heads, head_dim, block_size, window,    \
+                      scale, st, num_threads, NULL);                                        \
 }
 
 /* fp32 and bf16 with a head dimension that is a multiple of 8: the same algorithm in
@@ -234,7 +246,8 @@ static inline __attribute__((always_inline)) void decode_x8_item(
         const void *q, void *out, const void *kc, const void *vc,
         const int32_t *block_tables, const int32_t *seq_lens, const int32_t *query_start_loc,
         int seq, int h0, int h1, int group, int head_dim, int block_size, int window,
-        float scale, const strides_t *st, float *work, const int bf16, const int lanes) {
+        float scale, const strides_t *st, float *work, lse_out_t lse, const int bf16,
+        const int lanes) {
     const int nq = (h1 - h0) * group;
     /* the strides as locals: read through `st`, every store to the scores would make
      * the compiler load them again */
@@ -336,6 +349,7 @@ static inline __attribute__((always_inline)) void decode_x8_item(
             else
                 memcpy((float *)out + at + 8 * c, &o, sizeof o);
         }
+        put_lse(lse, row, h0 * group + i, m[i], l[i]);
     }
 }
 
@@ -355,7 +369,7 @@ static inline __attribute__((always_inline)) void decode_dp_item(
         const uint16_t *q, uint16_t *out, const uint16_t *kc, const uint16_t *vc,
         const int32_t *block_tables, const int32_t *seq_lens, const int32_t *query_start_loc,
         int seq, int h0, int h1, int group, int block_size, int window, float scale,
-        const strides_t *st, float *work, const int L) {
+        const strides_t *st, float *work, lse_out_t lse, const int L) {
     const int head_dim = 16 * L, nq = (h1 - h0) * group;
     const int64_t k_s = st->k_s, k_h = st->k_h;
     const int64_t v_s = st->v_s, v_h = st->v_h;
@@ -440,6 +454,7 @@ static inline __attribute__((always_inline)) void decode_dp_item(
         const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
         for (int c = 0; c < head_dim; c++)
             out[at + c] = f32_to_bf16(acc[(int64_t)i * head_dim + c] * inv);
+        put_lse(lse, row, h0 * group + i, m[i], l[i]);
     }
 }
 #define DECODE_DP 1
@@ -453,13 +468,13 @@ static void decode_dp_bf16(const void *q, void *out, const void *kc, const void 
                            const int32_t *block_tables, const int32_t *seq_lens,
                            const int32_t *query_start_loc, int seq, int h0, int h1, int group,
                            int head_dim, int block_size, int window, float scale,
-                           const strides_t *st, float *work) {
+                           const strides_t *st, float *work, lse_out_t lse) {
     if (head_dim == 64)
         decode_dp_item(q, out, kc, vc, block_tables, seq_lens, query_start_loc, seq, h0, h1,
-                       group, block_size, window, scale, st, work, 4);
+                       group, block_size, window, scale, st, work, lse, 4);
     else
         decode_dp_item(q, out, kc, vc, block_tables, seq_lens, query_start_loc, seq, h0, h1,
-                       group, block_size, window, scale, st, work, 8);
+                       group, block_size, window, scale, st, work, lse, 8);
 }
 #else
 #define decode_dp_bf16(...) ((void)0)  /* never taken: DECODE_DP guards the call */
@@ -469,21 +484,21 @@ static void decode_dp_bf16(const void *q, void *out, const void *kc, const void 
 static void NAME(const T *q, T *out, const T *kc, const T *vc, const int32_t *block_tables, \
                  const int32_t *seq_lens, const int32_t *query_start_loc, int seq, int h0,  \
                  int h1, int group, int head_dim, int block_size, int window, float scale,  \
-                 const strides_t *st, float *work) {                                       \
+                 const strides_t *st, float *work, lse_out_t lse) {                        \
     /* head_dim 64 and 128 with `lanes` a constant: the loops over it unroll */           \
     if (BF16 && DECODE_DP && (head_dim == 64 || head_dim == 128) && group >= 2            \
         && (h1 - h0) * group <= 64)                                                         \
         decode_dp_bf16(q, out, kc, vc, block_tables, seq_lens, query_start_loc, seq, h0, h1,\
-                       group, head_dim, block_size, window, scale, st, work);              \
+                       group, head_dim, block_size, window, scale, st, work, lse);         \
     else if (head_dim == 64)                                                                \
         decode_x8_item(q, out, kc, vc, block_tables, seq_lens, query_start_loc, seq, h0, h1,\
-                       group, head_dim, block_size, window, scale, st, work, BF16, 8);     \
+                       group, head_dim, block_size, window, scale, st, work, lse, BF16, 8);\
     else if (head_dim == 128)                                                               \
         decode_x8_item(q, out, kc, vc, block_tables, seq_lens, query_start_loc, seq, h0, h1,\
-                       group, head_dim, block_size, window, scale, st, work, BF16, 16);    \
+                       group, head_dim, block_size, window, scale, st, work, lse, BF16, 16);\
     else                                                                                    \
         decode_x8_item(q, out, kc, vc, block_tables, seq_lens, query_start_loc, seq, h0, h1,\
-                       group, head_dim, block_size, window, scale, st, work, BF16,          \
+                       group, head_dim, block_size, window, scale, st, work, lse, BF16,     \
                        head_dim / 8);                                                       \
 }
 DEFINE_X8_ITEM(paged_decode_f32x8_item, float, 0)

@@ -36,6 +36,7 @@
 #include <string.h>
 
 #include "common.h" /* strides_t, bf16 conversions */
+#include "lse.h"
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -372,7 +373,8 @@ static inline __attribute__((always_inline)) void
 prefill_item(const void *q, void *out, const void *kc, const void *vc,
              const int32_t *block_tables, const int32_t *seq_lens,
              const int32_t *query_start_loc, item_t it, int group, int lanes, int block_size,
-             int window, float scale, const strides_t *st, float *work, int bf16) {
+             int window, float scale, const strides_t *st, float *work, lse_out_t lse,
+             int bf16) {
     const int head_dim = lanes * VL, R = TILE_Q * group;
     const int64_t first = query_start_loc[it.seq];
     const int n = query_start_loc[it.seq + 1] - (int)first, len = seq_lens[it.seq];
@@ -518,6 +520,7 @@ prefill_item(const void *q, void *out, const void *kc, const void *vc,
             vf *op = (vf *)((float *)out + at);
             for (int c = 0; c < lanes; c++) op[c] = acc[r * lanes + c] * inv;
         }
+        put_lse(lse, first + t, h, m[r], l[r]);
     }
 }
 
@@ -531,10 +534,10 @@ static void prefill_item_##WHICH##_##SUFFIX(const void *q, void *out, const void
                                             const void *vc, const int32_t *bt,              \
                                             const int32_t *sl, const int32_t *qsl, item_t it,\
                                             int group, int lanes, int bs, int w, float scale,\
-                                            const strides_t *st, float *work) {             \
+                                            const strides_t *st, float *work, lse_out_t lse) {\
     prefill_item(q, out, kc, vc, bt, sl, qsl, it, group, LANES_##WHICH ? LANES_##WHICH : lanes,\
                  bs, w, scale,                                                             \
-                 st, work, BF16);                                                          \
+                 st, work, lse, BF16);                                                     \
 }
 /* head_dim 64 and 128 */
 ITEM_FOR(A, f32, 0)
@@ -546,13 +549,14 @@ ITEM_FOR(0, bf16, 1)
 
 typedef void (*item_fn)(const void *, void *, const void *, const void *, const int32_t *,
                         const int32_t *, const int32_t *, item_t, int, int, int, int, float,
-                        const strides_t *, float *);
+                        const strides_t *, float *, lse_out_t);
 
 static int prefill(const void *q, void *out, const void *kc, const void *vc,
                    const int32_t *block_tables, const int32_t *seq_lens,
                    const int32_t *query_start_loc, const int32_t *seq_ids, int num_seqs,
                    int num_heads, int num_kv_heads, int head_dim, int block_size, int window,
-                   float scale, const strides_t *st, int num_threads, int bf16) {
+                   float scale, const strides_t *st, int num_threads, float *lse_p, int bf16) {
+    const lse_out_t lse = {lse_p, num_heads};
     const int group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
     /* fp32 rows are read as vectors: their head strides keep 32-byte multiples */
     const int64_t align = bf16 ? 1 : 8;
@@ -592,7 +596,7 @@ static int prefill(const void *q, void *out, const void *kc, const void *vc,
         for (int i = 0; i < num_items; i++) {
             if (!work) { out_of_memory = 1; continue; }
             item(q, out, kc, vc, block_tables, seq_lens, query_start_loc, items[i], group,
-                 lanes, block_size, window, scale, st, work);
+                 lanes, block_size, window, scale, st, work, lse);
         }
         free(work);
     }
@@ -609,7 +613,17 @@ int paged_prefill_##SUFFIX(const T *q, T *out, const T *kc, const T *vc,        
                            int num_threads) {                                              \
     return prefill(q, out, kc, vc, block_tables, seq_lens, query_start_loc, seq_ids,       \
                    num_seqs, num_heads, num_kv_heads, head_dim, block_size, window, scale,  \
-                   st, num_threads, BF16);                                                 \
+                   st, num_threads, NULL, BF16);                                           \
+}                                                                                          \
+int paged_prefill_##SUFFIX##_lse(const T *q, T *out, const T *kc, const T *vc,               \
+                               const int32_t *block_tables, const int32_t *seq_lens,       \
+                               const int32_t *query_start_loc, const int32_t *seq_ids,     \
+                               int num_seqs, int num_heads, int num_kv_heads, int head_dim,\
+                               int block_size, int window, float scale,                    \
+                               const strides_t *st, int num_threads, float *lse) {         \
+    return prefill(q, out, kc, vc, block_tables, seq_lens, query_start_loc, seq_ids,       \
+                   num_seqs, num_heads, num_kv_heads, head_dim, block_size, window, scale,  \
+                   st, num_threads, lse, BF16);                                            \
 }
 DEFINE_PREFILL(f32, float, 0)
 DEFINE_PREFILL(bf16, uint16_t, 1)

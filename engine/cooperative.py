@@ -1,0 +1,121 @@
+"""A step's attention with cooperative KV placement (engine/split_blocks.py): which query
+rows attend to which keys in which pool, and the per-layer call that computes the device
+part where the device's blocks lie and the host part on the host's cores, at once, then
+merges them (kernels/cooperative_attention.py).
+
+Per request, with its keys [0, S) on the device (S = device_quota * block_size, or all
+of them when it has no host block) and [S, L) in the host pool, and its step's query rows
+at positions L - n .. L - 1:
+  - device part: the rows before S see their causal prefix of [0, S) (one segment, as a
+    prefill of min(L, S) keys), each row from S on sees all of [0, S) (a segment of one
+    row and S keys);
+  - host part: the rows from S on see [S, their position] (one segment of L - S keys,
+    reached through the host blocks alone, so positions count from S).
+In deterministic mode every row is a segment of its own (each a decode over its keys):
+a row's reduction then depends only on its position and S, never on the step.
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from fusegen.kernels.cooperative_attention import (Segments, attention_part, empty_partial,
+                                                   merge_partials)
+from fusegen.kernels.kv_cache import write_kv_cache
+from fusegen.kernels.rotary import rotary_embedding
+
+
+@dataclass(slots=True)
+class StepSplit:
+    """A step's rows and new tokens' slots by pool, in plain lists."""
+    device: Segments
+    host: Segments
+    device_rows: list[int]  # rows whose new KV goes to the device's blocks
+    device_slots: list[int]
+    host_rows: list[int]  # and to the host pool's (slots in the host pool)
+    host_slots: list[int]
+
+
+def split_step(tables: list[list[int]], seq_lens: list[int], query_start: list[int],
+               slots: list[int], num_blocks: int, device_quota: int, block_size: int,
+               deterministic: bool) -> StepSplit:
+    """`tables` hold one id space (split_blocks.py: ids from num_blocks on are host
+    blocks); `slots` each new token's slot in it."""
+    dev, host = Segments([], [], [], []), Segments([], [], [], [])
+    for table, length, a, b in zip(tables, seq_lens, query_start, query_start[1:]):
+        table = table[:-(-length // block_size)]  # past them: the padding to one width
+        device_ids = table[:device_quota]
+        host_ids = [x - num_blocks for x in table[device_quota:]]
+        n, first = b - a, length - (b - a)
+        split = len(device_ids) * block_size if host_ids else length
+        causal = max(0, min(n, min(length, split) - first))  # rows before the split
+        if deterministic:
+            for j in range(n):
+                _add(dev, a + j, 1, min(first + j + 1, split), device_ids)
+            for j in range(causal, n):
+                _add(host, a + j, 1, first + j + 1 - split, host_ids)
+        else:
+            if causal:
+                _add(dev, a, causal, min(length, split), device_ids)
+            for j in range(causal, n):
+                _add(dev, a + j, 1, split, device_ids)
+            if n > causal:
+                _add(host, a + causal, n - causal, length - split, host_ids)
+    first_host = num_blocks * block_size
+    device_rows = [r for r, s in enumerate(slots) if s < first_host]
+    host_rows = [r for r, s in enumerate(slots) if s >= first_host]
+    return StepSplit(dev, host, device_rows, [slots[r] for r in device_rows], host_rows,
+                     [slots[r] - first_host for r in host_rows])
+
+
+def _add(seg: Segments, row: int, count: int, seq_len: int, table: list[int]) -> None:
+    if seq_len > 0:
+        seg.rows.append(row)
+        seg.counts.append(count)
+        seg.seq_lens.append(seq_len)
+        seg.tables.append(table)
+
+
+class CooperativeStep:
+    """What every layer of one step reads: the split as tensors, the host pool's caches
+    by layer, and the thread that runs host parts. Set as AttentionMetadata.cooperative;
+    the decoder then calls `attention` instead of caching and attending itself."""
+
+    def __init__(self, split: StepSplit, device: torch.device,
+                 host_caches: dict[int, tuple[torch.Tensor, torch.Tensor]],
+                 pool: ThreadPoolExecutor, host_threads: int, device_threads: int):
+        self.device_part = split.device.tensors()
+        self.host_part = split.host.tensors()
+        as_index = (lambda xs, on: torch.tensor(xs, dtype=torch.int64, device=on))
+        self.device_rows = as_index(split.device_rows, device)
+        self.device_slots = as_index(split.device_slots, device)
+        self.host_rows = as_index(split.host_rows, device)
+        self.host_slots = as_index(split.host_slots, "cpu")
+        self.host_caches = host_caches  # by the device k cache's data_ptr
+        self.pool = pool
+        self.host_threads, self.device_threads = host_threads, device_threads
+
+    def attention(self, layer, positions, q, k, v, rope, kv_cache) -> torch.Tensor:
+        """Layer `layer`'s attention output [T, Hq, D]: q and k rotated, the new keys and
+        values stored in their pools, each pool's part computed, the parts merged."""
+        k_cache, v_cache = kv_cache
+        host_k, host_v = self.host_caches[k_cache.data_ptr()]
+        rotary_embedding(positions, q, k, *rope)
+        if len(self.device_rows):
+            write_kv_cache(k[self.device_rows], v[self.device_rows], k_cache, v_cache,
+                           self.device_slots)
+        if len(self.host_rows):
+            write_kv_cache(k[self.host_rows].cpu(), v[self.host_rows].cpu(), host_k, host_v,
+                           self.host_slots)
+        host_q = q.cpu()  # the queries cross to the host, the partial output comes back
+        host_out, host_lse = empty_partial(host_q)
+        job = self.pool.submit(attention_part, host_q, host_k, host_v, self.host_part,
+                               host_out, host_lse, scale=layer.scale,
+                               num_threads=self.host_threads)
+        out, lse = empty_partial(q)
+        attention_part(q, k_cache, v_cache, self.device_part, out, lse, scale=layer.scale,
+                       num_threads=self.device_threads)
+        job.result()
+        return merge_partials(out, lse, host_out.to(q.device), host_lse.to(q.device))

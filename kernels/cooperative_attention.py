@@ -1,0 +1,147 @@
+"""Attention over a KV cache kept in two places (FastAttention's CPU-GPU cooperation): each
+request's keys [0, S) in the device's blocks and [S, L) in the host's, each part computed
+where its blocks lie, the two partial results merged exactly by their log-sum-exp.
+
+A part is a list of segments, each a run of query rows attending to the keys one block
+table reaches in one cache (`Segments`): rows [row, row + n) at the last n positions of
+`seq_len` keys, causal among them, as the paged kernels take a sequence. Which rows see
+which keys of which part is the caller's (engine/cooperative.py); this module computes a
+part's segments with each row's log-sum-exp, and merges two parts:
+
+    out = (e^(lse_a - M) * out_a + e^(lse_b - M) * out_b) / (e^(lse_a - M) + e^(lse_b - M))
+
+with M = max(lse_a, lse_b): the running-max-and-sum rule of online softmax applied once
+more, so the merged row equals attention over both key ranges at once (to fp32 rounding).
+A row a part does not reach keeps lse -inf there and takes the other part's output as is.
+
+On CPUs the C kernels compute a part (kernels/csrc/paged_decode.c for one-row segments,
+paged_prefill.c for the others, both writing the log-sum-exp, kernels/csrc/lse.h); off
+CPUs, or without the C kernels, `part_reference` in torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fusegen.kernels import use_native
+from fusegen.kernels.paged_attention_cpu import paged_decode_native, paged_prefill_native
+
+
+@dataclass(slots=True)
+class Segments:
+    """One part's query rows as the paged kernels take sequences, in plain lists: segment
+    k is rows [rows[k], rows[k] + counts[k]) (ascending, disjoint), the last counts[k] of
+    seq_lens[k] keys read through tables[k]."""
+    rows: list[int]
+    counts: list[int]
+    seq_lens: list[int]
+    tables: list[list[int]]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def tensors(self) -> PartTensors:
+        return PartTensors.of(self)
+
+
+@dataclass(slots=True)
+class PartTensors:
+    """`Segments` as int32 tensors, built once a step for every layer. Sequence 2k is
+    segment k and 2k + 1 the gap of rows up to segment k + 1 (never computed), so one
+    query_start_loc serves rows that are not contiguous across segments."""
+    block_tables: torch.Tensor  # [2K, W]
+    seq_lens: torch.Tensor  # [2K]
+    query_start_loc: torch.Tensor  # [2K + 1]
+    decode_ids: torch.Tensor | None  # even sequences of one row
+    prefill_ids: torch.Tensor | None  # even sequences of several rows
+    segments: Segments
+
+    @classmethod
+    def of(cls, seg: Segments) -> PartTensors:
+        width = max([len(t) for t in seg.tables] + [1])
+        tables, lens, qsl = [], [], [0]
+        for row, n, length, table in zip(seg.rows, seg.counts, seg.seq_lens, seg.tables):
+            padded = table + [0] * (width - len(table))
+            tables += [padded, padded]
+            lens += [length, 0]
+            qsl[-1] = row  # the previous gap ends here
+            qsl += [row + n, row + n]
+        decode = [2 * k for k, n in enumerate(seg.counts) if n == 1]
+        prefill = [2 * k for k, n in enumerate(seg.counts) if n > 1]
+        as_ids = (lambda ids: torch.tensor(ids, dtype=torch.int32) if ids else None)
+        return cls(torch.tensor(tables or [[0]], dtype=torch.int32).reshape(-1, width),
+                   torch.tensor(lens, dtype=torch.int32), torch.tensor(qsl, dtype=torch.int32),
+                   as_ids(decode), as_ids(prefill), seg)
+
+
+def attention_part(q, k_cache, v_cache, part: PartTensors, out, lse, *, scale: float,
+                   num_threads: int | None = None) -> None:
+    """`part`'s rows of out [T, Hq, D] and lse [T, Hq] (fp32) in place; rows the part
+    does not name are left as they are."""
+    if not len(part.segments):
+        return
+    if not (q.is_cpu and k_cache.is_cpu and use_native(q)):
+        part_reference(q, k_cache, v_cache, part.segments, out, lse, scale=scale)
+        return
+    args = (q, k_cache, v_cache, part.block_tables, part.seq_lens, part.query_start_loc, out)
+    if part.decode_ids is not None:
+        paged_decode_native(*args, scale=scale, seq_ids=part.decode_ids,
+                            num_threads=num_threads, lse=lse)
+    if part.prefill_ids is not None and not paged_prefill_native(
+            *args, part.prefill_ids, scale=scale, num_threads=num_threads, lse=lse):
+        # a shape the prefill kernel does not take: each row as a decode of its own keys
+        attention_part(q, k_cache, v_cache, _rows_as_decodes(part.segments, part.prefill_ids),
+                       out, lse, scale=scale, num_threads=num_threads)
+
+
+def _rows_as_decodes(seg: Segments, ids: torch.Tensor) -> PartTensors:
+    rows, counts, lens, tables = [], [], [], []
+    for k in (i // 2 for i in ids.tolist()):
+        n, length = seg.counts[k], seg.seq_lens[k]
+        for j in range(n):
+            rows.append(seg.rows[k] + j)
+            lens.append(length - n + j + 1)
+            tables.append(seg.tables[k])
+            counts.append(1)
+    return Segments(rows, counts, lens, tables).tensors()
+
+
+def part_reference(q, k_cache, v_cache, seg: Segments, out, lse, *, scale: float) -> None:
+    """`attention_part` in torch (fp32 scores), one segment at a time: for devices
+    without the C kernels, and the tests' reference."""
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    block_size = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    for row, n, length, table in zip(seg.rows, seg.counts, seg.seq_lens, seg.tables):
+        ids = torch.tensor(table[:-(-length // block_size)], dtype=torch.long,
+                           device=k_cache.device)
+        k = k_cache[ids].flatten(0, 1)[:length].float().repeat_interleave(group, 1)  # [L, Hq, D]
+        v = v_cache[ids].flatten(0, 1)[:length].float().repeat_interleave(group, 1)
+        qs = q[row:row + n].float() * scale  # [n, Hq, D]
+        scores = torch.einsum("nhd,lhd->hnl", qs, k)
+        visible = torch.arange(length, device=q.device)[None, :] <= \
+            torch.arange(length - n, length, device=q.device)[:, None]  # [n, L]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        row_lse = torch.logsumexp(scores, -1)  # [Hq, n]
+        probs = torch.exp(scores - row_lse[..., None])
+        out[row:row + n] = torch.einsum("hnl,lhd->nhd", probs, v).to(out.dtype)
+        lse[row:row + n] = row_lse.transpose(0, 1)
+
+
+def merge_partials(out_a, lse_a, out_b, lse_b) -> torch.Tensor:
+    """[T, Hq, D] attention over both parts' keys from each part's output and
+    log-sum-exp [T, Hq]; computed in fp32, returned in out_a's dtype."""
+    top = torch.maximum(lse_a, lse_b)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # rows no part saw
+    w_a, w_b = torch.exp(lse_a - top), torch.exp(lse_b - top)  # [T, Hq]
+    total = w_a + w_b
+    total = torch.where(total > 0, total, torch.ones_like(total))
+    merged = (out_a.float() * (w_a / total)[..., None] + out_b.float() * (w_b / total)[..., None])
+    return merged.to(out_a.dtype)
+
+
+def empty_partial(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) for a part's rows: zeros and -inf, what a row no segment reaches keeps."""
+    return torch.zeros_like(q), torch.full(q.shape[:2], float("-inf"), dtype=torch.float32,
+                                           device=q.device)
