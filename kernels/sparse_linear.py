@@ -24,7 +24,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from fusegen.kernels import use_native
+from fusegen.kernels import use_native, use_triton
 from fusegen.kernels.sparse_format import TILE_OUT, SparseTiles, decode, decode_rows
 
 BAND_ROWS = 4 * TILE_OUT  # output rows the torch path expands at a time
@@ -33,12 +33,18 @@ _NATIVE = {torch.float32: 0, torch.bfloat16: 1}  # x dtypes the C kernel takes: 
 
 
 def sparse_linear(x: torch.Tensor, tiles: SparseTiles) -> torch.Tensor:
-    """Dispatcher: the C kernel for fp32 / bf16 x on a CPU where the build has it, else
+    """Dispatcher: the Triton kernel (kernels/triton_sparse.py) for x on a CUDA GPU with
+    the tiles there, the C kernel for fp32 / bf16 x on a CPU where the build has it, else
     the torch path. x [..., in_features] -> [..., out_features] in x.dtype."""
     _check_x(x, tiles)
     if x.dim() != 2:
         rows = sparse_linear(x.reshape(-1, tiles.in_features), tiles)
         return rows.view(*x.shape[:-1], tiles.out_features)
+    if use_triton(x) and tiles.bitmap.device == x.device:
+        from fusegen.kernels import triton_sparse  # imports Triton: only where it runs
+
+        if triton_sparse.has_triton_sparse(x.device):
+            return triton_sparse.sparse_linear_triton(x, tiles)
     if x.shape[0] and x.dtype in _NATIVE and use_native(x) and has_kernel():
         out = _sparse_linear_native(x, tiles)
         if out is not None:

@@ -1,0 +1,332 @@
+"""A linear layer over fusegen's sparse bitmap tiles on GPUs, in Triton (Flash-LLM's "load
+as sparse, compute as dense"): x @ W.T with each 64 x 64 tile of W expanded to dense in
+registers right before a tensor-core dot, never as a dense copy of the weight.
+
+Shapes:
+  x        [M, in_features] fp32, fp16 or bf16, rows contiguous (M may be 0)
+  tiles    SparseTiles of W [out, in] (kernels/sparse_format.py) on x's device: bitmap
+           uint64 [n_tiles, 64], offsets int64 [n_tiles + 1], values [nnz] bf16 / fp16 /
+           fp32 / int8, scales fp32 [n_tiles] with int8 values
+  returns  [M, out_features] in x.dtype
+Its torch reference is kernels/sparse_linear.py's `sparse_linear_reference` (the whole
+weight decoded to fp32); `sparse_linear` there sends CUDA x here.
+
+Kernel: one program per (BLOCK_M rows of x, one row-tile of W: 64 outputs, one split of
+the column-tiles). For each tile t of its run it loads the tile's 64 mask words (word c:
+local column c, an input channel; bit j: local row j, an output) and its offset, and
+builds the dense operand [64 k, 64 n] element by element: (c, j) is kept iff bit j of
+word c is set, and its value is packed at
+    offsets[t] + popcount(words 0 .. c-1) + popcount(word c's bits below j)
+(a column's values are contiguous, rows ascending). Each word is split into two 32-bit
+halves so the counts are 32-bit popcounts (the GPU's POPC; SWAR under the interpreter).
+Values widen to fp32 (int8 codes times the tile's scale), round to x's dtype (fp32 stays
+fp32 and multiplies in IEEE fp32, not TF32) and tl.dot accumulates in fp32. The format
+keeps bits past the matrix's edge 0, so the weight needs no edge masks; x's columns do.
+
+Split-K: a decode step has one block of rows, and a layer of 4096 outputs has only 64
+row-tiles, fewer than a GPU has SMs; so the column-tiles are cut into `splits` runs whose
+fp32 partial sums a second small kernel adds in ascending order. `splits` follows from
+the weight's shape and the device's SM count, never from M.
+
+Batch invariance (as kernels/triton_quant.py): an output element is the sum over its
+splits, in order, of the sum over their tiles, in order, of each tile's dot; with
+`batch_invariant=True` (the default) BLOCK_M stays <= 32 (one family of tensor-core
+instructions) and `splits` is the same for every M, so a row's result is bit-identical
+alone or inside any batch (at M > 64 the partial sums cost bytes: splits * M * out * 8).
+`batch_invariant=False` lets M > 64 take 128-row blocks and splits by the call's row
+blocks (faster prefill; rows then depend on their call's bucket). The engine's
+deterministic mode multiplies fixed row tiles (weights/linear.py's `row_tiled`) either way.
+
+Prefill: every row block expands the tiles it multiplies again, so expansion costs grow
+with M / BLOCK_M; the kernel pays most at decode shapes (M up to a few hundred), where
+the bytes read dominate.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from fusegen.kernels import _triton_available
+from fusegen.kernels.sparse_format import TILE_IN, TILE_OUT, SparseTiles
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+except ImportError:  # no Triton on this platform: the torch reference still serves
+    from fusegen.kernels._triton_stub import tl, triton
+    libdevice = None
+
+_X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_VALUE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.int8)
+_PARTIAL_ROWS = 256      # rows a split call takes at a time (bounds the fp32 partials)
+_SPLIT_MIN_TILES = 4     # column-tiles a split covers at least (256 input channels)
+_PROGRAMS_PER_SM = 4     # programs split-K aims at per SM
+_INTERPRETER_SMS = 132   # the SM count splits assume under the interpreter (an H100's)
+
+
+def has_triton_sparse(device: str | torch.device = "cuda") -> bool:
+    """Whether the Triton sparse-tile kernel can run on `device`: Triton installed and the
+    device a CUDA GPU (or any device under TRITON_INTERPRET=1, the tests' interpreter)."""
+    if not _triton_available():
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    return torch.device(device).type == "cuda" and torch.cuda.is_available()
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda" or _interpreted():
+        return _INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _splits(row_tiles: int, col_tiles: int, num_sms: int, row_blocks: int = 1) -> int:
+    """Runs of column-tiles per row-tile: enough programs for _PROGRAMS_PER_SM on each SM
+    (each program's loads wait on one another: words, then values; more programs hide
+    that), each run at least _SPLIT_MIN_TILES tiles."""
+    wanted = -(-_PROGRAMS_PER_SM * num_sms // (row_tiles * row_blocks))
+    return max(1, min(wanted, col_tiles // _SPLIT_MIN_TILES))
+
+
+def _config(num_rows: int, tiles: SparseTiles, batch_invariant: bool, num_sms: int) -> dict:
+    """A call's launch parameters: 16-row blocks for decode, 32 up to 64 rows (and for
+    every M when `batch_invariant`), else 128. Split-K by `_splits`: for one row block
+    when `batch_invariant` (the same for every M), else for the call's row blocks. A
+    launcher's `config=` overrides it (tests, the benchmark)."""
+    if num_rows <= 16:
+        block_m, warps = 16, 4
+    elif num_rows <= 64 or batch_invariant:
+        block_m, warps = 32, 4
+    else:
+        block_m, warps = 128, 8
+    row_blocks = 1 if batch_invariant else -(-num_rows // block_m)
+    splits = _splits(tiles.num_row_tiles, tiles.num_col_tiles, num_sms, row_blocks)
+    return {"BLOCK_M": block_m, "splits": splits, "num_warps": warps, "num_stages": 3}
+
+
+@triton.jit
+def _popcount(v, HW_POPC: tl.constexpr):
+    """Bits set in each int32 of `v`, as int32: POPC on the GPU, SWAR in the interpreter
+    (which has no libdevice)."""
+    if HW_POPC:
+        count = libdevice.popc(v)
+    else:
+        u = v.to(tl.uint32, bitcast=True)
+        u = u - ((u >> 1) & 0x55555555)
+        u = (u & 0x33333333) + ((u >> 2) & 0x33333333)
+        u = (u + (u >> 4)) & 0x0F0F0F0F
+        count = ((u * 0x01010101) >> 24).to(tl.int32)
+    return count
+
+
+@triton.jit
+def _expand_tile(words_ptr, offsets_ptr, values_ptr, scales_ptr, t, HAS_SCALES: tl.constexpr,
+                 HW_POPC: tl.constexpr):
+    """Tile t as dense fp32 [64 (local column c: k), 64 (local row j: n)]."""
+    c = tl.arange(0, 64)
+    j = tl.arange(0, 64)
+    high = (j >= 32)[None, :]                       # [1, 64]: row j's bit in the high half
+    shift = (j % 32)[None, :]
+    below = ~(-1 << shift)                          # the half-word's bits under row j
+    word = tl.load(words_ptr + t * 64 + c)          # int64 [64], word c = column c
+    lo = word.to(tl.int32)                          # bits 0..31 (truncation)
+    hi = (word >> 32).to(tl.int32)                  # bits 32..63
+    lo_count = _popcount(lo, HW_POPC)
+    count = lo_count + _popcount(hi, HW_POPC)
+    start = tl.cumsum(count, 0) - count             # values before column c in the tile
+    half = tl.where(high, hi[:, None], lo[:, None])  # [64, 64]
+    kept = ((half >> shift) & 1) != 0
+    rank = _popcount(half & below, HW_POPC) + tl.where(high, lo_count[:, None], 0)
+    base = values_ptr + tl.load(offsets_ptr + t)
+    w = tl.load(base + (start[:, None] + rank), mask=kept, other=0).to(tl.float32)
+    if HAS_SCALES:
+        w = w * tl.load(scales_ptr + t)
+    return w
+
+
+@triton.jit
+def _sparse_tiles_kernel(x_ptr, words_ptr, offsets_ptr, values_ptr, scales_ptr, out_ptr,
+                         M, N, K, col_tiles, tiles_per_split, stride_xm, stride_om,
+                         stride_split, HAS_SCALES: tl.constexpr, PARTIAL: tl.constexpr,
+                         IEEE: tl.constexpr, HW_POPC: tl.constexpr, BLOCK_M: tl.constexpr):
+    pid_m = tl.program_id(0)
+    row_tile = tl.program_id(1)
+    split = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = row_tile * 64 + tl.arange(0, 64)
+    m_mask = offs_m[:, None] < M
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm    # [BM, 1]
+    c = tl.arange(0, 64)
+    dtype = x_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_M, 64), dtype=tl.float32)
+    first = split * tiles_per_split
+    last = tl.minimum(first + tiles_per_split, col_tiles)
+    for ti in range(first, last):
+        t = row_tile.to(tl.int64) * col_tiles + ti
+        w = _expand_tile(words_ptr, offsets_ptr, values_ptr, scales_ptr, t, HAS_SCALES,
+                         HW_POPC).to(dtype)
+        ch = ti * 64 + c
+        xt = tl.load(x_rows + ch[None, :], mask=m_mask & (ch[None, :] < K), other=0.0)
+        if IEEE:
+            acc = tl.dot(xt, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xt, w, acc)
+    mask = m_mask & (offs_n[None, :] < N)
+    out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    if PARTIAL:  # fp32 partial sums of this split: [splits, M, N]
+        tl.store(out + split.to(tl.int64) * stride_split, acc, mask=mask)
+    else:
+        tl.store(out, acc.to(dtype), mask=mask)
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, out_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """out = part[0] + part[1] + ... (ascending, fp32), rounded to out's dtype."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLITS):
+        acc += tl.load(part_ptr + s * numel + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check(x: torch.Tensor, tiles: SparseTiles) -> torch.Tensor:
+    if x.dtype not in _X_DTYPES:
+        raise ValueError(f"sparse_linear_triton: x is {x.dtype}; the kernel takes "
+                         "torch.float32, torch.float16 or torch.bfloat16")
+    if x.dim() != 2 or x.shape[1] != tiles.in_features:
+        raise ValueError(f"sparse_linear_triton: x {list(x.shape)} is not rows "
+                         f"[M, in_features={tiles.in_features}]")
+    if tiles.values.dtype not in _VALUE_DTYPES:
+        raise ValueError(f"sparse_linear_triton: values are {tiles.values.dtype}; the "
+                         "format's are bfloat16, float16, float32 or int8")
+    if (tiles.values.dtype == torch.int8) != (tiles.scales is not None):
+        raise ValueError("sparse_linear_triton: int8 values need their fp32 scales, and "
+                         f"only int8 values have them (values {tiles.values.dtype}, scales "
+                         f"{'absent' if tiles.scales is None else 'present'})")
+    parts = {"bitmap": tiles.bitmap, "offsets": tiles.offsets, "values": tiles.values,
+             "scales": tiles.scales}
+    for name, tensor in parts.items():
+        if tensor is not None and tensor.device != x.device:
+            raise ValueError(f"sparse_linear_triton: the tiles' {name} is on {tensor.device}, "
+                             f"x on {x.device}; move the tiles to x's device")
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
+def sparse_linear_triton(x: torch.Tensor, tiles: SparseTiles, batch_invariant: bool = True,
+                         config: dict | None = None) -> torch.Tensor:
+    """x [M, in] @ W.T -> [M, out] in x.dtype, W as bitmap tiles on x's device (trusted:
+    whoever loaded them ran `sparse_format.check`). `config` (tests, the benchmark)
+    overrides the launch parameters: BLOCK_M, splits, num_warps, num_stages."""
+    x = _check(x, tiles)
+    num_rows, out_features = x.shape[0], tiles.out_features
+    out = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
+    if num_rows == 0:
+        return out
+    cfg = dict(config or _config(num_rows, tiles, batch_invariant, _num_sms(x.device)))
+    splits = max(1, min(int(cfg.pop("splits", 1)), tiles.num_col_tiles))
+    per_split = -(-tiles.num_col_tiles // splits)
+    splits = -(-tiles.num_col_tiles // per_split)   # no empty run
+    args = (tiles.bitmap.contiguous().view(torch.int64), tiles.offsets.contiguous(),
+            tiles.values.contiguous())
+    scales = tiles.scales.contiguous() if tiles.scales is not None else args[1]
+    static = dict(HAS_SCALES=tiles.scales is not None, IEEE=x.dtype == torch.float32,
+                  HW_POPC=not _interpreted(), **cfg)
+    step = num_rows if splits == 1 else _PARTIAL_ROWS
+    for first in range(0, num_rows, step):
+        rows = x[first:first + step]
+        target = out[first:first + step]
+        grid = (triton.cdiv(rows.shape[0], cfg["BLOCK_M"]), tiles.num_row_tiles, splits)
+        if splits == 1:
+            _sparse_tiles_kernel[grid](rows, *args, scales, target, rows.shape[0], out_features,
+                                       tiles.in_features, tiles.num_col_tiles, per_split,
+                                       rows.stride(0), target.stride(0), 0, PARTIAL=False,
+                                       **static)
+            continue
+        part = torch.empty(splits, rows.shape[0], out_features, dtype=torch.float32,
+                           device=x.device)
+        _sparse_tiles_kernel[grid](rows, *args, scales, part, rows.shape[0], out_features,
+                                   tiles.in_features, tiles.num_col_tiles, per_split,
+                                   rows.stride(0), part.stride(1), part.stride(0),
+                                   PARTIAL=True, **static)
+        numel = rows.shape[0] * out_features
+        _sum_splits_kernel[(triton.cdiv(numel, 1024),)](part, target, numel, SPLITS=splits,
+                                                        BLOCK=1024, num_warps=4)
+    return out
+
+
+# -- the GPU benchmark ---------------------------------------------------------------
+
+BENCH_SHAPES = ((4096, 14336), (14336, 4096))   # W [out, in]: Llama-3-8B's up and down
+BENCH_ROWS = (8, 16, 64, 256)
+BENCH_SPARSITY = 0.7
+
+
+def _pruned(out_features: int, in_features: int, sparsity: float, seed: int = 0):
+    """A random bf16 weight with the `sparsity` share of each row's smallest |w| zeroed."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16).float()
+    drop = int(in_features * sparsity)
+    cut = w.abs().kthvalue(drop, dim=1, keepdim=True).values
+    return torch.where(w.abs() > cut, w, 0.0)
+
+
+def bench(device: str = "cuda", shapes=BENCH_SHAPES, rows=BENCH_ROWS,
+          sparsity: float = BENCH_SPARSITY) -> list[dict]:
+    """The kernel against cuBLAS (bf16 F.linear over the same pruned weight stored dense)
+    at decode shapes, bf16 x and values: median microseconds of each (triton's
+    do_bench), the sparse weight's bytes against dense, the largest difference from the
+    dense product. Prints a table; returns its rows."""
+    from triton.testing import do_bench
+
+    from fusegen.kernels import sparse_format
+
+    print(f"sparse tiles (Triton) vs cuBLAS dense, bf16, {sparsity:.0%} sparsity, "
+          f"{torch.cuda.get_device_name(device)}")
+    print(f"{'W [out, in]':>14} {'M':>4} {'dense us':>9} {'sparse us':>10} {'speedup':>8} "
+          f"{'bytes':>6} {'max |diff|':>10}")
+    table = []
+    for out_features, in_features in shapes:
+        dense = _pruned(out_features, in_features, sparsity)
+        tiles = sparse_format.encode(dense, torch.bfloat16)
+        byte_share = sparse_format.nbytes(tiles) / (2 * dense.numel())
+        tiles = SparseTiles(tiles.bitmap.to(device), tiles.offsets.to(device),
+                            tiles.values.to(device), None, out_features, in_features)
+        w = dense.to(device, torch.bfloat16)
+        for m in rows:
+            x = torch.randn(m, in_features, device=device, dtype=torch.bfloat16)
+            want = torch.nn.functional.linear(x, w)
+            got = sparse_linear_triton(x, tiles)
+            diff = (got.float() - want.float()).abs().max().item()
+            t_dense = do_bench(lambda: torch.nn.functional.linear(x, w), return_mode="median")
+            t_sparse = do_bench(lambda: sparse_linear_triton(x, tiles), return_mode="median")
+            row = {"out": out_features, "in": in_features, "rows": m,
+                   "dense_us": 1e3 * t_dense, "sparse_us": 1e3 * t_sparse,
+                   "speedup": t_dense / t_sparse, "bytes": byte_share, "max_diff": diff}
+            table.append(row)
+            print(f"{f'[{out_features}, {in_features}]':>14} {m:>4} {row['dense_us']:>9.1f} "
+                  f"{row['sparse_us']:>10.1f} {row['speedup']:>7.2f}x {byte_share:>6.2f} "
+                  f"{diff:>10.3g}")
+    return table
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bench", action="store_true",
+                        help="time the kernel against cuBLAS dense at decode shapes")
+    parser.add_argument("--device", default="cuda")
+    if not parser.parse_args().bench:
+        parser.error("nothing to do: pass --bench")
+    if not has_triton_sparse(parser.parse_args().device):
+        raise SystemExit("the benchmark needs a CUDA GPU and Triton")
+    bench(parser.parse_args().device)
