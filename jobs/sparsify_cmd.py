@@ -14,7 +14,8 @@ from fusegen.jobs.quantize_cmd import calibration_options, calibration_prompts, 
 @click.command()
 @click.option("--model", "model", required=True,
               help="Source: a 16-bit or fp32 checkpoint directory (config.json, "
-              "*.safetensors, tokenizer) of any architecture fusegen runs.")
+              "*.safetensors, tokenizer) or a .gguf file (dequantized as it is read; "
+              "written in bf16), of any architecture fusegen runs.")
 @click.option("--sparsity", type=float, required=True,
               help="Fraction of each output row's weights pruned, in (0, 1): a row of n "
               "keeps round((1 - sparsity) * n), a half rounded to even.")
@@ -24,7 +25,7 @@ from fusegen.jobs.quantize_cmd import calibration_options, calibration_prompts, 
 @calibration_options("wanda")
 @click.option("--values", type=click.Choice(["bf16", "fp16", "fp32", "int8"]),
               help="The kept weights' dtype (int8: with one scale a 64 x 64 tile); by "
-              "default the source's.")
+              "default the source's (a GGUF file's: bf16).")
 @output_options
 def sparsify(model, sparsity, method, calibration, calibration_column, calibration_rows,
              values, output, overwrite):

@@ -15,11 +15,10 @@ import torch
 from checkpoints import make_hf_checkpoint
 from quant_helpers import (LINEAR_SUFFIXES, MOE, PROMPTS, assert_usage_error, is_linear,
                            read_all, run_command, source_tensors)
+from sparsify_helpers import check_written, decoded, layer_bytes, top_mask
 from fusegen.engine.weights import quantize as qz
 from fusegen.engine.weights import sparsify as sp
 from fusegen.kernels import sparse_format
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 run_cli = partial(run_command, "sparsify")
 
@@ -29,68 +28,6 @@ def odd_dir(tmp_path_factory):
     """Llama whose linears cut tiles at their edges: 96 hidden, 160 intermediate."""
     return make_hf_checkpoint(tmp_path_factory.mktemp("odd"), "llama", hidden_size=96,
                               intermediate_size=160)
-
-
-def decoded(written: dict, name: str, shape) -> sparse_format.SparseTiles:
-    return sparse_format.from_tensors(name, written, *shape)
-
-
-def top_mask(scores: torch.Tensor, kept: int) -> torch.Tensor:
-    """Each row's `kept` highest scores, of equal ones the lower column (numpy's lexsort
-    on (-score, column): bf16 weights do tie)."""
-    import numpy as np
-
-    s = scores.double().numpy()
-    columns = np.broadcast_to(np.arange(s.shape[1]), s.shape)
-    order = torch.from_numpy(np.lexsort((columns, -s), axis=-1)[:, :kept].copy())
-    return torch.zeros(scores.shape, dtype=torch.bool).scatter_(1, order, True)
-
-
-def check_written(source: dict, written: dict, sparsity: float, values: str,
-                  masks: dict | None = None) -> int:
-    """Every source linear stored as tiles that decode to the weight with each row's
-    `kept` largest |w| (or the given mask) kept: exactly in bf16 / fp16 / fp32, within
-    half a tile scale in int8; every other tensor byte for byte; nothing else written.
-    Returns the linears counted."""
-    expected, count = set(), 0
-    for name, w in source.items():
-        if not is_linear(name):
-            assert written[name].dtype == w.dtype and torch.equal(written[name], w), name
-            expected.add(name)
-            continue
-        w = w.float()
-        kept = round((1 - sparsity) * w.shape[1])  # no halves in the sparsities used
-        mask = top_mask(w.abs(), kept) if masks is None else masks[name]
-        tiles = decoded(written, name, w.shape)
-        got = sparse_format.decode(tiles)
-        assert torch.equal(got != 0, mask) or values == "int8", name
-        bits = sparse_format.decode(sparse_format.SparseTiles(
-            tiles.bitmap, tiles.offsets, torch.ones(tiles.nnz), None, *w.shape)) != 0
-        assert torch.equal(bits, mask), name  # the bitmap is the mask, int8 or not
-        assert (bits.sum(1) == kept).all(), name
-        pruned = torch.where(mask, w, 0.0)
-        if values == "int8":
-            assert tiles.values.dtype == torch.int8
-            scales = tiles.scales.view(tiles.num_row_tiles, 1, tiles.num_col_tiles, 1)
-            scales = scales.expand(-1, 64, -1, 64).reshape(tiles.num_row_tiles * 64, -1)
-            bound = scales[:w.shape[0], :w.shape[1]] / 2 * (1 + 1e-6)
-            assert ((got - pruned).abs() <= bound).all(), name
-        else:
-            assert tiles.values.dtype == DTYPES[values]
-            assert torch.equal(got, pruned.to(DTYPES[values]).float()), name
-        expected |= {f"{name}.{s}" for s in sparse_format.SUFFIXES[:3]}
-        expected |= {f"{name}.sparse_scales"} if values == "int8" else set()
-        count += 1
-    assert set(written) == expected
-    return count
-
-
-def layer_bytes(written: dict, name: str) -> int:
-    """A linear's bytes as the format counts them, from the written tensors' sizes."""
-    tiles = written[name + ".sparse_bitmap"].shape[0]
-    values = written[name + ".sparse_values"]
-    return values.numel() * values.element_size() + 512 * tiles + 8 * tiles + 8 + \
-        (4 * tiles if values.dtype == torch.int8 else 0)
 
 
 def test_kept_count_rounds_half_to_even():
@@ -365,12 +302,6 @@ def test_bad_inputs(odd_dir, tmp_path):
     (unknown / "config.json").write_text(json.dumps(config))
     result = run_cli("--model", unknown, "--sparsity", 0.5, "--output", out)
     assert_usage_error(result, "'--model'", "BertForMaskedLM", out=out)
-    from gguf_checkpoints import Q, write_gguf
-
-    gguf = write_gguf(odd_dir, tmp_path / "tiny.gguf", qtype=Q.Q8_0)
-    assert_usage_error(run_cli("--model", gguf, "--sparsity", 0.5, "--output", out),
-                       "'--model'", "tiny.gguf: a GGUF file; sparsify the 16-bit safetensors "
-                       "checkpoint it was made from", out=out)
     out.mkdir()
     result = run_cli(*base, "--sparsity", 0.5)
     assert result.exit_code == 2 and "already exists; pass --overwrite" in result.output

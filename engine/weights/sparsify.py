@@ -12,6 +12,12 @@ gate/up/down, every MoE expert's) keeps in each row exactly
 Equal scores keep the lower input column. The router, embeddings, head and norms stay
 dense. The kept weights are written as tiles (bitmap, offsets, values in the run dtype
 or int8 with per-tile scales) through quantize.py's writer.
+
+The source is a 16-bit / fp32 checkpoint directory or a GGUF file, opened as `fusegen
+quantize` opens it (quantize.py's `open_source`): a GGUF file's tensors are dequantized
+to fp32 when read, scored and pruned on those values, and written in bf16 (the kept
+values too, unless --values says otherwise), with the config and tokenizer made from
+its metadata.
 """
 from __future__ import annotations
 
@@ -94,8 +100,10 @@ class SparseForm:
     written as NAME.sparse_bitmap / .sparse_offsets / .sparse_values (/ .sparse_scales)."""
 
     def __init__(self, spec: SparsifySpec, values: str, modules: dict[str, int],
-                 norms: dict[str, torch.Tensor], report: SparseReport):
+                 norms: dict[str, torch.Tensor], report: SparseReport,
+                 out_dtype: torch.dtype | None = None):
         self.spec, self.values, self.modules = spec, values, modules
+        self.out_dtype = out_dtype  # the source's `out_dtype`: bf16 for a GGUF file
         self.norms, self.report = norms, report  # norms: wanda's ||x|| per linear [in]
         self._planned_tiles, self._cached_bytes = {}, 0  # planned, kept to be written
 
@@ -146,15 +154,16 @@ class SparseForm:
 
 
 class PrunedDense(SparseForm):
-    """The pruned weights written dense, in the source's dtype, with no config entry:
-    the same model as the sparse checkpoint, to compare it against."""
+    """The pruned weights written dense, in the dtype the source's other tensors are
+    written in (a GGUF file's: bf16), with no config entry: the same model as the
+    sparse checkpoint, to compare it against."""
 
     def planned(self, name: str, source: Source) -> Planned:
         tensor = source.tensors[name]
-        return [(name, tuple(tensor.shape), tensor.dtype)]
+        return [(name, tuple(tensor.shape), self.out_dtype or tensor.dtype)]
 
     def produce(self, name: str, weight: torch.Tensor) -> list[torch.Tensor]:
-        return [self.pruned(name, weight).to(weight.dtype)]
+        return [self.pruned(name, weight).to(self.out_dtype or weight.dtype)]
 
     def config_entries(self) -> dict:
         return {}
@@ -164,11 +173,11 @@ def sparsify_checkpoint(model, output, spec: SparsifySpec, *,
                         prompts: list[str] | None = None, overwrite: bool = False,
                         max_shard_bytes: int = MAX_SHARD_BYTES, dense: bool = False
                         ) -> SparseReport:
-    """Write `model` (a 16-bit / fp32 checkpoint directory) pruned by `spec` into the
-    directory `output`; `prompts`: wanda's calibration prompts; `dense`: the pruned
-    weights written dense instead (`PrunedDense`). QuantizeError, naming the option,
-    for a bad input, before anything is written; nothing is written at `output` then,
-    nor when interrupted."""
+    """Write `model` (a 16-bit / fp32 checkpoint directory or a GGUF file) pruned by
+    `spec` into the directory `output`; `prompts`: wanda's calibration prompts;
+    `dense`: the pruned weights written dense instead (`PrunedDense`). QuantizeError,
+    naming the option, for a bad input, before anything is written; nothing is
+    written at `output` then, nor when interrupted."""
     output = Path(output)
     if spec.method == "wanda" and not prompts:
         raise QuantizeError("method wanda needs calibration prompts (--calibration)",
@@ -176,34 +185,27 @@ def sparsify_checkpoint(model, output, spec: SparsifySpec, *,
     if spec.method == "magnitude" and prompts:
         raise QuantizeError("calibration prompts are used only by method wanda "
                             "(--method wanda)", "calibration")
-    source = _open(Path(model))
+    source = open_source(Path(model), "sparsify")
     modules = quantized_tensors(source.cfg)
-    values = VALUES[spec.values] if spec.values else _source_values(source, modules)
+    dense_dtype = source.out_dtype or source.tensors[next(iter(modules))].dtype
+    values = VALUES[spec.values] if spec.values else _source_values(dense_dtype)
     for name, in_features in modules.items():
         if kept_count(in_features, spec.sparsity) == 0:
             raise QuantizeError(f"sparsity {spec.sparsity} keeps no weight of tensor "
                                 f"{name!r}'s rows of {in_features}; choose a lower one",
                                 "sparsity")
     check_output(output, source.path, overwrite)
-    report = SparseReport(output, dense_dtype=str(source.tensors[next(iter(modules))].dtype)
-                          .removeprefix("torch."), values=values)
+    report = SparseReport(output, dense_dtype=str(dense_dtype).removeprefix("torch."),
+                          values=values)
     norms = wanda_norms(source, prompts, report) if spec.method == "wanda" else {}
-    form = (PrunedDense if dense else SparseForm)(spec, values, modules, norms, report)
+    form = (PrunedDense if dense else SparseForm)(spec, values, modules, norms, report,
+                                                  source.out_dtype)
     write_checkpoint(source, output, form, report, max_shard_bytes=max_shard_bytes)
     return report
 
 
-def _open(path: Path) -> Source:
-    from fusegen.engine.weights.gguf_names import is_gguf
-
-    if is_gguf(path):
-        raise QuantizeError(f"{path}: a GGUF file; sparsify the 16-bit safetensors "
-                            "checkpoint it was made from", "model")
-    return open_source(path, "sparsify")
-
-
-def _source_values(source: Source, modules: dict) -> str:
-    dtype = source.tensors[next(iter(modules))].dtype
+def _source_values(dtype: torch.dtype) -> str:
+    """The values' dtype by default: the one the source's linears are written in."""
     if dtype not in _SOURCE_VALUES:
         raise QuantizeError(f"the source's linears are {dtype}; choose the values' dtype "
                             "with --values bf16|fp16|fp32|int8", "values")
