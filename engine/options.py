@@ -22,6 +22,7 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp16": "float16", "bf16
 # runs; engine/config.py checks each against the model and device before anything loads.
 QUANTIZATIONS = (None, "dequantize", "gguf", "int8", "int4", "fp8")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+KV_PLACEMENTS = ("auto", "device", "cooperative")  # engine/memory/kv_split.py
 
 
 def option(default, help: str, *, kind: type = str, unset: str = "none",
@@ -87,6 +88,13 @@ class EngineOptions:
     num_host_kv_blocks: int | None = option(
         None, "Exact number of host KV blocks that preempted requests swap to.", kind=int,
         unset="as many as the device pool")
+    kv_placement: str = option(
+        "auto", "Where a running batch's KV blocks live: device (on the device; requests that "
+        "do not fit are swapped out whole or recomputed), cooperative (each request's first "
+        "blocks on the device, the rest in the host KV pool, attention over those computed "
+        "on the host's cores and merged exactly; needs host KV blocks), auto (cooperative "
+        "when max_num_seqs requests at max_model_len do not fit the device's blocks and "
+        "there are host KV blocks, outside deterministic mode).")
     # A cached block holds what the request would compute as a prompt chunk of its own
     # (bit for bit in deterministic mode): not part of a job's identity.
     enable_prefix_caching: bool = option(
@@ -163,6 +171,9 @@ class EngineOptions:
         self._check_seed()
         if self.num_host_kv_blocks is not None:
             _check_int(self, "num_host_kv_blocks", 0)
+        if self.kv_placement not in KV_PLACEMENTS:
+            raise EngineConfigError(f"kv_placement must be one of {', '.join(KV_PLACEMENTS)}; "
+                                    f"got {self.kv_placement!r}")
         if self.block_size not in BLOCK_SIZES:
             raise EngineConfigError(f"block_size must be a power of two up to 128; "
                                     f"got {self.block_size!r}")
