@@ -13,6 +13,7 @@ import torch
 from fusegen.engine.errors import EngineConfigError
 from fusegen.engine.memory.device import (default_device, free_memory, group_free_memory,
                                           resolve_dtype)
+from fusegen.engine.memory.kv_split import DEVICE, KVSplit, plan_kv_split
 from fusegen.engine.memory.placement import PlacementPlan
 from fusegen.engine.memory.plan import FreeMemory, ModelShape, plan_engine
 from fusegen.engine.memory.shape import COMPRESSED, plan_shape  # noqa: F401 (model_runner's)
@@ -185,6 +186,7 @@ class EngineConfig:
     quantization: str = "dequantize"
     # a device group's pipeline stages, each a run of layers (`group_stages`); () alone
     stages: tuple[range, ...] = ()
+    kv_split: KVSplit = DEVICE  # where running requests' KV blocks live (memory/kv_split.py)
 
     @classmethod
     def build(cls, model, options: EngineOptions | None = None) -> "EngineConfig":
@@ -195,11 +197,25 @@ class EngineConfig:
         path = resolve_model(str(model), options.revision)
         inputs = PlanInputs.gather(path, options)
         plan = plan_engine(options, inputs.shape, inputs.free)
+        kv_split = plan_kv_split(
+            options.kv_placement, plan.placement.num_device_kv_blocks,
+            plan.placement.num_host_kv_blocks, plan.max_num_seqs, plan.max_model_len,
+            options.block_size, deterministic=options.deterministic,
+            unsupported=_split_unsupported(inputs.model_config, options))
         return cls(path, str(model), inputs.model_config, options, inputs.device,
                    inputs.dtype, inputs.shape, plan.placement, plan.max_num_seqs,
                    plan.max_num_batched_tokens, plan.max_model_len, inputs.quantization,
-                   inputs.stages)
+                   inputs.stages, kv_split)
 
     @property
     def block_size(self) -> int:
         return self.options.block_size
+
+
+def _split_unsupported(cfg: ModelConfig, options: EngineOptions) -> str | None:
+    """Why this engine cannot split a request's KV between device and host (None: it can)."""
+    if options.tensor_parallel_size * options.pipeline_parallel_size > 1:
+        return "a device group keeps each rank's KV on its device"
+    if any(cfg.layer_window(i) for i in range(cfg.num_layers)) or cfg.attn_softcap:
+        return "the model has sliding-window or soft-capped attention layers"
+    return None
