@@ -34,7 +34,7 @@ from fusegen.engine.weights.fp8 import FP8Linear
 from fusegen.engine.weights.groupquant import GroupQuantExpertLinear, GroupQuantLinear
 from fusegen.engine.weights.linear import Linear, row_tiled
 from fusegen.engine.weights.sparse import SparseExpertLinear, SparseLinear
-from fusegen.kernels import _triton_available, use_native, use_triton
+from fusegen.kernels import _triton_available, kernels_mode, use_native, use_triton
 from fusegen.kernels.quant_linear import SUPPORTED, has_kernel, quant_linear
 from fusegen.kernels.quant_vnni import (pack_blocks, q8_packed_available, quant_linear_q8_packed,
                                         unpack_blocks)
@@ -79,8 +79,12 @@ def can_keep(param: str, parts: list[CompressedSource], device: str = "cpu") -> 
     if first.format == "gguf":
         return kept_as_blocks(param, [(p.params[0], p.shape) for p in parts], device)
     if first.format == "sparse":  # each part keeps its own tile table (weights/sparse.py)
-        # kernels/sparse_linear.py multiplies CPU tensors; elsewhere decoded as it loads
-        return device == "cpu" and len({p.shape[1] for p in parts}) == 1
+        # kernels/sparse_linear.py multiplies CPU tensors, and CUDA ones by Triton
+        # (kernels/triton_sparse.py; its torch path reads CPU tiles only); elsewhere
+        # decoded as it loads
+        kernel = device == "cpu" or (device.startswith("cuda") and _triton_available()
+                                     and kernels_mode() != "reference")
+        return kernel and len({p.shape[1] for p in parts}) == 1
     return (first.format in ("group", "fp8")
             and (first.format == "fp8" or first.params[0] in GROUP_BITS)
             and len({p.shape[1] for p in parts}) == 1)
