@@ -78,6 +78,10 @@ class EngineOptions:
     host_memory: int | str | float | None = option(
         None, "Memory pool: pinned host budget for streamed layers and swapped KV blocks "
         "(same forms).", unset="half of free host memory when --device-memory is set")
+    peer_memory: int | str | float | None = option(
+        None, "Memory pool: a device group's peer tier, per rank: bytes of its layers that "
+        "the group's other ranks hold in the memory their own budgets leave free, fetched "
+        "ahead of use (same forms; tried before host memory).", unset="none")
     prefetch_depth: int = option(1, "Memory pool: streamed layers copied ahead of compute.",
                                  kind=int)
     deterministic: bool = option(
@@ -189,9 +193,15 @@ class EngineOptions:
                                            or not self.tokenizer):
             raise EngineConfigError(f"tokenizer must be a path or a hub id (org/name); got "
                                     f"{self.tokenizer!r}")
-        for name in ("device_memory", "host_memory"):
+        for name in ("device_memory", "host_memory", "peer_memory"):
             if getattr(self, name) is not None:  # a typo fails before any model loads
                 _parse(getattr(self, name), 1, name)
+        if self.peer_memory is not None and self.tensor_parallel_size \
+                * self.pipeline_parallel_size == 1:
+            raise EngineConfigError(
+                f"peer_memory {self.peer_memory!r} needs a device group: peers are the other "
+                "ranks of one, and tensor_parallel_size x pipeline_parallel_size is 1 x 1; "
+                "set one of them above 1, or use host_memory")
         self._check_quantization()
 
     def _check_quantization(self) -> None:
