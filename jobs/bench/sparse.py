@@ -123,10 +123,12 @@ def _row(name: str, r: dict, dense: dict) -> dict:
     row["bytes_ratio"] = _ratio(row["linear_bytes_per_layer"], base[0])
     row["decode_speedup"] = _ratio(base[1], row["decode_step_median_s"])  # > 1: faster
     row["throughput_ratio"] = _ratio(row["output_tokens_per_s"], dense.get("output_tokens_per_s"))
-    offload = r.get("offload")
-    if offload:
-        row["offload"] = {k: offload[k] for k in ("layers", "streamed_bytes_per_step",
-                                                  "stall_per_step_s", "decode_step_s")}
+    if "offload" in r or "offload" in dense:
+        # a run whose layers all fit its device budget streams nothing (no streamer)
+        offload = r.get("offload", {})
+        row["offload"] = {"layers": r.get("memory", {}).get("layers"),
+                          "streamed_bytes_per_step": offload.get("streamed_bytes_per_step", 0),
+                          "stall_per_step_s": offload.get("stall_per_step_s", 0.0)}
     return row
 
 
