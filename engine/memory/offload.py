@@ -13,6 +13,9 @@ is one byte buffer of the largest streamed layer's bytes, which each layer reads
 through views of its own shapes, and its compressed linears are pointed at those
 views each step (`CompressedLinear.set_weight`).
 
+A layer in a device group's peer tier arrives the same way: its parts are `PeerPart`s,
+received from the rank that holds them straight into the slot.
+
 Copies run on a background thread, which keeps them off the compute thread: on CPU
 the copy itself overlaps compute on the other cores; on CUDA the thread issues
 non-blocking copies on a separate stream and records an event that the compute
@@ -58,6 +61,15 @@ class DiskPart:
     read: object  # () -> torch.Tensor
 
 
+@dataclass(frozen=True, slots=True)
+class PeerPart:
+    """A part held in another rank's memory (a device group's peer tier,
+    engine/parallel/peer.py): `fill(target)` receives it straight into the staging
+    slot, `shape` known without fetching."""
+    shape: tuple[int, ...]
+    fill: object  # (target: torch.Tensor) -> None
+
+
 def slot_layout(streams: dict[str, Stream]) -> dict[str, tuple[int, Stream]]:
     """Where each of a layer's tensors lies in a staging slot's bytes: name -> (byte
     offset, stream). Wider elements first, so every offset is a multiple of its
@@ -98,6 +110,8 @@ class WeightStreamer:
         # Seconds compute spent waiting for a copy to finish (CPU: the copies that were
         # not hidden; on CUDA the host never waits on one, so this stays ~0 there).
         self.stall_seconds = 0.0
+        self.layer_stall: dict[int, float] = {i: 0.0 for i in self.order}  # its share
+        self.layer_loads: dict[int, int] = {i: 0 for i in self.order}
         self.reset()
 
     def reset(self) -> None:
@@ -110,6 +124,15 @@ class WeightStreamer:
         self.current = 0  # the load number the next acquire() consumes
         for _ in range(self.num_slots):
             self._issue()
+
+    def replace_sources(self, sources: dict[int, dict[str, Stream]]) -> None:
+        """New sources for some streamed layers, of the same names, dtypes and shapes
+        (their slot views stay): the loads under way finish from the old ones, then the
+        ring restarts."""
+        for future in self.pending.values():
+            future.result()
+        self.sources |= sources
+        self.reset()
 
     @property
     def slot_bytes(self) -> int:
@@ -147,11 +170,16 @@ class WeightStreamer:
             offset = 0
             for part in stream.parts:
                 rows = part.shape[0]
+                if isinstance(part, PeerPart):
+                    part.fill(target[name][offset:offset + rows])
+                    offset += rows
+                    continue
                 source = part.read() if isinstance(part, DiskPart) else part
                 target[name][offset:offset + rows].copy_(source, non_blocking=self.is_cuda)
                 offset += rows
         self.bytes_copied += self.layer_bytes[layer]
         self.num_loads += 1
+        self.layer_loads[layer] += 1
 
     def acquire(self, layer: int) -> None:
         """Block until `layer`'s weights are in its slot; point the layer at them."""
@@ -165,6 +193,7 @@ class WeightStreamer:
             start = time.perf_counter()
             future.result()
             self.stall_seconds += time.perf_counter() - start
+            self.layer_stall[layer] += time.perf_counter() - start
         done = future.result()
         if done is not None:
             torch.cuda.current_stream(self.device).wait_event(done)
@@ -199,6 +228,7 @@ class WeightStreamer:
             torch.cuda.synchronize(self.device)
         rate = repeats * nbytes / (time.perf_counter() - start)
         self.num_loads -= repeats + 1
+        self.layer_loads[layer] -= repeats + 1
         self.bytes_copied -= (repeats + 1) * nbytes
         self.reset()
         return rate

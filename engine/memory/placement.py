@@ -2,7 +2,8 @@
 step. Plain Python over byte counts, so every decision is unit-tested without tensors.
 
 Tiers, fastest first: `device` (the GPU; the CPU itself on a CPU-only machine),
-`host` (pinned host memory), `disk` (the checkpoint's safetensors, memory-mapped).
+`peer` (a device group's other ranks' spare memory: engine/parallel/peer.py), `host`
+(pinned host memory), `disk` (the checkpoint's safetensors, memory-mapped).
 
 The device budget is spent in this order:
 1. what every step needs: the embedding, the final norm and the LM head, and a
@@ -17,8 +18,10 @@ The device budget is spent in this order:
    blocks before layers are placed: every step pays the streamed weights' transfer,
    so a large running batch (many KV blocks) is what makes it worth it;
 5. whatever is left becomes more KV blocks.
-Streamed layers live in host memory while the host budget allows, then on disk. The
-host budget left after weights holds the host KV pool that preempted requests swap to.
+Streamed layers live in peers' memory while the peer budget allows (a device group's
+ranks lend each other what their own budgets leave free), then in host memory while the
+host budget allows, then on disk. The host budget left after weights holds the host KV
+pool that preempted requests swap to.
 """
 from __future__ import annotations
 
@@ -95,7 +98,7 @@ class ModelSizes:
 
 @dataclass(slots=True)
 class PlacementPlan:
-    layer_tiers: list[str]  # per layer: "device", "host" or "disk"
+    layer_tiers: list[str]  # per layer: "device", "peer", "host" or "disk"
     num_staging_slots: int  # device buffers of one layer each, for streamed layers
     num_device_kv_blocks: int
     num_host_kv_blocks: int
@@ -104,6 +107,15 @@ class PlacementPlan:
     sizes: ModelSizes
     device_bytes: dict[str, int] = field(default_factory=dict)  # planned, by use
     host_bytes: dict[str, int] = field(default_factory=dict)
+    peer_budget: int = 0  # bytes of this rank's layers its peers may hold
+    # bytes each rank may hold for its peers: its free memory less its own budget
+    # (0 alone, where there is no peer)
+    peer_spare: int = 0
+
+    @property
+    def peer_bytes(self) -> int:
+        """This rank's layers placed in its peers' memory."""
+        return self.layer_tiers.count("peer") * self.sizes.layer_bytes
 
     @property
     def streamed_layers(self) -> list[int]:
@@ -115,7 +127,7 @@ class PlacementPlan:
 
     def table(self) -> str:
         """The short start-up table `fusegen run` prints."""
-        counts = {t: self.layer_tiers.count(t) for t in ("device", "host", "disk")}
+        counts = {t: self.layer_tiers.count(t) for t in ("device", "peer", "host", "disk")}
         s = self.sizes
         rows = [
             ("tier", "budget", "weights", "KV cache", "other"),
@@ -123,10 +135,14 @@ class PlacementPlan:
              f"{counts['device']} layers + embed/head",
              f"{self.num_device_kv_blocks} blocks",
              f"{self.num_staging_slots} staging slots"),
+            ("peer", format_bytes(self.peer_budget), f"{counts['peer']} layers", "",
+             f"{format_bytes(self.peer_spare)} spare a rank"),
             ("host", format_bytes(self.host_budget), f"{counts['host']} layers",
              f"{self.num_host_kv_blocks} blocks (swap)", ""),
             ("disk", "-", f"{counts['disk']} layers (mmap)", "", ""),
         ]
+        if not (self.peer_budget or self.peer_spare):  # alone: no peer to lend memory
+            rows.pop(2)
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         compressed = ("" if s.dense_layer_bytes is None else
@@ -151,7 +167,11 @@ def minimum_device_budget(sizes: ModelSizes, prefetch_depth: int = 1) -> int:
 def plan_placement(sizes: ModelSizes, device_budget: int, host_budget: int,
                    prefetch_depth: int = 1, kv_spill_fraction: float = 0.25,
                    kv_reserve: int | None = None, max_kv_blocks: int | None = None,
-                   max_host_kv_blocks: int | None = None) -> PlacementPlan:
+                   max_host_kv_blocks: int | None = None, peer_budget: int = 0,
+                   peer_spare: int = 0) -> PlacementPlan:
+    """`peer_budget`: bytes of streamed layers the peers may hold (a device group's; 0
+    alone); `peer_spare`: what each rank may hold for its peers (recorded for the
+    table and the holders' assignment, `engine/parallel/peer.py`)."""
     s = sizes
     floor = minimum_device_budget(sizes, prefetch_depth)
     if device_budget < floor:
@@ -176,9 +196,12 @@ def plan_placement(sizes: ModelSizes, device_budget: int, host_budget: int,
         room = free - slots * s.layer_bytes - kv_share
         num_resident = max(0, min(s.num_layers - 1, room // s.layer_bytes))
     tiers = ["device"] * num_resident
-    host_left = host_budget
+    host_left, peer_left = host_budget, peer_budget
     for _ in range(s.num_layers - num_resident):
-        if host_left >= s.layer_bytes:
+        if peer_left >= s.layer_bytes:
+            tiers.append("peer")
+            peer_left -= s.layer_bytes
+        elif host_left >= s.layer_bytes:
             tiers.append("host")
             host_left -= s.layer_bytes
         else:
@@ -192,7 +215,8 @@ def plan_placement(sizes: ModelSizes, device_budget: int, host_budget: int,
     host_cap = max_kv_blocks if max_host_kv_blocks is None else max_host_kv_blocks
     if host_cap is not None:
         host_kv_blocks = min(host_kv_blocks, host_cap)
-    plan = PlacementPlan(tiers, slots, kv_blocks, host_kv_blocks, device_budget, host_budget, s)
+    plan = PlacementPlan(tiers, slots, kv_blocks, host_kv_blocks, device_budget, host_budget, s,
+                         peer_budget=peer_budget, peer_spare=peer_spare)
     plan.device_bytes = {
         "weights": s.fixed_bytes + num_resident * s.layer_bytes,
         "staging": slots * s.layer_bytes,

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from fusegen.engine.errors import EngineConfigError
 from fusegen.engine.memory.placement import (BudgetTooSmall, ModelSizes, PlacementPlan,
-                                             is_fraction, parse_bytes, plan_placement)
+                                             format_bytes, is_fraction, parse_bytes,
+                                             plan_placement)
 from fusegen.engine.runner_api import LOGITS_CHUNK
 
 _CPU_KV_FRACTION = 0.3  # of available host memory for KV, when no budget is given
@@ -156,14 +157,39 @@ def _place(options, shape: ModelShape, free: FreeMemory, limits: tuple[int, int]
     # Under a device budget, kv_cache_memory is the KV share kept before layers are
     # placed (the plan's default share otherwise).
     kv_reserve = options.kv_cache_memory if options.device_memory is not None else None
+    peer, spare = _peer_budget(options, free, budget)
     plan = plan_placement(sizes, budget, host, options.prefetch_depth, kv_reserve=kv_reserve,
-                          max_kv_blocks=max_kv_blocks, max_host_kv_blocks=host_cap)
+                          max_kv_blocks=max_kv_blocks, max_host_kv_blocks=host_cap,
+                          peer_budget=peer, peer_spare=spare)
     if options.host_memory is None and options.num_host_kv_blocks is None:
         # Unasked-for swap space: as much as the device pool, no more (pinned memory is
         # slow to allocate and taken from everyone else).
         plan.num_host_kv_blocks = min(plan.num_host_kv_blocks, plan.num_device_kv_blocks)
         plan.host_bytes["kv_cache"] = plan.num_host_kv_blocks * sizes.kv_block_bytes
     return plan
+
+
+def _peer_budget(options, free: FreeMemory, device_budget: int) -> tuple[int, int]:
+    """(the peer tier's budget, what each rank may hold for its peers). A rank's spare
+    memory is what its device has free beyond its own budget; every rank of a group
+    runs the same plan, so each lends as much as it borrows, and a peer budget above one
+    rank's spare cannot be held."""
+    world = options.tensor_parallel_size * options.pipeline_parallel_size
+    if world == 1:
+        return 0, 0  # EngineOptions refuses a peer budget alone
+    spare = max(free.device - device_budget, 0)
+    if options.peer_memory is None:
+        return 0, spare
+    peer = _bytes(options.peer_memory, free.device, "peer_memory")
+    if peer > spare:
+        raise EngineConfigError(
+            f"peer_memory {format_bytes(peer)} is larger than the peers' free memory: each "
+            f"of the group's {world} ranks has {format_bytes(free.device)} free and plans "
+            f"{format_bytes(device_budget)} for itself (device_memory), leaving "
+            f"{format_bytes(spare)} to hold its peers' layers; each rank lends as much as it "
+            f"borrows, so peer_memory may be at most {format_bytes(spare)}: lower "
+            "peer_memory or device_memory")
+    return peer, spare
 
 
 def _cpu_kv_bytes(options, free: FreeMemory) -> int:

@@ -9,14 +9,17 @@ single-process runner does. With P stages up to P batches are in flight.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import deque
 
 import torch
 
 from fusegen.engine.config import EngineConfig
+from fusegen.engine.errors import EngineConfigError
 from fusegen.engine.models import get_architecture
 from fusegen.engine.parallel.group import DeviceGroup, check_shared_memory
+from fusegen.engine.parallel.peer import group_holders
 from fusegen.engine.parallel.plan import model_stages, rank_devices, rank_infos
 from fusegen.engine.parallel.worker import shared_logits
 from fusegen.engine.model_runner import ModelRunner
@@ -54,6 +57,7 @@ class ParallelRunner(Runner):
         gpus = torch.cuda.device_count() if config.device.startswith("cuda") else 0
         self.infos = rank_infos(self.tp, self.pp, stages,
                                 rank_devices(config.device, world, gpus), _num_cores())
+        self.infos = _with_peers(self.infos, config)
         self.sampler = Sampler("cpu", options.seed)
         rows = config.max_num_seqs
         logits_bytes = self.pp * rows * cfg.vocab_size * 4
@@ -108,6 +112,16 @@ class ParallelRunner(Runner):
         return {rank: {"tensor_parallel": tp, "pipeline": pp}
                 for rank, _, tp, pp in self._stats()}
 
+    def stream_stats(self) -> dict[int, dict]:
+        """Per rank: its streamed layers' loads, bytes and the seconds its compute waited
+        for them, per tier they come from ("peer", "host", "disk"), and its steps run."""
+        self.group.send_all(("streams", -1))
+        out = {}
+        for info in self.infos:
+            _, rank, tiers, steps = self.group.receive(info.rank, "streams", "streams")
+            out[rank] = {"steps": steps, "tiers": tiers}
+        return out
+
     def _stats(self):
         self.group.send_all(("stats", -1))
         return [self.group.receive(info.rank, "stats", "stats")[1:] for info in self.infos]
@@ -135,6 +149,20 @@ class ParallelRunner(Runner):
 
     def close(self) -> None:
         self.group.close()
+
+
+def _with_peers(infos: list, config: EngineConfig) -> list:
+    """The ranks' infos with the group's peer holders (peer.assign_holders), checked
+    before any rank starts."""
+    plan = config.placement
+    if "peer" not in plan.layer_tiers:
+        return infos
+    if config.device.startswith("cuda"):
+        raise EngineConfigError(
+            f"peer_memory {config.options.peer_memory!r}: the peer tier runs between the CPU "
+            "ranks of a group (point-to-point sends over gloo); on CUDA GPUs use host_memory")
+    holders = group_holders(infos, plan.layer_tiers, plan.sizes.layer_bytes, plan.peer_spare)
+    return [dataclasses.replace(info, peer_holders=holders) for info in infos]
 
 
 def _num_cores() -> int:

@@ -22,6 +22,9 @@ class RankInfo:
     layers: range  # its stage's layers
     device: str  # "cpu" or "cuda:i"
     num_threads: int  # torch threads (on CPUs its share of the cores)
+    # the group's peer tier, the same on every rank: (consumer rank, layer, holder rank)
+    # for each layer a rank fetches from a peer's memory (peer.assign_holders)
+    peer_holders: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -48,6 +51,17 @@ class RankInfo:
     @property
     def next_rank(self) -> int | None:
         return None if self.is_last_stage else self.rank + self.tp_size
+
+    @property
+    def own_peer_layers(self) -> dict[int, int]:
+        """Its layers in the peer tier: layer -> the rank that holds it."""
+        return {layer: holder for consumer, layer, holder in self.peer_holders
+                if consumer == self.rank}
+
+    @property
+    def peer_consumers(self) -> set[int]:
+        """The ranks it holds peer-tier layers for."""
+        return {consumer for consumer, _, holder in self.peer_holders if holder == self.rank}
 
     @property
     def replies(self) -> bool:

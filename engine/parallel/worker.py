@@ -15,11 +15,13 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import datetime
+import functools
 import os
 import signal
 import sys
 import time
 import traceback
+from collections import Counter
 from multiprocessing import resource_tracker
 from multiprocessing.connection import Client
 from multiprocessing.shared_memory import SharedMemory
@@ -29,6 +31,8 @@ import torch.distributed as dist
 
 from fusegen.engine.parallel.layers import (RowParallelLinear, TPGroup, VocabParallelHead,
                                             parallelize)
+from fusegen.engine.memory.offload import PeerPart, Stream
+from fusegen.engine.parallel.peer import PeerChannel, served
 from fusegen.engine.parallel.plan import RankInfo
 from fusegen.engine.parallel.shard import (rank_model_config, shard_fixed_sources,
                                            shard_kept, shard_layer_sources, vocab_range)
@@ -44,10 +48,12 @@ ADDRESS_ENV, AUTHKEY_ENV = "FUSEGEN_GROUP_ADDRESS", "FUSEGEN_GROUP_AUTHKEY"
 
 class ShardRunner(ModelRunner):
     """One rank's share: its stage's layers, its tensor slice of each, KV blocks of its
-    KV heads for its layers, the embedding and head slices of its vocabulary."""
+    KV heads for its layers, the embedding and head slices of its vocabulary. With a
+    peer tier (`peer`), its peer-tier layers stream from the ranks that hold them, and it
+    holds and serves other ranks' slices of theirs."""
 
-    def __init__(self, config, info: RankInfo, group: TPGroup):
-        self.info, self.group = info, group
+    def __init__(self, config, info: RankInfo, group: TPGroup, peer: PeerChannel | None = None):
+        self.info, self.group, self.peer = info, group, peer
         super().__init__(config)
 
     @property
@@ -77,15 +83,80 @@ class ShardRunner(ModelRunner):
         return shard_layer_sources(full, self.arch.layer_sources(state, index, full),
                                    self.info.tp_rank, self.info.tp_size)
 
-    def _layer_parts(self, state, index: int) -> tuple[dict, dict]:
+    def _layer_parts(self, state, index: int, tp_rank: int | None = None) -> tuple[dict, dict]:
         # which parameters stay compressed is decided over the whole weights (as the
-        # plan decided), then both halves are narrowed to the rank's slice
-        full, rank, tp = self.config.model_config, self.info.tp_rank, self.info.tp_size
+        # plan decided), then both halves are narrowed to the rank's slice (or to
+        # `tp_rank`'s: a peer's slice this rank holds)
+        full, tp = self.config.model_config, self.info.tp_size
+        rank = self.info.tp_rank if tp_rank is None else tp_rank
         sources = self.arch.layer_sources(state, index, full)
         kept, dense = split_kept(sources, self.config.device) if self._keeps_blocks \
             else ({}, sources)
         return (shard_kept(full, kept, rank, tp, index),
                 shard_layer_sources(full, dense, rank, tp))
+
+    # -- the peer tier -------------------------------------------------------------
+
+    def _place_layers(self, state) -> None:
+        """The rank's layers in their tiers (a peer-tier layer first gets lazy streams
+        of its shapes: nothing read), then the peers' slices it holds, served from now
+        on, then its own peer-tier layers pointed at their holders."""
+        self.memory["peer"] = Counter()
+        super()._place_layers(state)
+        if self.peer is None:
+            return
+        for consumer, layer in served(_holders(self.info), self.info.rank):
+            kept, dense = self._layer_parts(state, layer, consumer % self.info.tp_size)
+            streams = self._streams(dense, kept, "host")  # this runner's own copies
+            self.peer.held[(consumer, layer)] = [_whole(streams[name])
+                                                 for name in sorted(streams)]
+        self.peer.start()
+        streamer, own = self.model.streamer, self.info.own_peer_layers
+        if own:
+            streamer.replace_sources({i: self._peer_streams(i, streamer.sources[i])
+                                      for i in own})
+
+    def _peer_streams(self, layer: int, lazy: dict[str, Stream]) -> dict[str, Stream]:
+        """Layer `layer`'s streams as parts its holder sends: tensor k of the sorted
+        names is request k (the holder keeps them in that order)."""
+        return {name: Stream([PeerPart(lazy[name].shape,
+                                       functools.partial(self.peer.fetch, layer, k))],
+                             lazy[name].dtype)
+                for k, name in enumerate(sorted(lazy))}
+
+    def _rank_tiers(self) -> list[str]:
+        return [tier for _, tier in zip(self.layer_range, self.plan.layer_tiers)]
+
+    def memory_report(self) -> dict:
+        report = super().memory_report()
+        if self.peer is not None or self.plan.peer_budget:
+            report["layers"]["peer"] = self._rank_tiers().count("peer")
+            report["peer"] = {"budget": self.plan.peer_budget,
+                              "weights": self.memory["peer"]["weights"],
+                              "spare": self.plan.peer_spare,
+                              "held": 0 if self.peer is None else self.peer.held_bytes}
+        return report
+
+    def stream_stats(self) -> dict[str, dict]:
+        """Per tier its streamed layers came from ("peer", "host", "disk"): layers,
+        loads, bytes copied and the seconds compute waited for them."""
+        streamer, out = self.model.streamer, {}
+        if streamer is None:
+            return out
+        for i, tier in zip(self.layer_range, self.plan.layer_tiers):
+            if i in streamer.position:
+                row = out.setdefault(tier, {"layers": 0, "loads": 0, "bytes": 0,
+                                            "stall_seconds": 0.0})
+                row["layers"] += 1
+                row["loads"] += streamer.layer_loads[i]
+                row["bytes"] += streamer.layer_loads[i] * streamer.layer_bytes[i]
+                row["stall_seconds"] += streamer.layer_stall[i]
+        return out
+
+    def close(self) -> None:
+        super().close()  # the ring's last fetches end first
+        if self.peer is not None:
+            self.peer.close()
 
     def _keep_compressed(self, layer, kept: dict, device) -> dict[str, torch.Tensor]:
         # o and down are row-parallel wrappers: their inner Linear is the one kept
@@ -142,10 +213,15 @@ class Worker:
             elif kind == "stats":
                 self.conn.send(("stats", self.info.rank, self.trace, self.runner.group.bytes_sent,
                                 self.pipeline_bytes))
+            elif kind == "streams":
+                self.conn.send(("streams", self.info.rank, self.runner.stream_stats(),
+                                len(self.trace)))
 
     @torch.inference_mode()
     def step(self, index: int, inputs: StepInputs, greedy: bool) -> None:
         runner, info = self.runner, self.info
+        if runner.peer is not None and runner.peer.error is not None:
+            raise RuntimeError("this rank's peer-tier server failed") from runner.peer.error
         waiting = time.monotonic()
         runner.swap(inputs.swap_out, to_host=True)
         runner.swap(inputs.swap_in, to_host=False)
@@ -182,6 +258,20 @@ class Worker:
             slot = shared_logits(self.logits, self.num_slots, vocab)[index % self.num_slots]
             slot[:rows].copy_(out)
             self.conn.send(("logits", index, rows))
+
+
+def _holders(info: RankInfo) -> dict[int, dict[int, int]]:
+    """The group's peer holders as assign_holders gives them: consumer -> layer -> holder."""
+    out: dict[int, dict[int, int]] = {}
+    for consumer, layer, holder in info.peer_holders:
+        out.setdefault(consumer, {})[layer] = holder
+    return out
+
+
+def _whole(stream: Stream) -> torch.Tensor:
+    """A stream's parts as one contiguous tensor (what one request sends)."""
+    parts = [p.contiguous() for p in stream.parts]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def shared_logits(shm: SharedMemory, num_slots: int, vocab: int) -> torch.Tensor:
@@ -243,11 +333,14 @@ def main(rank: int) -> None:
         _, config, info, port, shm_name, num_slots, timeout = conn.recv()
         _place(info)
         group = _join_group(info, port, timeout)
+        peer = PeerChannel.join(info.world_size, info.own_peer_layers, info.peer_consumers) \
+            if info.peer_holders else None
         config = dataclasses.replace(config, device=info.device)
-        runner = ShardRunner(config, info, group)
+        runner = ShardRunner(config, info, group, peer)
         shm = _attach(shm_name) if info.replies and shm_name else None
         conn.send(("ready", rank, runner.memory_report()))
         Worker(conn, info, runner, shm, num_slots).serve()
+        runner.close()
     except Exception:  # noqa: BLE001 - the controller reports it; this process ends
         try:
             conn.send(("error", rank, traceback.format_exc()))
