@@ -1,0 +1,274 @@
+"""The Triton sparse-tile kernel (kernels/triton_sparse.py) in Triton's interpreter on CPU
+(compiled on CUDA where there is a GPU): it equals the dense product of the decoded weight
+(sparse_linear.sparse_linear_reference) within the dtype's tolerance over odd shapes,
+tails, 0 and 1 rows, empty and fully dense tiles, every values dtype (int8 with its
+scales) and every x dtype; a row is bit-identical alone and batched; split-K's policy is
+the weight's shape's, not M's; sparse_linear() sends it CUDA x; and the engine through
+it (the interpreter here, the GPU where lent) generates the pruned dense model's tokens."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from quant_helpers import (cached_checkpoint, compressible_names, generate_tokens,
+                           run_interpreted, write_rewritten)
+from fusegen.engine import SamplingParams
+from fusegen.kernels import sparse_format as codec
+from fusegen.kernels.sparse_linear import sparse_linear, sparse_linear_reference
+
+pytest.importorskip("triton")
+from fusegen.kernels import triton_sparse as ts  # noqa: E402
+from fusegen.kernels.testing import triton_on  # noqa: E402
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+X_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+ULP = {torch.float32: 2 ** -23, torch.float16: 2 ** -10, torch.bfloat16: 2 ** -7}
+# (rows, out_features, in_features): out / in off multiples of 64 (edge tiles), a single
+# partial tile, more column-tiles than one
+SHAPES = [(1, 70, 129), (3, 130, 200), (17, 64, 64), (5, 33, 300)]
+
+
+def pruned_weight(out_features, in_features, sparsity=0.6, seed=0):
+    """Random weights with about `sparsity` of them zero; tile (0, 0) fully dense, tile
+    (0, 1) (where there is one) empty."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_features, in_features, generator=gen)
+    w[torch.rand(out_features, in_features, generator=gen) < sparsity] = 0.0
+    w[:64, :64] = torch.randn(min(64, out_features), min(64, in_features), generator=gen)
+    w[:64, :64][w[:64, :64] == 0] = 1.0
+    w[:64, 64:128] = 0.0
+    return w
+
+
+def encode_on(w, values, device):
+    tiles = codec.encode(w, values)
+    move = (lambda t: None if t is None else t.to(device))
+    return codec.SparseTiles(move(tiles.bitmap), move(tiles.offsets), move(tiles.values),
+                             move(tiles.scales), tiles.out_features, tiles.in_features)
+
+
+def make_x(rows, in_features, dtype, device, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, in_features, generator=gen).to(dtype).to(device)
+
+
+def assert_within_tolerance(got, x, tiles):
+    """got against sparse_linear_reference (the decoded fp32 weight, an fp32 product
+    rounded once to x's dtype): one rounding of the output (ULP of the result), the
+    weight's rounding to x's dtype (|x| @ |w - w rounded|), fp32 reordering (1e-5 of
+    |x| @ |w|); exact zeros where a weight row is all zeros."""
+    tiles = codec.SparseTiles(*(t if t is None else t.cpu() for t in
+                                (tiles.bitmap, tiles.offsets, tiles.values, tiles.scales)),
+                              tiles.out_features, tiles.in_features)
+    got, x = got.cpu(), x.cpu()
+    ref = sparse_linear_reference(x, tiles)
+    assert got.shape == ref.shape and got.dtype == ref.dtype == x.dtype
+    w = codec.decode(tiles)
+    xa = x.float().abs()
+    bound = (ULP[x.dtype] * ref.float().abs() + xa @ (w.to(x.dtype).float() - w).abs().T
+             + 1e-5 * (xa @ w.abs().T) + 1e-6)
+    diff = (got.float() - ref.float()).abs()
+    assert (diff <= bound).all(), f"max excess {(diff - bound).max().item()}"
+    empty_rows = (w == 0).all(dim=1)
+    assert (got[:, empty_rows] == 0).all()
+
+
+# The interpreter takes every shape for each x dtype with its own values and with int8
+# values, the other pairs at one shape (time); a GPU takes every case.
+_INTERPRETED = {("float32", torch.float32), ("float16", torch.float16),
+                ("bfloat16", torch.bfloat16), ("int8", torch.float32), ("int8", torch.bfloat16)}
+
+
+def _cases():
+    for device in ("cpu", "cuda"):
+        for shape in SHAPES:
+            for values in ("bfloat16", "float16", "float32", "int8"):
+                for x_dtype in X_DTYPES:
+                    if device == "cpu" and (values, x_dtype) not in _INTERPRETED \
+                            and shape != SHAPES[1]:
+                        continue
+                    yield pytest.param(shape, values, x_dtype, device,
+                                       marks=[CUDA] if device == "cuda" else [],
+                                       id=f"{device}-{shape}-{values}-x_{str(x_dtype)[6:]}")
+
+
+@pytest.mark.parametrize("shape, values, x_dtype, device", list(_cases()))
+def test_kernel_equals_dense_product(shape, values, x_dtype, device):
+    rows, out_features, in_features = shape
+    w = pruned_weight(out_features, in_features, seed=out_features)
+    w[out_features // 2] = 0.0  # a whole output row pruned: exact zeros
+    tiles = encode_on(w, values, device)
+    x = make_x(rows, in_features, x_dtype, device)
+    got = triton_on(device, ts.sparse_linear_triton)(x, tiles)
+    assert_within_tolerance(got, x, tiles)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("values", ["bfloat16", "int8"])
+def test_split_k_and_row_blocks(values, device):
+    # 9 column-tiles in 3 runs of 3 (and 20 runs asked: 9 of 1), 20 rows in 16-row blocks
+    # with a tail
+    w = pruned_weight(100, 560, sparsity=0.7, seed=3)
+    tiles = encode_on(w, values, device)
+    x = make_x(20, 560, torch.bfloat16, device)
+    kernel = triton_on(device, ts.sparse_linear_triton)
+    for splits in (3, 20):
+        config = {"BLOCK_M": 16, "splits": splits, "num_warps": 4, "num_stages": 2}
+        assert_within_tolerance(kernel(x, tiles, config=config), x, tiles)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_zero_rows(device):
+    tiles = encode_on(pruned_weight(70, 129), "bfloat16", device)
+    got = triton_on(device, ts.sparse_linear_triton)(
+        torch.empty(0, 129, dtype=torch.bfloat16, device=device), tiles)
+    assert got.shape == (0, 70) and got.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_row_is_batch_invariant(x_dtype, device):
+    # 1, 17 and 40 rows take BLOCK_M 16, 32 and 32; 9 column-tiles take 2 splits (an
+    # H100's SM count under the interpreter) whatever M
+    w = pruned_weight(48, 560, seed=5)
+    tiles = encode_on(w, "bfloat16", device)
+    x = make_x(40, 560, x_dtype, device)
+    kernel = triton_on(device, ts.sparse_linear_triton)
+    batched = {n: kernel(x[:n], tiles) for n in (17, 40)}
+    for i in (0, 16):
+        alone = kernel(x[i:i + 1], tiles)
+        assert torch.equal(alone[0], batched[17][i]) and torch.equal(alone[0], batched[40][i])
+    assert torch.equal(batched[17], batched[40][:17])
+
+
+def _shape_only(out_features, in_features):
+    empty = torch.empty(0)
+    return codec.SparseTiles(empty, empty, empty, None, out_features, in_features)
+
+
+def test_config_splits_follow_the_weight_not_m():
+    # Llama-3-8B's up [14336, 4096] and down [4096, 14336] on 132 SMs: four programs an
+    # SM over one row block, runs of at least 4 column-tiles
+    up, down = _shape_only(14336, 4096), _shape_only(4096, 14336)
+    for m in (1, 8, 16, 64, 256, 4096):
+        assert ts._config(m, up, True, 132)["splits"] == 3
+        assert ts._config(m, down, True, 132)["splits"] == 9
+        assert ts._config(m, down, True, 132)["BLOCK_M"] == (16 if m <= 16 else 32)
+    free = ts._config(256, down, False, 132)
+    assert (free["BLOCK_M"], free["splits"]) == (128, 5)   # 2 row blocks x 64 row-tiles
+    assert ts._config(4096, down, False, 132)["splits"] == 1
+    assert ts._config(1, _shape_only(70, 129), True, 132)["splits"] == 1  # 3 column-tiles
+
+
+def test_bad_inputs_are_named():
+    tiles = codec.encode(pruned_weight(70, 129), "int8")
+    x = torch.randn(2, 129)
+    call = ts.sparse_linear_triton
+    with pytest.raises(ValueError, match="x is torch.int32; the kernel takes"):
+        call(x.int(), tiles)
+    with pytest.raises(ValueError, match=r"x \[2, 128\] is not rows \[M, in_features=129\]"):
+        call(torch.randn(2, 128), tiles)
+    with pytest.raises(ValueError, match=r"x \[2, 1, 129\] is not rows"):
+        call(x[:, None], tiles)
+    no_scales = codec.SparseTiles(tiles.bitmap, tiles.offsets, tiles.values, None, 70, 129)
+    with pytest.raises(ValueError, match="int8 values need their fp32 scales.*scales absent"):
+        call(x, no_scales)
+    with pytest.raises(ValueError, match="the tiles' bitmap is on meta, x on cpu"):
+        call(x, codec.SparseTiles(tiles.bitmap.to("meta"), tiles.offsets, tiles.values,
+                                  tiles.scales, 70, 129))
+
+
+def test_triton_only_where_it_runs(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert ts.has_triton_sparse("cpu") is False
+    assert ts.has_triton_sparse("cuda") is torch.cuda.is_available()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert ts.has_triton_sparse("cpu") is True
+
+
+@CUDA
+def test_sparse_linear_dispatches_cuda_x_to_triton(monkeypatch):
+    tiles = encode_on(pruned_weight(130, 200), "bfloat16", "cuda")
+    x = make_x(3, 200, torch.bfloat16, "cuda")
+    calls = []
+    kernel = ts.sparse_linear_triton
+    monkeypatch.setattr(ts, "sparse_linear_triton", lambda *a: calls.append(1) or kernel(*a))
+    got = sparse_linear(x[None], tiles)     # [1, 3, in]: rows through the same dispatch
+    assert calls == [1] and got.shape == (1, 3, 130)
+    assert torch.equal(got[0], kernel(x, tiles))
+
+
+# -- the engine through the kernel ---------------------------------------------------
+
+PROMPTS = [[5, 9, 100, 7, 42, 17, 3], [300], list(range(30, 52))]
+_SOURCES: dict = {}
+
+
+def _sparse_and_dense(tmp_path, tmp_path_factory):
+    """A tiny Llama (hidden 96, intermediate 160: tiles cut at the edge) with its decoder
+    linears pruned to half of each row, stored sparse (fp32 values) and dense."""
+    src = cached_checkpoint(_SOURCES, "llama", tmp_path_factory, hidden_size=96,
+                            intermediate_size=160)
+    entry = ("sparsity_config", {
+        "format": "fusegen-bitmap-tiles", "version": 1, "tile": [64, 64], "values": "float32",
+        "sparsity": 0.5, "method": "magnitude", "modules": sorted(compressible_names(src))})
+
+    def prune(w):
+        w = w.float()
+        order = w.abs().argsort(dim=1, stable=True)[:, :w.shape[1] // 2]
+        return w.clone().scatter_(1, order, 0.0)
+
+    sparse = write_rewritten(src, tmp_path / "sparse",
+                             lambda name, w: codec.tensors(name, codec.encode(prune(w), "float32")),
+                             config_entry=entry)
+    dense = write_rewritten(src, tmp_path / "dense", lambda name, w: {name: prune(w)})
+    return sparse, dense
+
+
+# Every other kernel on its CPU path (FUSEGEN_KERNELS=auto), the sparse linears' products
+# sent to the Triton kernel (in the interpreter) as sparse_linear() sends CUDA x.
+ENGINE_SCRIPT = """
+import json, os, sys
+os.environ["FUSEGEN_KERNELS"] = "auto"
+from fusegen.kernels.testing import backport_interpreter_fixes
+backport_interpreter_fixes()
+from fusegen.kernels import sparse_linear, triton_sparse
+from fusegen.engine import LLM, SamplingParams
+calls = []
+kernel = triton_sparse.sparse_linear_triton
+triton_sparse.sparse_linear_triton = lambda *a, **k: calls.append(1) or kernel(*a, **k)
+sparse_linear.use_triton = lambda x: True
+llm = LLM(sys.argv[1], device="cpu", dtype="float32", max_num_batched_tokens=24, block_size=4)
+prompts = json.loads(sys.argv[2])
+outs = llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+print(json.dumps([[o.token_ids for o in outs], len(calls)]))
+llm.close()
+"""
+
+
+def test_engine_through_the_kernel_in_the_interpreter(tmp_path, tmp_path_factory):
+    sparse, dense = _sparse_and_dense(tmp_path, tmp_path_factory)
+    prompts = PROMPTS[:2]
+    want, _, _, _ = generate_tokens(dense, prompts, SamplingParams(
+        max_tokens=3, temperature=0, ignore_eos=True), device="cpu", dtype="float32")
+    got, calls = run_interpreted(ENGINE_SCRIPT, str(sparse), json.dumps(prompts))
+    assert got == want
+    assert calls > 0  # the sparse layers' products went through the Triton kernel
+
+
+@CUDA
+def test_engine_on_cuda_generates_like_pruned_dense(tmp_path, tmp_path_factory):
+    from fusegen.engine.weights.sparse import SparseLinear
+
+    sparse, dense = _sparse_and_dense(tmp_path, tmp_path_factory)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    options = dict(device="cuda", dtype="float32", max_model_len=96, max_num_seqs=4)
+    want, _, _, _ = generate_tokens(dense, PROMPTS, params, **options)
+    got, runner, _, _ = generate_tokens(sparse, PROMPTS, params, **options)
+    assert got == want
+    assert runner.config.quantization == "sparse"
+    # kept as tiles on the GPU (multiplied by the Triton kernel), not decoded on load
+    assert all(type(layer.o) is SparseLinear for layer in runner.model.layers)
