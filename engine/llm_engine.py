@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from fusegen.engine.block_manager import BlockManager
+from fusegen.engine.split_blocks import make_block_manager
 from fusegen.engine.config import EngineConfig
 from fusegen.engine.errors import ModelLoadError
 from fusegen.engine.detokenizer import IncrementalDetokenizer
@@ -113,9 +113,9 @@ class LLMEngine:
         # LongRoPE's keys depend on the whole request's length, not on the prefix alone
         caching = config.options.enable_prefix_caching and not recompute_at \
             and not self.runner.uses_request_lengths
-        self.block_manager = BlockManager(
-            self.runner.num_blocks, config.block_size, self.runner.num_host_blocks, caching,
-            cache_salt=f"{config.model}|{config.options.revision}|{config.torch_dtype}|"
+        self.block_manager = make_block_manager(
+            config.kv_split, self.runner.num_blocks, config.block_size,
+            self.runner.num_host_blocks, caching, cache_salt=f"{config.model}|{config.options.revision}|{config.torch_dtype}|"
                        f"{config.block_size}")
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.max_model_len,

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import functools
 from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from fusegen.engine.config import COMPRESSED, EngineConfig
+from fusegen.engine.cooperative import CooperativeStep, split_step
 from fusegen.engine.host import keep_freed_memory, zeros_lazy
 from fusegen.engine.weights.loader import checkpoint_tensors, fuse
 from fusegen.engine.models import get_architecture
@@ -93,6 +95,12 @@ class ModelRunner(Runner):
             self.kv_caches[layer] = cache.unbind(1)
         self._account("device", "kv_cache", self.kv_cache)
         self._account("host", "kv_cache", self.host_kv_cache)
+        self.kv_split = config.kv_split
+        self._host_pool = None  # cooperative KV: the thread that runs host parts
+        if self.kv_split.cooperative:
+            self._host_caches = {self.kv_caches[layer][0].data_ptr(): cache.unbind(1)
+                                 for layer, cache in zip(self.layer_range, self.host_kv_cache)}
+            self._host_pool = ThreadPoolExecutor(1, thread_name_prefix="fusegen-host-kv")
         self.sampler = Sampler(self.device, config.options.seed)
         self.peak_device_bytes = sum(self.memory["device"].values())
         self.graphs = None
@@ -111,7 +119,7 @@ class ModelRunner(Runner):
         options = self.config.options
         return (self.device.type == "cuda" and not options.enforce_eager
                 and not options.deterministic and self.model.graphable
-                and self.model.streamer is None)
+                and self.model.streamer is None and not self.config.kv_split.cooperative)
 
     # -- what a rank of a device group holds instead (engine/parallel/worker.py) ----
 
@@ -244,6 +252,7 @@ class ModelRunner(Runner):
             "disk": dict(self.memory["disk"]),
             "layers": {t: self.plan.layer_tiers.count(t) for t in ("device", "host", "disk")},
             "kv_blocks": {"device": self.num_blocks, "host": self.num_host_blocks},
+            "kv_placement": self.kv_split.placement,
         }
         report["device"]["peak"] = (
             torch.cuda.max_memory_allocated(self.device) - self._cuda_base
@@ -355,11 +364,25 @@ class ModelRunner(Runner):
         )
         if inputs.request_lengths is not None:
             meta.num_tokens = self._tensor(inputs.request_lengths, torch.int32)
+        if self._host_pool is not None and max(map(max, inputs.block_tables)) >= self.num_blocks:
+            meta.cooperative = self._cooperative_step(inputs)
         whole = len(self.layer_range) == len(self.model.layers)
         return self.model(self._tensor(inputs.input_ids, torch.int64),
                           self._tensor(inputs.positions, torch.int64), self.cos_sin,
                           self.kv_caches, meta, **({} if whole else
                                                    {"layers": self.layer_range, "hidden": hidden}))
+
+    def _cooperative_step(self, inputs: StepInputs) -> CooperativeStep:
+        """A step some of whose requests hold host blocks: each layer's attention split
+        between the pools (engine/cooperative.py). On a CPU the two parts share its cores;
+        beside a GPU the host part has them all."""
+        split = split_step(inputs.block_tables, inputs.seq_lens, inputs.query_start,
+                           inputs.slots, self.num_blocks, self.kv_split.device_quota,
+                           self.block_size, self.config.options.deterministic)
+        threads = torch.get_num_threads()
+        host = max(1, threads // 2) if self.device.type == "cpu" else threads
+        return CooperativeStep(split, self.device, self._host_caches, self._host_pool, host,
+                               max(1, threads - host))
 
     def _rows(self, x, residual, rows: list[int]):
         if len(rows) == x.shape[0] and rows[-1] == len(rows) - 1:
@@ -385,3 +408,5 @@ class ModelRunner(Runner):
     def close(self) -> None:
         if self.model.streamer is not None:
             self.model.streamer.close()
+        if self._host_pool is not None:
+            self._host_pool.shutdown()

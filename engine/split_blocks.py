@@ -25,6 +25,16 @@ from fusegen.engine.prefix_cache import PrefixCache
 from fusegen.engine.request import Request
 
 
+def make_block_manager(kv_split, num_blocks: int, block_size: int, num_host_blocks: int,
+                       enable_caching: bool, cache_salt: str) -> BlockManager:
+    """The engine's block manager for `kv_split` (engine/memory/kv_split.py): the host pool
+    a swap space, or with cooperative placement the second half of running requests' KV."""
+    if kv_split.cooperative:
+        return SplitBlockManager(num_blocks, block_size, num_host_blocks,
+                                 kv_split.device_quota, enable_caching, cache_salt)
+    return BlockManager(num_blocks, block_size, num_host_blocks, enable_caching, cache_salt)
+
+
 class SplitBlockManager(BlockManager):
     def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int,
                  device_quota: int, enable_caching: bool = False, cache_salt: str = ""):

@@ -38,6 +38,9 @@ class AttentionMetadata:
     # not); filled only where `Architecture.uses_request_lengths` (LongRoPE picks
     # its factors by it, models/phi3.py)
     num_tokens: torch.Tensor | None = None
+    # a step whose KV lies partly in the host pool (engine/cooperative.py): it caches and
+    # attends in each layer's place
+    cooperative: object | None = None
 
 
 def empty_param() -> nn.Parameter:
@@ -112,6 +115,9 @@ class DecoderLayer(nn.Module):
         num_tokens = x.shape[0]
         q, k, v = self._qkv(x)
         k_cache, v_cache = kv_cache  # [num_blocks, block_size, K, D] each
+        if meta.cooperative is not None:
+            out = meta.cooperative.attention(self, positions, q, k, v, rope, kv_cache)
+            return self.o(out.reshape(num_tokens, self.q_size))
         # q, k rotated in place; k, v stored in their slots
         rotary_and_cache(positions, q, k, v, *rope, k_cache, v_cache, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
