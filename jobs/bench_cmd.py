@@ -88,7 +88,8 @@ def _timeout_option(flag: str, what: str):
                    "checkpoint, on the same requests: the report gives each one's bytes per "
                    "decoder layer, median decode step and output tok/s against dense (and "
                    "under the offload presets the bytes streamed and the stall per step), "
-                   "and the sparsity from which sparse decodes faster.")
+                   "and the sparsity from which sparse decodes faster. --quantization "
+                   "applies to the dense run alone.")
 @click.option("--sparse-values", type=click.Choice(["bfloat16", "int8", "both"]),
               help="How the kept weights are stored: bf16, int8 codes with a scale per "
                    "tile, or a run of each. Default bfloat16.")

@@ -18,6 +18,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import save_file
 
+from gguf_checkpoints import Q, write_gguf
 from quant_helpers import read_all
 from fusegen.engine.weights.sparsify import kept_count, prune_rows
 from fusegen.jobs.bench.fusegen_runner import run_fusegen
@@ -206,6 +207,41 @@ def test_offload_pruned_model_streams_fewer_bytes(cache_dir):
         "streamed_bytes_per_step"] == sparse["offload"]["streamed_bytes_per_step"]
 
 
+@pytest.fixture(scope="module")
+def tiny_gguf(llama_dir, tmp_path_factory):
+    """The session's tiny Llama as a Q8_0 GGUF file."""
+    return write_gguf(llama_dir, tmp_path_factory.mktemp("gguf") / "tiny.gguf", qtype=Q.Q8_0)
+
+
+@pytest.mark.parametrize("kind", ["hf_dir", "gguf"])
+def test_a_real_model_is_pruned_beside_its_dense_run(kind, llama_dir, tiny_gguf, tmp_path):
+    # A checkpoint directory, and a GGUF file (pruned from its dequantized weights); with
+    # --quantization, the dense run takes it and the pruned ones run their tiles.
+    path = llama_dir if kind == "hf_dir" else tiny_gguf
+    form = ["--quantization", "dequantize"] if kind == "gguf" else []
+    out = tmp_path / "r.json"
+    result = CliRunner().invoke(bench, [
+        "--preset", "tiny", "--requests", "3", "--skip-hf", "--model", str(path), *form,
+        "--sparsity", "0.5", "--cache-dir", str(tmp_path / "cache"), "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    dense, sparse = report["results"]["fusegen"], report["results"]["fusegen_sparse50_bfloat16"]
+    assert dense["quantization"] == "dequantize" and sparse["quantization"] == "sparse"
+    assert sparse["budgets_met"] and sparse["num_output_tokens"] == dense["num_output_tokens"]
+    checkpoint = Path(sparse["checkpoint"])
+    assert checkpoint.parent == tmp_path / "cache" / "bench" / "sparse"
+    shapes = {n: t.shape for n, t in read_all(llama_dir).items()}
+    found = read_all(checkpoint)
+    modules = json.loads((checkpoint / "config.json").read_text())["sparsity_config"]["modules"]
+    want = [sum(codec.nbytes(codec.from_tensors(m, found, *shapes[m])) for m in modules
+                if f".layers.{i}." in m) for i in range(len(sparse["linear_bytes_by_layer"]))]
+    assert sparse["linear_bytes_by_layer"] == want
+    dense_bytes = 2 if report["config"]["dtype"] == "bfloat16" else 4
+    assert dense["linear_bytes_by_layer"][0] == dense_bytes * sum(
+        shapes[m].numel() for m in modules if ".layers.0." in m)
+    assert report["sparse"]["rows"][0]["label"] == "fusegen dense"
+
+
 @pytest.mark.parametrize("args, named", [
     (["--sparsity", "1"], "--sparsity 1 is outside (0, 1)"),
     (["--sparsity", "0.5,0"], "--sparsity 0 is outside (0, 1)"),
@@ -213,8 +249,6 @@ def test_offload_pruned_model_streams_fewer_bytes(cache_dir):
     (["--sparsity", "70%"], "got '70%'"),
     (["--sparse-values", "int8"], "--sparse-values applies to the sparse runs; pass "
                                   "--sparsity too"),
-    (["--sparsity", "0.5", "--quantization", "int8"], "--quantization int8 would run them "
-                                                      "otherwise"),
     (["--sparsity", "0.5", "--sparse-values", "fp8"], "'fp8' is not one of"),
     # 64 inputs keep round(0.004 x 64) = 0 weights a row: sparsify refuses, before any run
     (["--sparsity", "0.996"], "sparsity 0.996 keeps no weight"),

@@ -130,11 +130,6 @@ class BenchConfig:
                 raise ValueError(f"--sparsity {share} is outside (0, 1): it is the share of "
                                  "each row's weights pruned, such as 0.7 for 70%")
         variants(self.sparsities, self.sparse_values, self.sparse_method)  # names checked
-        quantization = self.engine_options.get("quantization")
-        if quantization is not None:
-            raise ValueError(f"--sparsity runs the pruned checkpoints in their sparse form; "
-                             f"--quantization {quantization} would run them otherwise: leave "
-                             "it out")
         if int(self.engine_options.get("tensor_parallel_size") or 1) \
                 * int(self.engine_options.get("pipeline_parallel_size") or 1) > 1:
             raise ValueError("--sparsity measures the layers one process holds; run it "
@@ -227,11 +222,17 @@ def run_benchmark(config: BenchConfig, progress: Progress = lambda _: None) -> d
             config, (model_dir, requests, warmup), progress, "with prefix caching off",
             {**engine_options, "enable_prefix_caching": False},
             name="fusegen_no_prefix_cache", label="fusegen, no prefix cache"))
+    # the pruned checkpoints run as their tiles: --quantization is the dense run's
+    sparse_options = {k: v for k, v in {**config.engine_options, **engine_options}.items()
+                      if k != "quantization"}
     for variant, path in sparse_dirs.items():
-        results.append(_fusegen_again(
-            config, (path, requests, warmup), progress, f"on {path.name}", engine_options,
-            name=variant.name, label=variant.label))
+        _release_memory(config.device)
+        progress(f"fusegen: again on {path.name}")
+        results.append(_fusegen(path, requests, warmup, dtype=config.dtype,
+                                device=config.device, engine_options=sparse_options,
+                                progress=progress, name=variant.name, label=variant.label))
         results[-1].extra["checkpoint"] = str(path)
+        _done(results[-1], progress)
     _release_memory(config.device)  # fusegen's weights and KV pool, before vLLM and transformers
     results += _run_llamacpp(config, model, requests, warmup, ceiling.num_threads,
                              results[0], progress)

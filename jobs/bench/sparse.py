@@ -98,7 +98,7 @@ def summarize(results: dict, chosen: list[SparseVariant]) -> dict:
     dtype the lowest measured sparsity from which on every measured one decodes faster
     than dense (None: none does)."""
     dense = results.get("fusegen", {})
-    rows = [_row("fusegen", dense, dense)]
+    rows = [{**_row("fusegen", dense, dense), "label": _dense_label(dense)}]
     for v in chosen:
         r = results.get(v.name, {})
         if "skipped" not in r and r:
@@ -130,6 +130,13 @@ def _row(name: str, r: dict, dense: dict) -> dict:
                           "streamed_bytes_per_step": offload.get("streamed_bytes_per_step", 0),
                           "stall_per_step_s": offload.get("stall_per_step_s", 0.0)}
     return row
+
+
+def _dense_label(dense: dict) -> str:
+    """The dense run, named with the form its weights ran in where it is not the
+    checkpoint's own dense one (a GGUF file's blocks, --quantization int8, ...)."""
+    form = dense.get("quantization")
+    return "fusegen dense" if form in (None, "dequantize") else f"fusegen dense ({form})"
 
 
 def _row_figures(r: dict) -> tuple[float | None, float | None]:
