@@ -5,7 +5,8 @@
 #   tests     the CUDA-relevant tests, pytest -n 16 (the device-group tests apart, -n 4:
 #             each runs two or more CPU ranks, and 16 at once time out)
 #   quant     compressed-weight kernels checked and timed (tests/gpu/quant_bench.py: Triton
-#             int4/int8 and GGUF, fp8 _scaled_mm, beside bf16 F.linear; T_QUANT s, 150)
+#             int4/int8 and GGUF, fp8 _scaled_mm, beside bf16 F.linear; T_QUANT s, 150;
+#             then sparse tiles against cuBLAS, python -m fusegen.kernels.triton_sparse)
 #   profile   decode steps eagerly and with CUDA graphs (tests/gpu/decode_profile.py)
 #   benchB    fusegen beside transformers' static batch of 64, 64 requests
 #   bench1k   fusegen alone on gpu-8b-1k (1000 in / 1000 out), $REQ_1K requests (256)
@@ -70,6 +71,7 @@ if stage quant; then
   timeout "${T_QUANT:-150}" python3 tests/gpu/quant_bench.py $OUT > $OUT/quant.log 2>&1
   echo "quant rc=$?"; grep -E "^check|^invariance" $OUT/quant.log | grep -vE " ok$" | cut -c1-300
   sed -n '/^layer /,$p' $OUT/quant.log | tail -40
+  timeout 240 python3 -m fusegen.kernels.triton_sparse --bench > $OUT/sparse.log 2>&1; echo "sparse bench rc=$?"; tail -12 $OUT/sparse.log
 fi
 CKPT=$(python3 -c "
 from fusegen.jobs.bench.presets import PRESETS
