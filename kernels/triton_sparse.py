@@ -283,8 +283,9 @@ def bench(device: str = "cuda", shapes=BENCH_SHAPES, rows=BENCH_ROWS,
           sparsity: float = BENCH_SPARSITY) -> list[dict]:
     """The kernel against cuBLAS (bf16 F.linear over the same pruned weight stored dense)
     at decode shapes, bf16 x and values: median microseconds of each (triton's
-    do_bench), the sparse weight's bytes against dense, the largest difference from the
-    dense product. Prints a table; returns its rows."""
+    do_bench), batch-invariant (the default) and not, the sparse weight's bytes against
+    dense, the largest difference from the dense product. Prints a table; returns its
+    rows."""
     from triton.testing import do_bench
 
     from fusegen.kernels import sparse_format
@@ -292,7 +293,7 @@ def bench(device: str = "cuda", shapes=BENCH_SHAPES, rows=BENCH_ROWS,
     print(f"sparse tiles (Triton) vs cuBLAS dense, bf16, {sparsity:.0%} sparsity, "
           f"{torch.cuda.get_device_name(device)}")
     print(f"{'W [out, in]':>14} {'M':>4} {'dense us':>9} {'sparse us':>10} {'speedup':>8} "
-          f"{'bytes':>6} {'max |diff|':>10}")
+          f"{'free us':>8} {'speedup':>8} {'bytes':>6} {'max |diff|':>10}")
     table = []
     for out_features, in_features in shapes:
         dense = _pruned(out_features, in_features, sparsity)
@@ -303,18 +304,20 @@ def bench(device: str = "cuda", shapes=BENCH_SHAPES, rows=BENCH_ROWS,
         w = dense.to(device, torch.bfloat16)
         for m in rows:
             x = torch.randn(m, in_features, device=device, dtype=torch.bfloat16)
-            want = torch.nn.functional.linear(x, w)
-            got = sparse_linear_triton(x, tiles)
-            diff = (got.float() - want.float()).abs().max().item()
-            t_dense = do_bench(lambda: torch.nn.functional.linear(x, w), return_mode="median")
-            t_sparse = do_bench(lambda: sparse_linear_triton(x, tiles), return_mode="median")
-            row = {"out": out_features, "in": in_features, "rows": m,
-                   "dense_us": 1e3 * t_dense, "sparse_us": 1e3 * t_sparse,
-                   "speedup": t_dense / t_sparse, "bytes": byte_share, "max_diff": diff}
+            want = torch.nn.functional.linear(x, w).float()
+            diff = max((sparse_linear_triton(x, tiles, invariant).float() - want).abs().max()
+                       .item() for invariant in (True, False))
+            times = [do_bench(call, return_mode="median") * 1e3 for call in (
+                lambda: torch.nn.functional.linear(x, w),
+                lambda: sparse_linear_triton(x, tiles),
+                lambda: sparse_linear_triton(x, tiles, batch_invariant=False))]
+            row = {"out": out_features, "in": in_features, "rows": m, "dense_us": times[0],
+                   "sparse_us": times[1], "free_us": times[2], "bytes": byte_share,
+                   "max_diff": diff}
             table.append(row)
-            print(f"{f'[{out_features}, {in_features}]':>14} {m:>4} {row['dense_us']:>9.1f} "
-                  f"{row['sparse_us']:>10.1f} {row['speedup']:>7.2f}x {byte_share:>6.2f} "
-                  f"{diff:>10.3g}")
+            print(f"{f'[{out_features}, {in_features}]':>14} {m:>4} {times[0]:>9.1f} "
+                  f"{times[1]:>10.1f} {times[0] / times[1]:>7.2f}x {times[2]:>8.1f} "
+                  f"{times[0] / times[2]:>7.2f}x {byte_share:>6.2f} {diff:>10.3g}")
     return table
 
 
@@ -325,8 +328,10 @@ if __name__ == "__main__":
     parser.add_argument("--bench", action="store_true",
                         help="time the kernel against cuBLAS dense at decode shapes")
     parser.add_argument("--device", default="cuda")
-    if not parser.parse_args().bench:
+    options = parser.parse_args()
+    if not options.bench:
         parser.error("nothing to do: pass --bench")
-    if not has_triton_sparse(parser.parse_args().device):
-        raise SystemExit("the benchmark needs a CUDA GPU and Triton")
-    bench(parser.parse_args().device)
+    if torch.device(options.device).type != "cuda" or not has_triton_sparse(options.device):
+        raise SystemExit(f"the benchmark needs a CUDA GPU and Triton; --device is "
+                         f"{options.device!r}, CUDA available: {torch.cuda.is_available()}")
+    bench(options.device)
