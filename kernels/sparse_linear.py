@@ -52,6 +52,25 @@ def sparse_linear(x: torch.Tensor, tiles: SparseTiles) -> torch.Tensor:
     return sparse_linear_torch(x, tiles)
 
 
+def sparse_linear_into(x: torch.Tensor, tiles: SparseTiles, out: torch.Tensor) -> None:
+    """x [T, in_features] @ W.T written into `out` [T, out_features] (x.dtype, on x's
+    device): the C kernel writes there directly where it takes the call, so a fused
+    parameter's parts fill their columns of one output (out = a column slice, unit
+    column stride) with no concatenation; elsewhere `sparse_linear`'s result is copied
+    in."""
+    _check_x(x, tiles)
+    if x.dim() != 2 or tuple(out.shape) != (x.shape[0], tiles.out_features) \
+            or out.dtype != x.dtype or out.device != x.device:
+        raise ValueError(f"sparse_linear_into takes x [T, {tiles.in_features}] and out "
+                         f"[T, {tiles.out_features}] of x's dtype and device, got x "
+                         f"{list(x.shape)} {x.dtype} and out {list(out.shape)} {out.dtype} "
+                         f"on {x.device} / {out.device}")
+    if (x.shape[0] and x.dtype in _NATIVE and out.stride(-1) == 1 and use_native(x)
+            and has_kernel() and _sparse_linear_native(x, tiles, out=out) is not None):
+        return
+    out.copy_(sparse_linear(x, tiles))
+
+
 def sparse_linear_torch(x: torch.Tensor, tiles: SparseTiles) -> torch.Tensor:
     """BAND_ROWS output rows expanded to fp32 at a time, multiplied in fp32, rounded once
     to x.dtype."""
@@ -121,9 +140,13 @@ def _check_x(x: torch.Tensor, tiles: SparseTiles) -> None:
 
 
 def _sparse_linear_native(x: torch.Tensor, tiles: SparseTiles, plain: bool = False,
-                          lib=None):
+                          lib=None, out: torch.Tensor | None = None):
+    """The C kernel's product into `out` ([T, out_features] of x.dtype, unit column
+    stride, any row stride: a fused parameter's columns of a wider output) or a new
+    tensor; None where the kernel declines the call."""
     x = x if x.stride(-1) == 1 else x.contiguous()
-    out = torch.empty(x.shape[0], tiles.out_features, dtype=x.dtype)
+    if out is None:
+        out = torch.empty(x.shape[0], tiles.out_features, dtype=x.dtype)
     if x.shape[0] == 0:
         return out
     values, scales = tiles.values, tiles.scales
@@ -134,5 +157,5 @@ def _sparse_linear_native(x: torch.Tensor, tiles: SparseTiles, plain: bool = Fal
         x.data_ptr(), _NATIVE[x.dtype], x.shape[0], x.stride(0), tiles.bitmap.data_ptr(),
         tiles.offsets.data_ptr(), values.data_ptr(), _VALUE_TYPES[values.dtype],
         None if scales is None else scales.data_ptr(), tiles.out_features, tiles.in_features,
-        out.data_ptr(), tiles.out_features, torch.get_num_threads(), int(plain))
+        out.data_ptr(), out.stride(0), torch.get_num_threads(), int(plain))
     return out if status == 0 else None

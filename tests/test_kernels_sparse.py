@@ -1,9 +1,11 @@
 """x @ W.T on a weight kept in sparse tiles (kernels/sparse_linear.py,
 kernels/csrc/sparse_tiles.c, format in kernels/sparse_format.py): the C kernel against
-the dense fp32 product over odd shapes, tails, row counts from 0 to 130, empty and fully
-dense tiles and every value type; each row's bits the same alone or in a batch and on 1
-or 2 threads; the AVX-512 (without VBMI2), AVX2 and baseline builds giving the native
-build's bits (but bf16 x against bf16 values by vdpbf16ps); the dispatcher and the torch
+the dense fp32 product over odd shapes, tails, row counts from 0 to 256 (the few-row path
+up to 6 rows, the many-row path's scratch above, in one run of tiles or several for long
+rows), empty and fully dense tiles and every value type; each row's bits the same alone
+or in any batch and on 1 to 3 threads; the AVX-512 (without VBMI2), AVX2 and baseline
+builds giving the native build's bits (but bf16 x against bf16 or int8 values by
+vdpbf16ps); a fused parameter's parts written in place; the dispatcher and the torch
 path."""
 import pytest
 import torch
@@ -14,7 +16,8 @@ from fusegen.kernels import sparse_linear as sl
 
 VALUE_TYPES = ["bfloat16", "float16", "float32", "int8"]
 SHAPES = [(1, 1), (65, 130), (130, 65), (200, 3), (64, 64), (3, 200)]
-ROWS = [0, 1, 3, 17, 64, 130]
+ROWS = [0, 1, 6, 7, 16, 256]  # few-row path up to MR = 6 rows, the many-row path above
+LONG = (70, 2101)  # more columns than one run of the many-row path's scratch (1024 / 2048)
 # another CPU's build of the kernel file, and the paths it reports (sparse_tiles_available)
 OTHER_BUILDS = [(["-march=x86-64", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"],
                  1 | 2), (["-march=x86-64-v3"], 1 | 8), (["-march=x86-64"], 1)]
@@ -34,9 +37,11 @@ def pruned_tiles(out_features, in_features, values, sparsity=0.7, seed=0):
 
 
 def by_pairs(values, dtype):
-    """Whether the native build multiplies bf16 x and bf16 values two channels at a time by
-    vdpbf16ps: its own fixed order, other bits than the FMA paths' (plain C, other CPUs)."""
-    return bool(sl.kernel_paths() & 16) and values == "bfloat16" and dtype == torch.bfloat16
+    """Whether the native build multiplies bf16 x and bf16 (or int8) values two channels at
+    a time by vdpbf16ps: its own fixed order, other bits than the FMA paths' (plain C,
+    other CPUs)."""
+    bit = {"bfloat16": 16, "int8": 32}.get(values, 0)
+    return bool(sl.kernel_paths() & bit) and dtype == torch.bfloat16
 
 
 def rows_of(count, in_features, dtype, seed=1):
@@ -74,31 +79,43 @@ def test_empty_and_fully_dense_tiles(values):
     tiles = sf.encode(w, values)
     counts = (tiles.offsets[1:] - tiles.offsets[:-1]).tolist()
     assert counts[1] == 0 and counts[4] == 4096 and counts[11] == 0
-    x = rows_of(17, 200, torch.float32)
-    assert_close(sl.sparse_linear_native(x, tiles), sl.sparse_linear_reference(x, tiles), x,
-                 sf.decode(tiles))
-    zero = sf.encode(torch.zeros(70, 90), values)        # no values at all
-    assert torch.equal(sl.sparse_linear_native(x[:, :90], zero), torch.zeros(17, 70))
+    for dtype in (torch.float32, torch.bfloat16):
+        x = rows_of(17, 200, dtype)
+        got = sl.sparse_linear_native(x, tiles)
+        assert_close(got, sl.sparse_linear_reference(x, tiles), x, sf.decode(tiles))
+        assert torch.equal(sl.sparse_linear_native(x[:1], tiles), got[:1])  # few-row path
+        zero = sf.encode(torch.zeros(70, 90), values)    # no values at all
+        for count in (1, 17):
+            assert torch.equal(sl.sparse_linear_native(x[:count, :90], zero),
+                               torch.zeros(count, 70, dtype=dtype))
 
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("values", VALUE_TYPES)
-def test_each_row_is_the_same_alone_in_a_batch_and_on_any_thread_count(values, dtype):
-    tiles, _ = pruned_tiles(330, 260, values, sparsity=0.5, seed=2)
-    x = rows_of(37, 260, dtype)
+@pytest.mark.parametrize("shape", [(330, 260), LONG], ids=str)
+def test_each_row_is_the_same_alone_in_a_batch_and_on_any_thread_count(shape, values, dtype):
+    """Row r's bits are the same whether it runs alone (few-row path), in batches of 2 to
+    37 rows (either path) and on 1, 2 or 3 threads."""
+    tiles, w = pruned_tiles(*shape, values, sparsity=0.5, seed=2)
+    x = rows_of(37, shape[1], dtype)
     threads = torch.get_num_threads()
     try:
         results = []
-        for count in (1, 2):
+        for count in (1, 2, 3):
             torch.set_num_threads(count)
             results.append(sl.sparse_linear_native(x, tiles))
             alone = torch.cat([sl.sparse_linear_native(x[r:r + 1], tiles) for r in range(37)])
             assert torch.equal(alone, results[-1])
-            assert torch.equal(sl.sparse_linear_native(x[5:22], tiles), results[-1][5:22])
+            for start, stop in ((5, 22), (0, 6), (30, 37), (3, 5), (1, 17)):
+                assert torch.equal(sl.sparse_linear_native(x[start:stop], tiles),
+                                   results[-1][start:stop])
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(results[0], results[1])
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+    assert_close(results[0], sl.sparse_linear_reference(x, tiles), x, w)
+    if not by_pairs(values, dtype):
+        assert torch.equal(sl.sparse_linear_native(x, tiles, plain=True), results[0])
 
 
 @pytest.mark.parametrize("flags,paths", OTHER_BUILDS, ids=OTHER_IDS)
@@ -106,16 +123,40 @@ def test_other_cpu_builds_give_the_same_bits(flags, paths, tmp_path):
     lib = build_for_other_cpu("sparse_tiles.c", flags, tmp_path,
                               ("sparse_tiles_available", "sparse_tiles"))
     assert lib.sparse_tiles_available() == paths
-    for values in VALUE_TYPES:
-        tiles, w = pruned_tiles(130, 200, values, seed=3)
+    for values, shape, counts in [(v, s, c) for v in VALUE_TYPES for s, c in
+                                  (((130, 200), (1, 6, 7, 17)), (LONG, (1, 9)))]:
+        tiles, w = pruned_tiles(*shape, values, seed=3)
         for dtype in (torch.float32, torch.bfloat16):
-            for count in (1, 7, 17):
-                x = rows_of(count, 200, dtype)
+            for count in counts:
+                x = rows_of(count, shape[1], dtype)
                 got = sl.sparse_linear_native(x, tiles, lib=lib)
                 assert_close(got, sl.sparse_linear_reference(x, tiles), x, w)
                 assert torch.equal(sl.sparse_linear_native(x, tiles, plain=True, lib=lib), got)
                 if sl.has_kernel() and not by_pairs(values, dtype):
                     assert torch.equal(sl.sparse_linear_native(x, tiles), got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("values", ["bfloat16", "int8"])
+def test_parts_write_their_columns_of_one_output_in_place(values, dtype):
+    """A fused parameter's parts (70, 64 and 1 output rows) each write their columns of
+    one [T, 135] output (a column slice: row stride 135), the bits of each part's own
+    product, nothing outside its columns."""
+    parts = [pruned_tiles(n, 150, values, seed=6 + i)[0] for i, n in enumerate((70, 64, 1))]
+    for count in (1, 16):
+        x = rows_of(count, 150, dtype)
+        out = torch.full((count, 135), 7.0, dtype=dtype)
+        start = 0
+        for tiles in parts:
+            stop = start + tiles.out_features
+            sl.sparse_linear_into(x, tiles, out[:, start:stop])
+            want = sl.sparse_linear(x, tiles)
+            assert torch.equal(out[:, start:stop], want)
+            assert (out[:, stop:] == 7.0).all()
+            start = stop
+    with pytest.raises(ValueError, match=r"out \[T, 70\] of x's dtype and device, got x "
+                                         r"\[16, 150\] .* out \[16, 69\]"):
+        sl.sparse_linear_into(x, parts[0], out[:, :69])
 
 
 @pytest.mark.parametrize("values", VALUE_TYPES)
