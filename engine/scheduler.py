@@ -89,8 +89,8 @@ class Scheduler:
             size = self.block_manager.block_size
             return (f"the request may grow to {longest} tokens, which needs {need} KV blocks "
                     f"of {size} tokens, "
-                    f"but a request can hold {self.block_manager.max_request_blocks} blocks "
-                    "of the KV cache in all; "
+                    f"but the KV cache holds {self.block_manager.max_request_blocks} blocks "
+                    "a request can use; "
                     "lower max_tokens or give the KV cache more memory")
         return None
 
