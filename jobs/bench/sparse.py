@@ -98,19 +98,30 @@ def summarize(results: dict, chosen: list[SparseVariant]) -> dict:
     dtype the lowest measured sparsity from which on every measured one decodes faster
     than dense (None: none does)."""
     dense = results.get("fusegen", {})
-    rows = [{**_row("fusegen", dense, dense), "label": _dense_label(dense)}]
+    base = {**_row("fusegen", dense, offloaded=False), "label": _dense_label(dense)}
+    offloaded = "offload" in dense
+    rows = [base]
     for v in chosen:
         r = results.get(v.name, {})
-        if "skipped" not in r and r:
-            rows.append({**_row(v.name, r, dense), "sparsity": v.sparsity, "values": v.values})
-    wins = {}
-    for values in dict.fromkeys(v.values for v in chosen):
-        ran = [row for row in rows[1:] if row["values"] == values]
-        wins[values] = _wins_from(ran)
+        if r and "skipped" not in r:
+            rows.append({**_row(v.name, r, offloaded), "sparsity": v.sparsity,
+                         "values": v.values})
+    for row in rows:
+        row["bytes_ratio"] = _ratio(row["linear_bytes_per_layer"],
+                                    base["linear_bytes_per_layer"])
+        # > 1: faster than dense
+        row["decode_speedup"] = _ratio(base["decode_step_median_s"],
+                                       row["decode_step_median_s"])
+        row["throughput_ratio"] = _ratio(row["output_tokens_per_s"],
+                                         base["output_tokens_per_s"])
+    wins = {values: _wins_from([row for row in rows[1:] if row["values"] == values])
+            for values in dict.fromkeys(v.values for v in chosen)}
     return {"method": chosen[0].method if chosen else None, "rows": rows, "wins_from": wins}
 
 
-def _row(name: str, r: dict, dense: dict) -> dict:
+def _row(name: str, r: dict, offloaded: bool) -> dict:
+    """One run's own figures; `offloaded`: the dense run streamed layers, so this one's
+    streaming is told even where it streams nothing (every layer fits its budget)."""
     layers = r.get("linear_bytes_by_layer") or []
     steps = r.get("decode_step_times_s") or []
     row = {"name": name, "label": r.get("label", name),
@@ -119,13 +130,8 @@ def _row(name: str, r: dict, dense: dict) -> dict:
            "decode_step_median_s": median(steps) if steps else None,
            "output_tokens_per_s": r.get("output_tokens_per_s"),
            "checkpoint": r.get("checkpoint")}
-    base = _row_figures(dense)
-    row["bytes_ratio"] = _ratio(row["linear_bytes_per_layer"], base[0])
-    row["decode_speedup"] = _ratio(base[1], row["decode_step_median_s"])  # > 1: faster
-    row["throughput_ratio"] = _ratio(row["output_tokens_per_s"], dense.get("output_tokens_per_s"))
-    if "offload" in r or "offload" in dense:
-        # a run whose layers all fit its device budget streams nothing (no streamer)
-        offload = r.get("offload", {})
+    if "offload" in r or offloaded:
+        offload = r.get("offload", {})  # none: no streamer, nothing streamed
         row["offload"] = {"layers": r.get("memory", {}).get("layers"),
                           "streamed_bytes_per_step": offload.get("streamed_bytes_per_step", 0),
                           "stall_per_step_s": offload.get("stall_per_step_s", 0.0)}
@@ -137,11 +143,6 @@ def _dense_label(dense: dict) -> str:
     checkpoint's own dense one (a GGUF file's blocks, --quantization int8, ...)."""
     form = dense.get("quantization")
     return "fusegen dense" if form in (None, "dequantize") else f"fusegen dense ({form})"
-
-
-def _row_figures(r: dict) -> tuple[float | None, float | None]:
-    layers, steps = r.get("linear_bytes_by_layer"), r.get("decode_step_times_s")
-    return (sum(layers) / len(layers) if layers else None, median(steps) if steps else None)
 
 
 def _ratio(a, b) -> float | None:
