@@ -201,7 +201,8 @@ class EngineConfig:
             options.kv_placement, plan.placement.num_device_kv_blocks,
             plan.placement.num_host_kv_blocks, plan.max_num_seqs, plan.max_model_len,
             options.block_size, deterministic=options.deterministic,
-            unsupported=_split_unsupported(inputs.model_config, options))
+            unsupported=_split_unsupported(inputs.model_config, options),
+            on_gpu=inputs.free.on_gpu)
         return cls(path, str(model), inputs.model_config, options, inputs.device,
                    inputs.dtype, inputs.shape, plan.placement, plan.max_num_seqs,
                    plan.max_num_batched_tokens, plan.max_model_len, inputs.quantization,

@@ -98,7 +98,7 @@ class EngineOptions:
         "blocks on the device, the rest in the host KV pool, attention over those computed "
         "on the host's cores and merged exactly; needs host KV blocks), auto (cooperative "
         "when max_num_seqs requests at max_model_len do not fit the device's blocks and "
-        "there are host KV blocks, outside deterministic mode).")
+        "there are host KV blocks, on CPUs outside deterministic mode).")
     # A cached block holds what the request would compute as a prompt chunk of its own
     # (bit for bit in deterministic mode): not part of a job's identity.
     enable_prefix_caching: bool = option(

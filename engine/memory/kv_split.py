@@ -26,15 +26,19 @@ DEVICE = KVSplit("device")
 
 def plan_kv_split(option: str, num_device_blocks: int, num_host_blocks: int,
                   max_num_seqs: int, max_model_len: int, block_size: int, *,
-                  deterministic: bool = False, unsupported: str | None = None) -> KVSplit:
+                  deterministic: bool = False, unsupported: str | None = None,
+                  on_gpu: bool = False) -> KVSplit:
     """`option`: EngineOptions.kv_placement. `unsupported`: why this model or engine cannot
     split its KV (None: it can). auto is cooperative when max_num_seqs requests at
-    max_model_len need more blocks than the device holds and the host pool has blocks
-    (never in deterministic mode, whose reduction order it would change)."""
+    max_model_len need more blocks than the device holds and the host pool has blocks;
+    never in deterministic mode (whose reduction order it would change), nor on GPUs,
+    where the device part runs in torch (kernels/cooperative_attention.py: the Triton
+    kernel does not return its log-sum-exp), slower than swapping: ask for it by name."""
     per_request = -(-max_model_len // block_size)
     need = max_num_seqs * per_request
     if option == "auto":
-        if deterministic or unsupported or num_host_blocks == 0 or need <= num_device_blocks:
+        if deterministic or unsupported or on_gpu or num_host_blocks == 0 \
+                or need <= num_device_blocks:
             return DEVICE
     elif option != "cooperative":
         return DEVICE
