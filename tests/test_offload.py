@@ -72,7 +72,8 @@ def test_kv_swapping_token_identical(deep_dir, reference, host_blocks, swapped):
     # 12 device blocks of 16 tokens cannot hold six requests at once: preemption,
     # by swapping to the host pool when it has room, by recompute when not.
     with LLM(str(deep_dir), device_memory=budget_for(sizes, 5), host_memory="1GiB",
-             num_kv_blocks=12, num_host_kv_blocks=host_blocks, **OPTIONS) as llm:
+             num_kv_blocks=12, num_host_kv_blocks=host_blocks, kv_placement="device",
+             **OPTIONS) as llm:
         outs = llm.generate(PROMPTS * 2, PARAMS)
         stats = llm.stats()
         assert llm.memory_report()["kv_blocks"] == {"device": 12, "host": host_blocks}

@@ -239,7 +239,7 @@ def test_chunked_and_preempted_equal_transformers_with_and_without_caching(
     # request: they are preempted and recomputed (from their cached blocks), or swapped.
     outs, stats = _generate(llama_dir, _prompts(), enable_prefix_caching=caching,
                             max_num_batched_tokens=6, num_kv_blocks=16, max_model_len=64,
-                            num_host_kv_blocks=host_blocks,
+                            num_host_kv_blocks=host_blocks, kv_placement="device",
                             host_memory="64MiB" if host_blocks else None)
     assert [o.token_ids for o in outs] == expected
     assert stats["num_preemptions"] > 0
