@@ -4,6 +4,7 @@ stored dense, on every architecture, resident and streamed; the plan and staging
 hold the tiles' exact bytes; damaged tile tables and declarations are named."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -245,6 +246,23 @@ def test_damaged_tile_tables_are_named(edit, message, tmp_path, tmp_path_factory
         generate(bad)
     text = str(info.value)
     assert "model.safetensors" in text and repr(Q) in text and message in text
+
+
+def test_tile_tables_are_checked_once_a_process(tmp_path, tmp_path_factory, monkeypatch):
+    """The plan reads the checkpoint, then the runner: each weight's tile table is checked
+    once; a file changed since is checked again."""
+    src = source("llama", tmp_path_factory)
+    sparse = write_pruned(src, tmp_path / "s", "float32")
+    checked = []
+    real = codec.check
+    monkeypatch.setattr(codec, "check", lambda t, *shape: checked.append(shape) or real(t, *shape))
+    want, _, _ = generate(sparse)
+    modules = len(compressible_names(src))
+    assert len(checked) == modules
+    assert generate(sparse)[0] == want and len(checked) == modules
+    stat = (sparse / "model.safetensors").stat()
+    os.utime(sparse / "model.safetensors", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert generate(sparse)[0] == want and len(checked) == 2 * modules
 
 
 @pytest.mark.parametrize("config_edit, message", [

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -45,8 +46,8 @@ def _codec():
 
 
 @functools.cache
-def _kernel():
-    from fusegen.kernels.sparse_linear import sparse_linear
+def _kernels():
+    from fusegen.kernels import sparse_linear
 
     return sparse_linear
 
@@ -115,7 +116,8 @@ def read_sparse_checkpoint(tensors: dict[str, tuple[Path, torch.Tensor]],
     weights' names. `tensors`: the checkpoint's `NAME.sparse_*` tensors (name -> (file,
     tensor)), taken out of it here; `expected`: every weight name's dense shape. Each
     weight's tile table is checked (the codec's `check`: shapes, dtypes, offsets against
-    the bitmaps' popcounts, bits past the edge), errors naming the file and tensor."""
+    the bitmaps' popcounts, bits past the edge), errors naming the file and tensor, once
+    a process (`_check_once`: the plan reads the checkpoint, then the runner)."""
     codec = _codec()
     out = {}
     for module in fmt.modules:
@@ -135,11 +137,7 @@ def read_sparse_checkpoint(tensors: dict[str, tuple[Path, torch.Tensor]],
                                      f"{weight!r} is listed in {CONFIG_KEY}.modules")
         tiles = codec.SparseTiles(parts["bitmap"], parts["offsets"], parts["values"],
                                   parts.get("scales"), *shape)
-        try:
-            codec.check(tiles, *shape)
-        except ValueError as exc:
-            raise ModelLoadError(f"{file}: sparse weight {weight!r} {list(shape)}: {exc}"
-                                 ) from None
+        _check_once(tiles, shape, file, weight)
         want = codec.VALUE_DTYPES[fmt.values]
         if tiles.values.dtype != want:
             raise ModelLoadError(
@@ -151,6 +149,26 @@ def read_sparse_checkpoint(tensors: dict[str, tuple[Path, torch.Tensor]],
         raise ModelLoadError(f"{tensors[stray[0]][0]}: tensor {stray[0]!r} belongs to no "
                              f"weight listed in config.json's {CONFIG_KEY}.modules")
     return out
+
+
+_CHECKED: set[tuple] = set()  # tile tables found well-formed: (file, its identity, weight)
+
+
+def _check_once(tiles, shape: tuple[int, int], file: Path, weight: str) -> None:
+    """The codec's check of one weight's tile table in `file`, skipped where this process
+    has checked that weight of the same file (same path, inode, size and change times)
+    before. ModelLoadError naming the file, the weight, the component and the tile."""
+    stat = os.stat(file)
+    key = (str(file), stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, weight,
+           tuple(shape))
+    if key in _CHECKED:
+        return
+    try:
+        _codec().check(tiles, *shape)
+    except ValueError as exc:
+        raise ModelLoadError(f"{file}: sparse weight {weight!r} {list(shape)}: {exc}"
+                             ) from None
+    _CHECKED.add(key)
 
 
 def sparse_entry(shape: tuple[int, int], values: str, name: str, nnz: int, read
@@ -266,7 +284,7 @@ def tiles_product(x: torch.Tensor, tiles) -> torch.Tensor:
     kernel (each column's mask word expanded into registers; fp32 / bf16 x on CPUs),
     else its torch path, a band of row-tiles expanded at a time (never the whole
     weight)."""
-    return _kernel()(x, tiles)
+    return _kernels().sparse_linear(x, tiles)
 
 
 class SparseLinear(CompressedLinear):
@@ -299,9 +317,19 @@ class SparseLinear(CompressedLinear):
         return self._views
 
     def _product(self, x: torch.Tensor, parts: list) -> torch.Tensor:
+        """x [..., in] -> [..., sum of the parts' out]: each part (a fused parameter's q,
+        k, v, or gate and up) writes its columns of one output in place."""
         rows = x.reshape(-1, self.in_features)
-        outs = [tiles_product(rows, tiles) for tiles in parts]
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        if len(parts) == 1:
+            out = tiles_product(rows, parts[0])
+        else:
+            out = torch.empty(rows.shape[0], sum(t.out_features for t in parts),
+                              dtype=x.dtype, device=x.device)
+            start = 0
+            for tiles in parts:  # out[:, start:stop] is a view: row stride the full width
+                stop = start + tiles.out_features
+                _kernels().sparse_linear_into(rows, tiles, out[:, start:stop])
+                start = stop
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
