@@ -12,6 +12,7 @@ import pytest
 from checkpoints import make_hf_checkpoint
 from fusegen import LLM as _LLM
 from fusegen import SamplingParams
+from fusegen.engine.config import EngineConfig
 from fusegen.engine.errors import EngineConfigError
 from fusegen.engine.memory.placement import ModelSizes, format_bytes, plan_placement
 from fusegen.engine.memory.plan import FreeMemory, ModelShape, plan_engine
@@ -137,28 +138,34 @@ def _tokens(llm) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    """An 8-layer checkpoint, its single-process tokens, and a per-rank device budget
-    that keeps one layer of a stage on the device."""
-    from test_offload import budget_for
-
+    """An 8-layer checkpoint and its single-process tokens."""
     path = str(make_hf_checkpoint(tmp_path_factory.mktemp("peer"), "llama", seed=11,
                                   num_hidden_layers=8))
     with LLM(path, **OPTIONS) as llm:
-        expected = _tokens(llm)
-    with LLM(path, tensor_parallel_size=2, **OPTIONS) as llm:
-        sizes = llm.placement.sizes
-    return path, expected, budget_for(sizes, resident=1), sizes.layer_bytes
+        return path, _tokens(llm)
+
+
+def _budget(path: str, split: dict) -> tuple[int, int]:
+    """A rank's device budget that keeps one layer of its stage on the device, and a
+    rank's layer bytes (planned only: no rank starts)."""
+    from test_offload import budget_for
+
+    sizes = EngineConfig.build(path, EngineOptions(device="cpu", **split, **OPTIONS)
+                               ).placement.sizes
+    return budget_for(sizes, resident=1), sizes.layer_bytes
 
 
 @pytest.mark.parametrize("split, peer, host, tiers", [
     (dict(tensor_parallel_size=2), 7, 0, ["device"] + ["peer"] * 7),
     (dict(tensor_parallel_size=2), 3, 2, ["device"] + ["peer"] * 3 + ["host"] * 2
      + ["disk"] * 2),
-    (dict(pipeline_parallel_size=2), 4, 0, ["device"] + ["peer"] * 4),
-    (dict(pipeline_parallel_size=2), 2, 1, ["device", "peer", "peer", "host", "disk"]),
+    # stages of 4 layers each: the plan is a stage's
+    (dict(pipeline_parallel_size=2), 3, 0, ["device"] + ["peer"] * 3),
+    (dict(pipeline_parallel_size=2), 1, 1, ["device", "peer", "host", "disk"]),
 ])
 def test_layers_in_peers_memory_give_single_process_tokens(model, split, peer, host, tiers):
-    path, expected, budget, layer_bytes = model
+    path, expected = model
+    budget, layer_bytes = _budget(path, split)
     with LLM(path, device_memory=budget, peer_memory=peer * layer_bytes,
              host_memory=host * layer_bytes, **split, **OPTIONS) as llm:
         assert llm.placement.layer_tiers == tiers
@@ -184,7 +191,8 @@ def test_layers_in_peers_memory_give_single_process_tokens(model, split, peer, h
 
 
 def test_a_peer_budget_beyond_the_group_is_refused_before_any_rank_starts(model):
-    path, _, budget, _ = model
+    path, _ = model
+    budget, _ = _budget(path, dict(tensor_parallel_size=2))
     with pytest.raises(EngineConfigError, match=r"^peer_memory .* is larger than the peers' "
                        r"free memory: each of the group's 2 ranks has .* free and plans "
                        + format_bytes(budget).replace(".", r"\.")):
