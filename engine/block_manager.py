@@ -21,6 +21,9 @@ Swapping copies: a preempted request's blocks are all copied to the host pool an
 released, so a block it shares stays on the device for the requests still holding it.
 Swapping back in reuses the cached blocks that still hold its leading full blocks and
 copies only the rest.
+
+With cooperative KV placement the host pool is no swap space but the second half of
+running requests' tables: engine/split_blocks.py.
 """
 from __future__ import annotations
 

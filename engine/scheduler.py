@@ -22,6 +22,11 @@ oldest request's part above, and victims are recomputed rather than swapped.
 With prefix caching, a request admitted from the waiting queue (new, or preempted to
 be recomputed) first takes the cached blocks holding its leading full blocks, and its
 computed tokens start past them; only the rest is scheduled.
+
+With cooperative KV placement (engine/split_blocks.py) the same rules hold over both
+pools: a request is admitted when its device blocks and its host blocks are free, and
+nothing is swapped (the host pool holds running requests' blocks): victims are
+recomputed.
 """
 from __future__ import annotations
 
