@@ -608,12 +608,11 @@ run_steps(const call_t *c, const scratch_t *s, int64_t s0, int64_t s1, int64_t r
 }
 
 /* rows [r0, r0 + R) over a run of `run` tiles expanded in the scratch: their sums start
- * from the scratch (or zero, for the band's first run) and go back there, or to the
- * output after the band's last run; int8 sums each tile and folds it into the scratch's */
+ * from `sums` (or zero, for the band's first run) and go back there, or to the output
+ * after the band's last run; int8 sums each tile and folds it into `sums` */
 static inline __attribute__((always_inline)) void
-rows_over_run(const call_t *c, int64_t to, const scratch_t *s, int64_t run, int64_t r0,
-              const int R, int first, int last, const int VT, const int DP) {
-    float *sums = s->sums + r0 * TILE;
+rows_over_run(const call_t *c, int64_t to, const scratch_t *s, int64_t run, float *sums,
+              int64_t r0, const int R, int first, int last, const int VT, const int DP) {
     for (int h = 0; h < TILE / CH; h++) {
         vec_t acc[MR][NV];
         if (VT != V_I8) {
@@ -645,17 +644,19 @@ rows_over_run(const call_t *c, int64_t to, const scratch_t *s, int64_t run, int6
     }
 }
 
-/* band `to` for all rows, in runs of as many tiles as the scratch holds */
+/* band `to` for rows [r_begin, r_end), in runs of as many tiles as the scratch holds */
 static inline __attribute__((always_inline)) void
-band_many(const call_t *c, int64_t to, scratch_t *s, const int VT, const int DP) {
+band_many(const call_t *c, int64_t to, int64_t r_begin, int64_t r_end, scratch_t *s,
+          const int VT, const int DP) {
     const int64_t run_tiles = SCRATCH_STEPS / (DP ? TILE / 2 : TILE);
-    if (VT == V_I8) memset(s->sums, 0, (size_t)c->rows * TILE * 4);
+    if (VT == V_I8) memset(s->sums, 0, (size_t)(r_end - r_begin) * TILE * 4);
     for (int64_t ti = 0; ti < c->n_ti; ti += run_tiles) {
         const int64_t ti1 = ti + run_tiles < c->n_ti ? ti + run_tiles : c->n_ti;
         expand_run(c, to, ti, ti1, s, VT, DP);
-        for (int64_t r0 = 0; r0 < c->rows; r0 += MR) {
-            const int rows = c->rows - r0 < MR ? (int)(c->rows - r0) : MR;
-#define RUN_CALL(R) rows_over_run(c, to, s, ti1 - ti, r0, R, ti == 0, ti1 == c->n_ti, VT, DP)
+        for (int64_t r0 = r_begin; r0 < r_end; r0 += MR) {
+            const int rows = r_end - r0 < MR ? (int)(r_end - r0) : MR;
+            float *sums = s->sums + (r0 - r_begin) * TILE;
+#define RUN_CALL(R) rows_over_run(c, to, s, ti1 - ti, sums, r0, R, ti == 0, ti1 == c->n_ti, VT, DP)
             FOR_ROWS_1_TO_6(rows, RUN_CALL)
 #undef RUN_CALL
         }
@@ -664,14 +665,15 @@ band_many(const call_t *c, int64_t to, scratch_t *s, const int VT, const int DP)
 #endif
 
 /* ---- the band functions, one per path and value type (the type a constant inside) ---- */
-typedef void (*band_fn)(const call_t *, int64_t);
+typedef void (*band_fn)(const call_t *, int64_t, int64_t, int64_t); /* band, rows [a, b) */
 
 #if SP_AVX512 || SP_AVX2
 static inline __attribute__((always_inline)) void
-band_few(const call_t *c, int64_t to, const int VT, const int DP) {
+band_few(const call_t *c, int64_t to, int64_t r_begin, int64_t r_end, const int VT,
+         const int DP) {
     for (int h = 0; h < (DP ? 1 : TILE / CH); h++)
-        for (int64_t r0 = 0; r0 < c->rows; r0 += MR) {
-            const int rows = c->rows - r0 < MR ? (int)(c->rows - r0) : MR;
+        for (int64_t r0 = r_begin; r0 < r_end; r0 += MR) {
+            const int rows = r_end - r0 < MR ? (int)(r_end - r0) : MR;
 #if SP_DP
 #define BAND_CALL(R) DP ? band_pass_dp(c, to, r0, R, VT) : band_pass(c, to, h, r0, R, VT)
 #else
@@ -686,14 +688,15 @@ band_few(const call_t *c, int64_t to, const int VT, const int DP) {
  * of MR rows); the same bits either way. Without memory for the scratch, the few-row
  * path. */
 static inline __attribute__((always_inline)) void
-band(const call_t *c, int64_t to, const int VT, const int DP) {
+band(const call_t *c, int64_t to, int64_t r_begin, int64_t r_end, const int VT, const int DP) {
     scratch_t s;
-    if (c->rows > MR && thread_scratch(&s, c->rows))
-        band_many(c, to, &s, VT, DP);
+    if (c->rows > MR && thread_scratch(&s, r_end - r_begin))
+        band_many(c, to, r_begin, r_end, &s, VT, DP);
     else
-        band_few(c, to, VT, DP);
+        band_few(c, to, r_begin, r_end, VT, DP);
 }
-#define BAND_FN(NAME, VT, DP) static void NAME(const call_t *c, int64_t to) { band(c, to, VT, DP); }
+#define BAND_FN(NAME, VT, DP)                                                             \
+    static void NAME(const call_t *c, int64_t to, int64_t a, int64_t b) { band(c, to, a, b, VT, DP); }
 BAND_FN(band_bf16, V_BF16, 0)
 BAND_FN(band_f16, V_F16, 0)
 BAND_FN(band_f32, V_F32, 0)
@@ -706,9 +709,10 @@ BAND_FN(band_dp_i8, V_I8, 1)
 #endif
 #endif
 
-static void band_plain_all(const call_t *c, int64_t to, int vt) {
-    for (int64_t r0 = 0; r0 < c->rows; r0 += MR)
-        band_plain(c, to, r0, c->rows - r0 < MR ? (int)(c->rows - r0) : MR, vt);
+static void band_plain_all(const call_t *c, int64_t to, int64_t r_begin, int64_t r_end,
+                           int vt) {
+    for (int64_t r0 = r_begin; r0 < r_end; r0 += MR)
+        band_plain(c, to, r0, r_end - r0 < MR ? (int)(r_end - r0) : MR, vt);
 }
 
 /* whether bf16 x against values of type vt goes by vdpbf16ps in this build */
@@ -730,12 +734,24 @@ static int product(call_t *c, int vt, int num_threads, int plain) {
 #endif
 #endif
     (void)plain;
+    /* Work items: a band and a group of rows. Where the bands do not split evenly among
+     * the threads, many rows are cut into up to one group a thread (of whole blocks of
+     * MR rows), so every thread gets the same count of items; a group expands its band's
+     * tiles again, which its >= 2 MR rows pay for. A row's sums do not depend on it. */
+    int64_t group = c->rows;
+    if (c->rows > MR && num_threads > 1 && n_to % num_threads) {
+        const int64_t groups = c->rows / (2 * MR) < num_threads ? c->rows / (2 * MR) : num_threads;
+        if (groups > 1) group = ((c->rows + groups - 1) / groups + MR - 1) / MR * MR;
+    }
+    const int64_t per_band = (c->rows + group - 1) / group;
     _Pragma("omp parallel for num_threads(num_threads) schedule(static)")
-    for (int64_t to = 0; to < n_to; to++) {
+    for (int64_t item = 0; item < n_to * per_band; item++) {
+        const int64_t to = item / per_band, r0 = item % per_band * group;
+        const int64_t r1 = r0 + group < c->rows ? r0 + group : c->rows;
         if (fn)
-            fn(c, to);
+            fn(c, to, r0, r1);
         else
-            band_plain_all(c, to, vt);
+            band_plain_all(c, to, r0, r1, vt);
     }
     return 0;
 }
