@@ -98,18 +98,20 @@ def _splits(row_tiles: int, col_tiles: int, num_sms: int, row_blocks: int = 1) -
 
 def _config(num_rows: int, tiles: SparseTiles, batch_invariant: bool, num_sms: int) -> dict:
     """A call's launch parameters: 16-row blocks for decode, 32 up to 64 rows (and for
-    every M when `batch_invariant`), else 128. Split-K by `_splits`: for one row block
-    when `batch_invariant` (the same for every M), else for the call's row blocks. A
-    launcher's `config=` overrides it (tests, the benchmark)."""
+    every M when `batch_invariant`), else 128; eight warps (a 64 x 64 tile's expansion
+    is 16 elements a thread); the loop's own prefetch (Triton's pipeliner leaves its
+    gathered loads alone: one stage). Split-K by `_splits`: for one row block when
+    `batch_invariant` (the same for every M), else for the call's row blocks."""
     if num_rows <= 16:
-        block_m, warps = 16, 4
+        block_m = 16
     elif num_rows <= 64 or batch_invariant:
-        block_m, warps = 32, 4
+        block_m = 32
     else:
-        block_m, warps = 128, 8
+        block_m = 128
     row_blocks = 1 if batch_invariant else -(-num_rows // block_m)
     splits = _splits(tiles.num_row_tiles, tiles.num_col_tiles, num_sms, row_blocks)
-    return {"BLOCK_M": block_m, "splits": splits, "num_warps": warps, "num_stages": 3}
+    return {"BLOCK_M": block_m, "splits": splits, "PREFETCH": True, "num_warps": 8,
+            "num_stages": 1}
 
 
 @triton.jit
@@ -128,15 +130,27 @@ def _popcount(v, HW_POPC: tl.constexpr):
 
 
 @triton.jit
-def _expand_tile(words_ptr, offsets_ptr, values_ptr, scales_ptr, t, HAS_SCALES: tl.constexpr,
-                 HW_POPC: tl.constexpr):
-    """Tile t as dense fp32 [64 (local column c: k), 64 (local row j: n)]."""
+def _tile_head(words_ptr, offsets_ptr, scales_ptr, t, valid, HAS_SCALES: tl.constexpr):
+    """Tile t's 64 mask words (int64; word c = local column c), its first value's index
+    and its scale (1.0 without scales); zeros where not `valid` (past the run's end)."""
     c = tl.arange(0, 64)
+    word = tl.load(words_ptr + t * 64 + c, mask=c < tl.where(valid, 64, 0), other=0)
+    offset = tl.load(offsets_ptr + t, mask=valid, other=0)
+    if HAS_SCALES:
+        scale = tl.load(scales_ptr + t, mask=valid, other=0.0)
+    else:
+        scale = 1.0
+    return word, offset, scale
+
+
+@triton.jit
+def _gather_tile(values_ptr, word, offset, HW_POPC: tl.constexpr):
+    """A tile's kept values in place: [64 (local column c: k), 64 (local row j: n)] in
+    the values' dtype, 0 where the bit is clear (nothing loaded for an all-zero word)."""
     j = tl.arange(0, 64)
     high = (j >= 32)[None, :]                       # [1, 64]: row j's bit in the high half
     shift = (j % 32)[None, :]
     below = ~(-1 << shift)                          # the half-word's bits under row j
-    word = tl.load(words_ptr + t * 64 + c)          # int64 [64], word c = column c
     lo = word.to(tl.int32)                          # bits 0..31 (truncation)
     hi = (word >> 32).to(tl.int32)                  # bits 32..63
     lo_count = _popcount(lo, HW_POPC)
@@ -145,18 +159,15 @@ def _expand_tile(words_ptr, offsets_ptr, values_ptr, scales_ptr, t, HAS_SCALES: 
     half = tl.where(high, hi[:, None], lo[:, None])  # [64, 64]
     kept = ((half >> shift) & 1) != 0
     rank = _popcount(half & below, HW_POPC) + tl.where(high, lo_count[:, None], 0)
-    base = values_ptr + tl.load(offsets_ptr + t)
-    w = tl.load(base + (start[:, None] + rank), mask=kept, other=0).to(tl.float32)
-    if HAS_SCALES:
-        w = w * tl.load(scales_ptr + t)
-    return w
+    return tl.load(values_ptr + offset + (start[:, None] + rank), mask=kept, other=0)
 
 
 @triton.jit
 def _sparse_tiles_kernel(x_ptr, words_ptr, offsets_ptr, values_ptr, scales_ptr, out_ptr,
                          M, N, K, col_tiles, tiles_per_split, stride_xm, stride_om,
                          stride_split, HAS_SCALES: tl.constexpr, PARTIAL: tl.constexpr,
-                         IEEE: tl.constexpr, HW_POPC: tl.constexpr, BLOCK_M: tl.constexpr):
+                         IEEE: tl.constexpr, HW_POPC: tl.constexpr, PREFETCH: tl.constexpr,
+                         BLOCK_M: tl.constexpr):
     pid_m = tl.program_id(0)
     row_tile = tl.program_id(1)
     split = tl.program_id(2)
@@ -169,16 +180,38 @@ def _sparse_tiles_kernel(x_ptr, words_ptr, offsets_ptr, values_ptr, scales_ptr, 
     acc = tl.zeros((BLOCK_M, 64), dtype=tl.float32)
     first = split * tiles_per_split
     last = tl.minimum(first + tiles_per_split, col_tiles)
-    for ti in range(first, last):
-        t = row_tile.to(tl.int64) * col_tiles + ti
-        w = _expand_tile(words_ptr, offsets_ptr, values_ptr, scales_ptr, t, HAS_SCALES,
-                         HW_POPC).to(dtype)
-        ch = ti * 64 + c
+    # The loads of a tile wait on one another (words, then values). PREFETCH loads tile
+    # ti + 1's words, offset, scale and x while tile ti is expanded and multiplied (more
+    # registers a thread). A run is never empty (the launcher's splits).
+    t = row_tile.to(tl.int64) * col_tiles + first
+    if PREFETCH:
+        word, offset, scale = _tile_head(words_ptr, offsets_ptr, scales_ptr, t, first < last,
+                                         HAS_SCALES)
+        ch = first * 64 + c
         xt = tl.load(x_rows + ch[None, :], mask=m_mask & (ch[None, :] < K), other=0.0)
+    for ti in range(first, last):
+        if not PREFETCH:
+            word, offset, scale = _tile_head(words_ptr, offsets_ptr, scales_ptr, t, ti < last,
+                                             HAS_SCALES)
+            ch = ti * 64 + c
+            xt = tl.load(x_rows + ch[None, :], mask=m_mask & (ch[None, :] < K), other=0.0)
+        w = _gather_tile(values_ptr, word, offset, HW_POPC).to(tl.float32)
+        if HAS_SCALES:
+            w = w * scale
+        if PREFETCH:
+            word, offset, scale = _tile_head(words_ptr, offsets_ptr, scales_ptr, t + 1,
+                                             ti + 1 < last, HAS_SCALES)
+            ch = (ti + 1) * 64 + c
+            x_next = tl.load(x_rows + ch[None, :],
+                             mask=m_mask & (ch[None, :] < tl.where(ti + 1 < last, K, 0)),
+                             other=0.0)
         if IEEE:
-            acc = tl.dot(xt, w, acc, input_precision="ieee")
+            acc = tl.dot(xt, w.to(dtype), acc, input_precision="ieee")
         else:
-            acc = tl.dot(xt, w, acc)
+            acc = tl.dot(xt, w.to(dtype), acc)
+        if PREFETCH:
+            xt = x_next
+        t += 1
     mask = m_mask & (offs_n[None, :] < N)
     out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     if PARTIAL:  # fp32 partial sums of this split: [splits, M, N]
@@ -225,13 +258,14 @@ def sparse_linear_triton(x: torch.Tensor, tiles: SparseTiles, batch_invariant: b
                          config: dict | None = None) -> torch.Tensor:
     """x [M, in] @ W.T -> [M, out] in x.dtype, W as bitmap tiles on x's device (trusted:
     whoever loaded them ran `sparse_format.check`). `config` (tests, the benchmark)
-    overrides the launch parameters: BLOCK_M, splits, num_warps, num_stages."""
+    overrides some of `_config`'s launch parameters: BLOCK_M, splits, PREFETCH,
+    num_warps, num_stages."""
     x = _check(x, tiles)
     num_rows, out_features = x.shape[0], tiles.out_features
     out = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return out
-    cfg = dict(config or _config(num_rows, tiles, batch_invariant, _num_sms(x.device)))
+    cfg = {**_config(num_rows, tiles, batch_invariant, _num_sms(x.device)), **(config or {})}
     splits = max(1, min(int(cfg.pop("splits", 1)), tiles.num_col_tiles))
     per_split = -(-tiles.num_col_tiles // splits)
     splits = -(-tiles.num_col_tiles // per_split)   # no empty run
@@ -283,17 +317,19 @@ def bench(device: str = "cuda", shapes=BENCH_SHAPES, rows=BENCH_ROWS,
           sparsity: float = BENCH_SPARSITY) -> list[dict]:
     """The kernel against cuBLAS (bf16 F.linear over the same pruned weight stored dense)
     at decode shapes, bf16 x and values: median microseconds of each (triton's
-    do_bench), batch-invariant (the default) and not, the sparse weight's bytes against
-    dense, the largest difference from the dense product. Prints a table; returns its
-    rows."""
+    do_bench) for the default launch, batch_invariant=False and the default without
+    PREFETCH; the sparse weight's bytes against dense; the largest difference of any
+    launch from the dense product. Prints a table; returns its rows."""
     from triton.testing import do_bench
 
     from fusegen.kernels import sparse_format
 
     print(f"sparse tiles (Triton) vs cuBLAS dense, bf16, {sparsity:.0%} sparsity, "
-          f"{torch.cuda.get_device_name(device)}")
-    print(f"{'W [out, in]':>14} {'M':>4} {'dense us':>9} {'sparse us':>10} {'speedup':>8} "
-          f"{'free us':>8} {'speedup':>8} {'bytes':>6} {'max |diff|':>10}")
+          f"{torch.cuda.get_device_name(device)}; microseconds (speedup over dense): the "
+          "default launch, batch_invariant=False, and the default without PREFETCH")
+    print(f"{'W [out, in]':>14} {'M':>4} {'dense':>7} {'sparse':>15} {'free':>15} "
+          f"{'no prefetch':>15} {'bytes':>6} {'max |diff|':>10}")
+    launches = ({}, {"batch_invariant": False}, {"config": {"PREFETCH": False}})
     table = []
     for out_features, in_features in shapes:
         dense = _pruned(out_features, in_features, sparsity)
@@ -305,19 +341,19 @@ def bench(device: str = "cuda", shapes=BENCH_SHAPES, rows=BENCH_ROWS,
         for m in rows:
             x = torch.randn(m, in_features, device=device, dtype=torch.bfloat16)
             want = torch.nn.functional.linear(x, w).float()
-            diff = max((sparse_linear_triton(x, tiles, invariant).float() - want).abs().max()
-                       .item() for invariant in (True, False))
-            times = [do_bench(call, return_mode="median") * 1e3 for call in (
-                lambda: torch.nn.functional.linear(x, w),
-                lambda: sparse_linear_triton(x, tiles),
-                lambda: sparse_linear_triton(x, tiles, batch_invariant=False))]
-            row = {"out": out_features, "in": in_features, "rows": m, "dense_us": times[0],
-                   "sparse_us": times[1], "free_us": times[2], "bytes": byte_share,
-                   "max_diff": diff}
+            diff = max((sparse_linear_triton(x, tiles, **kw).float() - want).abs().max().item()
+                       for kw in launches)
+            t_dense = do_bench(lambda: torch.nn.functional.linear(x, w), return_mode="median")
+            times = [do_bench(lambda: sparse_linear_triton(x, tiles, **kw),
+                              return_mode="median") for kw in launches]
+            row = {"out": out_features, "in": in_features, "rows": m,
+                   "dense_us": 1e3 * t_dense, "sparse_us": 1e3 * times[0],
+                   "free_us": 1e3 * times[1], "no_prefetch_us": 1e3 * times[2],
+                   "bytes": byte_share, "max_diff": diff}
             table.append(row)
-            print(f"{f'[{out_features}, {in_features}]':>14} {m:>4} {times[0]:>9.1f} "
-                  f"{times[1]:>10.1f} {times[0] / times[1]:>7.2f}x {times[2]:>8.1f} "
-                  f"{times[0] / times[2]:>7.2f}x {byte_share:>6.2f} {diff:>10.3g}")
+            cells = " ".join(f"{1e3 * t:>7.1f} ({t_dense / t:4.2f}x)" for t in times)
+            print(f"{f'[{out_features}, {in_features}]':>14} {m:>4} {1e3 * t_dense:>7.1f} "
+                  f"{cells} {byte_share:>6.2f} {diff:>10.3g}")
     return table
 
 

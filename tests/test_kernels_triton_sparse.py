@@ -110,13 +110,13 @@ def test_kernel_equals_dense_product(shape, values, x_dtype, device):
 @pytest.mark.parametrize("values", ["bfloat16", "int8"])
 def test_split_k_and_row_blocks(values, device):
     # 9 column-tiles in 3 runs of 3 (and 20 runs asked: 9 of 1), 20 rows in 16-row blocks
-    # with a tail
+    # with a tail; the loop with and without its prefetch of the next tile
     w = pruned_weight(100, 560, sparsity=0.7, seed=3)
     tiles = encode_on(w, values, device)
     x = make_x(20, 560, torch.bfloat16, device)
     kernel = triton_on(device, ts.sparse_linear_triton)
-    for splits in (3, 20):
-        config = {"BLOCK_M": 16, "splits": splits, "num_warps": 4, "num_stages": 2}
+    for splits, prefetch in ((3, True), (20, False), (1, False)):
+        config = {"BLOCK_M": 16, "splits": splits, "PREFETCH": prefetch}
         assert_within_tolerance(kernel(x, tiles, config=config), x, tiles)
 
 
@@ -157,6 +157,7 @@ def test_config_splits_follow_the_weight_not_m():
         assert ts._config(m, up, True, 132)["splits"] == 3
         assert ts._config(m, down, True, 132)["splits"] == 9
         assert ts._config(m, down, True, 132)["BLOCK_M"] == (16 if m <= 16 else 32)
+        assert ts._config(m, down, True, 132)["PREFETCH"] is True
     free = ts._config(256, down, False, 132)
     assert (free["BLOCK_M"], free["splits"]) == (128, 5)   # 2 row blocks x 64 row-tiles
     assert ts._config(4096, down, False, 132)["splits"] == 1
