@@ -59,20 +59,32 @@ class PartTensors:
 
     @classmethod
     def of(cls, seg: Segments) -> PartTensors:
-        width = max([len(t) for t in seg.tables] + [1])
-        tables, lens, qsl = [], [], [0]
-        for row, n, length, table in zip(seg.rows, seg.counts, seg.seq_lens, seg.tables):
-            padded = table + [0] * (width - len(table))
-            tables += [padded, padded]
+        # Segments of one request share its table (the same list): each distinct table
+        # becomes one row, gathered per sequence in torch (a prefill chunk's rows past
+        # the split are a segment each, thousands of rows of the same table).
+        distinct: dict[int, int] = {}
+        unique = []
+        which = []
+        for table in seg.tables:
+            if id(table) not in distinct:
+                distinct[id(table)] = len(unique)
+                unique.append(table)
+            which.append(distinct[id(table)])
+        width = max([len(t) for t in unique] + [1])
+        rows = torch.tensor([t + [0] * (width - len(t)) for t in unique] or [[0]],
+                            dtype=torch.int32)
+        tables = rows[torch.tensor(which, dtype=torch.long).repeat_interleave(2)] \
+            if which else rows
+        lens, qsl = [], [0]
+        for row, n, length in zip(seg.rows, seg.counts, seg.seq_lens):
             lens += [length, 0]
             qsl[-1] = row  # the previous gap ends here
             qsl += [row + n, row + n]
         decode = [2 * k for k, n in enumerate(seg.counts) if n == 1]
         prefill = [2 * k for k, n in enumerate(seg.counts) if n > 1]
         as_ids = (lambda ids: torch.tensor(ids, dtype=torch.int32) if ids else None)
-        return cls(torch.tensor(tables or [[0]], dtype=torch.int32).reshape(-1, width),
-                   torch.tensor(lens, dtype=torch.int32), torch.tensor(qsl, dtype=torch.int32),
-                   as_ids(decode), as_ids(prefill), seg)
+        return cls(tables.contiguous(), torch.tensor(lens, dtype=torch.int32),
+                   torch.tensor(qsl, dtype=torch.int32), as_ids(decode), as_ids(prefill), seg)
 
 
 def attention_part(q, k_cache, v_cache, part: PartTensors, out, lse, *, scale: float,
