@@ -75,6 +75,7 @@ _SIGNATURES = {
     "quant_gguf_q8_packed_available": [_I],
     "quant_gguf_q8_packed_bf16": [_I, _P, _L, _L, _P, _L, _L, _P, _L, _I],
     "quant_gguf_q8_repack": [_I, _P, _L, _L, _I],
+    "quant_gguf_q8_packed_rows": [_I, _P, _L, _L, _P, _L, _P],
     # csrc/quant_group.c
     "quant_group_available": [_I],
     **{f"quant_group_{t}": [_I, _I, _P, _L, _L, _P, _P, _P, _L, _L, _P, _L, _I, _I]

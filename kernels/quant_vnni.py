@@ -96,6 +96,30 @@ def _repack(blocks, qtype, in_features, unpack):
         raise RuntimeError(f"no C repacking of {SUPPORTED[qtype]} blocks in this build")
 
 
+def packed_rows(blocks: torch.Tensor, qtype: int, in_features: int,
+                ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (int64, any shape, flattened) of pack_blocks' layout as stored: uint8
+    [ids.numel(), row_bytes], each row gathered from its lane of its group's interleaved
+    fields (the last out % GROUP rows copied), by the C kernels. An embedding table tied
+    to a repacked head is looked up so: one copy of the blocks serves both. IndexError
+    naming an id outside the table's rows."""
+    rows, row_bytes = blocks.shape
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(flat.numel(), row_bytes, dtype=torch.uint8)
+    lib = _library()
+    if lib is None or not hasattr(lib, "quant_gguf_q8_packed_rows"):
+        raise RuntimeError(f"no C lookup of repacked {SUPPORTED.get(qtype, qtype)} rows in "
+                           "this build")
+    if lib.quant_gguf_q8_packed_rows(qtype, blocks.data_ptr(), rows, in_features,
+                                     flat.data_ptr(), flat.numel(), out.data_ptr()) != 0:
+        bad = flat[(flat < 0) | (flat >= rows)]
+        if bad.numel():
+            raise IndexError(f"row {int(bad[0])} is outside the {rows} rows of the blocks")
+        check(blocks, qtype, rows, in_features)  # names a bad type or in_features
+        raise ValueError(f"no repacked layout for {SUPPORTED.get(qtype, qtype)} blocks")
+    return out
+
+
 def pack_blocks_reference(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     """pack_blocks' layout by torch (tests): a new tensor."""
     return _regroup(blocks, qtype, pack=True)

@@ -3,19 +3,23 @@ csrc/quant_vnni.c's quant_gguf_q8_packed_bf16): groups of 16 rows interleaved fi
 field, the same bytes; the C repacking is the torch reference's layout and undoes
 exactly; the product over the repacked blocks has the stored blocks' bits for every
 type, odd row counts (a last group of fewer than 16 rows stays as stored), every
-micro-kernel row count and thread count; a resident GGUFLinear repacks at its first bf16
-call and unpacks for good at a call another kernel serves; an engine in bf16 generates
-the same tokens with its blocks repacked as without."""
+micro-kernel row count and thread count, calls of several tiles of rows (each row's bits
+its own); a resident GGUFLinear repacks at its first bf16 call and unpacks for good at a
+call another kernel serves; the head tied to the embedding repacks the shared table and
+the lookup reads the stored rows back from it; an engine in bf16 generates the same
+tokens with its blocks (the head's included) repacked as without."""
 import pytest
 import torch
 
 from checkpoints import make_hf_checkpoint
 from gguf_checkpoints import Q, write_gguf
-from quant_helpers import generate_tokens, make_blocks
+from quant_helpers import OTHER_CPU_BUILDS, build_for_other_cpu, generate_tokens, make_blocks
 from fusegen.engine import SamplingParams
 from fusegen.engine.weights import quantized
 from fusegen.engine.weights.linear import Linear
 from fusegen.engine.weights.quantized import GGUFLinear
+from fusegen.engine.weights.quantized_fixed import GGUFEmbedding, GGUFHead
+from fusegen.kernels import native
 from fusegen.kernels import quant_linear as ql
 from fusegen.kernels import quant_vnni as qv
 
@@ -72,12 +76,127 @@ def test_product_over_repacked_blocks_has_the_stored_blocks_bits(qtype):
         packed = blocks.clone()
         qv.pack_blocks(packed, qtype, k)
         xk = x[:, :k].contiguous()
-        for rows in (1, 2, 3, 4, 5, 9, 17, 64, 300):
+        for rows in (1, 2, 3, 4, 5, 8, 9, 12, 16, 17, 64, 300):
             for threads in (1, 2):
                 want = product(xk[:rows], blocks, qtype, n, k, threads, packed=False)
                 got = product(xk[:rows], packed, qtype, n, k, threads, packed=True)
                 assert torch.equal(got, want), (n, rows, threads)
     assert qv.quant_linear_q8_native(x[:0, :k], packed, qtype, n, k, packed=True).shape == (0, n)
+
+
+@needs_packed
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: ql.SUPPORTED[q])
+def test_rows_across_tiles_are_each_rows_own(qtype):
+    """Wide rows (k = 8,192: a tile of rows is a few dozen) in calls of several tiles:
+    each row has the bits it has alone, over the blocks as stored and repacked, at 1 and
+    2 threads."""
+    block = ql.BLOCK_SIZES[qtype][0]
+    n, k = 37, 8192
+    blocks = make_blocks(qtype, n, k, seed=7)
+    packed = blocks.clone()
+    qv.pack_blocks(packed, qtype, k)
+    x = bf16_rows(150, k, seed=qtype + block)
+    alone = torch.cat([product(x[r:r + 1], blocks, qtype, n, k, 1, packed=False)
+                       for r in range(0, 150, 7)])
+    for threads in (1, 2):
+        for w, is_packed in ((blocks, False), (packed, True)):
+            got = product(x, w, qtype, n, k, threads, packed=is_packed)
+            assert torch.equal(got[::7], alone), (threads, is_packed)
+            assert torch.equal(product(x[:49], w, qtype, n, k, threads, packed=is_packed),
+                               got[:49])
+
+
+@needs_packed
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: ql.SUPPORTED[q])
+def test_rows_of_repacked_blocks_are_the_stored_rows(qtype):
+    """packed_rows: every row of whole groups and of the tail, repeated and in any order,
+    as stored; no ids, no rows; an id outside the blocks is an error naming it."""
+    block, row_bytes = ql.BLOCK_SIZES[qtype][0], 2 * ql.BLOCK_SIZES[qtype][1]
+    for n in (5, 16, 37, 48):
+        blocks = make_blocks(qtype, n, 2 * block, seed=n)
+        packed = blocks.clone()
+        qv.pack_blocks(packed, qtype, 2 * block)
+        ids = torch.cat([torch.arange(n).flip(0), torch.tensor([0, n - 1, 0])])
+        assert torch.equal(qv.packed_rows(packed, qtype, 2 * block, ids), blocks[ids])
+        assert torch.equal(qv.packed_rows(packed, qtype, 2 * block, ids.reshape(-1, 1)),
+                           blocks[ids])
+        assert qv.packed_rows(packed, qtype, 2 * block, ids[:0]).shape == (0, row_bytes)
+        for bad in (n, -1):
+            with pytest.raises(IndexError, match=f"row {bad} is outside the {n} rows"):
+                qv.packed_rows(packed, qtype, 2 * block, torch.tensor([0, bad]))
+
+
+@needs_packed
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: ql.SUPPORTED[q])
+def test_tied_head_repacks_and_the_embedding_reads_the_same_rows(qtype):
+    """A 40-row table (two groups of 16 and a tail of 8) tied to its head: the head
+    repacks the one copy at its first bf16 call and multiplies as the stored head does;
+    the lookup's rows are the stored table's before, while and after it is repacked (an
+    fp32 product unpacks it for good)."""
+    block = ql.BLOCK_SIZES[qtype][0]
+    vocab, dim = 40, 2 * block
+    blocks = make_blocks(qtype, vocab, dim, seed=2)
+    stored = GGUFEmbedding(blocks.clone(), qtype, dim, torch.bfloat16)
+    stored_head = GGUFHead.from_blocks(Linear(), blocks.clone(), qtype, dim)
+    embedding = GGUFEmbedding(blocks.clone(), qtype, dim, torch.bfloat16)
+    head = embedding.tied_head(Linear())
+    assert head.blocks.data_ptr() == embedding.blocks.data_ptr() and head.may_repack
+    ids = torch.tensor([[0, 17, 39], [15, 16, 32]])
+    assert torch.equal(embedding(ids), stored(ids))
+    x = bf16_rows(16, dim, seed=1)
+    assert torch.equal(head(x), stored_head(x)) and head.packed
+    assert not torch.equal(embedding.blocks, blocks)  # repacked in place: one copy
+    for rows in (ids, torch.arange(vocab), torch.tensor([38]), ids[:0]):
+        got = embedding(rows)
+        assert torch.equal(got, stored(rows)) and got.shape == (*rows.shape, dim)
+    assert torch.equal(head.argmax(x), stored_head.argmax(x))
+    with pytest.raises(IndexError, match="token id 40 is outside the embedding's 40 rows"):
+        embedding(torch.tensor([3, 40]))
+    assert torch.equal(head(x.float()), stored_head(x.float()))
+    assert not head.packed and torch.equal(embedding.blocks, blocks)
+    assert torch.equal(embedding(ids), stored(ids))
+
+
+@pytest.fixture(scope="module")
+def avx2_build(tmp_path_factory):
+    """quant_vnni.c built for an AVX2 CPU, where this CPU runs it"""
+    if not {"avx2", "fma", "f16c"} <= set(native._cpu_flags().split()):
+        pytest.skip("this CPU cannot run an AVX2 build")
+    return build_for_other_cpu("quant_vnni.c", OTHER_CPU_BUILDS[1][0],
+                               tmp_path_factory.mktemp("avx2"),
+                               ("quant_gguf_q8_bf16", "quant_gguf_q8_packed_bf16",
+                                "quant_gguf_q8_packed_rows"))
+
+
+@pytest.mark.parametrize("qtype", [ql.Q4_1, ql.Q8_0, ql.Q5_K], ids=lambda q: ql.SUPPORTED[q])
+def test_avx2_build_across_tiles_and_its_rows(qtype, avx2_build):
+    """The AVX2 build: wide rows in calls of several tiles, each row's bits its own, stored
+    and repacked alike (and this machine's build's where it has the int8 product); its
+    lookup of repacked rows gives the stored rows."""
+    n, k = 37, 8192
+    blocks = make_blocks(qtype, n, k, seed=3)
+    packed = blocks.clone()
+    qv.pack_blocks(packed, qtype, k)
+    x = bf16_rows(90, k, seed=5)
+
+    def call(w, rows, threads, is_packed):
+        out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
+        fn = avx2_build.quant_gguf_q8_packed_bf16 if is_packed else avx2_build.quant_gguf_q8_bf16
+        assert fn(qtype, rows.data_ptr(), rows.shape[0], rows.stride(0), w.data_ptr(), n, k,
+                  out.data_ptr(), n, threads) == 0
+        return out
+
+    alone = torch.cat([call(blocks, x[r:r + 1], 1, False) for r in range(0, 90, 11)])
+    for threads in (1, 2):
+        for w, is_packed in ((blocks, False), (packed, True)):
+            assert torch.equal(call(w, x, threads, is_packed)[::11], alone)
+    if qv.q8_available(qtype):
+        assert torch.equal(alone, product(x[::11], blocks, qtype, n, k, 1, packed=False))
+    ids = torch.tensor([36, 0, 17, 31, 32, 5])
+    rows = torch.empty(6, blocks.shape[1], dtype=torch.uint8)
+    assert avx2_build.quant_gguf_q8_packed_rows(qtype, packed.data_ptr(), n, k, ids.data_ptr(),
+                                                6, rows.data_ptr()) == 0
+    assert torch.equal(rows, blocks[ids])
 
 
 def test_repacking_refuses_bad_blocks():
@@ -156,24 +275,29 @@ def test_reference_mode_unpacks(monkeypatch):
 
 
 @needs_packed
-def test_engine_generates_the_same_tokens_repacked(tmp_path, monkeypatch):
-    """bf16, blocks kept: every resident linear repacked (the same bytes resident), the
-    same tokens as the same run with repacking off."""
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_engine_generates_the_same_tokens_repacked(tmp_path, monkeypatch, tied):
+    """bf16, blocks kept: every resident linear repacked, the head too (tied: the table
+    the embedding looks its rows up in; the same bytes resident), the same tokens as the
+    same run with repacking off."""
     hf_dir = make_hf_checkpoint(tmp_path / "hf", "llama", "bpe", seed=3, num_hidden_layers=2,
                                 hidden_size=128, intermediate_size=256,
-                                max_position_embeddings=128)
+                                max_position_embeddings=128, tie_word_embeddings=tied)
     path = write_gguf(hf_dir, tmp_path / "tiny.gguf", qtype=Q.Q4_1)
     prompts = ["Hello", "The quick brown fox jumps over the lazy dog.", "1 2 3 4 5"]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     options = dict(dtype="bfloat16", max_model_len=64, num_kv_blocks=32, max_num_seqs=4,
                    quantization="gguf")
     tokens, runner, report, _ = generate_tokens(path, prompts, params, **options)
-    # the decoder layers' linears (the head shares its blocks with the embedding's rows)
-    linears = [m for m in runner.model.modules() if type(m) is GGUFLinear]
+    model = runner.model
+    linears = [m for m in model.modules() if type(m) is GGUFLinear]  # the decoder layers'
     assert len(linears) == 8 and all(m.packed for m in linears)
+    assert type(model.lm_head) is GGUFHead and model.lm_head.packed
+    assert (model.lm_head.blocks.data_ptr() == model.embed_blocks.blocks.data_ptr()) == tied
     monkeypatch.setattr(quantized, "q8_packed_available", lambda qtype: False)
     tokens_stored, runner_stored, report_stored, _ = generate_tokens(path, prompts, params,
                                                                      **options)
-    assert not any(m.packed for m in runner_stored.model.modules() if type(m) is GGUFLinear)
+    assert not any(m.packed for m in runner_stored.model.modules()
+                   if isinstance(m, GGUFLinear))
     assert tokens == tokens_stored
     assert report["device"]["weights"] == report_stored["device"]["weights"]

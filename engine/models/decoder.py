@@ -235,12 +235,13 @@ class CausalLM(nn.Module):
             self.embed_blocks = qf.GGUFEmbedding(blocks, embed.params[0], h, dtype)
             kept.add("embed")
             if self.cfg.tie_word_embeddings:
-                self.lm_head = qf.GGUFHead.from_blocks(self.lm_head, blocks, embed.params[0], h)
+                self.lm_head = self.embed_blocks.tied_head(self.lm_head)
         head = sources.get("lm_head.weight")
         head = None if head is None else qf.fixed_blocks(head[0], device, dtype)
         if head is not None and not self.cfg.tie_word_embeddings:
             self.lm_head = qf.GGUFHead.from_blocks(self.lm_head, fuse_blocks([head], device),
                                                    head.params[0], h)
+            self.lm_head.may_repack = True  # resident, its own blocks (GGUFLinear)
             kept.add("lm_head.weight")
         return kept
 

@@ -200,8 +200,9 @@ class GGUFLinear(CompressedLinear):
     its first bf16 call (`packed` True): groups of 16 rows interleaved as the kernel's
     registers take them, the same bytes, so no call transposes or gathers them again. A
     later call that another kernel serves (fp32 x, FUSEGEN_KERNELS set) unpacks them in
-    place for good. Streamed layers' staging slots refill every step: kept as stored.
-    (The tied head shares its blocks with the embedding's row lookups: kept as stored.)"""
+    place for good. Streamed layers' staging slots refill every step: kept as stored. The
+    tied head repacks the table it shares with the embedding, whose lookups then read the
+    repacked rows (weights/quantized_fixed.py's GGUFEmbedding.tied_head)."""
     components = ("blocks",)
     format = "gguf"
     packed = False

@@ -9,7 +9,9 @@ blocks:
 - `GGUFEmbedding`: the lookup expands only the looked-up rows ([T, h] in the run's
   dtype, each value as the table dequantized to that dtype holds it).
 - `GGUFHead`: the head's product through kernels/quant_linear.py (a `GGUFLinear`), its
-  greedy argmax taken from that product; tied to the embedding it shares its blocks.
+  greedy argmax taken from that product; tied to the embedding it shares its blocks
+  (`GGUFEmbedding.tied_head`), which it repacks for its int8 product like any resident
+  GGUFLinear, and the lookup then reads its rows from the repacked layout.
 
 Kept on CPUs only (the kernel's device), in a dtype the kernel takes, for a model whose
 lookup and head are its own (a tensor-parallel rank's vocabulary slices stay dense).
@@ -22,6 +24,7 @@ from fusegen.engine.weights.quantized import GGUFLinear
 from fusegen.kernels import use_native
 from fusegen.kernels.quant_linear import (check, dequantize_native, dequantize_rows,
                                           has_kernel)
+from fusegen.kernels.quant_vnni import packed_rows
 
 
 def fixed_blocks(source: torch.Tensor, device, dtype: torch.dtype):
@@ -41,6 +44,15 @@ class GGUFEmbedding:
     def __init__(self, blocks: torch.Tensor, qtype: int, dim: int, dtype: torch.dtype):
         check(blocks, qtype, blocks.shape[0], dim)
         self.blocks, self.qtype, self.dim, self.dtype = blocks, int(qtype), dim, dtype
+        self.head = None  # the GGUFHead tied to the table (tied_head), which may repack it
+
+    def tied_head(self, linear) -> "GGUFHead":
+        """The LM head tied to this table, `linear` (the model's `Linear`) as a GGUFHead
+        over the same blocks: resident, so it repacks them in place at its first bf16 call
+        (GGUFLinear); lookups then gather their rows from the repacked layout."""
+        self.head = GGUFHead.from_blocks(linear, self.blocks, self.qtype, self.dim)
+        self.head.may_repack = True
+        return self.head
 
     @property
     def num_embeddings(self) -> int:
@@ -52,7 +64,10 @@ class GGUFEmbedding:
             bad = input_ids[(input_ids < 0) | (input_ids >= self.num_embeddings)][0]
             raise IndexError(f"token id {int(bad)} is outside the embedding's "
                              f"{self.num_embeddings} rows")
-        rows = self.blocks.index_select(0, input_ids.reshape(-1))  # [T, row_bytes]
+        if self.head is not None and self.head.packed:  # [T, row_bytes] as stored
+            rows = packed_rows(self.blocks, self.qtype, self.dim, input_ids)
+        else:
+            rows = self.blocks.index_select(0, input_ids.reshape(-1))
         if use_native(rows):
             values = dequantize_native(rows, self.qtype, self.dim)  # [T, h] fp32
         else:

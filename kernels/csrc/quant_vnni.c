@@ -28,11 +28,12 @@
  * AVX2). A call of up to RMAX rows expands each block in registers as it comes; a larger
  * call expands a chunk's blocks once into a per-thread scratch and runs RMAX rows of x at
  * a time over it. Repacked blocks (quant_gguf_q8_packed_bf16) are loaded as they lie,
- * every RMAX rows with no scratch where REPACKED_DIRECT (AVX-512). The next chunk's
- * bytes, which follow this chunk's in memory, are prefetched in order. An element's value
- * depends on its row of x and its weight row only: the same
- * operations in the same order whatever the row count, the row's place, the thread
- * count, the path or which R-variant ran it (batch-invariant).
+ * every RDIRECT rows with no scratch where REPACKED_DIRECT (AVX-512). The next chunk's
+ * bytes, which follow this chunk's in memory, are prefetched in order. A call of many
+ * rows runs them a tile at a time (TILE_BYTES of x's codes, kept in L2 while every chunk
+ * reads them). An element's value depends on its row of x and its weight row only: the
+ * same operations in the same order whatever the row count, the row's place, the tile,
+ * the thread count, the path or which R-variant ran it (batch-invariant).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -44,6 +45,19 @@
 #include "vnni.h"
 
 #define GROUP 16 /* rows a repacked group: quant_gguf_q8_packed_bf16's */
+
+/* Rows of x a pass over repacked blocks expanded in registers takes on AVX-512 (32 zmm):
+ * 8 for the 4- and 5-bit types of 32-value blocks (their codes, scale and minimum fit
+ * beside 8 accumulators, and each expansion serves twice the rows), RMAX for Q8_0 (its
+ * 8-bit codes stream from memory, the head's: measured slower at 8) and the K-quants
+ * (two or four units a step). AVX2 builds (16 ymm) go through the scratch past RMAX. */
+#if HAS_VNNI
+#define RDIRECT_MAX 8
+#else
+#define RDIRECT_MAX RMAX
+#endif
+#define RDIRECT(QT) \
+    ((QT) == Q4_0 || (QT) == Q4_1 || (QT) == Q5_0 || (QT) == Q5_1 ? RDIRECT_MAX : RMAX)
 
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
@@ -297,7 +311,7 @@ micro_direct(const int QT, const int RP, const int R, const xq_t *xq, int64_t r0
              const uint8_t *const col0[NC], const uint8_t *sb0, int half, vi vindex,
              int64_t nb, int bytes, uint16_t *out, int64_t ldo, int ncols) {
     const int US = UNITS(QT);
-    vf acc[RMAX];
+    vf acc[RDIRECT_MAX];
     for (int r = 0; r < R; r++) acc[r] = vf_zero();
     /* the next chunk's rows follow this chunk's in memory (NC * nb * bytes of them): a
      * block's worth of them prefetched a block */
@@ -328,17 +342,20 @@ micro_units(const int QT, const int R, const xq_t *xq, int64_t r0, const unit_t 
     for (int r = 0; r < R; r++) store_row(out + r * ldo, acc[r], ncols);
 }
 
-/* every row of x against one chunk of NC columns: up to RMAX rows (and repacked blocks
- * where REPACKED_DIRECT) straight from the blocks, more through the chunk's units
- * expanded once into `units` (RP: the chunk is part `half` of the repacked group at sb0) */
+/* rows [begin, rows) of x against one chunk of NC columns: up to RMAX rows (and
+ * repacked blocks where REPACKED_DIRECT) straight from the blocks, more through the
+ * chunk's units expanded once into `units` (RP: the chunk is part `half` of the repacked
+ * group at sb0) */
 static inline __attribute__((always_inline)) void
-chunk_rows(const int QT, const int RP, const xq_t *xq, int64_t rows, const uint8_t *const col[NC],
-           const uint8_t *sb0, int half, vi vindex, int64_t nb, int bytes, unit_t *units,
-           uint16_t *out, int64_t ldo, int ncols) {
-    int64_t r0 = 0;
-    if (rows <= RMAX || (RP && REPACKED_DIRECT)) {
+chunk_rows(const int QT, const int RP, const xq_t *xq, int64_t begin, int64_t rows,
+           const uint8_t *const col[NC], const uint8_t *sb0, int half, vi vindex, int64_t nb,
+           int bytes, unit_t *units, uint16_t *out, int64_t ldo, int ncols) {
+    int64_t r0 = begin; /* rows [begin, rows) of x */
+    if (rows - begin <= RMAX || (RP && REPACKED_DIRECT)) {
 #define DIRECT(R) \
     micro_direct(QT, RP, R, xq, r0, col, sb0, half, vindex, nb, bytes, out + r0 * ldo, ldo, ncols)
+        if (RP && RDIRECT(QT) > RMAX)
+            for (; r0 + RDIRECT(QT) <= rows; r0 += RDIRECT(QT)) DIRECT(RDIRECT(QT));
         for (; r0 + RMAX <= rows; r0 += RMAX) DIRECT(RMAX);
         RMAX_CASES(rows - r0, DIRECT)
 #undef DIRECT
@@ -362,42 +379,62 @@ chunk_rows(const int QT, const int RP, const xq_t *xq, int64_t rows, const uint8
 #undef UNITS_
 }
 
+/* x's codes a tile of rows holds at most: every chunk runs over a tile's rows while they
+ * stay in L2 (a prefill's 2,048 rows of 1,536 codes are 3 MiB: read again from L3 for
+ * each chunk otherwise) */
+#define TILE_BYTES (192 * 1024)
+
+/* rows of x a tile: a multiple of RDIRECT_MAX, all of them for a decode-sized call */
+static int64_t row_tile(int64_t rows, int64_t k) {
+    int64_t tile = TILE_BYTES / k / RDIRECT_MAX * RDIRECT_MAX;
+    if (tile < RDIRECT_MAX) tile = RDIRECT_MAX;
+    return rows < tile ? rows : tile;
+}
+
 /* packed: w's whole groups of GROUP rows repacked (quant_gguf_q8_packed_bf16), GROUP / NC
- * chunks a group */
+ * chunks a group. Each thread takes the same chunks in every tile of rows (a static
+ * schedule over the same count), so no tile waits for another. */
 static int all_chunks(int qtype, int packed, const xq_t *xq, int64_t rows, const uint8_t *w,
                       int64_t n, int64_t nb, int bytes, uint16_t *out, int64_t ldo) {
     const int64_t row_bytes = nb * bytes, chunks = (n + NC - 1) / NC;
-    /* a thread's units of one chunk, for calls of more than RMAX rows */
-    unit_t *units = rows > RMAX ? aligned_alloc(64, (size_t)(xq->k / 32) * sizeof(unit_t)) : 0;
-    const int failed = rows > RMAX && !units; /* still takes part in the omp for */
-    _Pragma("omp for schedule(static) nowait") /* the parallel region's end waits */
-    for (int64_t ch = 0; ch < chunks; ch++) {
-        if (failed) continue;
-        const int64_t first = ch * NC;
-        const int ncols = n - first < NC ? (int)(n - first) : NC;
-        const uint8_t *col[NC];
-        int32_t offsets[NC];
-        for (int c = 0; c < NC; c++) { /* a last chunk's missing columns repeat its last one */
-            offsets[c] = (int32_t)((c < ncols ? c : ncols - 1) * row_bytes);
-            col[c] = w + first * row_bytes + offsets[c];
-        }
-        const vi vindex = vi_load(offsets);
-        uint16_t *o = out + first;
-        /* a last partial group stays as stored */
-        const int64_t group = first / GROUP * GROUP;
-        const int rp = packed && group + GROUP <= n, half = (int)(first - group) / NC;
-        const uint8_t *sb0 = w + group * row_bytes;
-        switch (qtype * 2 + rp) {
-#define TYPE(Q)                                                                              \
-    case 2 * Q:                                                                              \
-        chunk_rows(Q, 0, xq, rows, col, sb0, half, vindex, nb, bytes, units, o, ldo, ncols); \
-        break;                                                                               \
-    case 2 * Q + 1:                                                                          \
-        chunk_rows(Q, 1, xq, rows, col, sb0, half, vindex, nb, bytes, units, o, ldo, ncols); \
+    const int64_t tile = row_tile(rows, xq->k);
+    /* a thread's units of one chunk, for tiles of more than RMAX rows */
+    unit_t *units = tile > RMAX ? aligned_alloc(64, (size_t)(xq->k / 32) * sizeof(unit_t)) : 0;
+    const int failed = tile > RMAX && !units; /* still takes part in the omp for */
+    for (int64_t t0 = 0; t0 < rows; t0 += tile) {
+        const int64_t t1 = rows - t0 < tile ? rows : t0 + tile;
+        _Pragma("omp for schedule(static) nowait") /* the parallel region's end waits */
+        for (int64_t ch = 0; ch < chunks; ch++) {
+            if (failed) continue;
+            const int64_t first = ch * NC;
+            const int ncols = n - first < NC ? (int)(n - first) : NC;
+            const uint8_t *col[NC];
+            int32_t offsets[NC];
+            for (int c = 0; c < NC; c++) { /* a last chunk's missing columns: its last */
+                offsets[c] = (int32_t)((c < ncols ? c : ncols - 1) * row_bytes);
+                col[c] = w + first * row_bytes + offsets[c];
+            }
+            const vi vindex = vi_load(offsets);
+            uint16_t *o = out + first;
+            /* a last partial group stays as stored */
+            const int64_t group = first / GROUP * GROUP;
+            const int rp = packed && group + GROUP <= n, half = (int)(first - group) / NC;
+            const uint8_t *sb0 = w + group * row_bytes;
+            switch (qtype * 2 + rp) {
+#define TYPE(Q)                                                                          \
+    case 2 * Q:                                                                          \
+        chunk_rows(Q, 0, xq, t0, t1, col, sb0, half, vindex, nb, bytes, units, o, ldo,   \
+                   ncols);                                                               \
+        break;                                                                           \
+    case 2 * Q + 1:                                                                      \
+        chunk_rows(Q, 1, xq, t0, t1, col, sb0, half, vindex, nb, bytes, units, o, ldo,   \
+                   ncols);                                                               \
         break;
-        TYPE(Q4_0) TYPE(Q4_1) TYPE(Q5_0) TYPE(Q5_1) TYPE(Q8_0) TYPE(Q4_K) TYPE(Q5_K) TYPE(Q6_K)
+            TYPE(Q4_0) TYPE(Q4_1) TYPE(Q5_0) TYPE(Q5_1) TYPE(Q8_0) TYPE(Q4_K) TYPE(Q5_K)
+            TYPE(Q6_K)
 #undef TYPE
-        default: break;
+            default: break;
+            }
         }
     }
     free(units);
@@ -490,6 +527,46 @@ int quant_gguf_q8_repack(int qtype, uint8_t *w, int64_t rows, int64_t k, int unp
         }
     }
     free(scratch);
+    return 0;
+}
+
+/* Rows `ids` (count of them) of w [n, k / block * bytes], its whole groups of GROUP rows
+ * repacked (quant_gguf_q8_repack's layout), as stored: out [count, k / block * bytes]. A
+ * row of a repacked group is gathered field by field from its lane of each block's
+ * interleaved fields; a row of the last partial group is copied. An embedding table
+ * repacked for the head it is tied to is looked up this way. -1 for an unknown type, k
+ * not whole blocks or an id outside [0, n). */
+int quant_gguf_q8_packed_rows(int qtype, const uint8_t *w, int64_t n, int64_t k,
+                              const int64_t *ids, int64_t count, uint8_t *out) {
+    int bytes;
+    const int block = block_shape(qtype, &bytes);
+    if (!block || k % block || n < 0 || count < 0) return -1;
+    for (int64_t j = 0; j < count; j++)
+        if (ids[j] < 0 || ids[j] >= n) return -1;
+    const int64_t nb = k / block, row_bytes = nb * bytes, whole = n / GROUP * GROUP;
+    for (int64_t j = 0; j < count; j++) {
+        const int64_t id = ids[j];
+        uint8_t *row = out + j * row_bytes;
+        if (id >= whole) {
+            memcpy(row, w + id * row_bytes, (size_t)row_bytes);
+            continue;
+        }
+        const uint8_t *group = w + id / GROUP * GROUP * row_bytes;
+        const int c = (int)(id % GROUP);
+        for (int64_t i = 0; i < nb; i++) {
+            const uint8_t *packed = group + i * GROUP * bytes;
+            uint8_t *stored = row + i * bytes;
+            for (int f = 0; FIELDS[qtype][f][1]; f++) {
+                const int off = FIELDS[qtype][f][0], len = FIELDS[qtype][f][1];
+                const int width = FIELDS[qtype][f][2];
+                for (int word = 0; word < len / width; word++) {
+                    const uint8_t *from = packed + GROUP * off + (word * GROUP + c) * width;
+                    if (width == 4) memcpy(stored + off + word * width, from, 4);
+                    else memcpy(stored + off + word * width, from, 2);
+                }
+            }
+        }
+    }
     return 0;
 }
 
