@@ -22,11 +22,15 @@ halves so the counts are 32-bit popcounts (the GPU's POPC; SWAR under the interp
 Values widen to fp32 (int8 codes times the tile's scale), round to x's dtype (fp32 stays
 fp32 and multiplies in IEEE fp32, not TF32) and tl.dot accumulates in fp32. The format
 keeps bits past the matrix's edge 0, so the weight needs no edge masks; x's columns do.
+A tile's loads wait on one another (words, then values), and Triton's pipeliner leaves
+gathered loads alone, so the loop loads the next tile's words, offset, scale and x
+itself while this tile is expanded and multiplied (PREFETCH).
 
 Split-K: a decode step has one block of rows, and a layer of 4096 outputs has only 64
 row-tiles, fewer than a GPU has SMs; so the column-tiles are cut into `splits` runs whose
 fp32 partial sums a second small kernel adds in ascending order. `splits` follows from
-the weight's shape and the device's SM count, never from M.
+the weight's shape and the device's SM count (and, without `batch_invariant`, the
+call's row blocks).
 
 Batch invariance (as kernels/triton_quant.py): an output element is the sum over its
 splits, in order, of the sum over their tiles, in order, of each tile's dot; with
@@ -49,7 +53,7 @@ import os
 import torch
 
 from fusegen.kernels import _triton_available
-from fusegen.kernels.sparse_format import TILE_IN, TILE_OUT, SparseTiles
+from fusegen.kernels.sparse_format import SparseTiles
 
 try:
     import triton
@@ -72,7 +76,7 @@ def has_triton_sparse(device: str | torch.device = "cuda") -> bool:
     device a CUDA GPU (or any device under TRITON_INTERPRET=1, the tests' interpreter)."""
     if not _triton_available():
         return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if _interpreted():
         return True
     return torch.device(device).type == "cuda" and torch.cuda.is_available()
 
