@@ -64,10 +64,10 @@ class DiskPart:
 @dataclass(frozen=True, slots=True)
 class PeerPart:
     """A part held in another rank's memory (a device group's peer tier,
-    engine/parallel/peer.py): `fill(target)` receives it straight into the staging
-    slot, `shape` known without fetching."""
+    engine/parallel/peer.py): `fill(target)` starts receiving it straight into the
+    staging slot and returns the wait for it; `shape` known without fetching."""
     shape: tuple[int, ...]
-    fill: object  # (target: torch.Tensor) -> None
+    fill: object  # (target: torch.Tensor) -> (() -> None)
 
 
 def slot_layout(streams: dict[str, Stream]) -> dict[str, tuple[int, Stream]]:
@@ -166,17 +166,20 @@ class WeightStreamer:
         return None
 
     def _copy(self, layer: int, target: dict[str, torch.Tensor]) -> None:
+        receiving = []  # a peer layer's parts: all asked for, then waited on
         for name, stream in self.sources[layer].items():
             offset = 0
             for part in stream.parts:
                 rows = part.shape[0]
                 if isinstance(part, PeerPart):
-                    part.fill(target[name][offset:offset + rows])
+                    receiving.append(part.fill(target[name][offset:offset + rows]))
                     offset += rows
                     continue
                 source = part.read() if isinstance(part, DiskPart) else part
                 target[name][offset:offset + rows].copy_(source, non_blocking=self.is_cuda)
                 offset += rows
+        for wait in receiving:
+            wait()
         self.bytes_copied += self.layer_bytes[layer]
         self.num_loads += 1
         self.layer_loads[layer] += 1

@@ -101,9 +101,10 @@ class PeerChannel:
     def held_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for ts in self.held.values() for t in ts)
 
-    def fetch(self, layer: int, index: int, target: torch.Tensor) -> None:
-        """Fill `target` (contiguous) with tensor `index` of this rank's `layer` from its
-        holder: a request, then a receive straight into the staging slot."""
+    def fetch(self, layer: int, index: int, target: torch.Tensor):
+        """Start filling `target` (contiguous) with tensor `index` of this rank's `layer`
+        from its holder: a request, and a receive straight into the staging slot. Returns
+        the wait for it, so a layer's tensors are all asked for before any is waited on."""
         holder = self.holders[layer]
         self._tag = self._tag % (1 << 30) + 1
         tag = self._tag + 1  # never REQUEST_TAG
@@ -111,6 +112,9 @@ class PeerChannel:
         sending = dist.isend(request, holder, group=self.group, tag=REQUEST_TAG)
         receiving = dist.irecv(target.view(torch.uint8).view(-1), holder, group=self.group,
                                tag=tag)
+        return lambda: self._finish(sending, receiving, target)
+
+    def _finish(self, sending, receiving, target: torch.Tensor) -> None:
         sending.wait()
         receiving.wait()
         self.bytes_fetched += target.numel() * target.element_size()
