@@ -204,6 +204,21 @@ def test_sparse_linear_dispatches_cuda_x_to_triton(monkeypatch):
 
 # -- the engine through the kernel ---------------------------------------------------
 
+def test_sparse_weights_stay_tiles_where_a_kernel_takes_them(monkeypatch):
+    from fusegen.engine.weights import quantized
+    from fusegen.engine.weights.sparse import sparse_entry
+
+    part = sparse_entry((96, 96), "bfloat16", "o.weight", 10, dict).compressed
+    keeps = lambda device: quantized.can_keep("o.weight", [part], device)  # noqa: E731
+    monkeypatch.delenv("FUSEGEN_KERNELS", raising=False)
+    assert keeps("cpu") and keeps("cuda") and keeps("cuda:1") and not keeps("mps")
+    monkeypatch.setenv("FUSEGEN_KERNELS", "reference")  # the torch path reads CPU tiles
+    assert keeps("cpu") and not keeps("cuda")
+    monkeypatch.delenv("FUSEGEN_KERNELS")
+    monkeypatch.setattr(quantized, "_triton_available", lambda: False)
+    assert keeps("cpu") and not keeps("cuda")
+
+
 PROMPTS = [[5, 9, 100, 7, 42, 17, 3], [300], list(range(30, 52))]
 _SOURCES: dict = {}
 
