@@ -44,7 +44,9 @@ def sparse_linear(x: torch.Tensor, tiles: SparseTiles) -> torch.Tensor:
         from fusegen.kernels import triton_sparse  # imports Triton: only where it runs
 
         if triton_sparse.has_triton_sparse(x.device):
-            return triton_sparse.sparse_linear_triton(x, tiles)
+            # prefill-sized calls may expand the weight once for cuBLAS; the engine's
+            # deterministic mode calls in fixed row tiles (weights/linear.py's row_tiled)
+            return triton_sparse.sparse_linear_triton(x, tiles, batch_invariant=False)
     if x.shape[0] and x.dtype in _NATIVE and use_native(x) and has_kernel():
         out = _sparse_linear_native(x, tiles)
         if out is not None:

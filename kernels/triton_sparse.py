@@ -43,7 +43,9 @@ deterministic mode multiplies fixed row tiles (weights/linear.py's `row_tiled`) 
 
 Prefill: every row block expands the tiles it multiplies again, so expansion costs grow
 with M / BLOCK_M; the kernel pays most at decode shapes (M up to a few hundred), where
-the bytes read dominate.
+the bytes read dominate. Without `batch_invariant`, calls of _DENSE_FROM_ROWS rows or
+more expand the weight once instead, a band of output rows at a time (`_expand_kernel`,
+the same expansion), and multiply each band by torch (cuBLAS).
 """
 from __future__ import annotations
 
@@ -66,6 +68,12 @@ except ImportError:  # no Triton on this platform: the torch reference still ser
 _X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _VALUE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.int8)
 _PARTIAL_ROWS = 256      # rows a split call takes at a time (bounds the fp32 partials)
+# Without `batch_invariant`, calls of this many rows or more expand the weight once, a band
+# of output rows at a time, and multiply it by cuBLAS: the kernel would expand every tile
+# again for each 128-row block (an estimate of where that costs more than writing and
+# reading the dense band; --bench's largest M shows both sides of it).
+_DENSE_FROM_ROWS = 512
+_DENSE_BAND_ROWS = 2048  # output rows expanded at a time on that path
 _SPLIT_MIN_TILES = 4     # column-tiles a split covers at least (256 input channels)
 _PROGRAMS_PER_SM = 4     # programs split-K aims at per SM
 _INTERPRETER_SMS = 132   # the SM count splits assume under the interpreter (an H100's)
@@ -105,7 +113,9 @@ def _config(num_rows: int, tiles: SparseTiles, batch_invariant: bool, num_sms: i
     every M when `batch_invariant`), else 128; eight warps (a 64 x 64 tile's expansion
     is 16 elements a thread); the loop's own prefetch (Triton's pipeliner leaves its
     gathered loads alone: one stage). Split-K by `_splits`: for one row block when
-    `batch_invariant` (the same for every M), else for the call's row blocks."""
+    `batch_invariant` (the same for every M), else for the call's row blocks. `dense`:
+    the weight expanded in bands and multiplied by torch (large calls without
+    `batch_invariant`)."""
     if num_rows <= 16:
         block_m = 16
     elif num_rows <= 64 or batch_invariant:
@@ -115,7 +125,7 @@ def _config(num_rows: int, tiles: SparseTiles, batch_invariant: bool, num_sms: i
     row_blocks = 1 if batch_invariant else -(-num_rows // block_m)
     splits = _splits(tiles.num_row_tiles, tiles.num_col_tiles, num_sms, row_blocks)
     return {"BLOCK_M": block_m, "splits": splits, "PREFETCH": True, "num_warps": 8,
-            "num_stages": 1}
+            "num_stages": 1, "dense": not batch_invariant and num_rows >= _DENSE_FROM_ROWS}
 
 
 @triton.jit
@@ -235,6 +245,46 @@ def _sum_splits_kernel(part_ptr, out_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _expand_kernel(words_ptr, offsets_ptr, values_ptr, scales_ptr, out_ptr, N, K, col_tiles,
+                   first_row_tile, stride_o, HAS_SCALES: tl.constexpr, HW_POPC: tl.constexpr):
+    """One tile expanded into a dense band of W (out [band rows, K], rows from
+    first_row_tile * 64) in out's dtype: program (row-tile in the band, column-tile)."""
+    band_tile = tl.program_id(0)
+    ti = tl.program_id(1)
+    t = (first_row_tile + band_tile).to(tl.int64) * col_tiles + ti
+    word, offset, scale = _tile_head(words_ptr, offsets_ptr, scales_ptr, t, ti < col_tiles,
+                                     HAS_SCALES)
+    w = _gather_tile(values_ptr, word, offset, HW_POPC).to(tl.float32)     # [c, j]
+    if HAS_SCALES:
+        w = w * scale
+    j = tl.arange(0, 64)
+    ch = ti * 64 + tl.arange(0, 64)
+    rows = band_tile * 64 + j
+    mask = ((first_row_tile * 64 + rows)[:, None] < N) & (ch[None, :] < K)
+    out = out_ptr + rows[:, None].to(tl.int64) * stride_o + ch[None, :]
+    tl.store(out, tl.trans(w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _dense_bands(x: torch.Tensor, tiles: SparseTiles, out: torch.Tensor,
+                 band_rows: int) -> None:
+    """out = x @ W.T with W expanded `band_rows` (a multiple of 64) output rows at a time
+    (in x's dtype, as the kernel rounds it) and multiplied by torch (cuBLAS on GPUs)."""
+    band_tiles = max(1, band_rows // 64)
+    values = tiles.values.contiguous()
+    scales = tiles.scales.contiguous() if tiles.scales is not None else values
+    for first in range(0, tiles.num_row_tiles, band_tiles):
+        start = 64 * first
+        stop = min(64 * (first + band_tiles), tiles.out_features)
+        band = torch.empty(stop - start, tiles.in_features, dtype=x.dtype, device=x.device)
+        _expand_kernel[(-(-(stop - start) // 64), tiles.num_col_tiles)](
+            tiles.bitmap.contiguous().view(torch.int64), tiles.offsets.contiguous(), values,
+            scales, band, tiles.out_features, tiles.in_features, tiles.num_col_tiles, first,
+            band.stride(0), HAS_SCALES=tiles.scales is not None, HW_POPC=not _interpreted(),
+            num_warps=8)
+        out[:, start:stop] = x @ band.T
+
+
 def _check(x: torch.Tensor, tiles: SparseTiles) -> torch.Tensor:
     if x.dtype not in _X_DTYPES:
         raise ValueError(f"sparse_linear_triton: x is {x.dtype}; the kernel takes "
@@ -263,13 +313,16 @@ def sparse_linear_triton(x: torch.Tensor, tiles: SparseTiles, batch_invariant: b
     """x [M, in] @ W.T -> [M, out] in x.dtype, W as bitmap tiles on x's device (trusted:
     whoever loaded them ran `sparse_format.check`). `config` (tests, the benchmark)
     overrides some of `_config`'s launch parameters: BLOCK_M, splits, PREFETCH,
-    num_warps, num_stages."""
+    num_warps, num_stages, dense (and its band_rows)."""
     x = _check(x, tiles)
     num_rows, out_features = x.shape[0], tiles.out_features
     out = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return out
     cfg = {**_config(num_rows, tiles, batch_invariant, _num_sms(x.device)), **(config or {})}
+    if cfg.pop("dense", False):
+        _dense_bands(x, tiles, out, cfg.pop("band_rows", _DENSE_BAND_ROWS))
+        return out
     splits = max(1, min(int(cfg.pop("splits", 1)), tiles.num_col_tiles))
     per_split = -(-tiles.num_col_tiles // splits)
     splits = -(-tiles.num_col_tiles // per_split)   # no empty run
@@ -304,7 +357,7 @@ def sparse_linear_triton(x: torch.Tensor, tiles: SparseTiles, batch_invariant: b
 # -- the GPU benchmark ---------------------------------------------------------------
 
 BENCH_SHAPES = ((4096, 14336), (14336, 4096))   # W [out, in]: Llama-3-8B's up and down
-BENCH_ROWS = (8, 16, 64, 256)
+BENCH_ROWS = (8, 16, 64, 256, 1024)   # 1024: the dense-band path without batch_invariant
 BENCH_SPARSITY = 0.7
 
 

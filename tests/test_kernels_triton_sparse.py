@@ -121,6 +121,22 @@ def test_split_k_and_row_blocks(values, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("values, x_dtype", [("bfloat16", torch.bfloat16),
+                                             ("int8", torch.float32), ("float16", torch.float16)])
+def test_dense_band_path(values, x_dtype, device):
+    # large calls without batch_invariant: the weight expanded in bands (here 64 output
+    # rows each: three bands, the last cut at the edge; and one band of all 150 rows)
+    # and multiplied by torch
+    w = pruned_weight(150, 200, seed=4)
+    tiles = encode_on(w, values, device)
+    x = make_x(6, 200, x_dtype, device)
+    kernel = triton_on(device, ts.sparse_linear_triton)
+    for band_rows in (64, 2048):
+        got = kernel(x, tiles, config={"dense": True, "band_rows": band_rows})
+        assert_within_tolerance(got, x, tiles)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_zero_rows(device):
     tiles = encode_on(pruned_weight(70, 129), "bfloat16", device)
     got = triton_on(device, ts.sparse_linear_triton)(
@@ -159,8 +175,10 @@ def test_config_splits_follow_the_weight_not_m():
         assert ts._config(m, down, True, 132)["BLOCK_M"] == (16 if m <= 16 else 32)
         assert ts._config(m, down, True, 132)["PREFETCH"] is True
     free = ts._config(256, down, False, 132)
-    assert (free["BLOCK_M"], free["splits"]) == (128, 5)   # 2 row blocks x 64 row-tiles
-    assert ts._config(4096, down, False, 132)["splits"] == 1
+    assert (free["BLOCK_M"], free["splits"], free["dense"]) == (128, 5, False)  # 2 x 64
+    assert ts._config(511, down, False, 132)["dense"] is False
+    assert ts._config(512, down, False, 132)["dense"] is True  # expanded once, cuBLAS
+    assert ts._config(4096, down, True, 132)["dense"] is False
     assert ts._config(1, _shape_only(70, 129), True, 132)["splits"] == 1  # 3 column-tiles
 
 
@@ -196,10 +214,11 @@ def test_sparse_linear_dispatches_cuda_x_to_triton(monkeypatch):
     x = make_x(3, 200, torch.bfloat16, "cuda")
     calls = []
     kernel = ts.sparse_linear_triton
-    monkeypatch.setattr(ts, "sparse_linear_triton", lambda *a: calls.append(1) or kernel(*a))
+    monkeypatch.setattr(ts, "sparse_linear_triton",
+                        lambda *a, **k: calls.append(k) or kernel(*a, **k))
     got = sparse_linear(x[None], tiles)     # [1, 3, in]: rows through the same dispatch
-    assert calls == [1] and got.shape == (1, 3, 130)
-    assert torch.equal(got[0], kernel(x, tiles))
+    assert calls == [{"batch_invariant": False}] and got.shape == (1, 3, 130)
+    assert torch.equal(got[0], kernel(x, tiles, batch_invariant=False))
 
 
 # -- the engine through the kernel ---------------------------------------------------
