@@ -241,7 +241,7 @@ def _sum_splits_kernel(part_ptr, out_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl
     mask = offs < numel
     acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
     for s in tl.static_range(1, SPLITS):
-        acc += tl.load(part_ptr + s * numel + offs, mask=mask, other=0.0)
+        acc += tl.load(part_ptr + numel.to(tl.int64) * s + offs, mask=mask, other=0.0)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
