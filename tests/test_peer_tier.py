@@ -125,6 +125,20 @@ def test_bad_peer_budgets_are_refused():
         "peer_memory may be at most 60.00 MiB: lower peer_memory or device_memory")
 
 
+def test_job_file_and_flags_take_the_peer_budget(tmp_path):
+    from fusegen.jobs.errors import JobError
+    from fusegen.jobs.flags import engine_flags
+    from fusegen.jobs.spec import JobSpec
+
+    where = dict(model=str(tmp_path), input=str(tmp_path / "in"), output=str(tmp_path / "out"))
+    spec = JobSpec(**where, peer_memory="2GiB", pipeline_parallel_size=2)
+    assert spec.engine.peer_memory == "2GiB"
+    with pytest.raises(JobError, match="peer_memory '2GiB' needs a device group"):
+        JobSpec(**where, peer_memory="2GiB")
+    assert any("--peer-memory" in flag(lambda: None).__click_params__[0].opts
+               for flag in engine_flags(("peer_memory",)))
+
+
 # -- the engine: token-exact against one process ---------------------------------------
 
 PROMPTS = [list(range(5, 14)), [20, 21, 22], list(range(30, 70)), [7] * 17]
