@@ -3,11 +3,14 @@
 (sparse_linear.sparse_linear_reference) within the dtype's tolerance over odd shapes,
 tails, 0 and 1 rows, empty and fully dense tiles, every values dtype (int8 with its
 scales) and every x dtype; a row is bit-identical alone and batched; split-K's policy is
-the weight's shape's, not M's; sparse_linear() sends it CUDA x; and the engine through
-it (the interpreter here, the GPU where lent) generates the pruned dense model's tokens."""
+the weight's shape's, not M's; every kernel compiles for sm_90 (the GPU's POPC path the
+interpreter never runs) without spills; sparse_linear() sends it CUDA x; and the engine
+through it (the interpreter here, the GPU where lent) generates the pruned dense model's
+tokens."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -221,6 +224,79 @@ def test_sparse_linear_dispatches_cuda_x_to_triton(monkeypatch):
     got = sparse_linear(x[None], tiles)     # [1, 3, in]: rows through the same dispatch
     assert calls == [{"batch_invariant": False}] and got.shape == (1, 3, 130)
     assert torch.equal(got[0], kernel(x, tiles, batch_invariant=False))
+
+
+# -- compiled for a GPU, without one -------------------------------------------------
+
+_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+          torch.int8: "i8", torch.int64: "i64"}
+
+
+class _CompileInstead:
+    """A kernel's launches handed to `triton.compile` for sm_90 down to a cubin (the
+    interpreter never runs the GPU's POPC path), recording each cubin's stack bytes."""
+
+    def __init__(self, kernel):
+        self.kernel, self.stack_bytes = kernel, []
+
+    def __getitem__(self, grid):
+        return self._compile
+
+    def _compile(self, *args, num_warps=4, num_stages=3, **kwargs):
+        import re
+        import subprocess
+        import tempfile
+
+        from triton import compiler
+        from triton.backends.compiler import GPUTarget
+
+        values = {**dict(zip(self.kernel.arg_names, args)), **kwargs}
+        signature, constexprs, attrs = {}, {}, {}
+        for i, (name, param) in enumerate(zip(self.kernel.arg_names, self.kernel.params)):
+            value = values[name]
+            if param.is_constexpr or (type(value) is int and value == 1):  # the JIT folds 1s
+                signature[name], constexprs[name] = "constexpr", value
+            elif isinstance(value, torch.Tensor):
+                signature[name] = "*" + _TYPES[value.dtype]
+            else:
+                signature[name] = "i32"
+                if value % 16 == 0:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        compiled = compiler.compile(
+            compiler.ASTSource(self.kernel, signature, constexprs, attrs),
+            target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": num_warps, "num_stages": num_stages})
+        tools = os.path.join(os.path.dirname(compiler.__file__), "..", "backends", "nvidia", "bin")
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+            cubin.write(compiled.asm["cubin"])
+            cubin.flush()
+            usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", cubin.name],
+                                   capture_output=True, text=True, check=True).stdout
+        self.stack_bytes += [int(n) for n in re.findall(r"STACK:(\d+)", usage)]
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(
+    os.path.dirname(pytest.importorskip("triton").__file__), "backends", "nvidia", "bin",
+    "ptxas")), reason="Triton's bundled ptxas is missing")
+def test_kernels_compile_for_sm90_without_spills(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the GPU's path: POPC
+    kernels = {name: _CompileInstead(getattr(ts, name)) for name in
+               ("_sparse_tiles_kernel", "_sum_splits_kernel", "_expand_kernel")}
+    for name, recorder in kernels.items():
+        monkeypatch.setattr(ts, name, recorder)
+    down = codec.encode(pruned_weight(256, 1024, seed=6), "bfloat16")
+    int8 = codec.encode(pruned_weight(256, 1024, seed=6), "int8")
+    ts.sparse_linear_triton(torch.zeros(8, 1024, dtype=torch.bfloat16), down)    # split-K
+    ts.sparse_linear_triton(torch.zeros(40, 1024, dtype=torch.bfloat16), down)   # 32 rows
+    ts.sparse_linear_triton(torch.zeros(8, 1024, dtype=torch.float16), int8)
+    ts.sparse_linear_triton(torch.zeros(200, 1024, dtype=torch.bfloat16), down,
+                            batch_invariant=False)                               # 128 rows
+    ts.sparse_linear_triton(torch.zeros(512, 1024, dtype=torch.bfloat16), down,
+                            batch_invariant=False)                               # bands
+    assert kernels["_sparse_tiles_kernel"].stack_bytes == [0, 0, 0, 0]
+    assert kernels["_sum_splits_kernel"].stack_bytes == [0, 0, 0, 0]  # every call split
+    assert kernels["_expand_kernel"].stack_bytes == [0]
+    ts.sparse_linear_triton(torch.zeros(8, 1024), down)   # fp32 x: IEEE fp32 dots compile
 
 
 # -- the engine through the kernel ---------------------------------------------------
