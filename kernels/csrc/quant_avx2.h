@@ -119,6 +119,18 @@ static inline vi dot8(vi acc, vi w, vi s) {
     return dot4(acc, _mm256_abs_epi8(w), _mm256_sign_epi8(s, w));
 }
 
+/* dot4 / dot8 against the dword of x's codes at p in every lane */
+static inline vi dot4_at(vi acc, vi u, const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return dot4(acc, u, _mm256_set1_epi32(v));
+}
+static inline vi dot8_at(vi acc, vi w, const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return dot8(acc, w, _mm256_set1_epi32(v));
+}
+
 /* 8 floats -> bf16, nearest even (as torch rounds), NaN kept quiet */
 static inline __m128i to_bf16x8(__m256 f) {
     const __m256i u = _mm256_castps_si256(f);

@@ -270,9 +270,9 @@ expand(const int QT, const int RP, const int half, const uint8_t *const col[NC],
 #undef WORD
 }
 
-/* acc + 4 products a dword of the weight codes w and x's broadcast codes xb */
-static inline vi dot_codes(const int QT, vi acc, vi w, vi xb) {
-    return QT == Q8_0 ? dot8(acc, w, xb) : dot4(acc, w, xb);
+/* acc + 4 products a dword of the weight codes w and x's codes at p, broadcast */
+static inline vi dot_codes(const int QT, vi acc, vi w, const int8_t *p) {
+    return QT == Q8_0 ? dot8_at(acc, w, p) : dot4_at(acc, w, p);
 }
 
 /* one row's unit against the NC columns: acc += its fp32 terms (the same operations, in
@@ -286,8 +286,8 @@ unit_dot(const int QT, const unit_t *u, const xq_t *xq, int64_t row, int64_t uni
     if (QT == Q6_K) { /* two 16-value halves, each its own scale */
         vi ia = vi_set32(-OFFSET(QT) * sa), ib = vi_set32(-OFFSET(QT) * sb);
         for (int i = 0; i < 4; i++) {
-            ia = dot_codes(QT, ia, u->q[i], bcast32(q + 4 * i));
-            ib = dot_codes(QT, ib, u->q[4 + i], bcast32(q + 16 + 4 * i));
+            ia = dot_codes(QT, ia, u->q[i], q + 4 * i);
+            ib = dot_codes(QT, ib, u->q[4 + i], q + 16 + 4 * i);
         }
         acc = vf_fma(vf_from_i32(ia), vf_mul(u->s, dx), acc);
         return vf_fma(vf_from_i32(ib), vf_mul(u->t, dx), acc);
@@ -296,8 +296,8 @@ unit_dot(const int QT, const unit_t *u, const xq_t *xq, int64_t row, int64_t uni
     vi i0 = OFFSET(QT) ? vi_set32(-OFFSET(QT) * (sa + sb)) : vi_zero();
     vi i1 = vi_zero();
     for (int i = 0; i < 8; i += 2) {
-        i0 = dot_codes(QT, i0, u->q[i], bcast32(q + 4 * i));
-        i1 = dot_codes(QT, i1, u->q[i + 1], bcast32(q + 4 * i + 4));
+        i0 = dot_codes(QT, i0, u->q[i], q + 4 * i);
+        i1 = dot_codes(QT, i1, u->q[i + 1], q + 4 * i + 4);
     }
     acc = vf_fma(vf_from_i32(vi_add32(i0, i1)), vf_mul(u->s, dx), acc);
     if (HAS_MIN(QT)) acc = vf_fma(u->t, vf_set(xq->ds[at]), acc);

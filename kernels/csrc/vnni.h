@@ -149,6 +149,13 @@ static inline vi add16_where(vi q, vi v, vi bit) {
 static inline vi dot4(vi acc, vi u, vi s) { return _mm512_dpbusd_epi32(acc, u, s); }
 /* dot4 with 8-bit weight codes w (unsigned here: CODES8_SIGNED) */
 static inline vi dot8(vi acc, vi w, vi s) { return _mm512_dpbusd_epi32(acc, w, s); }
+/* dot4 against the dword of x's codes at p in every lane: the broadcast folded into
+ * vpdpbusd's memory operand ({1to16}), where the intrinsics give a vpbroadcastd apiece */
+static inline vi dot4_at(vi acc, vi u, const int8_t *p) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*(const int32_t *)p));
+    return acc;
+}
+static inline vi dot8_at(vi acc, vi w, const int8_t *p) { return dot4_at(acc, w, p); }
 
 /* 16 floats -> bf16, nearest even (as torch rounds), NaN kept quiet */
 static inline __m256i to_bf16x16(__m512 f) {
