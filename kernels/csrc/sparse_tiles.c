@@ -98,8 +98,9 @@
 #define STEP_FLOATS 64       /* a step expanded: 64 rows of fp32, or 64 bf16 pairs */
 #define SCRATCH_STEPS 1024   /* expanded steps a thread holds (256 KB, in L2) */
 
-/* the format's value types (sparse_tiles.py passes these) */
+/* the format's value types (sparse_tiles.py passes these), and log2 of their bytes */
 enum { V_BF16 = 0, V_F16 = 1, V_F32 = 2, V_I8 = 3 };
+#define VALUE_SHIFT(VT) ((VT) == V_F32 ? 2 : (VT) == V_I8 ? 0 : 1)
 
 typedef struct {
     const uint64_t *bitmap; /* [tiles, 64] */
@@ -600,6 +601,10 @@ expand_run(const call_t *c, int64_t to, int64_t ti0, int64_t ti1, scratch_t *s, 
             if (!(w0 | w1)) continue;
             float *dst = s->steps + n * STEP_FLOATS;
             const int64_t k = TILE * ti + col;
+            /* the values a few steps on, asked for into L1 while this step is used */
+            const char *ahead = (const char *)c->values + (here << VALUE_SHIFT(VT)) + 1024;
+            _mm_prefetch(ahead, _MM_HINT_T0);
+            _mm_prefetch(ahead + 64, _MM_HINT_T0);
 #if SP_AVX512
             vec_t w[NV];
 #if SP_DP
