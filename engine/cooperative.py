@@ -7,8 +7,8 @@ Per request, with its keys [0, S) on the device (S = device_quota * block_size, 
 of them when it has no host block) and [S, L) in the host pool, and its step's query rows
 at positions L - n .. L - 1:
   - device part: the rows before S see their causal prefix of [0, S) (one segment, as a
-    prefill of min(L, S) keys), each row from S on sees all of [0, S) (a segment of one
-    row and S keys);
+    prefill of min(L, S) keys), the rows from S on all of [0, S) (one segment at their
+    positions of L whose keys end at S);
   - host part: the rows from S on see [S, their position] (one segment of L - S keys,
     reached through the host blocks alone, so positions count from S).
 In deterministic mode every row is a segment of its own (each a decode over its keys):
@@ -43,7 +43,7 @@ def split_step(tables: list[list[int]], seq_lens: list[int], query_start: list[i
                deterministic: bool) -> StepSplit:
     """`tables` hold one id space (split_blocks.py: ids from num_blocks on are host
     blocks); `slots` each new token's slot in it."""
-    dev, host = Segments([], [], [], []), Segments([], [], [], [])
+    dev, host = Segments([], [], [], [], []), Segments([], [], [], [], [])
     for table, length, a, b in zip(tables, seq_lens, query_start, query_start[1:]):
         table = table[:-(-length // block_size)]  # past them: the padding to one width
         device_ids = table[:device_quota]
@@ -59,8 +59,10 @@ def split_step(tables: list[list[int]], seq_lens: list[int], query_start: list[i
         else:
             if causal:
                 _add(dev, a, causal, min(length, split), device_ids)
-            for j in range(causal, n):
-                _add(dev, a + j, 1, split, device_ids)
+            if n - causal == 1:
+                _add(dev, a + causal, 1, split, device_ids)
+            elif n > causal and split:
+                _add(dev, a + causal, n - causal, length, device_ids, kv_end=split)
             if n > causal:
                 _add(host, a + causal, n - causal, length - split, host_ids)
     first_host = num_blocks * block_size
@@ -70,22 +72,26 @@ def split_step(tables: list[list[int]], seq_lens: list[int], query_start: list[i
                      [slots[r] - first_host for r in host_rows])
 
 
-def _add(seg: Segments, row: int, count: int, seq_len: int, table: list[int]) -> None:
+def _add(seg: Segments, row: int, count: int, seq_len: int, table: list[int],
+         kv_end: int = 0) -> None:
     if seq_len > 0:
         seg.rows.append(row)
         seg.counts.append(count)
         seg.seq_lens.append(seq_len)
         seg.tables.append(table)
+        seg.kv_ends.append(kv_end)
 
 
 class CooperativeStep:
     """What every layer of one step reads: the split as tensors, the host pool's caches
-    by layer, and the thread that runs host parts. Set as AttentionMetadata.cooperative;
-    the decoder then calls `attention` instead of caching and attending itself."""
+    by layer, and the thread that runs host parts (`pool`; None: the host part runs after
+    the device part in this thread, as on a CPU, whose cores both parts would share).
+    Set as AttentionMetadata.cooperative; the decoder then calls `attention` instead of
+    caching and attending itself."""
 
     def __init__(self, split: StepSplit, device: torch.device,
                  host_caches: dict[int, tuple[torch.Tensor, torch.Tensor]],
-                 pool: ThreadPoolExecutor, host_threads: int, device_threads: int):
+                 pool: ThreadPoolExecutor | None, host_threads: int, device_threads: int):
         self.device_part = split.device.tensors()
         self.host_part = split.host.tensors()
         as_index = (lambda xs, on: torch.tensor(xs, dtype=torch.int64, device=on))
@@ -111,11 +117,14 @@ class CooperativeStep:
                            self.host_slots)
         host_q = q.cpu()  # the queries cross to the host, the partial output comes back
         host_out, host_lse = empty_partial(host_q)
-        job = self.pool.submit(attention_part, host_q, host_k, host_v, self.host_part,
-                               host_out, host_lse, scale=layer.scale,
-                               num_threads=self.host_threads)
+        host_args = (host_q, host_k, host_v, self.host_part, host_out, host_lse)
+        job = None if self.pool is None else self.pool.submit(
+            attention_part, *host_args, scale=layer.scale, num_threads=self.host_threads)
         out, lse = empty_partial(q)
         attention_part(q, k_cache, v_cache, self.device_part, out, lse, scale=layer.scale,
                        num_threads=self.device_threads)
-        job.result()
+        if job is None:
+            attention_part(*host_args, scale=layer.scale, num_threads=self.host_threads)
+        else:
+            job.result()
         return merge_partials(out, lse, host_out.to(q.device), host_lse.to(q.device))

@@ -374,15 +374,16 @@ class ModelRunner(Runner):
 
     def _cooperative_step(self, inputs: StepInputs) -> CooperativeStep:
         """A step some of whose requests hold host blocks: each layer's attention split
-        between the pools (engine/cooperative.py). On a CPU the two parts share its cores;
-        beside a GPU the host part has them all."""
+        between the pools (engine/cooperative.py). Beside a GPU the host part runs on the
+        host's cores while the device computes its part; on a CPU the device's cores are
+        the host's, so the parts run one after the other, each on every core (two parts
+        on half the cores each wait on the larger one)."""
         split = split_step(inputs.block_tables, inputs.seq_lens, inputs.query_start,
                            inputs.slots, self.num_blocks, self.kv_split.device_quota,
                            self.block_size, self.config.options.deterministic)
         threads = torch.get_num_threads()
-        host = max(1, threads // 2) if self.device.type == "cpu" else threads
-        return CooperativeStep(split, self.device, self._host_caches, self._host_pool, host,
-                               max(1, threads - host))
+        pool = None if self.device.type == "cpu" else self._host_pool
+        return CooperativeStep(split, self.device, self._host_caches, pool, threads, threads)
 
     def _rows(self, x, residual, rows: list[int]):
         if len(rows) == x.shape[0] and rows[-1] == len(rows) - 1:

@@ -4,7 +4,8 @@ where its blocks lie, the two partial results merged exactly by their log-sum-ex
 
 A part is a list of segments, each a run of query rows attending to the keys one block
 table reaches in one cache (`Segments`): rows [row, row + n) at the last n positions of
-`seq_len` keys, causal among them, as the paged kernels take a sequence. Which rows see
+`seq_len` keys, causal among them, as the paged kernels take a sequence, the keys from
+`kv_end` on (where set) seen by none of them. Which rows see
 which keys of which part is the caller's (engine/cooperative.py); this module computes a
 part's segments with each row's log-sum-exp, and merges two parts:
 
@@ -32,11 +33,13 @@ from fusegen.kernels.paged_attention_cpu import paged_decode_native, paged_prefi
 class Segments:
     """One part's query rows as the paged kernels take sequences, in plain lists: segment
     k is rows [rows[k], rows[k] + counts[k]) (ascending, disjoint), the last counts[k] of
-    seq_lens[k] keys read through tables[k]."""
+    seq_lens[k] positions, seeing the keys before kv_ends[k] (0: all of theirs) read
+    through tables[k] (segments of one request share its list)."""
     rows: list[int]
     counts: list[int]
     seq_lens: list[int]
     tables: list[list[int]]
+    kv_ends: list[int]
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -55,6 +58,7 @@ class PartTensors:
     query_start_loc: torch.Tensor  # [2K + 1]
     decode_ids: torch.Tensor | None  # even sequences of one row
     prefill_ids: torch.Tensor | None  # even sequences of several rows
+    kv_end: torch.Tensor | None  # [2K]: where each sequence's keys end (None: at seq_lens)
     segments: Segments
 
     @classmethod
@@ -75,16 +79,19 @@ class PartTensors:
                             dtype=torch.int32)
         tables = rows[torch.tensor(which, dtype=torch.long).repeat_interleave(2)] \
             if which else rows
-        lens, qsl = [], [0]
-        for row, n, length in zip(seg.rows, seg.counts, seg.seq_lens):
+        lens, qsl, ends = [], [0], []
+        for row, n, length, end in zip(seg.rows, seg.counts, seg.seq_lens, seg.kv_ends):
             lens += [length, 0]
+            ends += [end or length, 0]
             qsl[-1] = row  # the previous gap ends here
             qsl += [row + n, row + n]
+        kv_end = torch.tensor(ends, dtype=torch.int32) if any(seg.kv_ends) else None
         decode = [2 * k for k, n in enumerate(seg.counts) if n == 1]
         prefill = [2 * k for k, n in enumerate(seg.counts) if n > 1]
         as_ids = (lambda ids: torch.tensor(ids, dtype=torch.int32) if ids else None)
         return cls(tables.contiguous(), torch.tensor(lens, dtype=torch.int32),
-                   torch.tensor(qsl, dtype=torch.int32), as_ids(decode), as_ids(prefill), seg)
+                   torch.tensor(qsl, dtype=torch.int32), as_ids(decode), as_ids(prefill), kv_end,
+                   seg)
 
 
 def attention_part(q, k_cache, v_cache, part: PartTensors, out, lse, *, scale: float,
@@ -101,7 +108,8 @@ def attention_part(q, k_cache, v_cache, part: PartTensors, out, lse, *, scale: f
         paged_decode_native(*args, scale=scale, seq_ids=part.decode_ids,
                             num_threads=num_threads, lse=lse)
     if part.prefill_ids is not None and not paged_prefill_native(
-            *args, part.prefill_ids, scale=scale, num_threads=num_threads, lse=lse):
+            *args, part.prefill_ids, scale=scale, num_threads=num_threads, lse=lse,
+            kv_end=part.kv_end):
         # a shape the prefill kernel does not take: each row as a decode of its own keys
         attention_part(q, k_cache, v_cache, _rows_as_decodes(part.segments, part.prefill_ids),
                        out, lse, scale=scale, num_threads=num_threads)
@@ -110,13 +118,13 @@ def attention_part(q, k_cache, v_cache, part: PartTensors, out, lse, *, scale: f
 def _rows_as_decodes(seg: Segments, ids: torch.Tensor) -> PartTensors:
     rows, counts, lens, tables = [], [], [], []
     for k in (i // 2 for i in ids.tolist()):
-        n, length = seg.counts[k], seg.seq_lens[k]
+        n, length, end = seg.counts[k], seg.seq_lens[k], seg.kv_ends[k] or seg.seq_lens[k]
         for j in range(n):
             rows.append(seg.rows[k] + j)
-            lens.append(length - n + j + 1)
+            lens.append(min(length - n + j + 1, end))
             tables.append(seg.tables[k])
             counts.append(1)
-    return Segments(rows, counts, lens, tables).tensors()
+    return Segments(rows, counts, lens, tables, [0] * len(rows)).tensors()
 
 
 def part_reference(q, k_cache, v_cache, seg: Segments, out, lse, *, scale: float) -> None:
@@ -125,15 +133,17 @@ def part_reference(q, k_cache, v_cache, seg: Segments, out, lse, *, scale: float
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     block_size = k_cache.shape[1]
     group = num_heads // num_kv_heads
-    for row, n, length, table in zip(seg.rows, seg.counts, seg.seq_lens, seg.tables):
-        ids = torch.tensor(table[:-(-length // block_size)], dtype=torch.long,
+    for row, n, length, table, end in zip(seg.rows, seg.counts, seg.seq_lens, seg.tables,
+                                          seg.kv_ends):
+        end = end or length  # keys [0, end), the rows at the last n of `length` positions
+        ids = torch.tensor(table[:-(-end // block_size)], dtype=torch.long,
                            device=k_cache.device)
-        k = k_cache[ids].flatten(0, 1)[:length].float().repeat_interleave(group, 1)  # [L, Hq, D]
-        v = v_cache[ids].flatten(0, 1)[:length].float().repeat_interleave(group, 1)
+        k = k_cache[ids].flatten(0, 1)[:end].float().repeat_interleave(group, 1)  # [E, Hq, D]
+        v = v_cache[ids].flatten(0, 1)[:end].float().repeat_interleave(group, 1)
         qs = q[row:row + n].float() * scale  # [n, Hq, D]
         scores = torch.einsum("nhd,lhd->hnl", qs, k)
-        visible = torch.arange(length, device=q.device)[None, :] <= \
-            torch.arange(length - n, length, device=q.device)[:, None]  # [n, L]
+        visible = torch.arange(end, device=q.device)[None, :] <= \
+            torch.arange(length - n, length, device=q.device)[:, None]  # [n, E]
         scores = scores.masked_fill(~visible, float("-inf"))
         row_lse = torch.logsumexp(scores, -1)  # [Hq, n]
         probs = torch.exp(scores - row_lse[..., None])

@@ -108,23 +108,25 @@ def paged_decode_native(q, k_cache, v_cache, block_tables, seq_lens, query_start
 
 def paged_prefill_native(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
                          seq_ids, *, scale: float, sliding_window: int = 0,
-                         num_threads: int | None = None, lse=None) -> bool:
+                         num_threads: int | None = None, lse=None, kv_end=None) -> bool:
     """Prefill attention (kernels/csrc/paged_prefill.c) for the sequences `seq_ids`, each
     with its query rows query_start_loc[i]..[i+1] the last of its seq_lens[i] tokens,
     into `out` in place. fp32 or bf16 (computed in fp32, rounded once at the end); False
     (nothing written) for another dtype or a shape the kernel does not take (head_dim not
     a multiple of 32, more than 16 query heads per KV head), which the caller then runs
-    another way. `lse` as for paged_decode_native."""
+    another way. `lse` as for paged_decode_native; `kv_end` [B] int32 (with `lse`): where
+    each sequence's keys end, its rows keeping their positions (kernels/csrc/lse.h)."""
     name = _NATIVE_PREFILL.get(q.dtype)
     if name is None or seq_ids is None or len(seq_ids) == 0 or not (
             q.dtype == k_cache.dtype == v_cache.dtype == out.dtype):
         return False
     return _call(name, q, k_cache, v_cache, block_tables, seq_lens,
-                 query_start_loc, out, scale, sliding_window, seq_ids, num_threads, lse) == 0
+                 query_start_loc, out, scale, sliding_window, seq_ids, num_threads, lse,
+                 kv_end) == 0
 
 
 def _call(name, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, scale,
-          sliding_window, seq_ids, num_threads, lse=None) -> int:
+          sliding_window, seq_ids, num_threads, lse=None, kv_end=None) -> int:
     """Check what the C kernels index unchecked, then call `name` (its `_lse` form
     with `lse`); its return code.
     Every layer of a step makes this call with the step's metadata: what is derived
@@ -144,9 +146,12 @@ def _call(name, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, ou
         raise AssertionError(f"{bad} must be a CPU tensor with a contiguous head dimension")
     if seq_ids is not None and not isinstance(seq_ids, torch.Tensor):
         seq_ids = torch.as_tensor(seq_ids)
-    key = ("args", name, num_blocks, block_size, seq_ids is None)
+    key = ("args", name, num_blocks, block_size, seq_ids is None, kv_end is None)
     tensors = (block_tables, seq_lens, query_start_loc) + (() if seq_ids is None else (seq_ids,))
-    args = _per_step((key, *tensors), lambda: _step_args(num_blocks, block_size, *tensors))
+    reach = () if kv_end is None else (kv_end,)  # the keys read end there, not at seq_lens
+    args = _per_step((key, *tensors, *reach),
+                     lambda: _step_args(num_blocks, block_size, block_tables, seq_lens,
+                                        query_start_loc, seq_ids, kv_end))
     if args.problem:
         raise IndexError(args.problem)
     if args.num_items == 0:
@@ -159,6 +164,11 @@ def _call(name, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, ou
             raise AssertionError(f"lse must be contiguous fp32 {tuple(q.shape[:2])}; got "
                                  f"{lse.dtype} {tuple(lse.shape)}")
         name, extra = name + "_lse", (lse.data_ptr(),)
+        if name.startswith("paged_prefill"):
+            if kv_end is not None and not (kv_end.dtype == torch.int32
+                                           and kv_end.is_contiguous()):
+                raise AssertionError(f"kv_end must be contiguous int32; got {kv_end.dtype}")
+            extra += (None if kv_end is None else kv_end.data_ptr(),)
     failed = _kernel(name)(
         q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         args.block_tables, args.seq_lens, args.query_start_loc, args.seq_ids, args.num_items,
@@ -175,7 +185,8 @@ def _kernel(name: str):
     caller) take the plain form's arguments and then the log-sum-exp output."""
     fn = getattr(native.library(), name)
     if name.endswith("_lse"):
-        fn.argtypes = getattr(native.library(), name[:-4]).argtypes + [ctypes.c_void_p]
+        more = 2 if name.startswith("paged_prefill") else 1  # the prefill's kv_end too
+        fn.argtypes = getattr(native.library(), name[:-4]).argtypes + [ctypes.c_void_p] * more
         fn.restype = ctypes.c_int
     return fn
 
@@ -203,7 +214,7 @@ class _StepArgs:
 
 
 def _step_args(num_blocks: int, block_size: int, block_tables, seq_lens, query_start_loc,
-               seq_ids=None) -> _StepArgs:
+               seq_ids=None, kv_end=None) -> _StepArgs:
     block_tables = _int32(block_tables)
     if block_tables.stride(1) != 1:
         raise AssertionError("block_tables rows must be contiguous")
@@ -212,8 +223,12 @@ def _step_args(num_blocks: int, block_size: int, block_tables, seq_lens, query_s
         seq_ids = _int32(seq_ids).contiguous()
     num_items = seq_lens.shape[0] if seq_ids is None else seq_ids.shape[0]
     # The C kernels index unchecked: refuse what would read outside the cache.
-    problem = _bounds_problem(block_tables, seq_lens, num_blocks, block_size) \
-        if num_items else None
+    # Only the sequences computed are read (cooperative attention's parts share their
+    # tables between a decode and a prefill call).
+    reach = seq_lens if kv_end is None else kv_end
+    read = (block_tables, reach) if seq_ids is None else \
+        (block_tables[seq_ids.long()], reach[seq_ids.long()])
+    problem = _bounds_problem(*read, num_blocks, block_size) if num_items else None
     return _StepArgs(block_tables.data_ptr(), seq_lens.data_ptr(), query_start_loc.data_ptr(),
                      None if seq_ids is None else seq_ids.data_ptr(), block_tables.stride(0),
                      num_items, problem, (block_tables, seq_lens, query_start_loc, seq_ids))

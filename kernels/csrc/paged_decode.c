@@ -107,7 +107,7 @@ int NAME##_lse(const T *q, T *out, const T *kc, const T *vc, const int32_t *bloc
          const int32_t *seq_lens, const int32_t *query_start_loc, const int32_t *seq_ids,   \
          int num_items, int num_heads, int num_kv_heads, int head_dim, int block_size,     \
          int window, float scale, const strides_t *st, int num_threads, float *lse_p) {     \
-    const lse_out_t lse = {lse_p, num_heads};                                               \
+    const lse_out_t lse = {lse_p, num_heads, NULL};                                         \
     if (head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK || num_heads % num_kv_heads)     \
         return 1;                                                                           \
     const int group = num_heads / num_kv_heads;                                             \

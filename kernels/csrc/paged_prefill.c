@@ -430,9 +430,10 @@ prefill_item(const void *q, void *out, const void *kc, const void *vc,
     const int32_t *table = block_tables + (int64_t)it.seq * st->bt;
     int pos = window > 0 && pos_lo - window + 1 > 0 ? pos_lo - window + 1 : 0;
     pos -= pos % block_size;
-    for (; pos <= pos_hi; pos += block_size) {
+    const int kv_end = lse.kv_end ? lse.kv_end[it.seq] : len;  /* keys end here */
+    for (; pos <= pos_hi && pos < kv_end; pos += block_size) {
         const int64_t block = table[pos / block_size];
-        const int nk = len - pos < block_size ? len - pos : block_size;
+        const int nk = kv_end - pos < block_size ? kv_end - pos : block_size;
         const int64_t k_at = block * st->k_b + (int64_t)it.head * st->k_h;
         const int64_t v_at = block * st->v_b + (int64_t)it.head * st->v_h;
         const float *kb = (const float *)kc + k_at, *vb = (const float *)vc + v_at;
@@ -555,8 +556,9 @@ static int prefill(const void *q, void *out, const void *kc, const void *vc,
                    const int32_t *block_tables, const int32_t *seq_lens,
                    const int32_t *query_start_loc, const int32_t *seq_ids, int num_seqs,
                    int num_heads, int num_kv_heads, int head_dim, int block_size, int window,
-                   float scale, const strides_t *st, int num_threads, float *lse_p, int bf16) {
-    const lse_out_t lse = {lse_p, num_heads};
+                   float scale, const strides_t *st, int num_threads, float *lse_p,
+                   const int32_t *kv_end, int bf16) {
+    const lse_out_t lse = {lse_p, num_heads, kv_end};
     const int group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
     /* fp32 rows are read as vectors: their head strides keep 32-byte multiples */
     const int64_t align = bf16 ? 1 : 8;
@@ -613,17 +615,18 @@ int paged_prefill_##SUFFIX(const T *q, T *out, const T *kc, const T *vc,        
                            int num_threads) {                                              \
     return prefill(q, out, kc, vc, block_tables, seq_lens, query_start_loc, seq_ids,       \
                    num_seqs, num_heads, num_kv_heads, head_dim, block_size, window, scale,  \
-                   st, num_threads, NULL, BF16);                                           \
+                   st, num_threads, NULL, NULL, BF16);                                     \
 }                                                                                          \
 int paged_prefill_##SUFFIX##_lse(const T *q, T *out, const T *kc, const T *vc,               \
                                const int32_t *block_tables, const int32_t *seq_lens,       \
                                const int32_t *query_start_loc, const int32_t *seq_ids,     \
                                int num_seqs, int num_heads, int num_kv_heads, int head_dim,\
                                int block_size, int window, float scale,                    \
-                               const strides_t *st, int num_threads, float *lse) {         \
+                               const strides_t *st, int num_threads, float *lse,           \
+                               const int32_t *kv_end) {                                    \
     return prefill(q, out, kc, vc, block_tables, seq_lens, query_start_loc, seq_ids,       \
                    num_seqs, num_heads, num_kv_heads, head_dim, block_size, window, scale,  \
-                   st, num_threads, lse, BF16);                                            \
+                   st, num_threads, lse, kv_end, BF16);                                    \
 }
 DEFINE_PREFILL(f32, float, 0)
 DEFINE_PREFILL(bf16, uint16_t, 1)
