@@ -153,10 +153,51 @@ def _rank_main(rank, world, depth, port, cases, queue):
         queue.put((rank, traceback.format_exc()))
 
 
-def _run_grid(world: int, depth: int, cases) -> dict[int, list[dict]]:
+# A decoder layer's linears at the tiny llama checkpoint's sizes (tests/checkpoints.py):
+# h = 64, I = 128, KV heads x head size = 32; (name, in, out)
+LAYER = [("qkv", 64, 128), ("o", 64, 64), ("gate_up", 64, 256), ("down", 128, 64)]
+
+
+def _layer_main(rank, world, depth, port, token_counts, queue):
+    """Each rank's bytes for one layer's four linears on the grid, and for the layer's
+    two all-reduces of [N, h] in 1-D over the same ranks (the table in
+    docs/parallel_modes.md)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from fusegen.engine.parallel.layers import TPGroup
+    from fusegen.engine.parallel.tesseract import TesseractGroups
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                world_size=world, rank=rank,
+                                timeout=datetime.timedelta(seconds=60))
+        groups = TesseractGroups(depth)
+        g, (i, j, k) = groups.grid, (groups.i, groups.j, groups.k)
+        results = []
+        for n in token_counts:
+            before = groups.counter.bytes_sent, groups.counter.bytes_received
+            for _, inp, out in LAYER:
+                x, w = torch.randn(n, inp), torch.randn(out, inp)
+                TesseractLinear.from_dense(groups, w)(input_block(x, g, i, j, k))
+            tp = TPGroup(None, world, rank)
+            for _ in range(2):  # o and down
+                tp.all_reduce(torch.randn(n, 64))
+            results.append((groups.counter.bytes_sent - before[0],
+                            groups.counter.bytes_received - before[1], tp.bytes_sent))
+        buffer = io.BytesIO()
+        torch.save(results, buffer)
+        queue.put((rank, buffer.getvalue()))
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - the test reports it
+        queue.put((rank, traceback.format_exc()))
+
+
+def _run_grid(world: int, depth: int, cases, target=_rank_main) -> dict[int, list]:
     ctx = mp.get_context("fork")
     queue, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, depth, port, cases, queue))
+    procs = [ctx.Process(target=target, args=(r, world, depth, port, cases, queue))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -238,3 +279,21 @@ def test_bytes_each_rank_moves_equal_the_formulas(world, depth):
         assert odd["bytes_sent"] == odd["bytes_received"] == summa_bytes(g, rows, IN, HIDDEN)
         # 1-D at the same rank count: one ring all-reduce of [N, out]
         assert results[r][0]["one_d"] == 2 * (world - 1) * n * HIDDEN * E // world
+
+
+def test_layer_bytes_match_the_table_in_the_docs():
+    """docs/parallel_modes.md's counted table: (N, ranks, depth) -> each rank's bytes for
+    one layer, grid (sent = received) and 1-D."""
+    table = {(16, 4, 1): (41_984, 12_288), (64, 4, 1): (57_344, 49_152),
+             (16, 8, 2): (39_424, 14_336), (64, 8, 2): (47_104, 57_344)}
+    weights = sum(inp * out for _, inp, out in LAYER)
+    assert weights == 36_864
+    for world, depth in ((4, 1), (8, 2)):
+        q, results = 2, _run_grid(world, depth, [16, 64], target=_layer_main)
+        for n_index, n in enumerate((16, 64)):
+            grid_bytes, one_d = table[n, world, depth]
+            # (q-1)/q^2 (N (3h + I) / d + W_layer) e  and  4 (p-1)/p N h e
+            assert grid_bytes == (q - 1) * (n * (3 * 64 + 128) // depth + weights) * E // q**2
+            assert one_d == 4 * (world - 1) * n * 64 * E // world
+            assert {tuple(results[r][n_index]) for r in range(world)} == \
+                {(grid_bytes, grid_bytes, one_d)}
