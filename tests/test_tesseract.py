@@ -201,15 +201,16 @@ def _run_grid(world: int, depth: int, cases, target=_rank_main) -> dict[int, lis
              for r in range(world)]
     for p in procs:
         p.start()
-    results = {}
+    results, failed = {}, True
     try:
         for _ in range(world):
             rank, out = queue.get(timeout=120)
             assert not isinstance(out, str), f"rank {rank} failed:\n{out}"
             results[rank] = torch.load(io.BytesIO(out))
+        failed = False
     finally:
-        for p in procs:
-            p.join(timeout=10)
+        for p in procs:  # after a failure the others wait in a collective: end them now
+            p.join(timeout=0 if failed else 30)
             if p.is_alive():
                 p.kill()
                 p.join()

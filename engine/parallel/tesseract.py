@@ -255,7 +255,7 @@ class TesseractLinear:
         if x.dim() != 2 or x.shape[1] != w.shape[1]:
             raise ValueError(f"a Tesseract linear with blocks [{w.shape[0]}, {w.shape[1]}] "
                              f"takes X blocks [rows, {w.shape[1]}], got {list(x.shape)}")
-        out = None
+        x, out = x.contiguous(), None  # broadcast in place: a dense buffer
         for t in range(groups.grid.q):  # SUMMA: step t multiplies X(i, t) by A(t, j)
             a = x if t == groups.j else torch.empty_like(x)
             b = w if t == groups.i else torch.empty_like(w)
@@ -282,7 +282,7 @@ def gather_output(groups: TesseractGroups, y: torch.Tensor, num_rows: int) -> to
     g = groups.grid
     whole = gather_rows(groups, y)  # [R, out]
     most = max(len(row_range(num_rows, g, i, k)) for i in range(g.q) for k in range(g.depth))
-    padded = torch.zeros(most, whole.shape[1], dtype=whole.dtype)
+    padded = whole.new_zeros(most, whole.shape[1])
     padded[:whole.shape[0]] = whole
     # every rank of the world contributes; ranks (i, *, k) carry the same rows
     parts = groups.all_gather(padded, None, g.world_size)
