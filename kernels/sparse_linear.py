@@ -9,13 +9,19 @@ Shapes:
   returns  [..., out] in x.dtype
 
 On CPUs the C kernel (kernels/csrc/sparse_tiles.c) takes fp32 and bf16 x: each column's
-mask word expands its packed values into registers and every row of x multiplies them,
-every output element summed over k in one order (a row's result is the same whatever its
-batch and the thread count). bf16 x against bf16 values, with AVX512_BF16, takes two
-channels a step by vdpbf16ps (pairs of k ascending: other bits than the FMA paths'). fp16 x, other devices and FUSEGEN_KERNELS=reference take the
-torch path: a band of row-tiles expanded to fp32 at a time (never the whole dense weight)
-and multiplied in fp32. The tiles are trusted here: whoever loads them checks them once
-(`sparse_format.check`), not every call.
+mask word expands its packed values into registers and every row of x multiplies them;
+above 6 rows a run of tiles is expanded once into a per-thread scratch and every block of
+rows runs the dense inner loop over it. Every output element is summed over k in one
+order whichever path and thread count (a row's result is the same whatever its batch).
+bf16 x against bf16 or int8 values, with AVX512_BF16, takes two channels a step by
+vdpbf16ps (pairs of k ascending: other bits than the FMA paths'); int8 values are summed
+as codes over a tile, the tile's scale applied once to that sum. CUDA x goes to the
+Triton kernel (kernels/triton_sparse.py); fp16 x on CPUs, devices without a kernel and
+FUSEGEN_KERNELS=reference take the torch path: a band of row-tiles expanded to fp32 at a
+time (never the whole dense weight) and multiplied in fp32. `sparse_linear_into`
+writes a product into columns of a wider output (a fused parameter's parts). The tiles
+are trusted here: whoever loads them checks them once (`sparse_format.check`), not every
+call.
 """
 from __future__ import annotations
 
