@@ -211,3 +211,25 @@ def test_a_peer_budget_beyond_the_group_is_refused_before_any_rank_starts(model)
                        r"free memory: each of the group's 2 ranks has .* free and plans "
                        + format_bytes(budget).replace(".", r"\.")):
         LLM(path, device_memory=budget, peer_memory=2**50, tensor_parallel_size=2, **OPTIONS)
+
+
+def test_compressed_layers_travel_as_their_components(tmp_path):
+    """An int4 checkpoint's layers in the peer tier: the holder sends the borrower's
+    slice of each linear as its codes, scales and zero points (their own dtypes)."""
+    from fusegen.engine.weights.quantize import QuantizeSpec, quantize_checkpoint
+
+    deep = make_hf_checkpoint(tmp_path / "deep", "llama", seed=5, num_hidden_layers=4)
+    quantize_checkpoint(deep, tmp_path / "int4", QuantizeSpec(bits=4, group_size=32,
+                                                              symmetric=False))
+    path = str(tmp_path / "int4")
+    with LLM(path, **OPTIONS) as llm:
+        expected = _tokens(llm)
+    split = dict(tensor_parallel_size=2)
+    budget, layer_bytes = _budget(path, split)
+    with LLM(path, device_memory=budget, peer_memory=2 * layer_bytes,
+             host_memory=layer_bytes, **split, **OPTIONS) as llm:
+        assert llm.placement.layer_tiers == ["device", "peer", "peer", "host"]
+        assert llm.placement.sizes.dense_layer_bytes > layer_bytes  # kept compressed
+        assert _tokens(llm) == expected
+        ranks = llm.memory_report()["ranks"]
+    assert [r["peer"]["held"] for r in ranks.values()] == [2 * layer_bytes] * 2
