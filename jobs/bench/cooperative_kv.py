@@ -62,7 +62,7 @@ def main(argv=None) -> None:
     need = sum(-(-(n + args.max_tokens) // BLOCK) for n in lengths)
     engines = _engines(str(path), max_model_len, args.num_requests, host_blocks=need)
     print(f"prompts {lengths} tokens, {args.max_tokens} generated each; KV blocks of {BLOCK}: "
-          f"the batch needs {need}, the device holds {-(-max_model_len // BLOCK)}")
+          f"the batch needs {need}, the device holds {-(-max_model_len // BLOCK)}", flush=True)
     runs = {name: [] for name in engines}
     tokens = {}
     for _ in range(args.rounds):
@@ -79,6 +79,9 @@ def main(argv=None) -> None:
                                after["num_preemptions"] - before["num_preemptions"],
                                after["num_swapped_blocks"] - before["num_swapped_blocks"]))
             tokens[name] = [o.token_ids for o in outs]
+            print(f"  {name}: {seconds:.1f} s, decode batch {runs[name][-1][1]:.2f}, "
+                  f"{runs[name][-1][2]} preempted, {runs[name][-1][3]} blocks swapped",
+                  flush=True)
     generated = args.num_requests * args.max_tokens
     total = generated + sum(lengths)
     print(f"{'placement':<12} {'seconds':>8} {'out tok/s':>9} {'tok/s':>8} {'decode batch':>12} "
