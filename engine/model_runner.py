@@ -264,6 +264,9 @@ class ModelRunner(Runner):
                                   "stall_seconds": streamer.stall_seconds}
         return report
 
+    def local_model(self):
+        return self.model
+
     def step_weight_bytes(self) -> int:
         """Every tier's weights but an embedding table that only the lookup reads (the
         head reads a tied table whole where it is the head's own storage)."""

@@ -13,6 +13,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    import torch
+
     from fusegen.engine.graphs import DecodeGraphs
     from fusegen.engine.memory.offload import WeightStreamer
     from fusegen.engine.scheduler import ScheduledBatch
@@ -58,6 +60,10 @@ class Runner(Protocol):
     def step_weight_bytes(self) -> int | None:
         """The weight bytes a decode step reads, as held (compressed where kept); None
         where this process holds no model (a device group's ranks do)."""
+
+    def local_model(self) -> "torch.nn.Module | None":
+        """The model, where this process holds it whole (for reading what its layers
+        hold); None for a device group's controller, whose ranks hold the weights."""
 
     def reset_streams(self) -> None:
         """After a failed step: bring the runner back to a state the next step can use."""

@@ -136,6 +136,9 @@ class ParallelRunner(Runner):
                            "devices": [i.device for i in self.infos]}
         return report
 
+    def local_model(self) -> None:
+        return None  # the ranks hold the weights
+
     def step_weight_bytes(self) -> None:
         return None  # the ranks hold the weights
 

@@ -71,8 +71,7 @@ def run_fusegen(model_dir: Path, requests: list[BenchRequest], warmup: list[Benc
         offload = _offload_figures(llm, streamer, delta)
         memory = llm.memory_report()
         weight_bytes = runner.step_weight_bytes()
-        # None where this process holds no model (a device group's ranks do)
-        model = getattr(runner, "model", None)
+        model = runner.local_model()  # None where a device group's ranks hold it
         layer_bytes = None if model is None else linear_bytes_by_layer(model)
         cuda_graphs = None if graphs is None else {
             "replays": graphs.replays - replays_before, "recorded": len(graphs.graphs),
