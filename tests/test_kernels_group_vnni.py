@@ -6,17 +6,13 @@ every bits / symmetric / group size, odd shapes, row and thread counts; each row
 are its own whatever the batch; against dequantize-then-matmul it is within the
 activations' int8 rounding; the dispatcher takes it for bf16 x only, and a build without
 VNNI declines."""
-import ctypes
-import platform
-import subprocess
-
 import pytest
 import torch
 
 from fusegen.kernels import group_linear as gl
 from fusegen.kernels import group_vnni as gv
-from fusegen.kernels import native
 from fusegen.kernels import quant_vnni as qv
+from quant_helpers import build_for_other_cpu
 from test_kernels_group_quant import FORMAT_IDS, FORMATS, make_weight
 
 needs_vnni = pytest.mark.skipif(not (gv.q8_available(8) and gv.q8_available(4)),
@@ -174,18 +170,9 @@ def test_bad_calls_are_clear_errors():
 
 
 def _build_without_vnni(tmp_path):
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("x86-64 instruction-set builds")
-    source = native._SOURCES[0].with_name("quant_group_vnni.c")
-    target = tmp_path / "quant_group_vnni.so"
-    subprocess.run([native._compiler(), "-O3", "-mavx512f", "-mavx512bw", "-mavx512vl",
-                    "-mf16c", "-fopenmp", "-ffast-math", "-fPIC", "-std=gnu11", "-shared",
-                    str(source), "-o", str(target)], check=True)
-    lib = ctypes.CDLL(str(target))
-    for name in ("quant_group_q8_available", "quant_group_q8_bf16"):
-        getattr(lib, name).argtypes = native._SIGNATURES[name]
-        getattr(lib, name).restype = ctypes.c_int
-    return lib
+    return build_for_other_cpu("quant_group_vnni.c",
+                               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mf16c"], tmp_path,
+                               ("quant_group_q8_available", "quant_group_q8_bf16"))
 
 
 def test_builds_without_vnni_refuse_and_the_bf16_kernel_serves(tmp_path, monkeypatch):
