@@ -115,7 +115,8 @@ class LLMEngine:
             and not self.runner.uses_request_lengths
         self.block_manager = make_block_manager(
             config.kv_split, self.runner.num_blocks, config.block_size,
-            self.runner.num_host_blocks, caching, cache_salt=f"{config.model}|{config.options.revision}|{config.torch_dtype}|"
+            self.runner.num_host_blocks, caching,
+            cache_salt=f"{config.model}|{config.options.revision}|{config.torch_dtype}|"
                        f"{config.block_size}")
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.max_model_len,

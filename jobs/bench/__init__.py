@@ -6,6 +6,7 @@ chat-templated prompts) -> checkpoint.py (cached random model), or model.py (a r
 to each sparsity, sparse.py's variants) -> ceiling.py (matmul FLOP/s,
 bandwidth) -> fusegen_runner.py, vllm_runner.py (vLLM in its own interpreter, running
 vllm_child.py), hf_static.py, hf_continuous.py (the engines) -> flops.py (model FLOPs
-and bytes) -> report.py (JSON and table; sparse.py's figures of the pruned runs) -> html_report.py (the HTML page, drawn
-with jobs/svg.py); harness.py runs them in that order, bench_cmd.py writes the page.
+and bytes) -> report.py (JSON and table; sparse.py's figures of the pruned runs) ->
+html_report.py (the HTML page, drawn with jobs/svg.py); harness.py runs them in that
+order, bench_cmd.py writes the page.
 """

@@ -75,18 +75,14 @@ def linear_bytes_by_layer(model) -> list[int]:
     one's weight at its dtype (out x in; packed forms' padding not counted); biases
     left out. A streamed layer is read through the views of its last staging slot,
     which have its own shapes once it has run."""
-    from fusegen.engine.weights.compressed import CompressedLinear
     from fusegen.engine.weights.linear import Linear
     from fusegen.engine.weights.packed import NativeLinear, PackedLinear
 
     def held(module) -> int:
-        if isinstance(module, CompressedLinear):
-            return sum(t.numel() * t.element_size() for t in
-                       (getattr(module, n) for n in module.components) if t is not None)
-        weight = module.weight
         if isinstance(module, (PackedLinear, NativeLinear)):  # padded, or oneDNN's blocks
-            return module.out_features * module.in_features * weight.element_size()
-        return weight.numel() * weight.element_size()
+            return module.out_features * module.in_features * module.weight.element_size()
+        bias = module.bias  # nbytes: a compressed linear's components, else its weight
+        return module.nbytes - (0 if bias is None else bias.numel() * bias.element_size())
 
     return [sum(held(m) for m in layer.modules() if isinstance(m, Linear))
             for layer in model.layers]
