@@ -6,7 +6,9 @@
 #             each runs two or more CPU ranks, and 16 at once time out)
 #   quant     compressed-weight kernels checked and timed (tests/gpu/quant_bench.py: Triton
 #             int4/int8 and GGUF, fp8 _scaled_mm, beside bf16 F.linear; T_QUANT s, 150;
-#             then sparse tiles against cuBLAS, python -m fusegen.kernels.triton_sparse)
+#             then sparse tiles against cuBLAS, as the stage sparse does)
+#   sparse    sparse tiles against cuBLAS (python -m fusegen.kernels.triton_sparse --bench,
+#             T_SPARSE s, 240)
 #   profile   decode steps eagerly and with CUDA graphs (tests/gpu/decode_profile.py)
 #   benchB    fusegen beside transformers' static batch of 64, 64 requests
 #   bench1k   fusegen alone on gpu-8b-1k (1000 in / 1000 out), $REQ_1K requests (256)
@@ -71,8 +73,12 @@ if stage quant; then
   timeout "${T_QUANT:-150}" python3 tests/gpu/quant_bench.py $OUT > $OUT/quant.log 2>&1
   echo "quant rc=$?"; grep -E "^check|^invariance" $OUT/quant.log | grep -vE " ok$" | cut -c1-300
   sed -n '/^layer /,$p' $OUT/quant.log | tail -40
-  timeout 240 python3 -m fusegen.kernels.triton_sparse --bench > $OUT/sparse.log 2>&1; echo "sparse bench rc=$?"; tail -12 $OUT/sparse.log
 fi
+if stage quant || stage sparse; then
+  timeout "${T_SPARSE:-240}" python3 -m fusegen.kernels.triton_sparse --bench > $OUT/sparse.log 2>&1
+  echo "sparse bench rc=$?"; tail -14 $OUT/sparse.log
+fi
+stage profile || stage benchB || stage bench1k || stage benchA || { date -u; exit 0; }
 CKPT=$(python3 -c "
 from fusegen.jobs.bench.presets import PRESETS
 from fusegen.jobs.bench.checkpoint import default_cache_dir, ensure_checkpoint
