@@ -150,6 +150,12 @@ class EngineOptions:
         300, "Device group: seconds a rank may take to start or to answer a step before "
         "the group is declared failed (its requests fail with device_group_failed).",
         kind=int)
+    # Chunks split a step's rows, and a BLAS may sum a smaller call's rows another way.
+    tp_overlap_chunks: int = option(
+        1, "Device group (tensor_parallel_size > 1): split each layer's o projection and "
+        "MLP into this many chunks of the step's tokens and start each chunk's all-reduce "
+        "while the next chunk computes (1: one all-reduce after the whole matmul).",
+        kind=int, affects_output=True)
 
     def __post_init__(self):
         if isinstance(self.dtype, str):
@@ -170,7 +176,8 @@ class EngineOptions:
             if getattr(self, name) is not None:
                 _check_int(self, name, 1)
         _check_int(self, "prefetch_depth", 1)
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "collective_timeout"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "collective_timeout",
+                     "tp_overlap_chunks"):
             _check_int(self, name, 1)
         self._check_seed()
         if self.num_host_kv_blocks is not None:
