@@ -53,4 +53,12 @@ def plan_kv_split(option: str, num_device_blocks: int, num_host_blocks: int,
             f"{need}); give the pool host memory (num_host_kv_blocks=N or host_memory=SIZE) "
             "or use kv_placement='device'")
     quota = max(1, min(per_request, num_device_blocks // max_num_seqs))
+    if quota + num_host_blocks < per_request:
+        raise EngineConfigError(
+            f"kv_placement='cooperative': one request of max_model_len {max_model_len} "
+            f"tokens needs {per_request} KV blocks of {block_size} tokens, but it may hold "
+            f"{quota} on the device (its quota: {num_device_blocks} device blocks shared by "
+            f"max_num_seqs {max_num_seqs}) and the host pool has {num_host_blocks}; give "
+            f"the host pool {per_request - quota - num_host_blocks} more blocks "
+            "(num_host_kv_blocks or host_memory), or lower max_model_len")
     return KVSplit("cooperative", quota)

@@ -9,7 +9,9 @@ The device budget is spent in this order:
 1. what every step needs: the embedding, the final norm and the LM head, and a
    reserve for activations;
 2. the KV floor: enough blocks for one request at full context (`min_kv_blocks`), so
-   any single request can always run;
+   any single request can always run; with cooperative KV placement only the device's
+   share of one request (`device_kv_floor`: its smallest quota, one block), the rest of
+   it lying in the host pool (engine/memory/kv_split.py);
 3. decoder layers, first to last, while they fit; once one does not, the rest are
    streamed, and `prefetch_depth + 1` staging slots of one layer each are reserved
    so that copies run ahead of compute;
@@ -94,6 +96,19 @@ class ModelSizes:
     # a compressed model's (quantized linears kept as their codes: layer_bytes counts
     # those) layer as dense weights would be, for the table; None when not compressed
     dense_layer_bytes: int | None = None
+    # the device KV blocks one request needs when they are not min_kv_blocks: with
+    # cooperative placement its device quota, whose smallest is one block
+    device_kv_floor: int | None = None
+
+    @property
+    def kv_floor_blocks(self) -> int:
+        """The device KV blocks the plan keeps whatever else it places."""
+        return self.min_kv_blocks if self.device_kv_floor is None else self.device_kv_floor
+
+    def kv_floor_text(self) -> str:
+        what = ("one request's device quota (cooperative KV placement)"
+                if self.device_kv_floor is not None else "one full-context request")
+        return f"{self.kv_floor_blocks} KV blocks for {what}"
 
 
 @dataclass(slots=True)
@@ -160,7 +175,7 @@ class BudgetTooSmall(ValueError):
 def minimum_device_budget(sizes: ModelSizes, prefetch_depth: int = 1) -> int:
     """The smallest device budget that runs: every layer streamed through the
     staging slots, and the KV floor."""
-    return (sizes.fixed_bytes + sizes.activation_bytes + sizes.min_kv_blocks * sizes.kv_block_bytes
+    return (sizes.fixed_bytes + sizes.activation_bytes + sizes.kv_floor_blocks * sizes.kv_block_bytes
             + min(prefetch_depth + 1, sizes.num_layers) * sizes.layer_bytes)
 
 
@@ -179,11 +194,10 @@ def plan_placement(sizes: ModelSizes, device_budget: int, host_budget: int,
             f"device_memory {format_bytes(device_budget)} is too small to run this model: the "
             f"smallest budget that works is {format_bytes(floor)} (embeddings and head "
             f"{format_bytes(s.fixed_bytes)}, activations {format_bytes(s.activation_bytes)}, "
-            f"{s.min_kv_blocks} KV blocks for one full-context request "
-            f"{format_bytes(s.min_kv_blocks * s.kv_block_bytes)}, and "
+            f"{s.kv_floor_text()} {format_bytes(s.kv_floor_blocks * s.kv_block_bytes)}, and "
             f"{min(prefetch_depth + 1, s.num_layers)} streamed layers of "
             f"{format_bytes(s.layer_bytes)})")
-    kv_floor = s.min_kv_blocks * s.kv_block_bytes
+    kv_floor = s.kv_floor_blocks * s.kv_block_bytes
     free = device_budget - s.fixed_bytes - s.activation_bytes - kv_floor
     # An asked-for KV share comes first; by default layers do, and KV gets the rest.
     kv_asked = 0 if kv_reserve is None else max(0, min(
@@ -211,7 +225,7 @@ def plan_placement(sizes: ModelSizes, device_budget: int, host_budget: int,
     kv_blocks = (device_budget - used) // s.kv_block_bytes
     host_kv_blocks = host_left // s.kv_block_bytes
     if max_kv_blocks is not None:
-        kv_blocks = max(s.min_kv_blocks, min(kv_blocks, max_kv_blocks))
+        kv_blocks = max(s.kv_floor_blocks, min(kv_blocks, max_kv_blocks))
     host_cap = max_kv_blocks if max_host_kv_blocks is None else max_host_kv_blocks
     if host_cap is not None:
         host_kv_blocks = min(host_kv_blocks, host_cap)
@@ -241,9 +255,9 @@ def budget_for_resident_layers(sizes: ModelSizes, num_resident: int, prefetch_de
     # An asked-for KV share beyond the floor raises both ends: the smallest budget
     # that runs with it, and one byte less than holding every layer beside it (the
     # largest budget that still streams).
-    kv_extra = max(0, (plan_options.get("kv_reserve") or 0) - s.min_kv_blocks * s.kv_block_bytes)
+    kv_extra = max(0, (plan_options.get("kv_reserve") or 0) - s.kv_floor_blocks * s.kv_block_bytes)
     low = minimum_device_budget(sizes, prefetch_depth) + kv_extra
-    high = s.fixed_bytes + s.activation_bytes + s.min_kv_blocks * s.kv_block_bytes \
+    high = s.fixed_bytes + s.activation_bytes + s.kv_floor_blocks * s.kv_block_bytes \
         + kv_extra + s.num_layers * s.layer_bytes - 1
 
     def resident(budget: int) -> int:

@@ -110,7 +110,10 @@ def model_sizes(options, shape: ModelShape, limits: tuple[int, int],
         kv_block_bytes=shape.num_layers * options.block_size * shape.kv_width * elem,
         min_kv_blocks=-(-max_model_len // options.block_size),
         activation_bytes=activation_bytes(shape, max_num_batched_tokens, max_num_seqs),
-        dense_layer_bytes=None if shape.layer_bytes is None else shape.layer_params * elem)
+        dense_layer_bytes=None if shape.layer_bytes is None else shape.layer_params * elem,
+        # asked-for cooperative placement keeps of a request only its quota on the
+        # device (at least one block); the rest is the host pool's (kv_split.py)
+        device_kv_floor=1 if options.kv_placement == "cooperative" else None)
 
 
 def activation_bytes(shape: ModelShape, num_tokens: int, num_sampled: int) -> int:
@@ -137,7 +140,7 @@ def _place(options, shape: ModelShape, free: FreeMemory, limits: tuple[int, int]
             kv = int(free.device * _GPU_FREE_FRACTION) - weights - sizes.activation_bytes
         else:
             kv = int(free.device * _CPU_KV_FRACTION)
-        kv = max(kv, sizes.min_kv_blocks * sizes.kv_block_bytes)
+        kv = max(kv, sizes.kv_floor_blocks * sizes.kv_block_bytes)
         budget = weights + sizes.activation_bytes + kv
     if options.host_memory is not None:
         host = _bytes(options.host_memory, free.host, "host_memory")
@@ -161,9 +164,11 @@ def _place(options, shape: ModelShape, free: FreeMemory, limits: tuple[int, int]
     plan = plan_placement(sizes, budget, host, options.prefetch_depth, kv_reserve=kv_reserve,
                           max_kv_blocks=max_kv_blocks, max_host_kv_blocks=host_cap,
                           peer_budget=peer, peer_spare=spare)
-    if options.host_memory is None and options.num_host_kv_blocks is None:
+    if options.host_memory is None and options.num_host_kv_blocks is None \
+            and options.kv_placement != "cooperative":
         # Unasked-for swap space: as much as the device pool, no more (pinned memory is
-        # slow to allocate and taken from everyone else).
+        # slow to allocate and taken from everyone else). Cooperative placement's host
+        # pool is no swap space but the running batch's KV: its cap is the batch's.
         plan.num_host_kv_blocks = min(plan.num_host_kv_blocks, plan.num_device_kv_blocks)
         plan.host_bytes["kv_cache"] = plan.num_host_kv_blocks * sizes.kv_block_bytes
     return plan
