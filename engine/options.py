@@ -111,6 +111,14 @@ class EngineOptions:
         False, "On GPUs, run every step op by op: no CUDA graphs for decode steps (they "
         "replay a step's kernels with one launch; deterministic mode, streamed layers and "
         "MoE models never use them).", kind=bool)
+    # The same tokens either way (a request that stops runs one extra token, discarded):
+    # not part of a job's identity.
+    async_scheduling: bool | None = option(
+        None, "Prepare the next step (schedule it, build its inputs) while this one runs: "
+        "a request's next input id is the sampled id the device still holds; requests "
+        "with structured output, logits processors, logprobs or prompt logprobs wait for "
+        "their previous token (engine/llm_engine.py).", kind=bool,
+        unset="on for a CUDA device in one process, off on CPUs; never in device groups")
     # Another revision is other weights: part of a job's identity.
     revision: str | None = option(
         None, "Hub revision (branch, tag or commit) of a model named by its hub id "
@@ -192,6 +200,9 @@ class EngineOptions:
             if not isinstance(getattr(self, name), bool):
                 raise EngineConfigError(f"{name} must be true or false; got "
                                         f"{getattr(self, name)!r}")
+        if not (self.async_scheduling is None or isinstance(self.async_scheduling, bool)):
+            raise EngineConfigError(f"async_scheduling must be true, false or unset (auto); "
+                                    f"got {self.async_scheduling!r}")
         if self.revision is not None and (not isinstance(self.revision, str)
                                           or not self.revision):
             raise EngineConfigError(f"revision must be a branch, tag or commit name; got "
