@@ -10,7 +10,7 @@ import click
 
 from fusegen.engine.errors import EngineConfigError
 from fusegen.engine.options import EngineOptions
-from fusegen.jobs.bench.presets import PRESETS
+from fusegen.jobs.bench.presets import PRESETS, WORKLOADS
 from fusegen.jobs.flags import engine_flags, with_flags
 
 # fusegen's own settings a benchmark may change (dtype and device apply to every engine).
@@ -37,8 +37,17 @@ def _timeout_option(flag: str, what: str):
                    "Hugging Face directory (a GGUF file's export, cached). Default: the "
                    "preset's own (chat: smollm2).")
 @click.option("--revision", help="Branch, tag or commit of a hub id --model.")
+@click.option("--workload", "workload_name", type=click.Choice(list(WORKLOADS)),
+              help="Run the preset's model on a workload shaped like a published "
+                   "benchmark's instead of the preset's own requests (random prompt ids; "
+                   "the preset's random model gets the positions it needs): "
+                   + "; ".join(w.describe() for w in WORKLOADS.values()) + ".")
 @click.option("--requests", "num_requests", type=click.IntRange(min=1),
-              help="Number of requests (default: the preset's).")
+              help="Number of requests (default: the preset's, or the workload's).")
+@click.option("--hf-requests", type=click.IntRange(min=1),
+              help="Run the transformers baselines on the first N requests alone, so that a "
+                   "long workload finishes; the report compares them per token "
+                   "(default: all).")
 @click.option("--layers", type=click.IntRange(min=1),
               help="Decoder layers (default: the preset's); fewer for a quicker run of the same shape.")
 @click.option("--hf-batch-size", type=click.IntRange(min=1),
@@ -108,7 +117,8 @@ def _timeout_option(flag: str, what: str):
                    "of every engine as bars, fusegen's decode step times over the run, its "
                    "memory plan, the table) to this file. Default: beside --json, its name "
                    "with .html (none without --json).")
-def bench(preset_name, model_name, revision, num_requests, layers, hf_batch_size, dtype, device, seed, skip_hf,
+def bench(preset_name, model_name, revision, workload_name, num_requests, hf_requests, layers,
+          hf_batch_size, dtype, device, seed, skip_hf,
           skip_hf_static, skip_hf_continuous, vllm_python, vllm_timeout, llamacpp,
           llamacpp_timeout, deterministic_too, structured, prefix_caching, sparsity,
           sparse_values, sparse_method, cache_dir, json_path, report_path, **engine):
@@ -128,8 +138,11 @@ def bench(preset_name, model_name, revision, num_requests, layers, hf_batch_size
     from fusegen.jobs.bench.report import format_report
 
     report_path = _report_path(report_path, json_path)
-    preset = PRESETS[preset_name].shrink(num_layers=layers, num_requests=num_requests,
-                                         hf_batch_size=hf_batch_size)
+    preset = PRESETS[preset_name]
+    if workload_name is not None:
+        preset = preset.with_workload(workload_name)
+    preset = preset.shrink(num_layers=layers, num_requests=num_requests,
+                           hf_batch_size=hf_batch_size)
     options = {k: v for k, v in engine.items() if v is not None}
     try:
         EngineOptions.from_kwargs(options)  # a bad value fails before any model is built
@@ -139,6 +152,7 @@ def bench(preset_name, model_name, revision, num_requests, layers, hf_batch_size
                              cache_dir=cache_dir,
                              hf_static=not (skip_hf or skip_hf_static),
                              hf_continuous=not (skip_hf or skip_hf_continuous),
+                             hf_requests=hf_requests,
                              engine_options=options, deterministic_too=deterministic_too,
                              structured=structured, prefix_caching=prefix_caching,
                              vllm_python=vllm_python, vllm_timeout=vllm_timeout,

@@ -40,6 +40,9 @@ class BenchConfig:
     cache_dir: Path | None = None  # None: $FUSEGEN_CACHE_DIR or ~/.cache/fusegen
     hf_static: bool = True
     hf_continuous: bool = True
+    # The transformers baselines run the first hf_requests requests (None: all), so that
+    # a long workload finishes; their rates are per token of those requests.
+    hf_requests: int | None = None
     engine_options: dict = field(default_factory=dict)  # extra LLM(...) knobs for fusegen
     deterministic_too: bool = False  # fusegen a second time, deterministic=True
     structured: str = "none"  # "half": fusegen again, every other request JSON-constrained
@@ -92,20 +95,39 @@ class BenchConfig:
             raise ValueError(f"--layers must be at least 1; got {self.preset.model.num_layers}")
         if self.preset.hf_batch_size < 1:
             raise ValueError(f"--hf-batch-size must be at least 1; got {self.preset.hf_batch_size}")
+        if self.hf_requests is not None and not 1 <= self.hf_requests <= self.preset.num_requests:
+            raise ValueError(
+                f"--hf-requests {self.hf_requests} must be between 1 and --requests "
+                f"{self.preset.num_requests}: the transformers baselines run the first "
+                "--hf-requests of the bench's requests")
         if self.vllm_timeout <= 0:
             raise ValueError(f"--vllm-timeout must be positive; got {self.vllm_timeout}")
         if self.llamacpp is not None:
             self._check_llamacpp()
         if self.sparsities:
             self._check_sparse()
-        longest = self.preset.shared_prefix_len + self.preset.prompt_len.high \
-            + self.preset.output_len.high
+        self._check_context()
+
+    def _check_context(self) -> None:
+        """The longest request must fit the model's positions and fusegen's max_model_len."""
+        preset = self.preset
+        parts = [preset.shared_prefix_len] if preset.shared_prefix_len else []
+        parts += [preset.prompt_len.high, preset.output_len.high]
+        longest = sum(parts)
+        what = (f"workload {preset.workload}'s" if preset.workload else
+                f"preset {preset.name}'s") + f" requests reach {' + '.join(map(str, parts))}"
+        if len(parts) > 1:
+            what += f" = {longest}"
+        what += " positions"
         if self.model is not None and longest > self.shape.max_position_embeddings:
             raise ValueError(
-                f"preset {self.preset.name}'s requests reach {longest} positions but "
-                f"{self.model.source} has max_position_embeddings "
-                f"{self.shape.max_position_embeddings}; run a preset with shorter requests, "
-                "or a model with a longer context")
+                f"{what} but {self.model.source} has max_position_embeddings "
+                f"{self.shape.max_position_embeddings}; run a preset or workload with "
+                "shorter requests, or a model with a longer context")
+        max_model_len = self.engine_options.get("max_model_len")
+        if max_model_len is not None and longest > max_model_len:
+            raise ValueError(f"{what} but --max-model-len is {max_model_len}; raise it to "
+                             f"at least {longest}")
 
     def _check_llamacpp(self) -> None:
         from fusegen.jobs.bench.llamacpp_runner import choose_tool
@@ -173,7 +195,8 @@ def run_benchmark(config: BenchConfig, progress: Progress = lambda _: None) -> d
     preset, shape = config.preset, config.shape
     requests, warmup = workload_for(config)
     kind = "chat prompts" if preset.prompts == "chat" else "prompts"
-    progress(f"workload: {len(requests)} requests, {kind} {preset.prompt_len.describe()}, "
+    named = f" {preset.workload}" if preset.workload else ""
+    progress(f"workload{named}: {len(requests)} requests, {kind} {preset.prompt_len.describe()}, "
              f"outputs {preset.output_len.describe()} (seed {config.seed})")
     # torch work of the bench's own runs on passing threads (engine/host.py): no OpenMP
     # team is left on the main thread beside fusegen's engine
@@ -244,10 +267,11 @@ def run_benchmark(config: BenchConfig, progress: Progress = lambda _: None) -> d
     load = {"fusegen_s": results[0].load_s, "transformers_s": None}
     if model.gguf and hf_on:
         load |= _time_hf_gguf_load(config, model, progress)
+    hf_requests = requests[:config.hf_requests]  # None: all
     if preset.offload:
-        results += _run_offload_baseline(config, hf_dir, requests, warmup, budgets, progress)
+        results += _run_offload_baseline(config, hf_dir, hf_requests, warmup, budgets, progress)
     else:
-        results += _run_baselines(config, hf_dir, requests, warmup, progress)
+        results += _run_baselines(config, hf_dir, hf_requests, warmup, progress)
 
     for result in results:
         if result.skipped is None:

@@ -85,6 +85,8 @@ class LengthDist:
             raise ValueError("a lognormal length distribution needs mean > 0 and sigma > 0")
 
     def describe(self) -> str:
+        if self.kind == "uniform" and self.low == self.high:
+            return f"fixed {self.low}"
         if self.kind == "uniform":
             return f"uniform {self.low}..{self.high}"
         return f"lognormal mean~{self.mean:g} sigma {self.sigma:g}, clipped to {self.low}..{self.high}"
@@ -122,6 +124,8 @@ class Preset:
     # Leading prompt tokens every request shares (an instruction), before the prompt_len
     # tokens of its own: what prefix caching serves.
     shared_prefix_len: int = 0
+    # The named workload (WORKLOADS) that gave the requests; None: the preset's own.
+    workload: str | None = None
 
     def __post_init__(self):
         if self.prompts not in ("random", "chat"):
@@ -137,11 +141,60 @@ class Preset:
             num_requests=self.num_requests if num_requests is None else num_requests,
             hf_batch_size=self.hf_batch_size if hf_batch_size is None else hf_batch_size)
 
+    def with_workload(self, name: str) -> "Preset":
+        """The same model on the named workload's requests (random prompt ids, no shared
+        prefix). The preset's random model gets the positions the longest request needs
+        (a RoPE model's positions hold no weights); a real model keeps its own, and
+        BenchConfig refuses a workload it cannot hold."""
+        if name not in WORKLOADS:
+            raise ValueError(f"unknown workload {name!r}; one of {', '.join(WORKLOADS)}")
+        work = WORKLOADS[name]
+        positions = max(self.model.max_position_embeddings, work.max_context)
+        return replace(self, model=replace(self.model, max_position_embeddings=positions),
+                       num_requests=work.num_requests, prompt_len=work.prompt_len,
+                       output_len=work.output_len, prompts="random", shared_prefix_len=0,
+                       workload=name)
 
-# Lengths after ShareGPT as the field benchmarks it: prompt mean ~200 and output mean
-# ~180 with long tails, capped at 1024 each (as vLLM's script does).
-_SHAREGPT_PROMPTS = LengthDist("lognormal", 4, 1024, mean=200.0, sigma=1.0)
-_SHAREGPT_OUTPUTS = LengthDist("lognormal", 4, 1024, mean=180.0, sigma=0.9)
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """Request lengths apart from any model, shaped like a published benchmark's: what
+    `fusegen bench --workload` puts on a preset."""
+    name: str
+    num_requests: int  # the default; --requests overrides it
+    prompt_len: LengthDist
+    output_len: LengthDist
+    about: str  # where the lengths come from
+
+    @property
+    def max_context(self) -> int:
+        return self.prompt_len.high + self.output_len.high
+
+    def describe(self) -> str:
+        return (f"{self.name}: {self.num_requests:,} requests, prompts "
+                f"{self.prompt_len.describe()}, outputs {self.output_len.describe()}; "
+                f"{self.about}")
+
+
+WORKLOADS: dict[str, Workload] = {
+    # Lengths after ShareGPT as the field benchmarks it (vLLM's and SGLang's ShareGPT
+    # runs, vLLM's published ~8.1k tok/s on an H100): prompt mean ~200 and output mean
+    # ~180 with long tails, capped at 1024 each (as vLLM's script does).
+    "sharegpt-like": Workload(
+        "sharegpt-like", 1000,
+        prompt_len=LengthDist("lognormal", 4, 1024, mean=200.0, sigma=1.0),
+        output_len=LengthDist("lognormal", 4, 1024, mean=180.0, sigma=0.9),
+        about="ShareGPT's lengths, long-tailed, each capped at 1024 as vLLM's "
+              "benchmark caps them; random prompt ids"),
+    # Fixed lengths, as the random-dataset runs of vLLM's and SGLang's benchmarks at
+    # 1024 / 1024; TensorRT-LLM's table uses 1000 / 1000 (the gpu-8b-1k preset).
+    "random-1k-1k": Workload(
+        "random-1k-1k", 1000,
+        prompt_len=LengthDist("uniform", 1024, 1024),
+        output_len=LengthDist("uniform", 1024, 1024),
+        about="exactly 1024 random prompt ids and 1024 output tokens a request, EOS "
+              "ignored, as the random-dataset runs of vLLM's and SGLang's benchmarks"),
+}
 
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(
@@ -166,16 +219,17 @@ PRESETS: dict[str, Preset] = {
         hf_batch_size=32,
         run_dtype="auto",
     ),
-    # Llama-3-8B's shape on ShareGPT-like lengths.
+    # Llama-3-8B's shape on the sharegpt-like workload.
     "gpu-8b": Preset(
         name="gpu-8b",
         model=PresetModel(arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                          num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
                          max_position_embeddings=4096, dtype="bfloat16"),
         num_requests=1000,
-        prompt_len=_SHAREGPT_PROMPTS,
-        output_len=_SHAREGPT_OUTPUTS,
+        prompt_len=WORKLOADS["sharegpt-like"].prompt_len,
+        output_len=WORKLOADS["sharegpt-like"].output_len,
         hf_batch_size=64,
+        workload="sharegpt-like",
     ),
     # A 32B Llama shape (~65 GB in bf16), about twice a 24 GiB device budget: most
     # layers stream from pinned host memory.
@@ -185,9 +239,10 @@ PRESETS: dict[str, Preset] = {
                          intermediate_size=27648, num_layers=64, num_heads=40, num_kv_heads=8,
                          head_dim=128, max_position_embeddings=4096, dtype="bfloat16"),
         num_requests=512,
-        prompt_len=_SHAREGPT_PROMPTS,
-        output_len=_SHAREGPT_OUTPUTS,
+        prompt_len=WORKLOADS["sharegpt-like"].prompt_len,
+        output_len=WORKLOADS["sharegpt-like"].output_len,
         hf_batch_size=32,
+        workload="sharegpt-like",
         offload=OffloadSpec(device_memory="24GiB", host_memory="100GiB"),
     ),
 }

@@ -1,11 +1,13 @@
 """The benchmark's figures: one JSON-ready dict, and the table printed from it."""
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 
 from fusegen.jobs.bench import flops
 from fusegen.jobs.bench.ceiling import Ceiling
 from fusegen.jobs.bench.machine import describe_machine, now_iso, versions
+from fusegen.jobs.bench.presets import WORKLOADS
 from fusegen.jobs.bench.results import EngineResult
 from fusegen.jobs.bench.sparse import format_sparse, summarize
 from fusegen.jobs.bench.workload import BenchRequest, describe_workload
@@ -32,12 +34,12 @@ def build_report(config, model, baseline_dir: Path, requests: list[BenchRequest]
         "versions": versions(),
         "config": {"dtype": dtype, "device": config.device, "seed": config.seed,
                    "num_requests": preset.num_requests, "hf_batch_size": preset.hf_batch_size,
+                   "hf_requests": config.hf_requests,  # None: the baselines ran them all
                    "engine_options": dict(config.engine_options)},
         "model": {**shape.to_dict(), "num_params": flops.num_params(shape),
                   "source": model.source, "format": model.format,
                   "checkpoint": str(model.path), "baseline_checkpoint": str(baseline_dir)},
-        "workload": {**describe_workload(requests), "prompt_dist": preset.prompt_len.describe(),
-                     "output_dist": preset.output_len.describe()},
+        "workload": _workload(preset, requests),
         "ceiling": ceiling.to_dict(),
         "results": engines,
         "ratios": {r.name: _ratios(fusegen, r) for r in results
@@ -47,6 +49,18 @@ def build_report(config, model, baseline_dir: Path, requests: list[BenchRequest]
         **({"sparse": summarize(engines, config.sparse_variants)}
            if config.sparse_variants else {}),
     }
+
+
+def _workload(preset, requests: list[BenchRequest]) -> dict:
+    """The requests as drawn, and what they were drawn from: the named workload (None:
+    the preset's own lengths) and each length distribution's parameters."""
+    named = WORKLOADS.get(preset.workload)
+    return {"name": preset.workload, "about": named.about if named else None,
+            **describe_workload(requests),
+            "prompt_dist": preset.prompt_len.describe(),
+            "output_dist": preset.output_len.describe(),
+            "prompt_dist_params": asdict(preset.prompt_len),
+            "output_dist_params": asdict(preset.output_len)}
 
 
 def _ratios(fusegen: EngineResult, baseline: EngineResult) -> dict:
@@ -104,6 +118,7 @@ def format_report(report: dict) -> str:
         f"{cfg['dtype']} on {cfg['device']} ({where}), {report['date']}",
         f"  model: {named}{model['num_layers']} layers, hidden {model['hidden_size']}, vocab "
         f"{model['vocab_size']}, {model['num_params'] / 1e6:.1f}M parameters",
+        _workload_line(report),
         f"  prompts: {work['num_prompt_tokens']:,} tokens ({work['prompt_dist']}, mean "
         f"{work['prompt_len']['mean']}); outputs: {work['num_output_tokens']:,} tokens "
         f"({work['output_dist']}, mean {work['output_len']['mean']})",
@@ -123,6 +138,9 @@ def format_report(report: dict) -> str:
             f"{_flops(r['flops_per_s']):>16}{r['mfu']:>8.1%}{_mb(r.get('peak_rss_bytes')):>11}"
             f"{(f'{ratio:.2f}x' if ratio else '-'):>11}{mark}")
     lines += ["", _ceiling_line(ceil)]
+    subset = _subset_line(report)
+    if subset:
+        lines.append(subset)
     if "llamacpp" in report["results"]:
         lines.append(_llamacpp_line(report["results"]["llamacpp"], report["ratios"],
                                     _ran_as(report, cfg), cfg["dtype"]))
@@ -162,6 +180,28 @@ def format_report(report: dict) -> str:
     if "sparse" in report:
         lines += format_sparse(report["sparse"])
     return "\n".join(lines)
+
+
+def _workload_line(report: dict) -> str:
+    work = report["workload"]
+    if work.get("name"):
+        return f"  workload {work['name']}: {work['about']}"
+    return f"  workload: preset {report['preset']}'s own lengths"
+
+
+def _subset_line(report: dict) -> str | None:
+    """How the transformers baselines compare when they ran the first N requests alone."""
+    num_requests = report["workload"]["num_requests"]
+    ran = {name: r for name, r in report["results"].items() if name.startswith("hf_")
+           and "skipped" not in r and r["num_requests"] < num_requests}
+    if not ran:
+        return None
+    r = next(iter(ran.values()))
+    return (f"transformers ({', '.join(x['label'] for x in ran.values())}) ran the first "
+            f"{r['num_requests']:,} of the {num_requests:,} requests (--hf-requests: "
+            f"{r['num_prompt_tokens']:,} prompt and {r['num_output_tokens']:,} output tokens); "
+            "its figures are per token of those, and 'fusegen x' divides fusegen's rate over "
+            "all the requests by its rate over them")
 
 
 def _mb(value: int | None) -> str:
