@@ -106,6 +106,11 @@ class DeviceGroup:
                 self._check_processes(f"step {message[1]}")
                 raise self._fail(f"rank {rank} cannot be reached ({exc})") from None
 
+    def ask(self, kind: str) -> dict[int, object]:
+        """Every rank's answer to the query `kind` (between steps: none in flight)."""
+        self.send_all((kind, -1))
+        return {info.rank: self.receive(info.rank, kind, kind)[2] for info in self.infos}
+
     def receive(self, rank: int, kind: str | tuple[str, ...], what: str):
         """The next message from `rank`, which must be of `kind` (one or several);
         DeviceGroupError when any rank died or reported an error, or after the timeout."""
