@@ -19,6 +19,7 @@ from fusegen.engine.config import EngineConfig
 from fusegen.engine.errors import EngineConfigError
 from fusegen.engine.models import get_architecture
 from fusegen.engine.parallel.group import DeviceGroup, check_shared_memory
+from fusegen.engine.parallel.overlap import overlap_summary
 from fusegen.engine.parallel.peer import group_holders
 from fusegen.engine.parallel.plan import model_stages, rank_devices, rank_infos
 from fusegen.engine.parallel.worker import shared_logits
@@ -111,6 +112,11 @@ class ParallelRunner(Runner):
         the bytes it sent to the next stage."""
         return {rank: {"tensor_parallel": tp, "pipeline": pp}
                 for rank, _, tp, pp in self._stats()}
+
+    def tensor_parallel_overlap(self) -> dict:
+        """The group's row-parallel sums timed (overlap.overlap_summary): compute,
+        communication, the part of it hidden behind compute, per layer and in all."""
+        return overlap_summary(self.group.ask("overlap"))
 
     def stream_stats(self) -> dict[int, dict]:
         """Per rank: its streamed layers' loads, bytes and the seconds its compute waited

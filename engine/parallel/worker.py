@@ -70,7 +70,8 @@ class ShardRunner(ModelRunner):
         model = self.arch.build_model(cfg)
         full = self.config.model_config
         parallelize(model, self.group, vocab_range(full.vocab_size, self.info.tp_size,
-                                                   self.info.tp_rank))
+                                                   self.info.tp_rank),
+                    self.config.options.tp_overlap_chunks)
         return model
 
     def _fixed_sources(self, state) -> dict:
@@ -213,6 +214,8 @@ class Worker:
             elif kind == "stats":
                 self.conn.send(("stats", self.info.rank, self.trace, self.runner.group.bytes_sent,
                                 self.pipeline_bytes))
+            elif kind == "overlap":
+                self.conn.send(("overlap", self.info.rank, self.runner.group.overlap_stats()))
             elif kind == "streams":
                 self.conn.send(("streams", self.info.rank, self.runner.stream_stats(),
                                 len(self.trace)))
