@@ -23,6 +23,7 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp16": "float16", "bf16
 QUANTIZATIONS = (None, "dequantize", "gguf", "int8", "int4", "fp8")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 KV_PLACEMENTS = ("auto", "device", "cooperative")  # engine/memory/kv_split.py
+TP_MODES = ("1d", "2d", "2.5d")  # engine/parallel/tesseract.py: the 2d / 2.5d grid
 
 
 def option(default, help: str, *, kind: type = str, unset: str = "none",
@@ -154,6 +155,18 @@ class EngineOptions:
     pipeline_parallel_size: int = option(
         1, "Device group: stages that split the layers (pipeline parallelism, up to this "
         "many batches in flight), each stage tensor_parallel_size ranks.", kind=int)
+    # The grid sums each linear's partial products in another order than 1-D: part of a
+    # job's identity.
+    tensor_parallel_mode: str = option(
+        "1d", "Device group: how tensor_parallel_size ranks split each layer: 1d (heads and "
+        "MLP rows, two all-reduces a layer), 2d (a [q, q] grid, each rank a q x q block of "
+        "every weight: tensor_parallel_size = q x q) or 2.5d (a [q, q, d] grid: d such "
+        "layers, each its share of the batch's sequences; tensor_parallel_size = q x q x "
+        "tesseract_depth). docs/parallel_modes.md says which wins where.",
+        affects_output=True)
+    tesseract_depth: int = option(
+        1, "Device group, tensor_parallel_mode 2.5d: d, the grid's depth (2d is depth 1).",
+        kind=int, affects_output=True)
     collective_timeout: int = option(
         300, "Device group: seconds a rank may take to start or to answer a step before "
         "the group is declared failed (its requests fail with device_group_failed).",
@@ -187,6 +200,14 @@ class EngineOptions:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "collective_timeout",
                      "tp_overlap_chunks"):
             _check_int(self, name, 1)
+        _check_int(self, "tesseract_depth", 1)
+        if self.tensor_parallel_mode not in TP_MODES:
+            raise EngineConfigError(f"tensor_parallel_mode must be one of "
+                                    f"{', '.join(TP_MODES)}; got {self.tensor_parallel_mode!r}")
+        if self.tesseract_depth > 1 and self.tensor_parallel_mode != "2.5d":
+            raise EngineConfigError(
+                f"tesseract_depth {self.tesseract_depth} needs tensor_parallel_mode '2.5d' "
+                f"(got {self.tensor_parallel_mode!r}; '2d' is depth 1)")
         self._check_seed()
         if self.num_host_kv_blocks is not None:
             _check_int(self, "num_host_kv_blocks", 0)
