@@ -73,6 +73,9 @@ def run_fusegen(model_dir: Path, requests: list[BenchRequest], warmup: list[Benc
         weight_bytes = runner.step_weight_bytes()
         model = runner.local_model()  # None where a device group's ranks hold it
         layer_bytes = None if model is None else linear_bytes_by_layer(model)
+        # a device group's row-parallel sums timed (warm-up included): how much of the
+        # all-reduces' time its compute hid
+        overlap = runner.tensor_parallel_overlap() if tp > 1 else None
         cuda_graphs = None if graphs is None else {
             "replays": graphs.replays - replays_before, "recorded": len(graphs.graphs),
             "failed": graphs.failed}
@@ -101,6 +104,7 @@ def run_fusegen(model_dir: Path, requests: list[BenchRequest], warmup: list[Benc
         "memory": memory,  # bytes per tier and use, budgets, layers and KV blocks per tier
         **offload,
         **({} if cuda_graphs is None else {"cuda_graphs": cuda_graphs}),
+        **({} if overlap is None else {"tensor_parallel_overlap": overlap}),
     }
     if schema is not None:
         constrained = [o.outputs[0] for o in outputs[1::2]]
