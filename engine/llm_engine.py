@@ -1,6 +1,23 @@
 """The engine step: `scheduler.schedule()` -> `runner.submit(batch)` ... `runner.collect()`
 -> `scheduler.update()`, plus what turns prompts into requests (validation) and finished
-requests into outputs."""
+requests into outputs.
+
+Asynchronous scheduling (the `async_scheduling` option; vLLM v1's async scheduler,
+SGLang's overlap scheduler): while the runner computes step N, the engine schedules
+step N+1 and submits it (its inputs built, each request's next input id the
+placeholder the runner fills from step N's sampled ids), then collects step N and turns
+its tokens into outputs; the scheduler sees step N's tokens one step late. A request
+that stops at step N (eos, a stop token or string) has run one token more, which is
+discarded; one that reaches max_tokens does not (its limit is known ahead). Requests
+whose sampling needs the host's per-token decisions first - structured output (the
+grammar's mask), logits processors (penalties, min_tokens, bad_words, logit_bias) and
+logprobs / prompt logprobs (written into the request by the step) - wait for their
+token: each of their steps is scheduled after the last one's tokens are back, while
+the rest of the batch goes on. The tokens are those of the synchronous loop (tests/
+test_async_scheduling.py); unseeded sampling draws from the engine's generator, which
+discarded tokens advance too. Auto (None) turns it on for a CUDA device in one
+process: on a CPU the controller and the step share the same cores. Device groups
+keep their own batches in flight (pipeline stages) and never use it."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,7 +31,7 @@ from pathlib import Path
 
 from fusegen.engine.split_blocks import make_block_manager
 from fusegen.engine.config import EngineConfig
-from fusegen.engine.errors import ModelLoadError
+from fusegen.engine.errors import EngineConfigError, ModelLoadError
 from fusegen.engine.detokenizer import IncrementalDetokenizer
 from fusegen.engine.models.rope import recompute_length
 from fusegen.engine.outputs import RequestOutput
@@ -69,11 +86,12 @@ class EngineStats:
 
     def record(self, batch: ScheduledBatch, sampled: list[int | None],
                finished: list[Request], seconds: float) -> None:
-        """Count one step that ran `batch` in `seconds`."""
+        """Count one step that ran `batch` in `seconds`; its generated tokens are those
+        `update` appended (`sampled` less the discarded ones)."""
         self.num_steps += 1
         self.num_running_sum += len(batch)
         self.num_scheduled_tokens += batch.num_tokens
-        self.num_generated_tokens += sum(t is not None for t in sampled)
+        self.num_generated_tokens += batch.num_generated
         self.num_preemptions += batch.num_preempted
         self.num_swapped_blocks += len(batch.swap_out)
         self.num_finished += len(finished)
@@ -118,15 +136,20 @@ class LLMEngine:
             self.runner.num_host_blocks, caching,
             cache_salt=f"{config.model}|{config.options.revision}|{config.torch_dtype}|"
                        f"{config.block_size}")
+        self.async_scheduling = _async_scheduling(config, self.runner, recompute_at)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.max_model_len,
-                                   recompute_at)
+                                   recompute_at, overlap=self.async_scheduling)
         self.stats = EngineStats()
         # batches submitted and not collected, oldest first, with their submit times
         self._in_flight: deque[tuple[ScheduledBatch, float]] = deque()
         # at most this many in flight: the runner's (a pipeline's stage count); 1 makes
-        # a pipeline blocking, as a baseline to measure the stages' idle time against
-        self.max_in_flight = self.runner.max_in_flight
+        # a pipeline blocking, as a baseline to measure the stages' idle time against;
+        # 2 with asynchronous scheduling (the step running and the next)
+        self.max_in_flight = 2 if self.async_scheduling else self.runner.max_in_flight
+        self._last_collect = 0.0  # when the last step's tokens came back
+        if self.async_scheduling:
+            self.runner.overlap_steps()
         self._ids = itertools.count()
         self.structured = StructuredCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         # chat templates stop rendering past what could fit the context (engine used alone
@@ -241,23 +264,29 @@ class LLMEngine:
         stage waits for the controller), then collect the oldest and advance its
         requests."""
         # in flight, each batch takes its share of the requests (and of max_num_seqs)
-        share = None if self.max_in_flight == 1 else -(-min(
+        share = None if self.max_in_flight == 1 or self.async_scheduling else -(-min(
             self.scheduler.num_unfinished, self.scheduler.max_num_seqs) // self.max_in_flight)
         while len(self._in_flight) < self.max_in_flight:
             batch = self.scheduler.schedule(share)
             if not batch:
                 break
             for req in batch.requests:
-                req.in_flight = True
+                req.num_in_flight += 1
             self._in_flight.append((batch, time.perf_counter()))
-            self.runner.submit(batch)
+            self.runner.submit(batch)  # takes the batch's inputs now
+            if self.async_scheduling:
+                self.scheduler.advance(batch)
         if not self._in_flight:
             return []
         batch, start = self._in_flight[0]
         sampled = self.runner.collect()
         self._in_flight.popleft()
         finished = self.scheduler.update(batch, sampled)
-        self.stats.record(batch, sampled, finished, time.perf_counter() - start)
+        now = time.perf_counter()
+        # overlapped steps: a step's time is from the last one's tokens to its own
+        seconds = now - (max(start, self._last_collect) if self.async_scheduling else start)
+        self._last_collect = now
+        self.stats.record(batch, sampled, finished, seconds)
         return self._outputs(finished)
 
     def _outputs(self, finished: list[Request]) -> list[RequestOutput]:
@@ -284,7 +313,7 @@ class LLMEngine:
         dropped = self._unfinished()
         for batch, _ in self._in_flight:  # their tokens will never come back
             for req in batch.requests:
-                req.in_flight = False
+                req.num_in_flight = 0
         self._in_flight.clear()
         self.scheduler.finish(dropped, reason)
         self.block_manager.reset_cache()  # the failed step may have half-written its blocks
@@ -311,6 +340,24 @@ class LLMEngine:
 
     def close(self) -> None:
         self.runner.close()
+
+
+def _async_scheduling(config: EngineConfig, runner: Runner, recompute_at: int) -> bool:
+    """The `async_scheduling` option resolved: None is on for a CUDA device whose runner
+    holds the whole model; True where it cannot run is an error naming why."""
+    asked = config.options.async_scheduling
+    why = None
+    if not runner.supports_async_scheduling:
+        why = ("a device group (tensor_parallel_size x pipeline_parallel_size > 1) keeps "
+               "its own batches in flight")
+    elif recompute_at or runner.uses_request_lengths:
+        why = "the model's rotary factors follow each request's whole length (LongRoPE)"
+    if asked is None:
+        return why is None and config.device.startswith("cuda")
+    if asked and why is not None:
+        raise EngineConfigError(f"async_scheduling=True cannot run here: {why}; leave it "
+                                "unset or false")
+    return asked
 
 
 def _load_tokenizer(config: EngineConfig) -> Tokenizer:

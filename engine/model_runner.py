@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import functools
 from collections import Counter, deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
+import numpy as np
 import torch
 
 from fusegen.engine.config import COMPRESSED, EngineConfig
@@ -25,8 +26,9 @@ from fusegen.engine.logprobs import record_prompt_logprobs
 from fusegen.engine.sampler import Sampler
 from fusegen.engine.graphs import DecodeGraphs
 from fusegen.engine.runner_api import LOGITS_CHUNK, Runner
+from fusegen.engine.request import PLACEHOLDER
 from fusegen.engine.scheduler import ScheduledBatch
-from fusegen.engine.step_inputs import StepInputs, host_rows, step_inputs
+from fusegen.engine.step_inputs import StepInputs, step_inputs
 
 
 def _checkpoint_tensors(config: EngineConfig, dtype: torch.dtype) -> dict:
@@ -34,6 +36,19 @@ def _checkpoint_tensors(config: EngineConfig, dtype: torch.dtype) -> dict:
     entries kept compressed in `config.quantization`'s form carry it as `.compressed`."""
     return checkpoint_tensors(config.model, config.model_config, dtype, config.quantization,
                               config.options.allow_pickle)
+
+
+def _like_this_thread(device: torch.device):
+    """An initializer giving a new thread this one's intra-op thread count and current
+    GPU (both are per thread)."""
+    threads = torch.get_num_threads()
+    gpu = torch.cuda.current_device() if device.type == "cuda" else None
+
+    def start() -> None:
+        torch.set_num_threads(threads)
+        if gpu is not None:
+            torch.cuda.set_device(gpu)
+    return start
 
 
 def _component(source, name: str) -> torch.Tensor:
@@ -49,6 +64,8 @@ class ModelRunner(Runner):
     max_in_flight = 1  # a batch runs as it is submitted: nothing to overlap it with
     supports_prompt_logprobs = True
     failed = None  # a failed step raises; the next one runs (after reset_streams)
+    supports_async_scheduling = True
+    _worker: ThreadPoolExecutor | None = None  # runs the steps, with async scheduling
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -300,49 +317,98 @@ class ModelRunner(Runner):
             self.kv_cache[:, dst.to(self.device)] = self.host_kv_cache[:, src].to(
                 self.device, non_blocking=True)
 
+    def overlap_steps(self) -> None:
+        """Asynchronous scheduling: from now on `submit` hands each step to one worker
+        thread and returns, so the controller prepares the next step while this one runs
+        (torch's kernels and fusegen's release the GIL). A step's placeholder inputs are
+        the previous step's sampled ids, which the worker holds: on a CPU they are read
+        where they were written; on CUDA the worker (not the controller) waits for them."""
+        self._worker = ThreadPoolExecutor(1, "fusegen-step", _like_this_thread(self.device))
+        self._previous: dict[int, int] = {}  # id(request) -> its index in the last batch
+        self._last: list[int | None] = []  # the last step's tokens, on the worker
+
     def submit(self, batch: ScheduledBatch) -> None:
-        """Run the batch now; `collect` hands back its tokens."""
-        self._tokens.append(self.run(batch))
+        """Take the batch's inputs now (the scheduler moves its requests on once it is
+        submitted) and run it: at once, or on the worker thread (`overlap_steps`);
+        `collect` hands back its tokens."""
+        if self._worker is None:
+            self._tokens.append(self.run(batch))
+            return
+        inputs = step_inputs(batch, self.block_size, self.uses_request_lengths)
+        # (input row, index in the previous batch) of each token still in flight: a
+        # request's placeholder is the first (and only) token it runs
+        fill = [(row, self._previous[id(req)])
+                for row, req in zip(inputs.query_start, batch.requests)
+                if inputs.input_ids[row] == PLACEHOLDER]
+        self._previous = {id(req): i for i, req in enumerate(batch.requests)}
+        self._tokens.append(self._worker.submit(self._run_after, batch, inputs, fill))
+
+    def _run_after(self, batch: ScheduledBatch, inputs: StepInputs,
+                   fill: list[tuple[int, int]]) -> list[int | None]:
+        """On the worker: the batch, its placeholders filled from the step before it."""
+        for row, i in fill:
+            inputs.input_ids[row] = self._last[i]
+        self._last = self.run(batch, inputs)
+        return self._last
 
     def collect(self) -> list[int | None]:
-        return self._tokens.popleft()
+        tokens = self._tokens.popleft()
+        return tokens if self._worker is None else tokens.result()
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[int | None]:
-        """One forward pass over the batch's ragged tokens; a sampled token for each
-        request whose last uncomputed token ran, None for the others."""
-        inputs = step_inputs(batch, self.block_size, self.uses_request_lengths)
+    def run(self, batch: ScheduledBatch, inputs: StepInputs | None = None) -> list[int | None]:
+        """One forward pass over the batch's ragged tokens (`inputs`: built already, at
+        submit); a sampled token for each request whose last uncomputed token ran, None
+        for the others."""
+        if inputs is None:
+            inputs = step_inputs(batch, self.block_size, self.uses_request_lengths)
         self.swap(inputs.swap_out, to_host=True)
         self.swap(inputs.swap_in, to_host=False)
         self.peak_device_bytes = max(self.peak_device_bytes, self._step_bytes(
             len(inputs.input_ids), len(inputs.sample_rows)))
+        # one flag a step: a request still missing prompt logprobs (they need more rows)
+        prompt_logprobs = any(
+            r.prompt_logprobs is not None and len(r.prompt_logprobs) < r.num_prompt_tokens
+            for r in batch.requests)
         if self.graphs is not None and self.graphs.serves(inputs):
-            x, residual = self.graphs.run(inputs)
+            # a decode step of plain greedy rows: the graph holds the head and argmax too,
+            # and reading its ids is the step's one host sync
+            head = inputs.is_decode and not prompt_logprobs \
+                and Sampler.plain_greedy(batch.requests)
+            out = self.graphs.run(inputs, head)
+            if head:
+                return out[0].tolist()  # every request samples, in order
+            x, residual = out
         else:
             x, residual = self.forward(inputs)
-        # one flag a step: a request still missing prompt logprobs (they need more rows)
-        if any(r.prompt_logprobs is not None and len(r.prompt_logprobs) < r.num_prompt_tokens
-               for r in batch.requests):
+        if prompt_logprobs:
             record_prompt_logprobs(batch.requests, batch.num_scheduled_tokens,
-                                   inputs.query_start,
+                                   inputs.query_start.tolist(),
                                    lambda rows: self.model.logits(*self._rows(x, residual, rows)),
                                    LOGITS_CHUNK)
-        out: list[int | None] = [None] * len(batch)
+        return self._sample(batch, inputs, x, residual)
 
-        def requests(chunk: slice) -> list:
-            return [batch.requests[i] for i in inputs.sample_reqs[chunk]]
-
+    def _sample(self, batch: ScheduledBatch, inputs: StepInputs, x, residual
+                ) -> list[int | None]:
+        """The sampled rows' tokens, each at its request's index (None elsewhere): the
+        ids of every chunk read back in one sync."""
+        sample_reqs = inputs.sample_reqs.tolist()
+        requests = [batch.requests[i] for i in sample_reqs]
+        parts = []
         # plain greedy rows: their tokens straight from the head, no logits written
-        for chunk, tokens, logits in self.head_chunks(
+        for chunk, ids, logits in self.head_chunks(
                 x, residual, inputs.sample_rows,
-                lambda chunk: Sampler.plain_greedy(requests(chunk))):
-            if tokens is None:
-                tokens = self.sampler.sample(logits, requests(chunk))
-            for i, token in zip(inputs.sample_reqs[chunk], tokens.tolist()):
-                out[i] = token
+                lambda chunk: Sampler.plain_greedy(requests[chunk])):
+            parts.append(ids if ids is not None else self.sampler.sample(logits, requests[chunk]))
+        tokens = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist() if parts else []
+        if len(tokens) == len(batch):  # every request samples (a decode step), in order
+            return tokens
+        out: list[int | None] = [None] * len(batch)
+        for i, token in zip(sample_reqs, tokens):
+            out[i] = token
         return out
 
-    def head_chunks(self, x, residual, rows: list[int], greedy):
+    def head_chunks(self, x, residual, rows, greedy):
         """The head over the sampled `rows` of (x, residual), LOGITS_CHUNK rows at a time
         (a step's logits never exceed a chunk's): per chunk (its slice of `rows`, the
         greedy token ids [n] or None, the fp32 logits [n, V] or None). The ids come where
@@ -356,24 +422,25 @@ class ModelRunner(Runner):
 
     def forward(self, inputs: StepInputs, hidden=None):
         """The model's layers this process holds over the step's tokens -> (x, residual)
-        [T, h] each; `hidden`: the previous pipeline stage's (x, residual)."""
+        [T, h] each; `hidden`: the previous pipeline stage's (x, residual). The step's
+        integer inputs reach the device in two copies (int64, int32)."""
+        lengths = inputs.request_lengths
+        ids, positions, slots = self._tensors(
+            (inputs.input_ids, inputs.positions, inputs.slots), np.int64)
+        seq_lens, query_start, tables, *num_tokens = self._tensors(
+            (inputs.seq_lens, inputs.query_start, inputs.block_tables,
+             *(() if lengths is None else (lengths,))), np.int32)
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(inputs.slots, torch.int64),
-            block_tables=self._to_device(host_rows(inputs.block_tables)),
-            seq_lens=self._tensor(inputs.seq_lens, torch.int32),
-            query_start_loc=self._tensor(inputs.query_start, torch.int32),
-            max_query_len=inputs.max_query_len,
-            max_seq_len=max(inputs.seq_lens),
-        )
-        if inputs.request_lengths is not None:
-            meta.num_tokens = self._tensor(inputs.request_lengths, torch.int32)
-        if self._host_pool is not None and max(map(max, inputs.block_tables)) >= self.num_blocks:
+            slot_mapping=slots, block_tables=tables, seq_lens=seq_lens,
+            query_start_loc=query_start, max_query_len=inputs.max_query_len,
+            max_seq_len=int(np.max(inputs.seq_lens)))
+        if num_tokens:
+            meta.num_tokens = num_tokens[0]
+        if self._host_pool is not None and int(np.max(inputs.block_tables)) >= self.num_blocks:
             meta.cooperative = self._cooperative_step(inputs)
         whole = len(self.layer_range) == len(self.model.layers)
-        return self.model(self._tensor(inputs.input_ids, torch.int64),
-                          self._tensor(inputs.positions, torch.int64), self.cos_sin,
-                          self.kv_caches, meta, **({} if whole else
-                                                   {"layers": self.layer_range, "hidden": hidden}))
+        return self.model(ids, positions, self.cos_sin, self.kv_caches, meta,
+                          **({} if whole else {"layers": self.layer_range, "hidden": hidden}))
 
     def _cooperative_step(self, inputs: StepInputs) -> CooperativeStep:
         """A step some of whose requests hold host blocks: each layer's attention split
@@ -381,21 +448,34 @@ class ModelRunner(Runner):
         host's cores while the device computes its part; on a CPU the device's cores are
         the host's, so the parts run one after the other, each on every core (two parts
         on half the cores each wait on the larger one)."""
-        split = split_step(inputs.block_tables, inputs.seq_lens, inputs.query_start,
-                           inputs.slots, self.num_blocks, self.kv_split.device_quota,
+        split = split_step(np.asarray(inputs.block_tables).tolist(),
+                           np.asarray(inputs.seq_lens).tolist(),
+                           np.asarray(inputs.query_start).tolist(),
+                           np.asarray(inputs.slots).tolist(), self.num_blocks, self.kv_split.device_quota,
                            self.block_size, self.config.options.deterministic)
         threads = torch.get_num_threads()
         pool = None if self.device.type == "cpu" else self._host_pool
         return CooperativeStep(split, self.device, self._host_caches, pool, threads, threads)
 
-    def _rows(self, x, residual, rows: list[int]):
+    def _rows(self, x, residual, rows):
         if len(rows) == x.shape[0] and rows[-1] == len(rows) - 1:
             return x, residual  # every row, in order (a decode step): nothing to gather
         index = self._tensor(rows, torch.int64)
         return x[index], residual[index]
 
     def _tensor(self, values, dtype) -> torch.Tensor:
-        return self._to_device(torch.tensor(values, dtype=dtype))
+        return self._to_device(torch.as_tensor(values, dtype=dtype))
+
+    def _tensors(self, arrays, dtype) -> list[torch.Tensor]:
+        """Arrays as tensors of numpy `dtype` on the device, in their shapes: on a GPU
+        packed into one pinned buffer sent in one copy, then viewed apart; on a CPU the
+        arrays' own memory where they hold `dtype` already."""
+        arrays = [np.asarray(a, dtype=dtype) for a in arrays]
+        if self.device.type != "cuda":
+            return [torch.from_numpy(a) for a in arrays]
+        sent = self._to_device(torch.from_numpy(np.concatenate([a.ravel() for a in arrays])))
+        return [part.view(a.shape) for part, a in zip(sent.split([a.size for a in arrays]),
+                                                      arrays)]
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cuda":
@@ -403,13 +483,18 @@ class ModelRunner(Runner):
         return t
 
     def reset_streams(self) -> None:
-        """After a failed step: no tokens left to collect, and the weight ring restarted
-        from a clean state."""
+        """After a failed step: no tokens left to collect (steps still on the worker
+        finish first), and the weight ring restarted from a clean state."""
+        if self._worker is not None:
+            wait(self._tokens)
+            self._last = []
         self._tokens.clear()
         if self.model.streamer is not None:
             self.model.streamer.reset()
 
     def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
         if self.model.streamer is not None:
             self.model.streamer.close()
         if self._host_pool is not None:

@@ -20,6 +20,11 @@ if TYPE_CHECKING:  # the scheduler and block manager import this module: no torc
     from fusegen.engine.structured import StructuredState
 
 
+# A sampled token not yet back from the device (asynchronous scheduling); never a
+# vocabulary id, so no prefix-cache key holding it matches real tokens.
+PLACEHOLDER = -1
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued; also a preempted request waiting to be recomputed
     RUNNING = "running"
@@ -105,9 +110,13 @@ class Request:
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    # In a batch submitted to a pipeline and not yet collected: the scheduler neither
-    # schedules it again nor preempts it until its tokens are back.
-    in_flight: bool = False
+    # Batches holding it that were submitted and not yet collected. A pipeline's
+    # (engine/parallel) request is in one at most: the scheduler neither schedules it
+    # again nor preempts it until its tokens are back. Under asynchronous scheduling it
+    # may be in two: the one running and the next, whose input is the running one's
+    # sampled token (a PLACEHOLDER at the end of `token_ids` until it arrives).
+    num_in_flight: int = 0
+    num_placeholders: int = 0  # PLACEHOLDER tokens ending `token_ids`
 
     def __post_init__(self):
         if not self.token_ids:
@@ -118,6 +127,53 @@ class Request:
             self.logprobs, self.cumulative_logprob = [], 0.0
         if params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]
+
+    @property
+    def in_flight(self) -> bool:
+        return self.num_in_flight > 0
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether its next step may be scheduled before its last sampled token is back
+        (asynchronous scheduling): only rows whose sampling reads nothing the host
+        decides per token. Structured output's mask needs the grammar advanced by the
+        last token; the penalties read the generated tokens and min_tokens their count;
+        bad_words the last tokens; logprobs and prompt logprobs are written into the
+        request by the step that computes them. Those requests wait for their token."""
+        return self.structured is None and not self.processed \
+            and self.prompt_logprobs is None
+
+    def at_limit(self, max_model_len: int) -> bool:
+        """Whether the tokens sampled so far (placeholders included) reach max_tokens or
+        max_model_len: the last of them ends it ("length"), so a next step would only
+        make a token to discard."""
+        return self.num_output_tokens >= self.params.max_tokens \
+            or self.num_tokens >= max_model_len
+
+    def add_placeholder(self) -> None:
+        """The step just submitted samples this request's next token: it stands in
+        `token_ids` until `fill_placeholder`."""
+        self.token_ids.append(PLACEHOLDER)
+        self.num_placeholders += 1
+
+    def fill_placeholder(self, token_id: int, max_model_len: int) -> str | None:
+        """The oldest placeholder's token arrived: `append_token` in its place (the ones
+        after it stay behind it, unless the request stops: then they are dropped, their
+        tokens discarded)."""
+        count = self.num_placeholders
+        del self.token_ids[-count:]
+        self.num_placeholders = 0
+        reason = self.append_token(token_id, max_model_len)
+        if reason is None:
+            self.token_ids += [PLACEHOLDER] * (count - 1)
+            self.num_placeholders = count - 1
+        return reason
+
+    def drop_placeholders(self) -> None:
+        """Its in-flight tokens will never be used (preempted, aborted)."""
+        if self.num_placeholders:
+            del self.token_ids[-self.num_placeholders:]
+            self.num_placeholders = 0
 
     @property
     def output_id(self) -> int:

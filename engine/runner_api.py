@@ -42,6 +42,8 @@ class Runner(Protocol):
     # layer is resident, or when ranks of a device group stream for themselves
     streamer: WeightStreamer | None
     graphs: DecodeGraphs | None  # recorded decode steps (CUDA graphs), else None
+    # `overlap_steps` is available (asynchronous scheduling, engine/llm_engine.py)
+    supports_async_scheduling: bool = False
 
     @property
     def failed(self) -> str | None:
@@ -49,6 +51,12 @@ class Runner(Protocol):
 
     def submit(self, batch: ScheduledBatch) -> None:
         """Hand over a batch; at most `max_in_flight` wait to be collected."""
+
+    def overlap_steps(self) -> None:
+        """Asynchronous scheduling from now on: `submit` takes the batch's inputs at once
+        and returns while the step runs; a request's PLACEHOLDER input
+        (engine/request.py) is its token sampled by the step submitted before."""
+        raise NotImplementedError(f"{type(self).__name__} runs no asynchronous scheduling")
 
     def collect(self) -> list[int | None]:
         """The oldest submitted batch's tokens, waiting for them: one per request, None

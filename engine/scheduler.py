@@ -19,6 +19,18 @@ a batch not yet collected is skipped when scheduling and is never chosen for
 preemption (its blocks are being written); the oldest request not in flight plays the
 oldest request's part above, and victims are recomputed rather than swapped.
 
+With asynchronous scheduling (`overlap`) the engine schedules step N+1 before step N's
+tokens are back, and a request may be in both: `advance` counts a submitted batch's
+tokens as computed at once and ends each request it samples with a PLACEHOLDER token,
+which N+1 feeds (the runner takes the id from step N's sampled ids), and `update`
+puts the real token in its place. Only requests whose sampling needs nothing the host
+decides per token go on while in flight (`Request.overlaps`), and never past
+max_tokens / max_model_len; one that stops on a token (eos, stop ids, stop strings)
+has already run one more, whose token is discarded. Requests in flight are still never
+preempted: one that needs a block when none is free waits a step (deferred) while
+newer requests in flight come back and become the victims, so the oldest request
+still always runs.
+
 With prefix caching, a request admitted from the waiting queue (new, or preempted to
 be recomputed) first takes the cached blocks holding its leading full blocks, and its
 computed tokens start past them; only the rest is scheduled.
@@ -46,6 +58,10 @@ class ScheduledBatch:
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device) blocks
     num_cached_tokens: int = 0  # prompt tokens admitted requests took from the prefix cache
     num_prompt_tokens: int = 0  # prompt tokens computed this step (prefill, recompute)
+    # requests in flight left out for want of a free block (asynchronous scheduling)
+    num_deferred: int = 0
+    advanced: bool = False  # its tokens counted as computed when submitted (`advance`)
+    num_generated: int = 0  # tokens its `update` appended (none discarded)
 
     @property
     def num_tokens(self) -> int:
@@ -69,7 +85,8 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, recompute_at: int = 0):
+                 max_num_batched_tokens: int, max_model_len: int, recompute_at: int = 0,
+                 overlap: bool = False):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -77,6 +94,7 @@ class Scheduler:
         # A request growing from this many tokens to one more computes its whole
         # sequence again, in its blocks (LongRoPE's switch, models/phi3.py); 0: never.
         self.recompute_at = recompute_at
+        self.overlap = overlap  # asynchronous scheduling (see the module's docstring)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
@@ -112,7 +130,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0 and len(batch) < cap:
             req = self.running[i]
-            if req.in_flight:
+            if req.in_flight and not self._goes_on(req):
                 i += 1
                 continue
             n = min(req.num_uncomputed_tokens, budget)
@@ -123,7 +141,7 @@ class Scheduler:
             batch.add(req, n)
             budget -= n
             i += 1
-        if batch.num_preempted:
+        if batch.num_preempted or batch.num_deferred:
             return batch  # no admissions while short of blocks
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs \
                 and len(batch) < cap:
@@ -151,6 +169,13 @@ class Scheduler:
             budget -= n
         return batch
 
+    def _goes_on(self, req: Request) -> bool:
+        """Whether a request in flight is scheduled again before its tokens are back:
+        under asynchronous scheduling, in one batch only, when its sampling allows it and
+        the token in flight is not its last."""
+        return self.overlap and req.num_in_flight == 1 and req.overlaps \
+            and not req.at_limit(self.max_model_len)
+
     @staticmethod
     def _count_cached(req: Request, batch: ScheduledBatch) -> None:
         """Just admitted: its computed tokens are those it found in the prefix cache."""
@@ -172,14 +197,26 @@ class Scheduler:
             # may end up without requests, and a batch without requests does not run its
             # copies. (Asked only when short of blocks: a scan of every running request.)
             swap = not any(r.in_flight for r in self.running)
-            at = next(i for i in range(len(self.running) - 1, -1, -1)
-                      if not self.running[i].in_flight)  # `req` itself at the latest
+            at = next((i for i in range(len(self.running) - 1, -1, -1)
+                       if not self.running[i].in_flight), None)  # `req` itself at the latest
+            if self.overlap and not self._may_preempt(at, req):
+                batch.num_deferred += 1
+                return False
             victim = self.running.pop(at)
             self._preempt(victim, batch, swap)
             batch.num_preempted += 1
             if victim is req:
                 return False
         return True
+
+    def _may_preempt(self, at: int | None, req: Request) -> bool:
+        """Asynchronous scheduling: whether running[at] (the newest not in flight) may
+        make room for `req`: a newer request, or `req` itself when it is the newest. Else
+        `req` waits a step, and the newer ones in flight are victims once back."""
+        if at is None:
+            return False
+        mine = self.running.index(req)
+        return at > mine or at == mine == len(self.running) - 1
 
     def _preempt(self, request: Request, batch: ScheduledBatch, swap: bool = True) -> None:
         request.num_preemptions += 1
@@ -193,19 +230,38 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
+    def advance(self, batch: ScheduledBatch) -> None:
+        """Asynchronous scheduling, once the runner has taken `batch`'s inputs: its tokens
+        count as computed now, and each request it samples ends with a placeholder for
+        the token, so the next step can be scheduled before this one's tokens are back.
+        Requests that wait for their tokens (not `overlaps`) are left as they are: the
+        step reads their generated tokens (penalties) and `update` advances them."""
+        for i, (req, n) in enumerate(zip(batch.requests, batch.num_scheduled_tokens)):
+            if not req.overlaps:
+                continue
+            samples = batch.samples(i)
+            req.num_computed_tokens += n
+            if samples:
+                req.add_placeholder()
+        batch.advanced = True
+
     def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Request]:
-        """Advance the batch's counters by what ran; append sampled tokens; return every
-        request that finished this step, stop strings included (their blocks are
-        already free)."""
+        """Advance the batch's counters by what ran (unless `advance` did); append sampled
+        tokens (in their placeholders' place); return every request that finished this
+        step, stop strings included (their blocks are already free)."""
         finished = []
         for req, n, token in zip(batch.requests, batch.num_scheduled_tokens, sampled):
-            req.in_flight = False
-            if req.is_finished:  # aborted while its batch was in flight
+            req.num_in_flight -= 1
+            if req.is_finished:  # aborted, or stopped by the token before: discarded
                 continue
-            req.num_computed_tokens += n
+            advanced = batch.advanced and req.overlaps
+            if not advanced:
+                req.num_computed_tokens += n
             if token is None:
                 continue
-            reason = req.append_token(token, self.max_model_len)
+            batch.num_generated += 1
+            reason = req.fill_placeholder(token, self.max_model_len) if advanced \
+                else req.append_token(token, self.max_model_len)
             if reason is not None:
                 self._finish(req, reason)
                 finished.append(req)
@@ -226,6 +282,7 @@ class Scheduler:
         self.swapped = deque(r for r in self.swapped if id(r) not in gone)
 
     def _finish(self, request: Request, reason: str) -> None:
+        request.drop_placeholders()  # an abort while its tokens were in flight
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.block_manager.free(request)

@@ -16,7 +16,8 @@ from fusegen.engine.runner_api import Runner
 ROOT = Path(__file__).resolve().parents[1]
 MEMBERS = {"max_in_flight", "num_blocks", "num_host_blocks", "uses_request_lengths",
            "supports_prompt_logprobs", "streamer", "graphs", "failed", "submit", "collect",
-           "memory_report", "step_weight_bytes", "local_model", "reset_streams", "close"}
+           "memory_report", "step_weight_bytes", "local_model", "reset_streams", "close",
+           "supports_async_scheduling", "overlap_steps"}
 
 
 def protocol_members() -> set[str]:

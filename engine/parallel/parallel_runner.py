@@ -22,6 +22,8 @@ from fusegen.engine.parallel.group import DeviceGroup, check_shared_memory
 from fusegen.engine.parallel.overlap import overlap_summary
 from fusegen.engine.parallel.peer import group_holders
 from fusegen.engine.parallel.plan import model_stages, rank_devices, rank_infos
+from fusegen.engine.parallel.tesseract import tesseract_grid
+from fusegen.engine.parallel.tesseract_batch import SequenceGroups
 from fusegen.engine.parallel.worker import shared_logits
 from fusegen.engine.model_runner import ModelRunner
 from fusegen.engine.runner_api import LOGITS_CHUNK, Runner
@@ -39,6 +41,7 @@ def make_runner(config: EngineConfig) -> Runner:
 
 class ParallelRunner(Runner):
     supports_prompt_logprobs = False  # the last stage returns the sampled rows' logits only
+    supports_async_scheduling = False  # its stages keep their own batches in flight
     streamer = None  # each rank streams its own layers (its memory report says)
     graphs = None  # the ranks run every step eagerly
 
@@ -56,8 +59,14 @@ class ParallelRunner(Runner):
         stages = list(config.stages) or model_stages(arch.layer_numel(cfg), cfg.num_layers,
                                                      cfg.vocab_size * cfg.hidden_size, self.pp)
         gpus = torch.cuda.device_count() if config.device.startswith("cuda") else 0
+        # tensor_parallel_mode 2d / 2.5d: the ranks form a Tesseract grid, each step's
+        # requests split into its sequence groups (checked by plan.check_grid)
+        self.grid = None if options.tensor_parallel_mode == "1d" else \
+            tesseract_grid(self.tp, options.tesseract_depth)
+        self.sequence_groups = None if self.grid is None else SequenceGroups(self.grid)
         self.infos = rank_infos(self.tp, self.pp, stages,
-                                rank_devices(config.device, world, gpus), _num_cores())
+                                rank_devices(config.device, world, gpus), _num_cores(),
+                                0 if self.grid is None else self.grid.depth)
         self.infos = _with_peers(self.infos, config)
         self.sampler = Sampler("cpu", options.seed)
         rows = config.max_num_seqs
@@ -77,8 +86,16 @@ class ParallelRunner(Runner):
         reqs = [batch.requests[i] for i in inputs.sample_reqs]
         greedy = Sampler.plain_greedy(reqs)
         index, self._num_steps = self._num_steps, self._num_steps + 1
-        self.group.send_all(("step", index, inputs, greedy))
+        if self.grid is None:
+            self.group.send_all(("step", index, inputs, greedy))
+        else:
+            groups = self.sequence_groups.assign(batch.requests)
+            self.group.send_all(("step", index, inputs, greedy, groups))
         self._in_flight.append((index, batch, inputs, reqs))
+
+    def overlap_steps(self) -> None:
+        raise NotImplementedError("a device group keeps its own batches in flight (its "
+                                  "pipeline stages): no asynchronous scheduling")
 
     def collect(self) -> list[int | None]:
         index, batch, inputs, reqs = self._in_flight.popleft()
@@ -118,6 +135,13 @@ class ParallelRunner(Runner):
         communication, the part of it hidden behind compute, per layer and in all."""
         return overlap_summary(self.group.ask("overlap"))
 
+    def grid_layer_bytes(self) -> dict[int, list[dict[str, int]]]:
+        """On a Tesseract grid: per rank, per layer, the bytes its grid collectives sent
+        and received (tesseract.CommCounter), over every step so far."""
+        self.group.send_all(("grid", -1))
+        return {info.rank: self.group.receive(info.rank, "grid", "grid")[2]
+                for info in self.infos}
+
     def stream_stats(self) -> dict[int, dict]:
         """Per rank: its streamed layers' loads, bytes and the seconds its compute waited
         for them, per tier they come from ("peer", "host", "disk"), and its steps run."""
@@ -137,6 +161,8 @@ class ParallelRunner(Runner):
         report = dict(self.group.reports[0])
         report["ranks"] = self.group.reports
         report["group"] = {"tensor_parallel_size": self.tp, "pipeline_parallel_size": self.pp,
+                           "tensor_parallel_mode": self.config.options.tensor_parallel_mode,
+                           "grid": None if self.grid is None else str(self.grid),
                            "stages": [[i.layers.start, i.layers.stop] for i in self.infos
                                       if i.tp_rank == 0],
                            "devices": [i.device for i in self.infos]}
