@@ -44,15 +44,6 @@ def test_errors_name_the_numbers():
         EngineOptions(kv_placement="split")
 
 
-def test_quota_and_host_pool_must_hold_one_full_request():
-    # 16 blocks a request; 4 device blocks for 8 requests: a quota of 1, 10 host blocks
-    with pytest.raises(EngineConfigError, match=r"needs 16 KV blocks of 16 tokens, but it may "
-                       r"hold 1 on the device \(its quota: 4 device blocks shared by "
-                       r"max_num_seqs 8\) and the host pool has 10; give the host pool 5 more"):
-        plan_kv_split("cooperative", 4, 10, **BATCH)
-    assert plan_kv_split("cooperative", 4, 15, **BATCH) == KVSplit("cooperative", 1)
-
-
 # The device floor under a device budget (engine/memory/plan.py, placement.py): 8 layers
 # of 4 MiB, 8 MiB fixed, KV blocks of 8 layers x 16 tokens x 64 values x 4 bytes = 32 KiB.
 MiB = 2**20

@@ -31,9 +31,9 @@ def plan_kv_split(option: str, num_device_blocks: int, num_host_blocks: int,
     """`option`: EngineOptions.kv_placement. `unsupported`: why this model or engine cannot
     split its KV (None: it can). auto is cooperative when max_num_seqs requests at
     max_model_len need more blocks than the device holds and the host pool has blocks;
-    never in deterministic mode (whose reduction order it would change), nor on GPUs,
-    where the device part runs in torch (kernels/cooperative_attention.py: the Triton
-    kernel does not return its log-sum-exp), slower than swapping: ask for it by name."""
+    never in deterministic mode (whose reduction order it would change), nor on GPUs
+    until it is measured there against swapping (jobs/bench/cooperative_kv.py): ask for
+    it by name."""
     per_request = -(-max_model_len // block_size)
     need = max_num_seqs * per_request
     if option == "auto":
@@ -53,12 +53,4 @@ def plan_kv_split(option: str, num_device_blocks: int, num_host_blocks: int,
             f"{need}); give the pool host memory (num_host_kv_blocks=N or host_memory=SIZE) "
             "or use kv_placement='device'")
     quota = max(1, min(per_request, num_device_blocks // max_num_seqs))
-    if quota + num_host_blocks < per_request:
-        raise EngineConfigError(
-            f"kv_placement='cooperative': one request of max_model_len {max_model_len} "
-            f"tokens needs {per_request} KV blocks of {block_size} tokens, but it may hold "
-            f"{quota} on the device (its quota: {num_device_blocks} device blocks shared by "
-            f"max_num_seqs {max_num_seqs}) and the host pool has {num_host_blocks}; give "
-            f"the host pool {per_request - quota - num_host_blocks} more blocks "
-            "(num_host_kv_blocks or host_memory), or lower max_model_len")
     return KVSplit("cooperative", quota)
