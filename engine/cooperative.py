@@ -12,7 +12,9 @@ at positions L - n .. L - 1:
   - host part: the rows from S on see [S, their position] (one segment of L - S keys,
     reached through the host blocks alone, so positions count from S).
 In deterministic mode every row is a segment of its own (each a decode over its keys):
-a row's reduction then depends only on its position and S, never on the step.
+a row's reduction then depends only on its position and S, never on the step. On a CUDA
+device the device part runs the Triton paged attention kernel, which returns each row's
+log-sum-exp as the C kernels do (kernels/paged_attention.py), in one launch a layer.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ class StepSplit:
     device_slots: list[int]
     host_rows: list[int]  # and to the host pool's (slots in the host pool)
     host_slots: list[int]
+    deterministic: bool = False  # every row a segment of its own (the module's docstring)
 
 
 def split_step(tables: list[list[int]], seq_lens: list[int], query_start: list[int],
@@ -69,7 +72,7 @@ def split_step(tables: list[list[int]], seq_lens: list[int], query_start: list[i
     device_rows = [r for r, s in enumerate(slots) if s < first_host]
     host_rows = [r for r, s in enumerate(slots) if s >= first_host]
     return StepSplit(dev, host, device_rows, [slots[r] for r in device_rows], host_rows,
-                     [slots[r] - first_host for r in host_rows])
+                     [slots[r] - first_host for r in host_rows], deterministic)
 
 
 def _add(seg: Segments, row: int, count: int, seq_len: int, table: list[int],
@@ -92,8 +95,10 @@ class CooperativeStep:
     def __init__(self, split: StepSplit, device: torch.device,
                  host_caches: dict[int, tuple[torch.Tensor, torch.Tensor]],
                  pool: ThreadPoolExecutor | None, host_threads: int, device_threads: int):
-        self.device_part = split.device.tensors()
+        # on a CUDA device its part runs the Triton kernel there, reading these
+        self.device_part = split.device.tensors().to(device)
         self.host_part = split.host.tensors()
+        self.deterministic = split.deterministic
         as_index = (lambda xs, on: torch.tensor(xs, dtype=torch.int64, device=on))
         self.device_rows = as_index(split.device_rows, device)
         self.device_slots = as_index(split.device_slots, device)
@@ -122,7 +127,7 @@ class CooperativeStep:
             attention_part, *host_args, scale=layer.scale, num_threads=self.host_threads)
         out, lse = empty_partial(q)
         attention_part(q, k_cache, v_cache, self.device_part, out, lse, scale=layer.scale,
-                       num_threads=self.device_threads)
+                       num_threads=self.device_threads, deterministic=self.deterministic)
         if job is None:
             attention_part(*host_args, scale=layer.scale, num_threads=self.host_threads)
         else:

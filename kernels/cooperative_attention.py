@@ -16,8 +16,9 @@ more, so the merged row equals attention over both key ranges at once (to fp32 r
 A row a part does not reach keeps lse -inf there and takes the other part's output as is.
 
 On CPUs the C kernels compute a part (kernels/csrc/paged_decode.c for one-row segments,
-paged_prefill.c for the others, both writing the log-sum-exp, kernels/csrc/lse.h); off
-CPUs, or without the C kernels, `part_reference` in torch.
+paged_prefill.c for the others, both writing the log-sum-exp, kernels/csrc/lse.h); on
+CUDA devices the Triton paged attention kernel (kernels/paged_attention.py, which writes
+it too); elsewhere `part_reference` in torch.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fusegen.kernels import use_native
+from fusegen.kernels import use_native, use_triton
+from fusegen.kernels.paged_attention import paged_attention_triton
 from fusegen.kernels.paged_attention_cpu import paged_decode_native, paged_prefill_native
 
 
@@ -43,6 +45,14 @@ class Segments:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    @property
+    def max_count(self) -> int:
+        return max(self.counts, default=0)
+
+    @property
+    def max_keys(self) -> int:
+        return max((end or n for end, n in zip(self.kv_ends, self.seq_lens)), default=0)
 
     def tensors(self) -> PartTensors:
         return PartTensors.of(self)
@@ -93,12 +103,25 @@ class PartTensors:
                    torch.tensor(qsl, dtype=torch.int32), as_ids(decode), as_ids(prefill), kv_end,
                    seg)
 
+    def to(self, device) -> PartTensors:
+        """The tensors on `device` (a CUDA device's part runs the Triton kernel there)."""
+        move = (lambda t: None if t is None else t.to(device, non_blocking=True))
+        return PartTensors(move(self.block_tables), move(self.seq_lens),
+                           move(self.query_start_loc), move(self.decode_ids),
+                           move(self.prefill_ids), move(self.kv_end), self.segments)
+
 
 def attention_part(q, k_cache, v_cache, part: PartTensors, out, lse, *, scale: float,
-                   num_threads: int | None = None) -> None:
+                   num_threads: int | None = None, deterministic: bool = False) -> None:
     """`part`'s rows of out [T, Hq, D] and lse [T, Hq] (fp32) in place; rows the part
-    does not name are left as they are."""
+    does not name are left as they are (gaps between its segments are written as a row
+    no key reached: zeros and -inf, what `empty_partial` holds). `deterministic`: the
+    Triton kernel's launch of one shape, no split of the keys."""
     if not len(part.segments):
+        return
+    if use_triton(q):
+        triton_part(q, k_cache, v_cache, part, out, lse, scale=scale,
+                    deterministic=deterministic)
         return
     if not (q.is_cpu and k_cache.is_cpu and use_native(q)):
         part_reference(q, k_cache, v_cache, part.segments, out, lse, scale=scale)
@@ -113,6 +136,20 @@ def attention_part(q, k_cache, v_cache, part: PartTensors, out, lse, *, scale: f
         # a shape the prefill kernel does not take: each row as a decode of its own keys
         attention_part(q, k_cache, v_cache, _rows_as_decodes(part.segments, part.prefill_ids),
                        out, lse, scale=scale, num_threads=num_threads)
+
+
+def triton_part(q, k_cache, v_cache, part: PartTensors, out, lse, *, scale: float,
+                deterministic: bool = False, num_kv_splits: int | None = None,
+                tile_n: int | None = None) -> None:
+    """`attention_part` through the Triton kernel, `part`'s tensors on q's device: one
+    launch for every segment (decode rows and prefill chunks alike). `num_kv_splits`,
+    `tile_n`: the launcher's overrides, for tests."""
+    seg = part.segments
+    paged_attention_triton(q, k_cache, v_cache, part.block_tables, part.seq_lens,
+                           part.query_start_loc, max_query_len=seg.max_count,
+                           max_seq_len=seg.max_keys, scale=scale, deterministic=deterministic,
+                           num_kv_splits=num_kv_splits, tile_n=tile_n, out=out, lse=lse,
+                           kv_end=part.kv_end)
 
 
 def _rows_as_decodes(seg: Segments, ids: torch.Tensor) -> PartTensors:

@@ -26,6 +26,11 @@ of TILE_N positions, each gathered through the block table (any block_size), wit
 online softmax in fp32. With KV splits (flash-decoding, for decode batches too small to
 fill the GPU) each program covers 1/S of the key range and writes a partial result that
 `_paged_attention_reduce_kernel` combines.
+
+For cooperative KV placement (kernels/cooperative_attention.py) the launcher also writes
+each row's log-sum-exp of its scaled scores (`lse`, natural units, -inf for a row that
+saw no key) and ends sequence i's keys at kv_end[i]; a sequence of no keys writes zeros
+and -inf, so the gaps between a part's segments cost one empty program each.
 """
 from __future__ import annotations
 
@@ -109,7 +114,7 @@ def _tanh(x):
 @triton.jit
 def _paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-        query_start_loc_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
+        query_start_loc_ptr, part_out_ptr, part_m_ptr, part_l_ptr, lse_ptr, kv_end_ptr,
         scale_log2, softcap_log2, num_seqs, sliding_window,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
@@ -117,7 +122,8 @@ def _paged_attention_kernel(
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        HAS_LSE: tl.constexpr, HAS_KV_END: tl.constexpr):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q)
@@ -145,6 +151,8 @@ def _paged_attention_kernel(
     # Keys this tile can see: up to its last query's position; from the first query's
     # window start when windowed. Split s takes tiles [s*per_split, (s+1)*per_split).
     kv_end = context_len + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
+    if HAS_KV_END:
+        kv_end = tl.minimum(kv_end, tl.load(kv_end_ptr + seq))
     kv_start = 0
     if USE_WINDOW:
         kv_start = tl.maximum(context_len + q_tile * BLOCK_Q - sliding_window + 1, 0)
@@ -203,13 +211,23 @@ def _paged_attention_kernel(
         o_rows = (q_start + q_tok).to(tl.int64) * stride_ot + q_head * stride_oh
         tl.store(out_ptr + o_rows[:, None] + offs_d[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        if HAS_LSE:  # [T, Hq], laid out as one split's partials
+            tl.store(lse_ptr + (q_start + q_tok).to(tl.int64) * stride_pt + q_head * stride_ph,
+                     _lse(m_i, l_i), mask=row_ok)
+
+
+@triton.jit
+def _lse(m, l):
+    # natural log of sum e^(scaled score) from the running max m (log2 units) and sum l
+    return tl.where(l > 0, (m + tl.math.log2(tl.where(l > 0, l, 1.0))) * 0.6931471805599453,
+                    float("-inf"))
 
 
 @triton.jit
 def _paged_attention_reduce_kernel(
-        out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, stride_ot, stride_oh,
+        out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, lse_ptr, stride_ot, stride_oh,
         stride_ps, stride_pt, stride_ph, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-        NUM_SPLITS: tl.constexpr):
+        NUM_SPLITS: tl.constexpr, HAS_LSE: tl.constexpr):
     # One program per (token, query head): combine the splits' partial softmaxes.
     token = tl.program_id(0)
     head = tl.program_id(1)
@@ -219,11 +237,23 @@ def _paged_attention_reduce_kernel(
     m = tl.load(part_m_ptr + part)
     l = tl.load(part_l_ptr + part)
     acc = tl.load(part_out_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :])  # [S, D]
-    weight = tl.math.exp2(m - tl.max(m, 0))  # 0 for empty splits
-    o = tl.sum(acc * weight[:, None], 0) / tl.sum(l * weight, 0)
+    top = tl.max(m, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # a row no split saw: out 0, lse -inf
+    weight = tl.math.exp2(m - top)  # 0 for empty splits
+    total = tl.sum(l * weight, 0)
+    o = tl.sum(acc * weight[:, None], 0) / tl.where(total == 0, 1.0, total)
     d_ok = offs_d < HEAD_DIM
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d,
-             o.to(out_ptr.dtype.element_ty), mask=d_ok)
+    if HAS_LSE:
+        # Rows of no sequence (before a part's first segment) kept their partials' fill
+        # (m -inf, l 0): they keep their values, as without a split.
+        named = total > 0
+        named_d = (tl.zeros([HEAD_DIM_PAD], tl.float32) + total) > 0  # [D]: & wants a vector
+        tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d,
+                 o.to(out_ptr.dtype.element_ty), mask=d_ok & named_d)
+        tl.store(lse_ptr + token * stride_pt + head * stride_ph, _lse(top, total), mask=named)
+    else:
+        tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d,
+                 o.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *,
@@ -231,11 +261,16 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_st
                            sliding_window: int = 0, softcap: float = 0.0,
                            tile_n: int | None = None,
                            num_kv_splits: int | None = None,
-                           deterministic: bool = False) -> torch.Tensor:
+                           deterministic: bool = False, out: torch.Tensor | None = None,
+                           lse: torch.Tensor | None = None,
+                           kv_end: torch.Tensor | None = None) -> torch.Tensor:
     """Launcher. `tile_n` (keys per tile) and `num_kv_splits` (a power of two) override
     the heuristics, for tests and tuning. No host sync: grid sizes come from shapes.
     `deterministic`: the same tile shapes for every step and no split of the keys, so a
-    row's reduction order does not depend on the step it is in."""
+    row's reduction order does not depend on the step it is in.
+    `out`: where to write (rows no sequence names keep their values); `lse` [T, Hq] fp32:
+    each written row's log-sum-exp; `kv_end` [B] int32: sequence i sees only its keys
+    before kv_end[i] (both for cooperative KV placement)."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -256,8 +291,19 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_st
         assert t.device == q.device, f"{name} is on {t.device}, q on {q.device}"
     assert 16 <= head_dim <= 256, f"head_dim {head_dim} outside 16..256"
     assert softcap >= 0, f"softcap {softcap} must be positive (or 0: off)"
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1, \
+        f"out {tuple(out.shape)} {out.dtype} must be q's shape {tuple(q.shape)} and dtype"
+    if lse is not None:
+        assert lse.shape == (num_tokens, num_heads) and lse.dtype == torch.float32 \
+            and lse.is_contiguous() and lse.device == q.device, \
+            f"lse {tuple(lse.shape)} {lse.dtype} must be contiguous fp32 ({num_tokens}, {num_heads})"
+    if kv_end is not None:
+        assert kv_end.shape == (num_seqs,) and kv_end.dtype == torch.int32 \
+            and kv_end.device == q.device, f"kv_end {tuple(kv_end.shape)} {kv_end.dtype} " \
+            f"must be int32 ({num_seqs},) on {q.device}"
 
-    out = torch.empty_like(q)
     if num_tokens == 0:
         return out
     group = num_heads // num_kv_heads
@@ -276,11 +322,15 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_st
                                dtype=torch.float32, device=q.device)
         part_m = torch.empty(splits, num_tokens, num_heads, dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
+        if lse is not None:  # rows no program writes reduce to "no key seen"
+            part_m.fill_(float("-inf"))
+            part_l.zero_()
     else:
         part_out = part_m = part_l = out  # unused
     _paged_attention_kernel[grid](
         out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        part_out, part_m, part_l, scale * math.log2(math.e), softcap * math.log2(math.e),
+        part_out, part_m, part_l, out if lse is None else lse,
+        seq_lens if kv_end is None else kv_end, scale * math.log2(math.e), softcap * math.log2(math.e),
         num_seqs, sliding_window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -289,12 +339,14 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_st
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
         NUM_SPLITS=splits, USE_WINDOW=sliding_window > 0, USE_SOFTCAP=softcap > 0,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        HAS_LSE=lse is not None, HAS_KV_END=kv_end is not None, num_warps=4)
     if splits > 1:
         _paged_attention_reduce_kernel[(num_tokens, num_heads)](
-            out, part_out, part_m, part_l, out.stride(0), out.stride(1),
-            num_tokens * num_heads, num_heads, 1,
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=splits, num_warps=4)
+            out, part_out, part_m, part_l, out if lse is None else lse,
+            out.stride(0), out.stride(1), num_tokens * num_heads, num_heads, 1,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=splits,
+            HAS_LSE=lse is not None, num_warps=4)
     return out
 
 

@@ -1,0 +1,93 @@
+"""The device part of cooperative attention through the Triton paged attention kernel
+(kernels/paged_attention.py with its log-sum-exp; Triton's interpreter on CPU, compiled
+on CUDA): merged with a host part split at every block, it equals attention over the
+same keys in one cache; its log-sum-exp and the rows it does not reach match the torch
+reference part."""
+import pytest
+import torch
+
+from fusegen.engine.cooperative import split_step
+from fusegen.kernels.cooperative_attention import (Segments, empty_partial, merge_partials,
+                                                   part_reference, triton_part)
+from fusegen.kernels.paged_attention import paged_attention_reference
+from fusegen.kernels.testing import triton_on
+
+pytest.importorskip("triton")
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))]
+BS, HQ, HKV, D = 4, 4, 2, 32
+NUM = 64  # blocks in each pool; request i's logical block j is block 8 i + j in its pool
+
+
+def _batch(length: int, n: int, cuts: list[int]):
+    """One request of `length` tokens (its last n query rows) per cut: block j of request
+    i in the device pool when j < cuts[i], else in the host pool. Returns the step's
+    split (each request split at its own cut), the pools, and one cache holding all."""
+    g = torch.Generator().manual_seed(length * 100 + n)
+    dev_k, dev_v, host_k, host_v = torch.randn(4, NUM, BS, HKV, D, generator=g).unbind(0)
+    whole_k, whole_v = torch.zeros(NUM, BS, HKV, D), torch.zeros(NUM, BS, HKV, D)
+    q = torch.randn(n * len(cuts), HQ, D, generator=g)
+    dev, host = Segments([], [], [], [], []), Segments([], [], [], [], [])
+    tables = []
+    for i, cut in enumerate(cuts):
+        blocks = [8 * i + j for j in range(-(-length // BS))]
+        for j, b in enumerate(blocks):
+            whole_k[b] = (dev_k if j < cut else host_k)[b]
+            whole_v[b] = (dev_v if j < cut else host_v)[b]
+        table = [b if j < cut else NUM + b for j, b in enumerate(blocks)]
+        tables.append(blocks)
+        sub = split_step([table], [length], [n * i, n * (i + 1)], [], NUM, cut, BS, False)
+        for mine, theirs in ((dev, sub.device), (host, sub.host)):
+            for field in Segments.__slots__:
+                getattr(mine, field).extend(getattr(theirs, field))
+    bt = torch.tensor(tables, dtype=torch.int32)
+    expected = paged_attention_reference(
+        q, whole_k, whole_v, bt, torch.full((len(cuts),), length, dtype=torch.int32),
+        torch.arange(0, n * len(cuts) + 1, n, dtype=torch.int32), max_query_len=n,
+        max_seq_len=length, scale=D ** -0.5)
+    return q, dev, host, (dev_k, dev_v), (host_k, host_v), expected
+
+
+def _device_part(device, q, seg, k, v, **launch):
+    part = seg.tensors().to(device)
+    out, lse = empty_partial(q.to(device))
+    triton_on(device, triton_part)(q.to(device), k.to(device), v.to(device), part, out, lse,
+                                   scale=D ** -0.5, **launch)
+    return out.cpu(), lse.cpu()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("length, n", [(13, 1), (13, 5), (9, 9), (16, 3)])
+def test_triton_device_part_merged_at_every_split(device, length, n):
+    cuts = list(range(-(-length // BS) + 1))  # 0: all on the host, last: all on the device
+    q, dev, host, (dev_k, dev_v), (host_k, host_v), expected = _batch(length, n, cuts)
+    out, lse = _device_part(device, q, dev, dev_k, dev_v)
+    ref_out, ref_lse = empty_partial(q)
+    part_reference(q, dev_k, dev_v, dev, ref_out, ref_lse, scale=D ** -0.5)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)  # -inf where unreached
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)  # zeros there
+    host_out, host_lse = empty_partial(q)
+    part_reference(q, host_k, host_v, host, host_out, host_lse, scale=D ** -0.5)
+    merged = merge_partials(out, lse, host_out, host_lse)
+    for i, cut in enumerate(cuts):
+        torch.testing.assert_close(merged[n * i:n * (i + 1)], expected[n * i:n * (i + 1)],
+                                   rtol=1e-5, atol=1e-5, msg=f"split at block {cut}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_device_part_with_split_keys_and_deterministic(device):
+    """Decode rows with the keys split across programs (the reduce kernel writes the
+    log-sum-exp), and deterministic mode's one-row segments."""
+    length, cuts = 29, [0, 2, 5, 8]
+    q, dev, host, (dev_k, dev_v), (host_k, host_v), expected = _batch(length, 1, cuts)
+    ref_out, ref_lse = empty_partial(q)
+    part_reference(q, dev_k, dev_v, dev, ref_out, ref_lse, scale=D ** -0.5)
+    for launch in ({"num_kv_splits": 4, "tile_n": 16}, {"deterministic": True}):
+        out, lse = _device_part(device, q, dev, dev_k, dev_v, **launch)
+        torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5, msg=str(launch))
+        torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5, msg=str(launch))
+    host_out, host_lse = empty_partial(q)
+    part_reference(q, host_k, host_v, host, host_out, host_lse, scale=D ** -0.5)
+    torch.testing.assert_close(merge_partials(out, lse, host_out, host_lse), expected,
+                               rtol=1e-5, atol=1e-5)
