@@ -74,6 +74,12 @@ class BatchRequest:
     error: dict | None = None  # {"code", "message"}: the line is not submitted
 
 
+# A request line nested past this many levels is refused whole, before it is parsed: below
+# what every supported Python's parser reads (3.11's recursion ends near 1,000 levels, 3.12
+# reads deeper), so a line gets the same error on each; shallower lines are parsed and each
+# field nested past MAX_DEPTH is named.
+LINE_DEPTH = 800
+
 def parse_request(text: str, line: int, base: SamplingParams, index: int, chat=None,
                   system_prompt: str | None = None,
                   limit: PromptLimit | None = None) -> BatchRequest:
@@ -83,10 +89,10 @@ def parse_request(text: str, line: int, base: SamplingParams, index: int, chat=N
     `system_prompt` first, once it is known to fit `limit` (the engine's)."""
     req = BatchRequest(line)
     try:
-        obj = read_json(text, max_depth=None)  # each field's depth is checked below
+        obj = read_json(text, max_depth=LINE_DEPTH)  # each field's depth is checked below
     except ValueError as exc:
         req.custom_id = leading_custom_id(text)
-        return _fail(req, INVALID_REQUEST, str(exc) if isinstance(exc, TooDeep) else
+        return _fail(req, INVALID_REQUEST, str(TooDeep()) if isinstance(exc, TooDeep) else
                      f"is not JSON ({exc})")
     if not isinstance(obj, dict):
         return _fail(req, INVALID_REQUEST, "is not a JSON object")
