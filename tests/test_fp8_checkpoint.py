@@ -31,7 +31,10 @@ from fusegen.kernels.triton_quant import fp8_linear_reference
 
 PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog.", "1 2 3 4 5 6 7 8 9 10"]
 PARAMS = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-OPTIONS = dict(dtype="float32", max_model_len=96, num_kv_blocks=48, max_num_seqs=4)
+# on the CPU, where these tests pin down the refusal and the torch fallback (a GPU
+# machine would otherwise run them on CUDA)
+OPTIONS = dict(dtype="float32", max_model_len=96, num_kv_blocks=48, max_num_seqs=4,
+               device="cpu")
 BLOCK = (32, 64)  # weight_block_size of the block checkpoint: [rows, input channels]
 # left in fp32, as a checkpoint's modules_to_not_convert are
 UNCONVERTED = "model.layers.1.self_attn.o_proj.weight"
