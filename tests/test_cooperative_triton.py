@@ -91,3 +91,65 @@ def test_triton_device_part_with_split_keys_and_deterministic(device):
     part_reference(q, host_k, host_v, host, host_out, host_lse, scale=D ** -0.5)
     torch.testing.assert_close(merge_partials(out, lse, host_out, host_lse), expected,
                                rtol=1e-5, atol=1e-5)
+
+
+def cooperative_step_output(kernels: str, q, k, v, positions, tables, seq_lens, starts, slots,
+                            device_kv, host_kv, deterministic):
+    """One layer of a cooperative step (engine/cooperative.py) with FUSEGEN_KERNELS set to
+    `kernels`: the output, and the pools with the step's new keys and values written."""
+    import os
+    from types import SimpleNamespace
+
+    from fusegen.engine.cooperative import CooperativeStep
+    before = os.environ.get("FUSEGEN_KERNELS")
+    os.environ["FUSEGEN_KERNELS"] = kernels
+    try:
+        split = split_step(tables, seq_lens, starts, slots, NUM, 2, BS, deterministic)
+        host = dict(zip([device_kv[0].data_ptr()], [host_kv]))
+        step = CooperativeStep(split, torch.device("cpu"), host, None, 1, 1)
+        rope = (torch.ones(64, D // 2), torch.zeros(64, D // 2))  # no rotation
+        out = step.attention(SimpleNamespace(scale=D ** -0.5), positions, q, k, v, rope,
+                             device_kv)
+    finally:
+        if before is None:
+            del os.environ["FUSEGEN_KERNELS"]
+        else:
+            os.environ["FUSEGEN_KERNELS"] = before
+    return out, device_kv, host_kv
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_cooperative_step_through_triton(deterministic):
+    """A mixed step (a decode past the split, a chunk across it, a prompt before it) with
+    the Triton path's kernels (the KV write, the device part; the interpreter on CPU)
+    against the torch reference's: the same output and the same pools."""
+    g = torch.Generator().manual_seed(7)
+    # quota 2 blocks (8 tokens); request lengths 14 (decode), 12 (4 rows: 8..11), 6
+    seq_lens, counts = [14, 12, 6], [1, 4, 6]
+    tables = [[0, 1, NUM + 0, NUM + 1], [8, 9, NUM + 8], [16, 17]]
+    starts = [0, 1, 5, 11]
+    positions = torch.tensor([13, 8, 9, 10, 11, 0, 1, 2, 3, 4, 5])
+    slots = []
+    for table, length, n in zip(tables, seq_lens, counts):
+        slots += [table[p // BS] * BS + p % BS for p in range(length - n, length)]
+    q, k, v = (torch.randn(11, h, D, generator=g) for h in (HQ, HKV, HKV))
+    device_kv = tuple(torch.randn(NUM, BS, HKV, D, generator=g) for _ in range(2))
+    host_kv = tuple(torch.randn(NUM, BS, HKV, D, generator=g) for _ in range(2))
+    results = []
+    for kernels in ("reference", "triton"):
+        args = [t.clone() for t in (q, k, v, positions)]
+        dev = tuple(t.clone() for t in device_kv)
+        host = tuple(t.clone() for t in host_kv)
+        run = cooperative_step_output if kernels == "reference" else \
+            triton_on("cpu", cooperative_step_output)
+        results.append(run(kernels, *args, tables, seq_lens, starts, slots, dev, host,
+                           deterministic))
+    (ref, ref_dev, ref_host), (out, dev, host) = results
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # the new keys went to their pools: request 0's decode (position 13) to host block 1,
+    # request 1's rows 8..11 to host block 8, request 2's prompt to device blocks 16, 17
+    for pool, old, changed in ((dev[0], device_kv[0], [16, 17]), (host[0], host_kv[0], [1, 8])):
+        touched = [b for b in range(NUM) if not torch.equal(pool[b], old[b])]
+        assert touched == changed
+    for a, b in zip(ref_dev + ref_host, dev + host):
+        assert torch.equal(a, b)
