@@ -170,7 +170,8 @@ def test_the_baseline_on_a_subset_is_compared_per_token(run_1k):
         assert report["ratios"]["hf_static"][rate] == pytest.approx(fusegen[rate] / static[rate])
     assert static["output_tokens_per_s"] == pytest.approx(1024 / static["elapsed_s"])
     assert ("transformers (hf generate, static bs 4) ran the first 1 of the 2 requests "
-            "(--hf-requests: 1,024 prompt and 1,024 output tokens)") in table
+            "(--hf-requests: 1,024 prompt and 1,024 output tokens): its rates are per token "
+            "of those, and 'fusegen x' divides fusegen's rate over all 2 by that") in table
 
 
 def test_the_report_says_which_workload_ran(run_1k):

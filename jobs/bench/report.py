@@ -199,9 +199,9 @@ def _subset_line(report: dict) -> str | None:
     r = next(iter(ran.values()))
     return (f"transformers ({', '.join(x['label'] for x in ran.values())}) ran the first "
             f"{r['num_requests']:,} of the {num_requests:,} requests (--hf-requests: "
-            f"{r['num_prompt_tokens']:,} prompt and {r['num_output_tokens']:,} output tokens); "
-            "its figures are per token of those, and 'fusegen x' divides fusegen's rate over "
-            "all the requests by its rate over them")
+            f"{r['num_prompt_tokens']:,} prompt and {r['num_output_tokens']:,} output tokens): "
+            "its rates are per token of those, and 'fusegen x' divides fusegen's rate over "
+            f"all {num_requests:,} by that")
 
 
 def _mb(value: int | None) -> str:
