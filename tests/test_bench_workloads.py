@@ -180,7 +180,8 @@ def test_the_report_says_which_workload_ran(run_1k):
     assert work["name"] == "random-1k-1k" and work["about"] == WORKLOADS["random-1k-1k"].about
     assert work["prompt_dist_params"] == work["output_dist_params"] == asdict(
         LengthDist("uniform", 1024, 1024))
-    assert (work["prompt_len"], work["output_len"]) == ({"min": 1024, "mean": 1024.0, "max": 1024},) * 2
+    fixed = {"min": 1024, "mean": 1024.0, "max": 1024}
+    assert work["prompt_len"] == work["output_len"] == fixed
     line = f"  workload random-1k-1k: {WORKLOADS['random-1k-1k'].about}"
     assert line in table.splitlines()
     assert "prompts: 2,048 tokens (fixed 1024, mean 1024.0); outputs: 2,048 tokens (fixed " \
