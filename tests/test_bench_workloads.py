@@ -111,12 +111,14 @@ def test_a_model_too_short_for_the_workload_is_refused(tmp_path):
     result = CliRunner().invoke(bench, ["--preset", "tiny", "--workload", "random-1k-1k",
                                         "--model", str(model_dir), "--cache-dir", str(tmp_path)])
     assert result.exit_code == 2
-    assert (f"workload random-1k-1k's requests reach 1024 + 1024 = 2048 positions but "
-            f"{model_dir} has max_position_embeddings 128") in " ".join(result.output.split())
+    assert (f"workload random-1k-1k's requests reach 2048 positions but {model_dir} has "
+            "max_position_embeddings 128 (1024 prompt + 1024 output tokens)") in \
+        " ".join(result.output.split())
     # and fusegen's max_model_len, where one is set
     preset = PRESETS["tiny"].with_workload("random-1k-1k")
-    with pytest.raises(ValueError, match=r"workload random-1k-1k's requests reach 1024 \+ 1024 "
-                       r"= 2048 positions but --max-model-len is 1500; raise it to at least 2048"):
+    with pytest.raises(ValueError, match=r"workload random-1k-1k's requests reach 2048 positions "
+                       r"but --max-model-len is 1500 \(1024 prompt \+ 1024 output tokens\); "
+                       "raise it to at least 2048"):
         BenchConfig(preset, cache_dir=tmp_path, engine_options={"max_model_len": 1500})
     BenchConfig(preset, cache_dir=tmp_path, engine_options={"max_model_len": 2048})
 

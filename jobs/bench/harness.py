@@ -111,23 +111,21 @@ class BenchConfig:
     def _check_context(self) -> None:
         """The longest request must fit the model's positions and fusegen's max_model_len."""
         preset = self.preset
-        parts = [preset.shared_prefix_len] if preset.shared_prefix_len else []
-        parts += [preset.prompt_len.high, preset.output_len.high]
-        longest = sum(parts)
+        parts = [(preset.shared_prefix_len, "shared prefix")] if preset.shared_prefix_len else []
+        parts += [(preset.prompt_len.high, "prompt"), (preset.output_len.high, "output")]
+        longest = sum(n for n, _ in parts)
         what = (f"workload {preset.workload}'s" if preset.workload else
-                f"preset {preset.name}'s") + f" requests reach {' + '.join(map(str, parts))}"
-        if len(parts) > 1:
-            what += f" = {longest}"
-        what += " positions"
+                f"preset {preset.name}'s") + f" requests reach {longest} positions"
+        sizes = " + ".join(f"{n} {part}" for n, part in parts) + " tokens"
         if self.model is not None and longest > self.shape.max_position_embeddings:
             raise ValueError(
                 f"{what} but {self.model.source} has max_position_embeddings "
-                f"{self.shape.max_position_embeddings}; run a preset or workload with "
-                "shorter requests, or a model with a longer context")
+                f"{self.shape.max_position_embeddings} ({sizes}); run a preset or workload "
+                "with shorter requests, or a model with a longer context")
         max_model_len = self.engine_options.get("max_model_len")
         if max_model_len is not None and longest > max_model_len:
-            raise ValueError(f"{what} but --max-model-len is {max_model_len}; raise it to "
-                             f"at least {longest}")
+            raise ValueError(f"{what} but --max-model-len is {max_model_len} ({sizes}); "
+                             f"raise it to at least {longest}")
 
     def _check_llamacpp(self) -> None:
         from fusegen.jobs.bench.llamacpp_runner import choose_tool
