@@ -11,8 +11,8 @@ bucket >= B (1, 2, 4, 8, then multiples of 8 up to max_num_seqs, as vLLM does). 
 padding rows write no KV (slot -1: the cache kernel skips it) and attend to one key of
 a valid block, so they stay finite and touch nothing; their outputs are cut off. A
 step's graph also depends on the attention's split of the keys (flash-decoding), which
-the launcher picks from the longest sequence: one graph per (bucket, splits), recorded
-the first time a step needs it, after one eager run of that step (which compiles the
+the launcher picks from the longest sequence: one graph per (bucket, splits) and
+whether it holds the head (below), recorded the first time a step needs it, after one eager run of that step (which compiles the
 kernels and does the step's work; the replay repeats it bit for bit). Should recording
 ever fail, that step keeps its eager result and the engine runs eagerly from then on,
 with one warning: no request is lost to it.
@@ -21,16 +21,27 @@ Steps whose rows each run one token use graphs (decode, and prefill chunks of on
 token); the rest run eagerly, as do models that sync with the host inside the forward
 pass (the MoE layers count tokens per expert), streamed layers (the weight ring waits
 on events), device groups and deterministic mode.
+
+A decode step whose requests are all plain greedy (no processors, logprobs or
+structured output) records the head and the argmax too: its graph's output is the
+step's token ids [bucket], and the host's only sync is reading them. Sampled rows keep
+the head and sampler outside the graph (their per-row generators and data-dependent
+top-k widths do not replay). The graph's body is `decode_body`, a plain function: on a
+CPU, tests run it eagerly in place of a replay (`DecodeGraphs._capture` is the only
+CUDA-specific part).
 """
 from __future__ import annotations
 
 import logging
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
 import torch
 
 from fusegen.engine.models.decoder import AttentionMetadata
+from fusegen.engine.runner_api import LOGITS_CHUNK
 from fusegen.engine.step_inputs import StepInputs, host_rows
+from fusegen.kernels.argmax import argmax
 from fusegen.kernels.paged_attention import decode_kv_splits
 
 if TYPE_CHECKING:
@@ -61,10 +72,43 @@ def small_inputs(inputs, bucket: int, with_lengths: bool) -> torch.Tensor:
     """[5, bucket] int64 on the host: token ids, positions, KV slots, sequence lengths
     and (for models that use them, else padding) whole request lengths, each row
     padded from len(input_ids) to `bucket` with PAD."""
-    pad = bucket - len(inputs.input_ids)
-    lengths = inputs.request_lengths if with_lengths else [PAD[_LENGTHS]] * len(inputs.input_ids)
-    rows = (inputs.input_ids, inputs.positions, inputs.slots, inputs.seq_lens, lengths)
-    return torch.tensor([list(row) + [p] * pad for row, p in zip(rows, PAD)], dtype=torch.int64)
+    rows = len(inputs.input_ids)
+    host = np.empty((5, bucket), dtype=np.int64)
+    host[:, rows:] = np.array(PAD, dtype=np.int64)[:, None]
+    host[_IDS, :rows] = inputs.input_ids
+    host[_POSITIONS, :rows] = inputs.positions
+    host[_SLOTS, :rows] = inputs.slots
+    host[_SEQ_LENS, :rows] = inputs.seq_lens
+    host[_LENGTHS, :rows] = inputs.request_lengths if with_lengths else PAD[_LENGTHS]
+    return torch.from_numpy(host)
+
+
+def greedy_head(model: CausalLM, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """rows [N, h] (x, residual) -> [N] int64, each row's argmax token, LOGITS_CHUNK
+    rows at a time: the head's own argmax where it has one (`greedy_tokens`), else the
+    argmax of the logits. The same ops as the runner's eager path for plain greedy
+    rows (ModelRunner.head_chunks, then Sampler's argmax), so the same tokens."""
+    parts = []
+    for start in range(0, x.shape[0], LOGITS_CHUNK):
+        x_rows, residual_rows = x[start:start + LOGITS_CHUNK], residual[start:start + LOGITS_CHUNK]
+        tokens = model.greedy_tokens(x_rows, residual_rows)
+        parts.append(tokens if tokens is not None else argmax(model.logits(x_rows, residual_rows)))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def decode_body(runner: GraphedRunner, small: torch.Tensor, block_tables: torch.Tensor,
+                query_start: torch.Tensor, max_seq_len: int, with_lengths: bool,
+                head: bool) -> tuple[torch.Tensor, ...]:
+    """One decode step over the static buffers, what a graph records: `small` [5, B]
+    (small_inputs' rows), `block_tables` [B, width], `query_start` [B + 1] ->
+    (token ids [B],) with `head` (every row plain greedy), else (x, residual) [B, h]."""
+    meta = AttentionMetadata(
+        slot_mapping=small[_SLOTS], block_tables=block_tables, seq_lens=small[_SEQ_LENS],
+        query_start_loc=query_start, max_query_len=1, max_seq_len=max_seq_len,
+        num_tokens=small[_LENGTHS] if with_lengths else None)
+    model = runner.model
+    x, residual = model(small[_IDS], small[_POSITIONS], runner.cos_sin, runner.kv_caches, meta)
+    return (greedy_head(model, x, residual),) if head else (x, residual)
 
 
 class GraphedRunner(Protocol):
@@ -82,8 +126,8 @@ class GraphedRunner(Protocol):
 
 class DecodeGraphs:
     """The recorded decode steps of one runner on a GPU: `serves` says which steps a
-    graph runs, `run` runs one; `replays`, `graphs` (by (bucket, splits)) and `failed`
-    say what they did."""
+    graph runs, `run` runs one; `replays`, `graphs` (by (bucket, splits), then by
+    whether the graph holds the head) and `failed` say what they did."""
 
     def __init__(self, runner: GraphedRunner, max_rows: int, max_model_len: int):
         self.runner = runner
@@ -97,7 +141,7 @@ class DecodeGraphs:
         self.num_kv_heads = runner.config.model_config.num_kv_heads
         # one pool for every graph: they replay one at a time
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple]] = {}
+        self.graphs: dict[tuple[int, int], dict[bool, tuple[torch.cuda.CUDAGraph, tuple]]] = {}
         self.replays = 0
         self.failed: str | None = None  # why recording failed; then every step is eager
 
@@ -106,23 +150,26 @@ class DecodeGraphs:
                 and len(inputs.input_ids) <= self.buckets[-1]
                 and len(inputs.block_tables[0]) <= self.block_tables.shape[1])
 
-    def run(self, inputs: StepInputs):
-        """The step's (x, residual) [B, h] each, through the step's graph."""
+    def run(self, inputs: StepInputs, head: bool = False) -> tuple[torch.Tensor, ...]:
+        """The step through its graph: (token ids [B],) with `head` (a decode step whose
+        rows are all plain greedy: the graph holds the head and the argmax), else
+        (x, residual) [B, h] each."""
         rows = len(inputs.input_ids)
         bucket = bucket_for(self.buckets, rows)
         self._copy(self.small[:, :bucket], small_inputs(inputs, bucket, self.with_lengths))
         tables = host_rows(inputs.block_tables)
         self._copy(self.block_tables[:rows, :tables.shape[1]], tables)
-        max_seq_len = max(inputs.seq_lens)
+        max_seq_len = int(np.max(inputs.seq_lens))
         key = (bucket, decode_kv_splits(self.small.device, bucket * self.num_kv_heads,
                                         max_seq_len))
-        if key in self.graphs:
-            graph, (x, residual) = self.graphs[key]
+        recorded = self.graphs.get(key, {})
+        if head in recorded:
+            graph, out = recorded[head]
             graph.replay()
             self.replays += 1
         else:
-            x, residual = self._record(key, bucket, max_seq_len)
-        return x[:rows], residual[:rows]
+            out = self._record(key, bucket, max_seq_len, head)
+        return tuple(t[:rows] for t in out)
 
     @staticmethod
     def _copy(dst: torch.Tensor, host: torch.Tensor) -> None:
@@ -131,18 +178,13 @@ class DecodeGraphs:
         else:
             dst.copy_(host)
 
-    def _record(self, key, bucket: int, max_seq_len: int):
-        small = self.small[:, :bucket]
-        meta = AttentionMetadata(
-            slot_mapping=small[_SLOTS], block_tables=self.block_tables[:bucket],
-            seq_lens=small[_SEQ_LENS], query_start_loc=self.query_start[:bucket + 1],
-            max_query_len=1, max_seq_len=max_seq_len,
-            num_tokens=small[_LENGTHS] if self.with_lengths else None)
-        runner = self.runner
+    def _record(self, key, bucket: int, max_seq_len: int, head: bool):
+        small, tables = self.small[:, :bucket], self.block_tables[:bucket]
+        query_start = self.query_start[:bucket + 1]
 
         def forward():
-            return runner.model(small[_IDS], small[_POSITIONS], runner.cos_sin,
-                                runner.kv_caches, meta)
+            return decode_body(self.runner, small, tables, query_start, max_seq_len,
+                               self.with_lengths, head)
 
         eager = forward()  # this step, eagerly: compiles what the graph will launch
         try:
@@ -153,7 +195,7 @@ class DecodeGraphs:
                         "runs every step eagerly from now on", self.failed)
             return eager
         graph.replay()  # the step again, from the graph: the same writes, the same output
-        self.graphs[key] = (graph, out)
+        self.graphs.setdefault(key, {})[head] = (graph, out)
         return out
 
     def _capture(self, forward):

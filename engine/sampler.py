@@ -91,23 +91,28 @@ class Sampler:
 
     @staticmethod
     def _index(rows: list[int], logits: torch.Tensor) -> torch.Tensor:
-        return torch.tensor(rows, device=logits.device)
+        return _on(logits.device, torch.tensor(rows))
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         params = batch.params
         if all(p.temperature == 0.0 for p in params):
             return argmax(logits)
-        temps = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)
-        logits = logits / temps.unsqueeze(1)
-        if any(p.top_k > 0 for p in params):
+        device = logits.device
+        # the rows' parameters in one host tensor, one copy to the device (no sync)
+        top_k = any(p.top_k > 0 for p in params)
+        min_p = any(p.min_p > 0 for p in params)
+        top_p = any(p.top_p < 1.0 for p in params)
+        columns = _on(device, torch.tensor([(p.temperature or 1.0, p.min_p, p.top_p)
+                                            for p in params], dtype=torch.float32))
+        logits = logits / columns[:, 0:1]
+        if top_k:
             logits = _top_k(logits, [p.top_k for p in params])
         probs = logits.softmax(dim=-1)
-        if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=probs.device)
-            floor = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+        if min_p:
+            floor = probs.amax(dim=-1, keepdim=True) * columns[:, 1:2]
             probs = probs.masked_fill(probs < floor, 0.0)
-        if any(p.top_p < 1.0 for p in params):
-            probs = _top_p(probs, torch.tensor([p.top_p for p in params], device=probs.device))
+        if top_p:
+            probs = _top_p(probs, columns[:, 2])
         q = torch.empty_like(probs)
         if not all(batch.generators):  # rows without a seed share the engine's stream
             q.exponential_(generator=self.generator)
@@ -115,9 +120,9 @@ class Sampler:
             if gen is not None:
                 q[row].exponential_(generator=gen)
         sampled = argmax(probs.div_(q))
-        greedy = torch.tensor([p.temperature == 0.0 for p in params], device=logits.device)
-        if greedy.any():
-            sampled = torch.where(greedy, argmax(logits), sampled)
+        greedy = [p.temperature == 0.0 for p in params]
+        if any(greedy):
+            sampled = torch.where(_on(device, torch.tensor(greedy)), argmax(logits), sampled)
         return sampled
 
 
@@ -137,10 +142,18 @@ def _check_drawable(logits: torch.Tensor, rows: list[int], requests: list[Reques
                 f"{requests[i].num_output_tokens + 1}; loosen one of them")
 
 
+def _on(device: torch.device, host: torch.Tensor) -> torch.Tensor:
+    """A small host tensor on `device`: on a GPU through pinned memory, queued behind
+    the stream's work instead of waiting for it (a copy from pageable memory waits)."""
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host
+
+
 def _top_k(logits: torch.Tensor, ks: list[int]) -> torch.Tensor:
     vocab = logits.shape[-1]
     ks = [k if 0 < k < vocab else vocab for k in ks]
-    k = torch.tensor(ks, device=logits.device).unsqueeze(1)
+    k = _on(logits.device, torch.tensor(ks)).unsqueeze(1)
     top = logits.topk(max(ks), dim=-1).values  # [N, max_k], descending
     kth = top.gather(1, k - 1)  # [N, 1]: the k-th largest of each row
     return logits.masked_fill(logits < kth, float("-inf"))

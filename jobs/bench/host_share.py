@@ -96,31 +96,37 @@ class StubModel:
 
 
 class PhaseTimer:
-    """Wall-clock nanoseconds per phase, summed over the calls made while `on`."""
+    """Wall-clock nanoseconds per phase, summed over the calls made while `on`, each
+    exclusive of the timed calls made inside it (the runner's step less its inputs and
+    forward pass is its sampling, wherever the engine builds the inputs)."""
 
     def __init__(self):
-        self.ns = dict.fromkeys((*PHASES, "step", "run"), 0)
+        self.ns = dict.fromkeys(PHASES, 0)
+        self.total_ns = 0  # LLMEngine.step, inclusive
         self.on = False
+        self._inner: list[int] = []  # per open call: the ns its timed callees took
 
     def wrap(self, phase: str, fn):
         @functools.wraps(fn)
         def timed(*args, **kwargs):
             if not self.on:
                 return fn(*args, **kwargs)
+            self._inner.append(0)
             start = time.perf_counter_ns()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.ns[phase] += time.perf_counter_ns() - start
+                took = time.perf_counter_ns() - start
+                self.ns[phase] += took - self._inner.pop()
+                if self._inner:
+                    self._inner[-1] += took
+                else:
+                    self.total_ns += took
         return timed
 
     def per_step_us(self, steps: int) -> dict[str, float]:
-        ns = self.ns
-        sampling = ns["run"] - ns["inputs"] - ns["copies"]
-        other = ns["step"] - ns["schedule"] - ns["run"] - ns["update"] - ns["outputs"]
-        phases = {**{p: ns[p] for p in PHASES}, "sampling": sampling, "other": other}
-        out = {p: phases[p] / steps / 1e3 for p in PHASES}
-        out["step"] = ns["step"] / steps / 1e3
+        out = {p: self.ns[p] / steps / 1e3 for p in PHASES}
+        out["step"] = self.total_ns / steps / 1e3
         return out
 
 
@@ -145,11 +151,11 @@ def measure(model_dir: str | Path, config: HostShareConfig, device: str = "cpu")
         sched.schedule = timer.wrap("schedule", sched.schedule)
         sched.update = timer.wrap("update", sched.update)
         engine._outputs = timer.wrap("outputs", engine._outputs)
-        runner.run = timer.wrap("run", runner.run)
+        runner.run = timer.wrap("sampling", runner.run)  # less its inputs and forward
         runner.forward = timer.wrap("copies", runner.forward)
         original_inputs = model_runner.step_inputs
         model_runner.step_inputs = timer.wrap("inputs", original_inputs)
-        step = timer.wrap("step", engine.step)
+        step = timer.wrap("other", engine.step)  # less every phase above
         params = SamplingParams(max_tokens=n, ignore_eos=True, stop=[STOP],
                                 **({"temperature": 0.8, "top_p": 0.9} if config.sampled
                                    else {"temperature": 0.0}))
