@@ -28,8 +28,9 @@ def plan_shape(model, cfg: ModelConfig, dtype: torch.dtype, quantization: str,
     packed_head = device == "cpu" and cfg.tie_word_embeddings and can_pack(dtype)
     tp, pp = options.tensor_parallel_size, options.pipeline_parallel_size
     if tp * pp > 1:  # the plan is one rank's: every rank gets the same KV blocks
-        from fusegen.engine.parallel.plan import check_parallel
+        from fusegen.engine.parallel.plan import check_grid, check_parallel
 
+        tp = check_grid(cfg, options, quantization)  # a Tesseract grid: its q
         check_parallel(cfg, tp, pp)
         layer_bytes = None
         if quantization in COMPRESSED:  # a rank's slice of each layer, compressed

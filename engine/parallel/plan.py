@@ -25,6 +25,9 @@ class RankInfo:
     # the group's peer tier, the same on every rank: (consumer rank, layer, holder rank)
     # for each layer a rank fetches from a peer's memory (peer.assign_holders)
     peer_holders: tuple[tuple[int, int, int], ...] = ()
+    # tensor_parallel_mode 2d / 2.5d: the Tesseract grid's depth d (its ranks are
+    # the stage's tp_size = q x q x d); 0 in 1-D mode
+    grid_depth: int = 0
 
     @property
     def world_size(self) -> int:
@@ -186,9 +189,46 @@ def cpu_threads(num_cores: int, world: int) -> int:
 
 
 def rank_infos(tp: int, pp: int, stages: list[range], devices: list[str],
-               num_cores: int) -> list[RankInfo]:
+               num_cores: int, grid_depth: int = 0) -> list[RankInfo]:
     threads = cpu_threads(num_cores, tp * pp)
     return [RankInfo(rank=r, tp_rank=r % tp, pp_rank=r // tp, tp_size=tp, pp_size=pp,
                      layers=stages[r // tp], device=devices[r],
-                     num_threads=threads if devices[r] == "cpu" else 1)
+                     num_threads=threads if devices[r] == "cpu" else 1,
+                     grid_depth=grid_depth)
             for r in range(tp * pp)]
+
+
+def check_grid(cfg, options, quantization: str) -> int:
+    """Refuse, before any process starts, a Tesseract grid (tensor_parallel_mode 2d /
+    2.5d) that the ranks, the model or the other options cannot take, naming the
+    numbers and the shapes that work; the split the memory plan counts a rank's KV
+    heads (and, conservatively, its weights) by: q. 1-D mode: tensor_parallel_size."""
+    from fusegen.engine.parallel.tesseract import check_tesseract_shapes, tesseract_grid
+
+    mode, tp = options.tensor_parallel_mode, options.tensor_parallel_size
+    if mode == "1d":
+        return tp
+    what = f"tensor_parallel_mode {mode!r}"
+    try:
+        grid = tesseract_grid(tp, options.tesseract_depth)
+        check_tesseract_shapes(grid, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                               hidden_size=cfg.hidden_size,
+                               intermediate_size=cfg.intermediate_size,
+                               batch=options.max_num_seqs)
+    except ValueError as exc:
+        raise EngineConfigError(f"{what}: {exc}") from None
+    refusals = [
+        (cfg.num_experts, f"runs dense decoders only; {cfg.architecture} is a mixture of "
+                          "experts: use tensor_parallel_mode '1d'"),
+        (options.pipeline_parallel_size > 1,
+         f"runs with pipeline_parallel_size 1 (got {options.pipeline_parallel_size}): the "
+         "grid splits every layer; use tensor_parallel_mode '1d' with stages"),
+        (options.peer_memory is not None, "has no peer tier: leave peer_memory unset"),
+        (quantization != "dequantize",
+         f"runs dense weights only (quantization resolved to {quantization!r}): pass "
+         "quantization='dequantize', or use tensor_parallel_mode '1d'"),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise EngineConfigError(f"{what} {why}")
+    return grid.q

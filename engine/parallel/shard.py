@@ -183,3 +183,55 @@ def shard_fixed_sources(cfg: ModelConfig, sources: dict[str, list], tp_rank: int
     return {name: [p.narrow(0, start, end - start) for p in parts]
             if name in ("embed", "lm_head.weight") else parts
             for name, parts in sources.items()}
+
+
+# -- the Tesseract grid (tensor_parallel_mode 2d / 2.5d; engine/parallel/tesseract.py) --
+
+def grid_model_config(cfg: ModelConfig, q: int) -> ModelConfig:
+    """The model one rank of a [q, q, d] grid runs: heads block j (H / q query heads,
+    K / q KV heads) and intermediate block j of the MLP; the hidden size stays whole
+    (each rank holds its depth layer's residual stream whole, so norms run as they are)."""
+    if q == 1:
+        return cfg
+    return dataclasses.replace(cfg, num_heads=cfg.num_heads // q,
+                               num_kv_heads=cfg.num_kv_heads // q,
+                               intermediate_size=cfg.intermediate_size // q)
+
+
+def grid_layer_sources(cfg: ModelConfig, sources: dict[str, list], q: int, i: int,
+                       j: int) -> dict[str, list]:
+    """One layer's parameter sources narrowed to rank (i, j, *)'s weight blocks:
+    - q/k/v and gate/up: outputs of block j (heads block j of each of q, k, v; rows
+      block j of each of gate and up), inputs (hidden columns) of block i; their biases
+      the outputs of block j;
+    - o and down: outputs (hidden rows) of block i, inputs of block j (heads block j;
+      intermediate block j); their biases whole (added once, after the sums);
+    - norms (and per-head q/k norms) whole.
+    Parts are narrowed, never read (as `shard_layer_sources`)."""
+    if q == 1:
+        return sources
+    d, h = cfg.head_dim, cfg.hidden_size
+    heads, kv_heads = cfg.num_heads // q, cfg.num_kv_heads // q
+    hidden = (i * h // q, h // q)
+    q_rows, kv_rows = (j * heads * d, heads * d), (j * kv_heads * d, kv_heads * d)
+    out = {}
+    for name, parts in sources.items():
+        owner, _, kind = name.rpartition(".")
+        if owner == "qkv":
+            q_, k_, v_ = _split_fused(parts, [cfg.num_heads * d, cfg.num_kv_heads * d,
+                                              cfg.num_kv_heads * d])
+            cut = [q_.narrow(0, *q_rows), k_.narrow(0, *kv_rows), v_.narrow(0, *kv_rows)]
+            out[name] = [p.narrow(1, *hidden) for p in cut] if kind == "weight" else cut
+        elif owner == "gate_up":
+            if len(parts) == 1:  # gate and up shipped as one tensor (Phi-3)
+                half = parts[0].shape[0] // 2
+                parts = _split_fused(parts, [half, half])
+            cut = [_rows(p, j, q) for p in parts]
+            out[name] = [p.narrow(1, *hidden) for p in cut] if kind == "weight" else cut
+        elif name == "o.weight":
+            out[name] = [p.narrow(0, *hidden).narrow(1, *q_rows) for p in parts]
+        elif name == "down.weight":
+            out[name] = [_rows(p.narrow(0, *hidden), j, q, dim=1) for p in parts]
+        else:  # norms, o's and down's biases: whole
+            out[name] = parts
+    return out

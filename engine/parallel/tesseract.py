@@ -173,6 +173,14 @@ class CommCounter:
         self.bytes_received += (members - 1) * nbytes
         self.num_collectives += 1
 
+    def all_reduce(self, nbytes: int, members: int) -> None:
+        """A ring all-reduce of `nbytes` among `members` ranks: 2 (m - 1) / m of it
+        sent and as much received (as layers.TPGroup counts)."""
+        moved = 2 * (members - 1) * nbytes // members
+        self.bytes_sent += moved
+        self.bytes_received += moved
+        self.num_collectives += 1
+
     def as_dict(self) -> dict[str, int]:
         return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
                 "num_collectives": self.num_collectives}
@@ -194,6 +202,9 @@ class TesseractGroups:
         self.col = self._mine([g.col_ranks(j, k) for k in range(d) for j in range(q)])
         self.depth_group = self._mine([g.depth_ranks(i, j) for i in range(q)
                                        for j in range(q)])
+        # the q^2 ranks of one depth layer (the vocabulary split of the embedding and head)
+        self.layer = self._mine([[g.rank(i, j, k) for i in range(q) for j in range(q)]
+                                 for k in range(d)])
 
     def _mine(self, all_ranks: list[list[int]]):
         mine = None
@@ -217,6 +228,20 @@ class TesseractGroups:
         if self.grid.q > 1 and t.numel():  # an empty block: every member knows, none sends
             dist.broadcast(t, src=src, group=group)
             self.counter.broadcast(t.numel() * t.element_size(), self.grid.q, is_root)
+        return t
+
+    def all_reduce_row(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` summed in place over grid row i (the q ranks (i, *, k))."""
+        return self._all_reduce(t, self.row)
+
+    def all_reduce_col(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` summed in place over grid column j (the q ranks (*, j, k))."""
+        return self._all_reduce(t, self.col)
+
+    def _all_reduce(self, t: torch.Tensor, group) -> torch.Tensor:
+        if self.grid.q > 1 and t.numel():
+            dist.all_reduce(t, group=group)
+            self.counter.all_reduce(t.numel() * t.element_size(), self.grid.q)
         return t
 
     def all_gather(self, t: torch.Tensor, group, members: int) -> list[torch.Tensor]:

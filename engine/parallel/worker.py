@@ -216,13 +216,25 @@ class Worker:
                                 self.pipeline_bytes))
             elif kind == "overlap":
                 self.conn.send(("overlap", self.info.rank, self.runner.group.overlap_stats()))
+            elif kind == "grid":
+                self.conn.send(("grid", self.info.rank, self.runner.layer_bytes()))
             elif kind == "streams":
                 self.conn.send(("streams", self.info.rank, self.runner.stream_stats(),
                                 len(self.trace)))
 
     @torch.inference_mode()
-    def step(self, index: int, inputs: StepInputs, greedy: bool) -> None:
+    def step(self, index: int, inputs: StepInputs, greedy: bool,
+             groups: list[int] | None = None) -> None:
         runner, info = self.runner, self.info
+        if groups is not None:  # a Tesseract grid: each rank its sequence group's share
+            start = time.monotonic()
+            runner.swap(inputs.swap_out, to_host=True)
+            runner.swap(inputs.swap_in, to_host=False)
+            out = runner.step(inputs, groups, greedy)
+            self.trace.append((index, start, start, time.monotonic()))
+            if info.replies:
+                self._reply(index, out, greedy)
+            return
         if runner.peer is not None and runner.peer.error is not None:
             raise RuntimeError("this rank's peer-tier server failed") from runner.peer.error
         waiting = time.monotonic()
@@ -314,7 +326,9 @@ def _place(info: RankInfo) -> None:
                                       (info.rank + 1) * info.num_threads])
 
 
-def _join_group(info: RankInfo, port: int, timeout: int) -> TPGroup:
+def _join_group(info: RankInfo, port: int, timeout: int) -> tuple[TPGroup, object]:
+    """The rank's tensor-parallel group (on a Tesseract grid: its depth layer's, which
+    splits the vocabulary) and its grid's groups (None in 1-D mode)."""
     backend = "nccl" if info.device.startswith("cuda") else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}",
                             world_size=info.world_size, rank=info.rank,
@@ -325,7 +339,13 @@ def _join_group(info: RankInfo, port: int, timeout: int) -> TPGroup:
         group = dist.new_group(ranks) if info.tp_size > 1 else None
         if stage == info.pp_rank:
             mine = group
-    return TPGroup(mine, info.tp_size, info.tp_rank)
+    if not info.grid_depth:
+        return TPGroup(mine, info.tp_size, info.tp_rank), None
+    from fusegen.engine.parallel.tesseract import TesseractGroups
+
+    grid = TesseractGroups(info.grid_depth)
+    q = grid.grid.q
+    return TPGroup(grid.layer, q * q, grid.i * q + grid.j), grid
 
 
 def main(rank: int) -> None:
@@ -335,11 +355,16 @@ def main(rank: int) -> None:
     try:
         _, config, info, port, shm_name, num_slots, timeout = conn.recv()
         _place(info)
-        group = _join_group(info, port, timeout)
+        group, grid = _join_group(info, port, timeout)
         peer = PeerChannel.join(info.world_size, info.own_peer_layers, info.peer_consumers) \
             if info.peer_holders else None
         config = dataclasses.replace(config, device=info.device)
-        runner = ShardRunner(config, info, group, peer)
+        if grid is None:
+            runner = ShardRunner(config, info, group, peer)
+        else:
+            from fusegen.engine.parallel.tesseract_layers import GridShardRunner
+
+            runner = GridShardRunner(config, info, group, grid)
         shm = _attach(shm_name) if info.replies and shm_name else None
         conn.send(("ready", rank, runner.memory_report()))
         Worker(conn, info, runner, shm, num_slots).serve()
