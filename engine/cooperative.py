@@ -18,8 +18,11 @@ log-sum-exp as the C kernels do (kernels/paged_attention.py), in one launch a la
 """
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -85,6 +88,34 @@ def _add(seg: Segments, row: int, count: int, seq_len: int, table: list[int],
         seg.kv_ends.append(kv_end)
 
 
+@dataclass(slots=True)
+class CooperativeStats:
+    """What cooperative layers moved between device and host memory and how long the
+    device waited on host parts, summed while `recording` (jobs/bench/cooperative_kv.py)."""
+    num_layer_calls: int = 0
+    bytes_to_host: int = 0  # the queries and the host rows' new keys and values
+    bytes_to_device: int = 0  # the host part's output and log-sum-exp
+    host_seconds: float = 0.0  # host parts, from their submission to their end
+    # what the device waits: the host part's time past the device part's (CUDA events);
+    # on a CPU, whose cores run the parts one after the other, all of the host part's
+    stall_seconds: float = 0.0
+
+
+_recording: CooperativeStats | None = None
+
+
+@contextmanager
+def recording() -> Iterator[CooperativeStats]:
+    """Sum every cooperative layer's transfers and waits into the yielded stats. Timing
+    the device part syncs with the device once a layer: for measurements only."""
+    global _recording
+    previous, _recording = _recording, CooperativeStats()
+    try:
+        yield _recording
+    finally:
+        _recording = previous
+
+
 class CooperativeStep:
     """What every layer of one step reads: the split as tensors, the host pool's caches
     by layer, and the thread that runs host parts (`pool`; None: the host part runs after
@@ -123,13 +154,54 @@ class CooperativeStep:
         host_q = q.cpu()  # the queries cross to the host, the partial output comes back
         host_out, host_lse = empty_partial(host_q)
         host_args = (host_q, host_k, host_v, self.host_part, host_out, host_lse)
+        rec, timer = _recording, None
+        if rec is not None:
+            timer = _Timer(q.device)
         job = None if self.pool is None else self.pool.submit(
             attention_part, *host_args, scale=layer.scale, num_threads=self.host_threads)
         out, lse = empty_partial(q)
         attention_part(q, k_cache, v_cache, self.device_part, out, lse, scale=layer.scale,
                        num_threads=self.device_threads, deterministic=self.deterministic)
+        if timer is not None:
+            timer.device_done()
         if job is None:
             attention_part(*host_args, scale=layer.scale, num_threads=self.host_threads)
         else:
             job.result()
+        if rec is not None:
+            timer.host_done(rec, serial=job is None)
+            rec.bytes_to_host += _nbytes(host_q) + 2 * len(self.host_rows) * _nbytes(k[0])
+            rec.bytes_to_device += _nbytes(host_out) + _nbytes(host_lse)
         return merge_partials(out, lse, host_out.to(q.device), host_lse.to(q.device))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class _Timer:
+    """One layer's host part and device part, timed from the host part's submission."""
+
+    def __init__(self, device: torch.device):
+        self.events = None
+        if device.type == "cuda":
+            self.events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            self.events[0].record()
+        self.start = time.perf_counter()
+        self.device_seconds = 0.0
+
+    def device_done(self) -> None:
+        if self.events is not None:
+            self.events[1].record()
+        else:  # on the CPU the device part ran in this thread
+            self.device_seconds = time.perf_counter() - self.start
+            self.start = time.perf_counter()
+
+    def host_done(self, rec: CooperativeStats, serial: bool) -> None:
+        host = time.perf_counter() - self.start
+        if self.events is not None:
+            self.events[1].synchronize()
+            self.device_seconds = self.events[0].elapsed_time(self.events[1]) / 1e3
+        rec.num_layer_calls += 1
+        rec.host_seconds += host
+        rec.stall_seconds += host if serial else max(0.0, host - self.device_seconds)
