@@ -36,7 +36,8 @@ def run(model_dir, prompts, params, async_scheduling, **options):
         outs = llm.generate(prompts, params)
         blocks = engine.block_manager
         assert blocks.num_free_blocks == blocks.num_blocks  # every block back
-        assert not engine.has_unfinished()
+        # (a batch of finished requests' discarded tokens may still be in flight)
+        assert engine.scheduler.num_unfinished == 0
         got = [(o.error, [(c.token_ids, c.finish_reason, c.text) for c in o.outputs])
                for o in outs]
         return got, llm.stats(), placeholders
@@ -51,19 +52,18 @@ def check_same(model_dir, prompts, params, **options):
     assert sum(none) == 0 and sum(placeholders) > 0
     generated = sum(len(c[0]) for _, outs in sync for c in outs)
     assert stats["num_generated_tokens"] == sync_stats["num_generated_tokens"] == generated
-    for key in ("num_finished", "prompt_tokens_cached", "num_preemptions"):
-        assert stats[key] == sync_stats[key], key
-    return sync, stats
+    assert stats["num_finished"] == sync_stats["num_finished"]
+    return sync, stats, sync_stats
 
 
 def test_mixed_lengths_and_one_or_two_tokens(llama_dir):
     params = [greedy(m) for m in (1, 2, 7, 12, 3, 20)]
-    outs, _ = check_same(llama_dir, PROMPTS, params)
+    outs, *_ = check_same(llama_dir, PROMPTS, params)
     assert [len(o[1][0][0]) for o in outs] == [1, 2, 7, 12, 3, 20]
 
 
 def test_chunked_prefill(llama_dir):
-    _, stats = check_same(llama_dir, PROMPTS, [greedy(9)] * len(PROMPTS),
+    _, stats, _ = check_same(llama_dir, PROMPTS, [greedy(9)] * len(PROMPTS),
                           max_num_batched_tokens=8, block_size=4)
     assert stats["num_steps"] > 9 * 2
 
@@ -74,7 +74,7 @@ def test_eos_and_stop_token_ids(qwen2_dir):
         full = [o.token_ids for o in llm.generate(PROMPTS, greedy(16))]
     params = [SamplingParams(max_tokens=40, temperature=0.0)] * 3 + [
         greedy(16, stop_token_ids=[full[i][3 + i]]) for i in range(3, len(PROMPTS))]
-    outs, _ = check_same(qwen2_dir, PROMPTS, params)
+    outs, *_ = check_same(qwen2_dir, PROMPTS, params)
     reasons = [o[1][0][1] for o in outs]
     assert reasons[3:] == ["stop"] * 3
     assert [len(o[1][0][0]) for o in outs[3:]] == [full[i].index(full[i][3 + i]) + 1
@@ -85,7 +85,7 @@ def test_stop_strings(llama_dir):
     with LLM(str(llama_dir), dtype="float32", async_scheduling=False) as llm:
         texts = [o.text for o in llm.generate(PROMPTS, greedy(24))]
     stops = [[t[6:9]] if len(t) > 9 else ["\x00never"] for t in texts]
-    outs, _ = check_same(llama_dir, PROMPTS, [greedy(24, stop=s) for s in stops])
+    outs, *_ = check_same(llama_dir, PROMPTS, [greedy(24, stop=s) for s in stops])
     assert sum(o[1][0][1] == "stop" for o in outs) >= 3
 
 
@@ -93,7 +93,7 @@ def test_seeded_sampling_and_n(llama_dir):
     params = [SamplingParams(max_tokens=10 + i, temperature=0.9, top_p=0.9, seed=100 + i,
                              n=2 if i % 2 else 1, ignore_eos=True)
               for i in range(len(PROMPTS))]
-    outs, _ = check_same(llama_dir, PROMPTS, params)
+    outs, *_ = check_same(llama_dir, PROMPTS, params)
     assert [len(o[1]) for o in outs] == [1, 2] * 3
 
 
@@ -105,21 +105,27 @@ def test_structured_output_and_processors_wait_for_their_token(llama_dir):
     params = [SamplingParams(max_tokens=40, temperature=1.0, seed=3, json_schema=schema),
               greedy(12, repetition_penalty=1.3), greedy(12, logprobs=2),
               greedy(12, min_tokens=5), greedy(14), greedy(2)]
-    outs, _ = check_same(llama_dir, PROMPTS, params)
+    outs, *_ = check_same(llama_dir, PROMPTS, params)
     assert json.loads(outs[0][1][0][2])["n"] in range(100)
 
 
 def test_preemption_with_a_small_kv_cache(mistral_sp_dir):
-    _, stats = check_same(mistral_sp_dir, PROMPTS, [greedy(12)] * len(PROMPTS),
-                          num_kv_blocks=32, block_size=4)
-    assert stats["num_preemptions"] > 0
+    # 12 blocks of 4 tokens (one 48-token context): three prompts of 13-18 tokens are
+    # admitted, and growing by 12 tokens each they cannot all stay: some are preempted
+    # (which and when differ: requests in flight wait for a block instead), recomputed
+    prompts = [[5 + (7 * i + 3 * j) % 150 for j in range(13 + i)] for i in range(6)]
+    _, stats, sync_stats = check_same(mistral_sp_dir, prompts, [greedy(12)] * len(prompts),
+                                      num_kv_blocks=12, block_size=4, max_model_len=48,
+                                      kv_placement="device")
+    assert stats["num_preemptions"] > 0 and sync_stats["num_preemptions"] > 0
 
 
 def test_prefix_caching(llama_dir):
     shared = "You are a helpful assistant. Answer in one short sentence, please. "
     prompts = [shared + p for p in PROMPTS]
-    _, stats = check_same(llama_dir, prompts, [greedy(8)] * len(prompts), block_size=4)
-    assert stats["prompt_tokens_cached"] > 0
+    _, stats, sync_stats = check_same(llama_dir, prompts, [greedy(8)] * len(prompts),
+                                      block_size=4)
+    assert stats["prompt_tokens_cached"] == sync_stats["prompt_tokens_cached"] > 0
 
 
 def test_deterministic_mode(tmp_path_factory):
