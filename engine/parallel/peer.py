@@ -9,6 +9,16 @@ staging ring (engine/memory/offload.py) fetches each tensor of a peer layer with
 request and a receive posted into the slot; a holder answers requests on a helper thread,
 so serving never blocks its own compute. The ring issues loads one layer (or
 `prefetch_depth` layers) ahead, so a fetch overlaps the compute of the layer before.
+
+CUDA device groups (one machine, NCCL): the holder keeps the layers in its GPU's spare
+memory and the payload travels GPU to GPU (NCCL picks NVLink or PCIe peer-to-peer), into
+the consumer's staging slot on the ring's copy stream. NCCL has neither tags nor
+receives from any rank, and a communicator must not be driven by two threads at once; so
+requests still go over the gloo group, and each (holder, consumer) pair of the group's
+peer tier gets a payload communicator of its own, used only by the holder's serving
+thread (sends) and the consumer's copy thread (receives). NCCL matches a pair's
+messages in order, which holds: a consumer's fetches from one holder are issued in order
+on one thread and its requests, arriving in that order, are answered in it.
 """
 from __future__ import annotations
 
@@ -68,6 +78,12 @@ def group_holders(infos, layer_tiers: list[str], layer_bytes: int,
                  for layer, holder in holders[consumer].items())
 
 
+def payload_pairs(every: list[list[tuple[int, int]]]) -> list[tuple[int, int]]:
+    """The group's (holder, consumer) pairs from each rank's own (what every rank
+    gathered), sorted: the order every rank creates their communicators in."""
+    return sorted({tuple(pair) for pairs in every for pair in pairs})
+
+
 def served(holders: dict[int, dict[int, int]], rank: int) -> list[tuple[int, int]]:
     """The (consumer rank, layer) pairs `rank` holds, in consumer and layer order."""
     return [(consumer, layer) for consumer in sorted(holders)
@@ -79,10 +95,16 @@ class PeerChannel:
     their holders (`fetch`, called on the staging ring's copy thread) and serves the
     tensors it holds for others (`serve`, on a helper thread)."""
 
-    def __init__(self, group, holders: dict[int, int], consumers: set[int]):
+    def __init__(self, group, holders: dict[int, int], consumers: set[int],
+                 payload_groups: dict[tuple[int, int], object] | None = None,
+                 device: torch.device | None = None):
         self.group = group
         self.holders = holders  # own peer layer -> its holder's rank
         self.consumers = consumers  # ranks this one holds layers for
+        # (holder, consumer) -> the pair's payload communicator (None: payloads go over
+        # `group` with a tag per fetch)
+        self.payload_groups = payload_groups or {}
+        self.device = device  # where held tensors live (None: host memory)
         # (consumer, layer) -> the tensors held for it, by the index of their names
         self.held: dict[tuple[int, int], list[torch.Tensor]] = {}
         self.bytes_fetched = 0
@@ -92,10 +114,30 @@ class PeerChannel:
         self.error: BaseException | None = None
 
     @classmethod
-    def join(cls, world: int, holders: dict[int, int], consumers: set[int]) -> "PeerChannel":
-        """Every rank calls this at the same point (dist.new_group is collective)."""
+    def join(cls, world: int, holders: dict[int, int], consumers: set[int],
+             payload_backend: str | None = None) -> "PeerChannel":
+        """Every rank calls this at the same point (dist.new_group is collective).
+        `payload_backend`: the pairs' payload communicators' ("nccl", or "gloo" to test
+        the same logic on CPUs); by default "nccl" in a group whose default backend is
+        NCCL (a CUDA device group), else none."""
         group = dist.new_group(list(range(world)), backend="gloo", timeout=_IDLE_TIMEOUT)
-        return cls(group, holders, consumers)
+        if payload_backend is None and dist.get_backend() == "nccl":
+            payload_backend = "nccl"
+        if payload_backend is None:
+            return cls(group, holders, consumers)
+        rank = dist.get_rank()
+        mine = sorted({(holder, rank) for holder in holders.values()})
+        every: list = [None] * world
+        dist.all_gather_object(every, mine, group=group)
+        payload = {}
+        for holder, consumer in payload_pairs(every):  # the same order on every rank
+            pair_group = dist.new_group(sorted((holder, consumer)), backend=payload_backend,
+                                        timeout=_IDLE_TIMEOUT)
+            if rank in (holder, consumer):
+                payload[(holder, consumer)] = pair_group
+        device = (torch.device("cuda", torch.cuda.current_device())
+                  if payload_backend == "nccl" else None)
+        return cls(group, holders, consumers, payload, device)
 
     @property
     def held_bytes(self) -> int:
@@ -110,8 +152,10 @@ class PeerChannel:
         tag = self._tag + 1  # never REQUEST_TAG
         request = torch.tensor([layer, index, tag], dtype=torch.int64)
         sending = dist.isend(request, holder, group=self.group, tag=REQUEST_TAG)
-        receiving = dist.irecv(target.view(torch.uint8).view(-1), holder, group=self.group,
-                               tag=tag)
+        pair = self.payload_groups.get((holder, dist.get_rank()))
+        receiving = dist.irecv(target.view(torch.uint8).view(-1), holder,
+                               **({"group": self.group, "tag": tag} if pair is None
+                                  else {"group": pair}))
         return lambda: self._finish(sending, receiving, target)
 
     def _finish(self, sending, receiving, target: torch.Tensor) -> None:
@@ -120,7 +164,11 @@ class PeerChannel:
         self.bytes_fetched += target.numel() * target.element_size()
 
     def start(self) -> None:
-        """Serve the held tensors on a helper thread until every consumer is done."""
+        """Serve the held tensors on a helper thread until every consumer is done (from
+        the device's memory where the payloads travel device to device)."""
+        if self.device is not None:
+            self.held = {key: [t.to(self.device) for t in tensors]
+                         for key, tensors in self.held.items()}
         if self.consumers:
             self._thread = threading.Thread(target=self._serve, name="fusegen-peer",
                                             daemon=True)
@@ -128,6 +176,9 @@ class PeerChannel:
 
     def _serve(self) -> None:
         done = set()
+        if self.device is not None:
+            torch.cuda.set_device(self.device)
+        rank = dist.get_rank()
         try:
             while done != self.consumers:
                 request = torch.empty(3, dtype=torch.int64)
@@ -137,8 +188,10 @@ class PeerChannel:
                     done.add(source)
                     continue
                 tensor = self.held[(source, layer)][index]
-                dist.isend(tensor.view(torch.uint8).view(-1), source, group=self.group,
-                           tag=tag).wait()
+                pair = self.payload_groups.get((rank, source))
+                dist.isend(tensor.view(torch.uint8).view(-1), source,
+                           **({"group": self.group, "tag": tag} if pair is None
+                              else {"group": pair})).wait()
                 self.bytes_served += tensor.numel() * tensor.element_size()
         except BaseException as exc:  # noqa: BLE001 - the rank's next step reports it
             self.error = exc
