@@ -16,7 +16,6 @@ from collections import deque
 import torch
 
 from fusegen.engine.config import EngineConfig
-from fusegen.engine.errors import EngineConfigError
 from fusegen.engine.models import get_architecture
 from fusegen.engine.parallel.group import DeviceGroup, check_shared_memory
 from fusegen.engine.parallel.overlap import overlap_summary
@@ -192,10 +191,6 @@ def _with_peers(infos: list, config: EngineConfig) -> list:
     plan = config.placement
     if "peer" not in plan.layer_tiers:
         return infos
-    if config.device.startswith("cuda"):
-        raise EngineConfigError(
-            f"peer_memory {config.options.peer_memory!r}: the peer tier runs between the CPU "
-            "ranks of a group (point-to-point sends over gloo); on CUDA GPUs use host_memory")
     holders = group_holders(infos, plan.layer_tiers, plan.sizes.layer_bytes, plan.peer_spare)
     return [dataclasses.replace(info, peer_holders=holders) for info in infos]
 
