@@ -335,19 +335,21 @@ class ModelRunner(Runner):
             self._tokens.append(self.run(batch))
             return
         inputs = step_inputs(batch, self.block_size, self.uses_request_lengths)
-        # (input row, index in the previous batch) of each token still in flight: a
-        # request's placeholder is the first (and only) token it runs
-        fill = [(row, self._previous[id(req)])
-                for row, req in zip(inputs.query_start, batch.requests)
-                if inputs.input_ids[row] == PLACEHOLDER]
+        # the rows of tokens still in flight, and their requests' indexes in the previous
+        # batch (a request's placeholder is the only token it runs)
+        rows = np.flatnonzero(inputs.input_ids == PLACEHOLDER)  # [P]
+        owners = np.searchsorted(inputs.query_start, rows, side="right") - 1
+        fill = rows, [self._previous[id(batch.requests[i])] for i in owners.tolist()]
         self._previous = {id(req): i for i, req in enumerate(batch.requests)}
         self._tokens.append(self._worker.submit(self._run_after, batch, inputs, fill))
 
     def _run_after(self, batch: ScheduledBatch, inputs: StepInputs,
-                   fill: list[tuple[int, int]]) -> list[int | None]:
+                   fill: tuple[np.ndarray, list[int]]) -> list[int | None]:
         """On the worker: the batch, its placeholders filled from the step before it."""
-        for row, i in fill:
-            inputs.input_ids[row] = self._last[i]
+        rows, previous = fill
+        if len(rows):
+            last = self._last
+            inputs.input_ids[rows] = [last[i] for i in previous]
         self._last = self.run(batch, inputs)
         return self._last
 
