@@ -17,7 +17,8 @@ from fusegen import SamplingParams
 from fusegen.engine.errors import EngineConfigError
 from fusegen.engine.models.config import ModelConfig
 from fusegen.engine.options import EngineOptions
-from fusegen.engine.parallel.overlap import SumTimes, chunk_bounds, summed_in_chunks
+from fusegen.engine.parallel.overlap import (SumTimes, chunk_bounds, overlap_summary,
+                                             summed_in_chunks)
 
 LLM = functools.partial(_LLM, device="cpu", dtype="float32")
 
@@ -158,6 +159,26 @@ def test_chunks_beyond_the_rows_run_a_row_each():
     assert torch.equal(out, x * 2.0) and group.started == [1, 1, 1]
     # sums at 1.0-1.5, 2.0-2.5, 3.0-3.5: the first two hidden, the last waited for
     assert (times.comm_s, times.exposed_s, times.hidden_s) == (1.5, 0.5, 1.0)
+
+
+def test_the_groups_summary_counts_each_layer_on_the_ranks_that_ran_it():
+    """Two stages: layer 0 on ranks 0 and 1, layer 1 on rank 2 alone (tp 2 x pp 2,
+    one rank's figures left out). Seconds add over ranks; calls, tokens and bytes are a
+    rank's."""
+    def row(calls):
+        return dict(calls=calls, tokens=10 * calls, bytes=100 * calls, compute_s=1.0 * calls,
+                    comm_s=2.0 * calls, exposed_s=0.5 * calls)
+    summary = overlap_summary({0: {"0.o": row(2), "1.o": row(0)},
+                               1: {"0.o": row(2), "1.o": row(0)},
+                               2: {"0.o": row(0), "1.o": row(3)}})
+    assert summary["layers"]["0.o"] == dict(
+        ranks=2, calls=2, tokens=20, bytes=200, compute_s=4.0, comm_s=8.0, exposed_s=2.0,
+        hidden_s=6.0, overlap_fraction=0.75, bytes_per_token=10.0)
+    assert summary["layers"]["1.o"]["ranks"] == 1 and summary["layers"]["1.o"]["calls"] == 3
+    assert {k: summary[k] for k in ("compute_s", "comm_s", "exposed_s", "hidden_s",
+                                    "overlap_fraction", "ranks")} \
+        == dict(compute_s=7.0, comm_s=14.0, exposed_s=3.5, hidden_s=10.5, overlap_fraction=0.75,
+                ranks=3)
 
 
 # -- bad input ------------------------------------------------------------------------

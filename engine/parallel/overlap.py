@@ -107,25 +107,27 @@ def overlap_summary(per_rank: dict[int, dict[str, dict]]) -> dict:
     layers: dict[str, dict] = {}
     for stats in per_rank.values():
         for key, row in stats.items():
+            if not row["calls"]:  # another pipeline stage's layer
+                continue
             acc = layers.setdefault(key, dict.fromkeys(
-                ("calls", "tokens", "bytes", "compute_s", "comm_s", "exposed_s"), 0))
-            for name in acc:
+                ("ranks", "calls", "tokens", "bytes", "compute_s", "comm_s", "exposed_s"), 0))
+            acc["ranks"] += 1
+            for name in row:
                 acc[name] += row[name]
     for row in layers.values():
-        _finish(row, len(per_rank))
+        _finish(row)
+        # every rank of a stage sums the same rows: calls, tokens and bytes per rank
+        for name in ("calls", "tokens", "bytes"):
+            row[name] //= row["ranks"]
+        row["bytes_per_token"] = row["bytes"] / row["tokens"] if row["tokens"] else 0.0
     total = dict.fromkeys(("compute_s", "comm_s", "exposed_s"), 0.0)
     for row in layers.values():
         for name in total:
             total[name] += row[name]
-    _finish(total, len(per_rank))
+    _finish(total)
     return {**total, "ranks": len(per_rank), "layers": layers}
 
 
-def _finish(row: dict, num_ranks: int) -> None:
+def _finish(row: dict) -> None:
     row["hidden_s"] = max(row["comm_s"] - row["exposed_s"], 0.0)
     row["overlap_fraction"] = row["hidden_s"] / row["comm_s"] if row["comm_s"] else 0.0
-    if row.get("tokens"):
-        row["bytes_per_token"] = row["bytes"] / row["tokens"]  # per rank: every rank sums alike
-        row["calls"] //= num_ranks
-        row["tokens"] //= num_ranks
-        row["bytes"] //= num_ranks
