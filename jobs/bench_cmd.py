@@ -17,7 +17,8 @@ from fusegen.jobs.flags import engine_flags, with_flags
 _ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "deterministic",
                  "tensor_parallel_size", "pipeline_parallel_size", "enforce_eager", "quantization",
                  "kv_placement", "num_kv_blocks", "num_host_kv_blocks", "host_memory",
-                 "device_memory", "peer_memory", "tp_overlap_chunks", "async_scheduling")
+                 "device_memory", "peer_memory", "tp_overlap_chunks", "tensor_parallel_mode",
+                 "tesseract_depth", "async_scheduling")
 
 
 def _timeout_option(flag: str, what: str):

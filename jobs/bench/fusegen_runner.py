@@ -37,7 +37,9 @@ def run_fusegen(model_dir: Path, requests: list[BenchRequest], warmup: list[Benc
     tp, pp = (engine_options.get(k, 1) for k in ("tensor_parallel_size",
                                                    "pipeline_parallel_size"))
     if tp * pp > 1:  # a device group: its shape beside the name
-        label = f"{label} (tp {tp} x pp {pp})"
+        mode = engine_options.get("tensor_parallel_mode") or "1d"
+        label = f"{label} (tp {tp} x pp {pp})" if mode == "1d" else \
+            f"{label} (tp {tp} {mode}, depth {engine_options.get('tesseract_depth') or 1})"
     result = EngineResult(name, label)
     _forget_parsed_gguf(model_dir)
     start = time.perf_counter()
