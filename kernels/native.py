@@ -86,7 +86,7 @@ _SIGNATURES = {
     "quant_group_q8_bf16": [_I, _I, _P, _L, _L, _P, _P, _P, _L, _L, _P, _L, _I],
     # csrc/sparse_tiles.c
     "sparse_tiles_available": [],
-    "sparse_tiles": [_P, _I, _L, _L, _P, _P, _P, _I, _P, _L, _L, _P, _L, _I, _I],
+    "sparse_tiles": [_P, _I, _L, _L, _P, _I, _L, _P, _L, _I, _I],
 }
 
 

@@ -19,7 +19,7 @@ In a checkpoint the components are safetensors tensors named after the dense wei
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,17 +34,21 @@ _BITMAP_TILE_BYTES = 8 * TILE_IN     # one uint64 word per local column
 _SHIFTS = torch.arange(TILE_OUT, dtype=torch.int64)
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class SparseTiles:
     """One weight's tiles: bitmap uint64 [n_tiles, 64], offsets int64 [n_tiles + 1],
     values [nnz] (bf16 / fp16 / fp32 / int8), scales fp32 [n_tiles] with int8 values
-    (else None), and the dense shape."""
+    (else None), and the dense shape. Frozen: the tensors a SparseTiles holds are its
+    for life, so a kernel may keep what it derives from them (`kernel_args`)."""
     bitmap: torch.Tensor
     offsets: torch.Tensor
     values: torch.Tensor
     scales: torch.Tensor | None
     out_features: int
     in_features: int
+    # the C kernel's description of these tensors, made on its first call
+    # (kernels/sparse_linear.py); not part of the format
+    kernel_args: bytes | None = field(default=None, init=False, repr=False)
 
     @property
     def num_row_tiles(self) -> int:

@@ -19,13 +19,18 @@ as codes over a tile, the tile's scale applied once to that sum. CUDA x goes to 
 Triton kernel (kernels/triton_sparse.py); fp16 x on CPUs, devices without a kernel and
 FUSEGEN_KERNELS=reference take the torch path: a band of row-tiles expanded to fp32 at a
 time (never the whole dense weight) and multiplied in fp32. `sparse_linear_into`
-writes a product into columns of a wider output (a fused parameter's parts). The tiles
-are trusted here: whoever loads them checks them once (`sparse_format.check`), not every
-call.
+writes a product into columns of a wider output; `sparse_linear_parts` multiplies a
+fused parameter's parts (q, k, v; gate, up) side by side in one kernel call, their bands
+split among the threads as one list. The tiles are trusted here: whoever loads them checks
+them once (`sparse_format.check`), not every call; the kernel's description of a weight's
+tensors is made once (`SparseTiles.kernel_args`), so a decode call costs little more host
+time than a dense one.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -34,8 +39,16 @@ from fusegen.kernels import use_native, use_triton
 from fusegen.kernels.sparse_format import TILE_OUT, SparseTiles, decode, decode_rows
 
 BAND_ROWS = 4 * TILE_OUT  # output rows the torch path expands at a time
+MAX_SEGMENTS = 64  # weights a kernel call takes side by side (csrc/sparse_tiles.c's)
 _VALUE_TYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, torch.int8: 3}
 _NATIVE = {torch.float32: 0, torch.bfloat16: 1}  # x dtypes the C kernel takes: x_bf16
+
+
+class _Segment(ctypes.Structure):
+    """csrc/sparse_tiles.c's segment_t: one weight's tiles in a kernel call."""
+    _fields_ = [("bitmap", ctypes.c_void_p), ("offsets", ctypes.c_void_p),
+                ("values", ctypes.c_void_p), ("scales", ctypes.c_void_p),
+                ("n", ctypes.c_int64), ("value_type", ctypes.c_int64)]
 
 
 def sparse_linear(x: torch.Tensor, tiles: SparseTiles) -> torch.Tensor:
@@ -54,18 +67,50 @@ def sparse_linear(x: torch.Tensor, tiles: SparseTiles) -> torch.Tensor:
             # deterministic mode calls in fixed row tiles (weights/linear.py's row_tiled)
             return triton_sparse.sparse_linear_triton(x, tiles, batch_invariant=False)
     if x.shape[0] and x.dtype in _NATIVE and use_native(x) and has_kernel():
-        out = _sparse_linear_native(x, tiles)
+        out = _native_product(x, (tiles,), tiles.out_features)
         if out is not None:
             return out
     return sparse_linear_torch(x, tiles)
 
 
+def sparse_linear_parts(x: torch.Tensor, parts: Sequence[SparseTiles]) -> torch.Tensor:
+    """x [T, in_features] @ [W_0; W_1; ...].T -> [T, sum of the parts' out_features]: a
+    fused parameter's parts (all of x's in_features), each product in its columns of one
+    output, by one call of the C kernel where it takes x (their bands split among the
+    threads together), else part by part through `sparse_linear`. Each part's columns
+    have the bits of `sparse_linear(x, part)`."""
+    if not parts:
+        raise ValueError("sparse_linear_parts takes at least one part")
+    first = parts[0]
+    _check_x(x, first)
+    for tiles in parts:
+        if tiles.in_features != first.in_features:
+            raise ValueError(f"sparse_linear_parts: parts of in_features {first.in_features} "
+                             f"and {tiles.in_features}; a fused parameter's parts share x")
+    if x.dim() != 2:
+        raise ValueError(f"sparse_linear_parts takes rows [T, in], got {list(x.shape)}")
+    width = first.out_features if len(parts) == 1 else sum(t.out_features for t in parts)
+    if (x.shape[0] and x.dtype in _NATIVE and len(parts) <= MAX_SEGMENTS and use_native(x)
+            and has_kernel()):
+        out = _native_product(x, parts, width)
+        if out is not None:
+            return out
+    if len(parts) == 1:
+        return sparse_linear(x, first)
+    out = torch.empty(x.shape[0], width, dtype=x.dtype, device=x.device)
+    start = 0
+    for tiles in parts:
+        stop = start + tiles.out_features
+        out[:, start:stop] = sparse_linear(x, tiles)
+        start = stop
+    return out
+
+
 def sparse_linear_into(x: torch.Tensor, tiles: SparseTiles, out: torch.Tensor) -> None:
     """x [T, in_features] @ W.T written into `out` [T, out_features] (x.dtype, on x's
-    device): the C kernel writes there directly where it takes the call, so a fused
-    parameter's parts fill their columns of one output (out = a column slice, unit
-    column stride) with no concatenation; elsewhere `sparse_linear`'s result is copied
-    in."""
+    device): the C kernel writes there directly where it takes the call (out may be a
+    column slice of a wider output: unit column stride); elsewhere `sparse_linear`'s
+    result is copied in."""
     _check_x(x, tiles)
     if x.dim() != 2 or tuple(out.shape) != (x.shape[0], tiles.out_features) \
             or out.dtype != x.dtype or out.device != x.device:
@@ -74,7 +119,8 @@ def sparse_linear_into(x: torch.Tensor, tiles: SparseTiles, out: torch.Tensor) -
                          f"{list(x.shape)} {x.dtype} and out {list(out.shape)} {out.dtype} "
                          f"on {x.device} / {out.device}")
     if (x.shape[0] and x.dtype in _NATIVE and out.stride(-1) == 1 and use_native(x)
-            and has_kernel() and _sparse_linear_native(x, tiles, out=out) is not None):
+            and has_kernel()
+            and _native_product(x, (tiles,), tiles.out_features, out=out) is not None):
         return
     out.copy_(sparse_linear(x, tiles))
 
@@ -99,20 +145,23 @@ def sparse_linear_reference(x: torch.Tensor, tiles: SparseTiles) -> torch.Tensor
     return F.linear(x.float(), decode(tiles).to(x.device)).to(x.dtype)
 
 
-def sparse_linear_native(x: torch.Tensor, tiles: SparseTiles, plain: bool = False,
-                         lib=None) -> torch.Tensor:
-    """The C kernel alone (tests): x [T, in] fp32 or bf16; `plain` takes its plain-C
-    path; `lib` another build of csrc/sparse_tiles.c (another CPU's instruction set).
-    RuntimeError where this build has no kernel or it declines the call."""
-    _check_x(x, tiles)
+def sparse_linear_native(x: torch.Tensor, tiles: SparseTiles | Sequence[SparseTiles],
+                         plain: bool = False, lib=None) -> torch.Tensor:
+    """The C kernel alone (tests): x [T, in] fp32 or bf16 against one weight's tiles or
+    parts side by side (as `sparse_linear_parts`); `plain` takes its plain-C path; `lib`
+    another build of csrc/sparse_tiles.c (another CPU's instruction set). RuntimeError
+    where this build has no kernel or it declines the call."""
+    parts = (tiles,) if isinstance(tiles, SparseTiles) else tuple(tiles)
+    _check_x(x, parts[0])
     if x.dim() != 2:
         raise ValueError(f"sparse_linear_native takes rows [T, in], got {list(x.shape)}")
     if x.dtype not in _NATIVE or (lib is None and not has_kernel()):
         raise RuntimeError(f"no C sparse tile kernel for {x.dtype} x in this build")
-    out = _sparse_linear_native(x, tiles, plain, lib or _library())
+    out = _native_product(x, parts, sum(t.out_features for t in parts), plain=plain,
+                          lib=lib or _library())
     if out is None:
         raise RuntimeError(f"the C sparse tile kernel declined {x.dtype} x of "
-                           f"{x.shape[0]} rows with {tiles.values.dtype} values")
+                           f"{x.shape[0]} rows with {parts[0].values.dtype} values")
     return out
 
 
@@ -126,7 +175,7 @@ def has_kernel() -> bool:
 def kernel_paths() -> int:
     """The build's paths (csrc/sparse_tiles.c's `sparse_tiles_available`): 1 the kernel,
     | 2 AVX-512, | 4 VBMI2's expanding loads, | 8 AVX2, | 16 bf16 x against bf16 values
-    by vdpbf16ps; 0 without a build."""
+    by vdpbf16ps, | 32 bf16 x against int8 values by vdpbf16ps; 0 without a build."""
     lib = _library()
     return int(lib.sparse_tiles_available()) if lib is not None else 0
 
@@ -147,23 +196,42 @@ def _check_x(x: torch.Tensor, tiles: SparseTiles) -> None:
         raise ValueError(f"sparse_linear takes fp32, bf16 or fp16 x, got {x.dtype}")
 
 
-def _sparse_linear_native(x: torch.Tensor, tiles: SparseTiles, plain: bool = False,
-                          lib=None, out: torch.Tensor | None = None):
-    """The C kernel's product into `out` ([T, out_features] of x.dtype, unit column
-    stride, any row stride: a fused parameter's columns of a wider output) or a new
-    tensor; None where the kernel declines the call."""
+def _kernel_args(tiles: SparseTiles) -> bytes | None:
+    """The kernel's `segment_t` of `tiles` (made once, kept on the frozen tiles), or None
+    where the kernel cannot read them (not contiguous CPU tensors, as the format encodes
+    and loads them)."""
+    args = tiles.kernel_args
+    if args is None:
+        values, scales = tiles.values, tiles.scales
+        tensors = (tiles.bitmap, tiles.offsets, values) + (() if scales is None else (scales,))
+        if not all(t.is_cpu and t.is_contiguous() for t in tensors):
+            return None
+        args = bytes(_Segment(tiles.bitmap.data_ptr(), tiles.offsets.data_ptr(),
+                              values.data_ptr(), None if scales is None else scales.data_ptr(),
+                              tiles.out_features, _VALUE_TYPES[values.dtype]))
+        object.__setattr__(tiles, "kernel_args", args)  # frozen: the tensors never change
+    return args
+
+
+def _native_product(x: torch.Tensor, parts: Sequence[SparseTiles], width: int,
+                    plain: bool = False, lib=None, out: torch.Tensor | None = None):
+    """The C kernel's product of x [T, in] (T >= 0) and the parts side by side into `out`
+    ([T, width] of x.dtype, unit column stride, any row stride: columns of a wider
+    output) or a new tensor; None where the kernel declines the call."""
+    if len(parts) == 1:
+        args = _kernel_args(parts[0])
+    else:
+        each = [_kernel_args(t) for t in parts]
+        args = None if None in each else b"".join(each)
+    if args is None:
+        return None
     x = x if x.stride(-1) == 1 else x.contiguous()
     if out is None:
-        out = torch.empty(x.shape[0], tiles.out_features, dtype=x.dtype)
+        out = torch.empty(x.shape[0], width, dtype=x.dtype)
     if x.shape[0] == 0:
         return out
-    values, scales = tiles.values, tiles.scales
-    if not (tiles.bitmap.is_contiguous() and tiles.offsets.is_contiguous()
-            and values.is_contiguous() and (scales is None or scales.is_contiguous())):
-        return None  # the format's tensors are contiguous as encoded and as loaded
     status = (lib or _library()).sparse_tiles(
-        x.data_ptr(), _NATIVE[x.dtype], x.shape[0], x.stride(0), tiles.bitmap.data_ptr(),
-        tiles.offsets.data_ptr(), values.data_ptr(), _VALUE_TYPES[values.dtype],
-        None if scales is None else scales.data_ptr(), tiles.out_features, tiles.in_features,
-        out.data_ptr(), out.stride(0), torch.get_num_threads(), int(plain))
+        x.data_ptr(), _NATIVE[x.dtype], x.shape[0], x.stride(0), args, len(parts),
+        parts[0].in_features, out.data_ptr(), out.stride(0), torch.get_num_threads(),
+        int(plain))
     return out if status == 0 else None

@@ -5,8 +5,8 @@ up to 6 rows, the many-row path's scratch above, in one run of tiles or several 
 rows), empty and fully dense tiles and every value type; each row's bits the same alone
 or in any batch and on 1 to 3 threads; the AVX-512 (without VBMI2), AVX2 and baseline
 builds giving the native build's bits (but bf16 x against bf16 or int8 values by
-vdpbf16ps); a fused parameter's parts written in place; the dispatcher and the torch
-path."""
+vdpbf16ps); a fused parameter's parts in one call (half bands where the bands do not split
+evenly among the threads) or written in place; the dispatcher and the torch path."""
 import pytest
 import torch
 
@@ -134,6 +134,18 @@ def test_other_cpu_builds_give_the_same_bits(flags, paths, tmp_path):
                 assert torch.equal(sl.sparse_linear_native(x, tiles, plain=True, lib=lib), got)
                 if sl.has_kernel() and not by_pairs(values, dtype):
                     assert torch.equal(sl.sparse_linear_native(x, tiles), got)
+        # the weight and a 1-row part in one call on 2 threads (LONG: 2 + 1 bands, split
+        # as half bands)
+        one, _ = pruned_tiles(1, shape[1], values, seed=4)
+        x = rows_of(2, shape[1], torch.bfloat16)
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(2)
+            got = sl.sparse_linear_native(x, [tiles, one], lib=lib)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(got, torch.cat([sl.sparse_linear_native(x, t, lib=lib)
+                                           for t in (tiles, one)], dim=1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
@@ -157,6 +169,51 @@ def test_parts_write_their_columns_of_one_output_in_place(values, dtype):
     with pytest.raises(ValueError, match=r"out \[T, 70\] of x's dtype and device, got x "
                                          r"\[16, 150\] .* out \[16, 69\]"):
         sl.sparse_linear_into(x, parts[0], out[:, :69])
+
+
+@needs_kernel
+@pytest.mark.parametrize("in_features", [150, 151])  # odd: bf16 pairs from a padded copy
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("values", VALUE_TYPES)
+def test_parts_in_one_call_on_any_thread_count(values, dtype, in_features):
+    """A fused parameter's parts (100, 1 and 64 output rows: 4 bands, one of 36 rows and
+    one of 1) in one kernel call: each part's columns hold the bits of its own product
+    for 1 to 7 rows on 1 to 4 threads (with few rows, bands that do not split evenly
+    among the threads run as half bands: rows [0, 32) and [32, 64), some empty)."""
+    parts = [pruned_tiles(n, in_features, values, seed=6 + i)[0]
+             for i, n in enumerate((100, 1, 64))]
+    x = rows_of(7, in_features, dtype)
+    want = torch.cat([sl.sparse_linear_native(x, t) for t in parts], dim=1)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3, 4):
+            torch.set_num_threads(count)
+            for rows in (1, 2, 6, 7):
+                got = sl.sparse_linear_parts(x[:rows], parts)
+                assert got.shape == (rows, 165) and torch.equal(got, want[:rows])
+                alone = sl.sparse_linear_native(x[:rows], parts[0])  # 2 bands alone
+                assert torch.equal(alone, want[:rows, :100])
+                if not by_pairs(values, dtype):
+                    assert torch.equal(sl.sparse_linear_native(x[:rows], parts, plain=True),
+                                       want[:rows])
+    finally:
+        torch.set_num_threads(threads)
+    for t, (start, stop) in zip(parts, ((0, 100), (100, 101), (101, 165))):
+        assert_close(want[:, start:stop], sl.sparse_linear_reference(x, t), x, sf.decode(t))
+
+
+def test_parts_refused_by_name():
+    a, _ = pruned_tiles(65, 130, "float32")
+    b, _ = pruned_tiles(65, 131, "float32")
+    with pytest.raises(ValueError, match="parts of in_features 130 and 131"):
+        sl.sparse_linear_parts(torch.zeros(2, 130), [a, b])
+    with pytest.raises(ValueError, match="at least one part"):
+        sl.sparse_linear_parts(torch.zeros(2, 130), [])
+    with pytest.raises(ValueError, match=r"takes rows \[T, in\], got \[1, 2, 130\]"):
+        sl.sparse_linear_parts(torch.zeros(1, 2, 130), [a])
+    fp16 = torch.randn(3, 130).half()                        # the torch path, part by part
+    assert torch.equal(sl.sparse_linear_parts(fp16, [a, a]),
+                       torch.cat([sl.sparse_linear(fp16, a)] * 2, dim=1))
 
 
 @pytest.mark.parametrize("values", VALUE_TYPES)

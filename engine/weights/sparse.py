@@ -279,14 +279,6 @@ def segment_tiles(components: dict[str, torch.Tensor | None],
     return out
 
 
-def tiles_product(x: torch.Tensor, tiles) -> torch.Tensor:
-    """x [n, in] @ W.T -> [n, out] for one weight's tiles: kernels/sparse_linear.py's C
-    kernel (each column's mask word expanded into registers; fp32 / bf16 x on CPUs),
-    else its torch path, a band of row-tiles expanded at a time (never the whole
-    weight)."""
-    return _kernels().sparse_linear(x, tiles)
-
-
 class SparseLinear(CompressedLinear):
     """W held as bitmap tiles: `bitmap` uint64 [tiles, 64], `offsets` int64 [tiles +
     segments], `values` [nnz] (bf16 / fp16 / fp32 / int8), `scales` fp32 [tiles] or None
@@ -317,19 +309,9 @@ class SparseLinear(CompressedLinear):
         return self._views
 
     def _product(self, x: torch.Tensor, parts: list) -> torch.Tensor:
-        """x [..., in] -> [..., sum of the parts' out]: each part (a fused parameter's q,
-        k, v, or gate and up) writes its columns of one output in place."""
-        rows = x.reshape(-1, self.in_features)
-        if len(parts) == 1:
-            out = tiles_product(rows, parts[0])
-        else:
-            out = torch.empty(rows.shape[0], sum(t.out_features for t in parts),
-                              dtype=x.dtype, device=x.device)
-            start = 0
-            for tiles in parts:  # out[:, start:stop] is a view: row stride the full width
-                stop = start + tiles.out_features
-                _kernels().sparse_linear_into(rows, tiles, out[:, start:stop])
-                start = stop
+        """x [..., in] -> [..., sum of the parts' out]: the parts (a fused parameter's q,
+        k, v, or gate and up) side by side in one output, one kernel call on CPUs."""
+        out = _kernels().sparse_linear_parts(x.reshape(-1, self.in_features), parts)
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,10 @@
  * its kept values packed column by column (c ascending, then j ascending) and an offset
  * into them; with int8 values one fp32 scale a tile (value = code x scale).
  *
+ * A call may carry several such weights side by side (`segment_t`: a fused parameter's
+ * parts, q, k and v or gate and up), each writing its columns of one output; their bands
+ * are split among the threads as one list.
+ *
  * How ("load as sparse, compute as dense", after Flash-LLM): threads split the row-tiles
  * (bands of 64 output rows). A step is one column of a tile (two for `vdpbf16ps`, below):
  * its mask word expands its packed values into the column's 64 rows of W, as fp32 vectors
@@ -11,6 +15,8 @@
  * broadcast, an FMA a vector, into the 64 sums of each row, kept in registers for MR = 6
  * rows (AVX-512: 4 zmm a row, 24 sums). A step whose columns keep nothing is skipped.
  *   Few rows (T <= MR): each step is expanded in registers, used by the rows, dropped.
+ *     Where the bands do not split evenly among the threads, they are split as half bands
+ *     (32 output rows, 2 of the 4 vectors) so that every thread gets the same count.
  *   Many rows (T > MR, `band_many`): a run of a band's tiles (up to 256 KB expanded) is
  *     expanded once into a per-thread scratch, step after non-empty step, each 256 B as
  *     the registers would hold it, and every block of MR rows runs the dense inner loop
@@ -55,13 +61,17 @@
 /* ---- few rows: each step expanded in registers ----------------------------------------- */
 #if SP_AVX512 || SP_AVX2
 
-/* rows [r0, r0 + R) against pass h's CH rows of band `to`; int8: each tile's sum of
- * code x x folded into `total` with the tile's scale */
+/* rows [r0, r0 + R) against pass h's CH rows of band `to`, vectors [V0, V1) of them (0,
+ * 2 or 4: rows [16 V0, 16 V1) of the pass; AVX2: 0 and NV, whole passes); int8: each
+ * tile's sum of code x x folded into `total` with the tile's scale. A column or tile is
+ * skipped by its whole word or count, whatever part of it the call takes, so a half band
+ * takes the same steps as the whole one. */
 static inline __attribute__((always_inline)) void
-band_pass(const call_t *c, int64_t to, int h, int64_t r0, const int R, const int VT) {
+band_pass(const call_t *c, int64_t to, int h, int64_t r0, const int R, const int VT,
+          const int V0, const int V1) {
     vec_t acc[MR][NV], total[MR][NV]; /* fixed sizes: R rows of them live in registers */
     for (int r = 0; r < R; r++)
-        for (int v = 0; v < NV; v++) acc[r][v] = total[r][v] = (vec_t){0};
+        for (int v = V0; v < V1; v++) acc[r][v] = total[r][v] = (vec_t){0};
     const float *x = c->x + r0 * c->ldx;
     for (int64_t ti = 0; ti < c->n_ti; ti++) {
         const int64_t t = to * c->n_ti + ti;
@@ -77,20 +87,20 @@ band_pass(const call_t *c, int64_t to, int h, int64_t r0, const int R, const int
             if (!word) continue;
             vec_t w[NV];
 #if SP_AVX512
-            expand_step(c, word, here, w, VT);
+            expand_column(c, word, here, w, VT, V0, V1);
             (void)h;
 #else
             expand_pass(c, word, here, h, w, VT);
 #endif
             for (int r = 0; r < R; r++) {
                 const vec_t xb = VSET1(xk[r * c->ldx + col]);
-                for (int v = 0; v < NV; v++) acc[r][v] = VFMA(w[v], xb, acc[r][v]);
+                for (int v = V0; v < V1; v++) acc[r][v] = VFMA(w[v], xb, acc[r][v]);
             }
         }
         if (VT == V_I8) {
             const vec_t scale = VSET1(c->scales[t]);
             for (int r = 0; r < R; r++)
-                for (int v = 0; v < NV; v++) {
+                for (int v = V0; v < V1; v++) {
                     total[r][v] = VFMA(acc[r][v], scale, total[r][v]);
                     acc[r][v] = (vec_t){0};
                 }
@@ -98,17 +108,17 @@ band_pass(const call_t *c, int64_t to, int h, int64_t r0, const int R, const int
     }
     float sums[MR * CH] __attribute__((aligned(64)));
     for (int r = 0; r < R; r++)
-        for (int v = 0; v < NV; v++)
+        for (int v = V0; v < V1; v++)
             VSTORE(sums + r * CH + v * VL, VT == V_I8 ? total[r][v] : acc[r][v]);
     const int64_t o0 = to * TILE + h * CH;
-    const int nrows = band_rows(c, o0, CH);
-    if (nrows > 0) store_rows(c, sums, CH, r0, R, o0, nrows, LAYOUT(VT, 0));
+    const int nrows = band_rows(c, o0, V1 * VL);
+    if (nrows > V0 * VL) store_rows(c, sums, CH, r0, R, o0, V0 * VL, nrows, LAYOUT(VT, 0));
 }
 #endif
 
 /* plain C: each set bit's value into its row's sum, in the same order (k ascending; int8:
- * each tile's sum of codes x x folded in with its scale) */
-static void band_plain(const call_t *c, int64_t to, int64_t r0, int R, int vt) {
+ * each tile's sum of codes x x folded in with its scale); band rows [j0, j1) stored */
+static void band_plain(const call_t *c, int64_t to, int64_t r0, int R, int vt, int j0, int j1) {
     float sums[MR * TILE] = {0}, part[MR * TILE] = {0};
     float *acc = vt == V_I8 ? part : sums;
     const float *x = c->x + r0 * c->ldx;
@@ -140,19 +150,24 @@ static void band_plain(const call_t *c, int64_t to, int64_t r0, int R, int vt) {
             }
     }
     const int64_t o0 = to * TILE;
-    store_rows(c, sums, TILE, r0, R, o0, band_rows(c, o0, TILE), LAYOUT_NATURAL);
+    const int nrows = band_rows(c, o0, j1);
+    if (nrows > j0) store_rows(c, sums, TILE, r0, R, o0, j0, nrows, LAYOUT_NATURAL);
 }
 
 #if SP_DP
 /* bf16 x against bf16 (or int8) values: columns k and k + 1 expanded together into word
  * pairs, multiplied with x's pair (x[k], x[k + 1]) by vdpbf16ps: half the widening and
  * the FMAs of band_pass. Each element is summed over the pairs of k ascending, products
- * exact, in vdpbf16ps's fp32 sums; int8: each tile's sum folded in with its scale. */
+ * exact, in vdpbf16ps's fp32 sums; int8: each tile's sum folded in with its scale.
+ * Vectors [V0, V1) (rows [16 V0, 16 V1)) for bf16 values; int8 values take the whole
+ * band (its pairs spread every vector over the 64 rows) and store rows [16 V0, 16 V1). */
 static inline __attribute__((always_inline)) void
-band_pass_dp(const call_t *c, int64_t to, int64_t r0, const int R, const int VT) {
+band_pass_dp(const call_t *c, int64_t to, int64_t r0, const int R, const int VT, const int S0,
+             const int S1) {
+    const int V0 = VT == V_I8 ? 0 : S0, V1 = VT == V_I8 ? 4 : S1;
     __m512 acc[MR][4], total[MR][4];
     for (int r = 0; r < R; r++)
-        for (int v = 0; v < 4; v++) acc[r][v] = total[r][v] = _mm512_setzero_ps();
+        for (int v = V0; v < V1; v++) acc[r][v] = total[r][v] = _mm512_setzero_ps();
     const uint16_t *x = c->xb + r0 * c->ldxb;
     for (int64_t ti = 0; ti < c->n_ti; ti++) {
         const int64_t t = to * c->n_ti + ti;
@@ -167,18 +182,18 @@ band_pass_dp(const call_t *c, int64_t to, int64_t r0, const int R, const int VT)
             at += popcount64(w0) + popcount64(w1);
             if (!(w0 | w1)) continue;
             __m512i pair[4];
-            expand_pair(c, w0, w1, here, pair, VT);
+            expand_pair(c, w0, w1, here, pair, VT, V0, V1);
             for (int r = 0; r < R; r++) {
                 const __m512bh xp = (__m512bh)_mm512_set1_epi32((int)load32(
                     (const uint8_t *)(xk + r * c->ldxb + col)));
-                for (int v = 0; v < 4; v++)
+                for (int v = V0; v < V1; v++)
                     acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)pair[v], xp);
             }
         }
         if (VT == V_I8) {
             const __m512 scale = _mm512_set1_ps(c->scales[t]);
             for (int r = 0; r < R; r++)
-                for (int v = 0; v < 4; v++) {
+                for (int v = V0; v < V1; v++) {
                     total[r][v] = _mm512_fmadd_ps(acc[r][v], scale, total[r][v]);
                     acc[r][v] = _mm512_setzero_ps();
                 }
@@ -186,29 +201,38 @@ band_pass_dp(const call_t *c, int64_t to, int64_t r0, const int R, const int VT)
     }
     float sums[MR * TILE] __attribute__((aligned(64)));
     for (int r = 0; r < R; r++)
-        for (int v = 0; v < 4; v++)
+        for (int v = V0; v < V1; v++)
             _mm512_store_ps(sums + r * TILE + v * VL, VT == V_I8 ? total[r][v] : acc[r][v]);
     const int64_t o0 = to * TILE;
-    store_rows(c, sums, TILE, r0, R, o0, band_rows(c, o0, TILE), LAYOUT(VT, 1));
+    const int nrows = band_rows(c, o0, S1 * VL);
+    if (nrows > S0 * VL) store_rows(c, sums, TILE, r0, R, o0, S0 * VL, nrows, LAYOUT(VT, 1));
 }
 #endif
 
 #include "sparse_tiles_many.h"
 
 /* ---- the band functions, one per path and value type (the type a constant inside) ---- */
-typedef void (*band_fn)(const call_t *, int64_t, int64_t, int64_t); /* band, rows [a, b) */
+/* band `to` for rows [a, b), `part` of it: PART_WHOLE, or rows [0, 32) or [32, 64) */
+enum { PART_WHOLE = 0, PART_LOW = 1, PART_HIGH = 2 };
+typedef void (*band_fn)(const call_t *, int64_t to, int64_t a, int64_t b, int part);
 
 #if SP_AVX512 || SP_AVX2
+/* rows [r_begin, r_end) against rows [16 Q0, 16 Q1) of band `to` (Q0, Q1 in 0, 2, 4) */
 static inline __attribute__((always_inline)) void
 band_few(const call_t *c, int64_t to, int64_t r_begin, int64_t r_end, const int VT,
-         const int DP) {
-    for (int h = 0; h < (DP ? 1 : TILE / CH); h++)
+         const int DP, const int Q0, const int Q1) {
+    /* AVX-512: one pass of the band's 4 vectors, [Q0, Q1) of them; AVX2: passes [Q0, Q1)
+     * of 16 rows each */
+    const int h0 = SP_AVX512 || DP ? 0 : Q0, h1 = SP_AVX512 || DP ? 1 : Q1;
+    const int V0 = SP_AVX512 ? Q0 : 0, V1 = SP_AVX512 ? Q1 : NV;
+    for (int h = h0; h < h1; h++)
         for (int64_t r0 = r_begin; r0 < r_end; r0 += MR) {
             const int rows = r_end - r0 < MR ? (int)(r_end - r0) : MR;
 #if SP_DP
-#define BAND_CALL(R) DP ? band_pass_dp(c, to, r0, R, VT) : band_pass(c, to, h, r0, R, VT)
+#define BAND_CALL(R) DP ? band_pass_dp(c, to, r0, R, VT, Q0, Q1)                          \
+                        : band_pass(c, to, h, r0, R, VT, V0, V1)
 #else
-#define BAND_CALL(R) band_pass(c, to, h, r0, R, VT)
+#define BAND_CALL(R) band_pass(c, to, h, r0, R, VT, V0, V1)
 #endif
             FOR_ROWS_1_TO_6(rows, BAND_CALL)
 #undef BAND_CALL
@@ -216,18 +240,25 @@ band_few(const call_t *c, int64_t to, int64_t r_begin, int64_t r_end, const int 
 }
 
 /* T > MR rows take the many-row path (each step then expanded once, not once per block
- * of MR rows); the same bits either way. Without memory for the scratch, the few-row
- * path. */
+ * of MR rows; whole bands only); the same bits either way. Without memory for the
+ * scratch, the few-row path. */
 static inline __attribute__((always_inline)) void
-band(const call_t *c, int64_t to, int64_t r_begin, int64_t r_end, const int VT, const int DP) {
+band(const call_t *c, int64_t to, int64_t r_begin, int64_t r_end, int part, const int VT,
+     const int DP) {
     scratch_t s;
-    if (c->rows > MR && thread_scratch(&s, r_end - r_begin))
+    if (part == PART_LOW)
+        band_few(c, to, r_begin, r_end, VT, DP, 0, 2);
+    else if (part == PART_HIGH)
+        band_few(c, to, r_begin, r_end, VT, DP, 2, 4);
+    else if (c->rows > MR && thread_scratch(&s, r_end - r_begin))
         band_many(c, to, r_begin, r_end, &s, VT, DP);
     else
-        band_few(c, to, r_begin, r_end, VT, DP);
+        band_few(c, to, r_begin, r_end, VT, DP, 0, 4);
 }
 #define BAND_FN(NAME, VT, DP)                                                             \
-    static void NAME(const call_t *c, int64_t to, int64_t a, int64_t b) { band(c, to, a, b, VT, DP); }
+    static void NAME(const call_t *c, int64_t to, int64_t a, int64_t b, int part) {       \
+        band(c, to, a, b, part, VT, DP);                                                  \
+    }
 BAND_FN(band_bf16, V_BF16, 0)
 BAND_FN(band_f16, V_F16, 0)
 BAND_FN(band_f32, V_F32, 0)
@@ -241,9 +272,10 @@ BAND_FN(band_dp_i8, V_I8, 1)
 #endif
 
 static void band_plain_all(const call_t *c, int64_t to, int64_t r_begin, int64_t r_end,
-                           int vt) {
+                           int part) {
+    const int j0 = part == PART_HIGH ? 32 : 0, j1 = part == PART_LOW ? 32 : TILE;
     for (int64_t r0 = r_begin; r0 < r_end; r0 += MR)
-        band_plain(c, to, r0, r_end - r0 < MR ? (int)(r_end - r0) : MR, vt);
+        band_plain(c, to, r0, r_end - r0 < MR ? (int)(r_end - r0) : MR, c->vt, j0, j1);
 }
 
 /* whether bf16 x against values of type vt goes by vdpbf16ps in this build */
@@ -251,49 +283,80 @@ static int by_pairs(int vt) {
     return (SP_DP && vt == V_BF16) || (SP_DP_I8 && vt == V_I8);
 }
 
-static int product(call_t *c, int vt, int num_threads, int plain) {
-    const int64_t n_to = (c->n + TILE - 1) / TILE;
-    band_fn fn = 0;
-#if SP_AVX512 || SP_AVX2
-    if (!plain) fn = vt == V_BF16 ? band_bf16 : vt == V_F16 ? band_f16
-                   : vt == V_F32 ? band_f32 : band_i8;
+/* the band function of values of type vt, bf16 x as pairs (`pairs`) or not */
+static band_fn band_for(int vt, int pairs, int plain) {
+    if (plain) return band_plain_all;
+    (void)pairs;
 #if SP_DP
-    if (!plain && c->xb) fn = vt == V_BF16 ? band_dp_bf16 : fn;
+    if (pairs && vt == V_BF16) return band_dp_bf16;
 #endif
 #if SP_DP_I8
-    if (!plain && c->xb) fn = vt == V_I8 ? band_dp_i8 : fn;
+    if (pairs && vt == V_I8) return band_dp_i8;
 #endif
+#if SP_AVX512 || SP_AVX2
+    return vt == V_BF16 ? band_bf16 : vt == V_F16 ? band_f16 : vt == V_F32 ? band_f32 : band_i8;
+#else
+    return band_plain_all;
 #endif
-    (void)plain;
+}
+
+/* one weight of a call (sparse_linear.py's _Segment): its tiles, its output rows (the
+ * call's next n columns) and its value type (0 bf16, 1 fp16, 2 fp32, 3 int8 with scales) */
+typedef struct {
+    const uint64_t *bitmap; /* [tiles, 64] */
+    const int64_t *offsets; /* [tiles + 1] */
+    const void *values;     /* [nnz] */
+    const float *scales;    /* [tiles], int8 only */
+    int64_t n, vt;
+} segment_t;
+
+#define MAX_SEGMENTS 64
+
+/* the bands of every segment, in order, run on `num_threads` threads: whole bands and
+ * groups of rows (below), or with few rows where whole bands do not split evenly, half
+ * bands. Which thread runs what changes no bit. */
+static int product(const call_t *calls, const band_fn *fns, int num_segments, int64_t rows,
+                   int num_threads, int halves) {
+    int64_t first[MAX_SEGMENTS + 1]; /* each segment's first band in the call's list */
+    first[0] = 0;
+    for (int s = 0; s < num_segments; s++)
+        first[s + 1] = first[s] + (calls[s].n + TILE - 1) / TILE;
+    const int64_t n_to = first[num_segments];
+    if (rows <= MR && num_threads > 1 && n_to % num_threads && halves) {
+        /* each thread a contiguous run of the 2 n_to half bands: whole bands where it
+         * holds both halves */
+        _Pragma("omp parallel for num_threads(num_threads) schedule(static)")
+        for (int t = 0; t < num_threads; t++) {
+            const int64_t u1 = 2 * n_to * (t + 1) / num_threads;
+            int s = 0;
+            for (int64_t u = 2 * n_to * t / num_threads; u < u1;) {
+                const int64_t b = u / 2;
+                while (b >= first[s + 1]) s++;
+                const int part = u % 2 ? PART_HIGH : u + 1 < u1 ? PART_WHOLE : PART_LOW;
+                fns[s](&calls[s], b - first[s], 0, rows, part);
+                u += part == PART_WHOLE ? 2 : 1;
+            }
+        }
+        return 0;
+    }
     /* Work items: a band and a group of rows. Where the bands do not split evenly among
      * the threads, many rows are cut into up to one group a thread (of whole blocks of
      * MR rows), so every thread gets the same count of items; a group expands its band's
      * tiles again, which its >= 2 MR rows pay for. A row's sums do not depend on it. */
-    int64_t group = c->rows;
-    if (c->rows > MR && num_threads > 1 && n_to % num_threads) {
-        const int64_t groups = c->rows / (2 * MR) < num_threads ? c->rows / (2 * MR) : num_threads;
-        if (groups > 1) group = ((c->rows + groups - 1) / groups + MR - 1) / MR * MR;
+    int64_t group = rows;
+    if (rows > MR && num_threads > 1 && n_to % num_threads) {
+        const int64_t groups = rows / (2 * MR) < num_threads ? rows / (2 * MR) : num_threads;
+        if (groups > 1) group = ((rows + groups - 1) / groups + MR - 1) / MR * MR;
     }
-    const int64_t per_band = (c->rows + group - 1) / group;
+    const int64_t per_band = (rows + group - 1) / group;
     _Pragma("omp parallel for num_threads(num_threads) schedule(static)")
     for (int64_t item = 0; item < n_to * per_band; item++) {
-        const int64_t to = item / per_band, r0 = item % per_band * group;
-        const int64_t r1 = r0 + group < c->rows ? r0 + group : c->rows;
-        if (fn)
-            fn(c, to, r0, r1);
-        else
-            band_plain_all(c, to, r0, r1, vt);
+        const int64_t b = item / per_band, r0 = item % per_band * group;
+        const int64_t r1 = r0 + group < rows ? r0 + group : rows;
+        int s = 0;
+        while (b >= first[s + 1]) s++;
+        fns[s](&calls[s], b - first[s], r0, r1, PART_WHOLE);
     }
-    return 0;
-}
-
-static int make_call(call_t *c, const uint64_t *bitmap, const int64_t *offsets,
-                     const void *values, int vt, const float *scales, int64_t n, int64_t k) {
-    if (vt < V_BF16 || vt > V_I8 || (vt == V_I8 && !scales) || n <= 0 || k <= 0) return -1;
-    const int64_t n_ti = (k + TILE - 1) / TILE, tiles = (n + TILE - 1) / TILE * n_ti;
-    memset(c, 0, sizeof *c);
-    c->bitmap = bitmap, c->offsets = offsets, c->values = values, c->scales = scales;
-    c->n = n, c->k = k, c->n_ti = n_ti, c->nnz = offsets[tiles];
     return 0;
 }
 
@@ -305,40 +368,74 @@ int sparse_tiles_available(void) {
          | (SP_DP_I8 ? 32 : 0);
 }
 
-/* x [rows, k] (row stride ldx) . W^T -> out [rows, n] (row stride ldo), x and out fp32
- * (x_bf16 0) or bf16 (x_bf16 1: x widened to fp32, exactly, and the sums rounded once to
- * bf16); W the tiles (bitmap, offsets, values of type vt: 0 bf16, 1 fp16, 2 fp32, 3 int8
- * with scales). plain: the plain-C path (tests). Returns -1 for an unknown value type,
- * int8 values without scales, an empty shape, or memory for the widened x run out. */
-int sparse_tiles(const void *xv, int x_bf16, int64_t rows, int64_t ldx, const uint64_t *bitmap,
-                 const int64_t *offsets, const void *values, int vt, const float *scales,
-                 int64_t n, int64_t k, void *out, int64_t ldo, int num_threads, int plain) {
-    call_t c;
-    if (make_call(&c, bitmap, offsets, values, vt, scales, n, k)) return -1;
-    if (rows <= 0) return 0;
-    if (!x_bf16) {
-        c.x = xv, c.rows = rows, c.ldx = ldx, c.out = out, c.ldo = ldo, c.out_bf16 = 0;
-        return product(&c, vt, num_threads, plain);
+/* x [rows, k] (row stride ldx) . [W_0; W_1; ...]^T -> out [rows, sum of n_s] (row stride
+ * ldo): segment s's weight W_s [n_s, k] writes the n_s columns after the segments before
+ * it. x and out fp32 (x_bf16 0) or bf16 (x_bf16 1: x widened to fp32, exactly, and the
+ * sums rounded once to bf16). plain: the plain-C path (tests). Returns -1 for a segment
+ * with an unknown value type, int8 values without scales or no rows, an empty k, more
+ * than MAX_SEGMENTS segments, or memory for a widened x run out. */
+int sparse_tiles(const void *xv, int x_bf16, int64_t rows, int64_t ldx, const segment_t *segments,
+                 int num_segments, int64_t k, void *out, int64_t ldo, int num_threads,
+                 int plain) {
+    if (num_segments < 1 || num_segments > MAX_SEGMENTS || k <= 0) return -1;
+    call_t calls[MAX_SEGMENTS];
+    band_fn fns[MAX_SEGMENTS];
+    const int64_t n_ti = (k + TILE - 1) / TILE;
+    int pairs = 0, widened = 0, halves = 1;
+    int64_t col = 0;
+    for (int s = 0; s < num_segments; s++) {
+        const segment_t *g = &segments[s];
+        const int vt = (int)g->vt;
+        if (vt < V_BF16 || vt > V_I8 || (vt == V_I8 && !g->scales) || g->n <= 0) return -1;
+        call_t *c = &calls[s];
+        memset(c, 0, sizeof *c);
+        c->bitmap = g->bitmap, c->offsets = g->offsets, c->values = g->values;
+        c->scales = g->scales, c->n = g->n, c->k = k, c->n_ti = n_ti, c->vt = vt;
+        c->nnz = g->offsets[(g->n + TILE - 1) / TILE * n_ti];
+        c->rows = rows, c->ldo = ldo, c->out_bf16 = x_bf16;
+        c->out = (char *)out + (col << (x_bf16 ? 1 : 2));
+        col += g->n;
+        const int by_pair = x_bf16 && !plain && by_pairs(vt);
+        pairs |= by_pair, widened |= x_bf16 && !by_pair;
+        fns[s] = band_for(vt, by_pair, plain);
+        /* int8 pairs spread each vector over the band's 64 rows: a half band costs a
+         * whole one */
+        halves &= !(by_pair && vt == V_I8);
     }
-    const uint16_t *x = xv;
-    if (by_pairs(vt) && !plain) { /* x as bf16 pairs, a zero past the last channel */
-        uint16_t *xb = malloc((size_t)rows * (k + 1) * 2);
+    if (rows <= 0) return 0;
+    uint16_t *xb = 0;
+    float *xf = 0;
+    if (pairs && k % 2) { /* x as bf16 pairs, a zero past the last channel */
+        xb = malloc((size_t)rows * (k + 1) * 2);
         if (!xb) return -1;
         for (int64_t r = 0; r < rows; r++) {
-            memcpy(xb + r * (k + 1), x + r * ldx, (size_t)k * 2);
+            memcpy(xb + r * (k + 1), (const uint16_t *)xv + r * ldx, (size_t)k * 2);
             xb[r * (k + 1) + k] = 0;
         }
-        c.xb = xb, c.ldxb = k + 1, c.rows = rows, c.out = out, c.ldo = ldo, c.out_bf16 = 1;
-        const int status = product(&c, vt, num_threads, plain);
-        free(xb);
-        return status;
     }
-    float *xf = malloc((size_t)rows * k * 4);
-    if (!xf) return -1;
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t i = 0; i < k; i++) xf[r * k + i] = bf16_to_f32(x[r * ldx + i]);
-    c.x = xf, c.rows = rows, c.ldx = k, c.out = out, c.ldo = ldo, c.out_bf16 = 1;
-    const int status = product(&c, vt, num_threads, plain);
+    if (widened) {
+        xf = malloc((size_t)rows * k * 4);
+        if (!xf) {
+            free(xb);
+            return -1;
+        }
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t i = 0; i < k; i++)
+                xf[r * k + i] = bf16_to_f32(((const uint16_t *)xv)[r * ldx + i]);
+    }
+    for (int s = 0; s < num_segments; s++) {
+        call_t *c = &calls[s];
+        if (!x_bf16) { /* fp32 x as it is */
+            c->x = xv, c->ldx = ldx;
+        } else if (xf) {
+            c->x = xf, c->ldx = k;
+        }
+        if (pairs) { /* even k: x's own rows are whole pairs */
+            c->xb = xb ? xb : xv, c->ldxb = xb ? k + 1 : ldx;
+        }
+    }
+    const int status = product(calls, fns, num_segments, rows, num_threads, halves);
+    free(xb);
     free(xf);
     return status;
 }
