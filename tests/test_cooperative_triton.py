@@ -153,3 +153,23 @@ def test_cooperative_step_through_triton(deterministic):
         assert touched == changed
     for a, b in zip(ref_dev + ref_host, dev + host):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_deterministic_device_part_is_batch_invariant(device):
+    """Deterministic mode's one-row segments through the Triton kernel: a request's rows
+    come out bit for bit the same alone as beside others (their split point is fixed by
+    the request's length alone)."""
+    length, n = 13, 3  # three requests, each with its first 2 blocks on the device
+    q, _, _, (dev_k, dev_v), _, _ = _batch(length, n, [2, 2, 2])
+    tables = [[8 * i + j if j < 2 else NUM + 8 * i + j for j in range(4)] for i in range(3)]
+    batch = split_step(tables, [length] * 3, [0, n, 2 * n, 3 * n], [], NUM, 2, BS,
+                       True).device
+    out, lse = _device_part(device, q, batch, dev_k, dev_v, deterministic=True)
+    assert len(batch) == 3 * n  # every row a segment of its own
+    for i in range(3):
+        alone = split_step([tables[i]], [length], [0, n], [], NUM, 2, BS, True).device
+        rows = slice(n * i, n * (i + 1))
+        one_out, one_lse = _device_part(device, q[rows].contiguous(), alone, dev_k, dev_v,
+                                        deterministic=True)
+        assert torch.equal(one_out, out[rows]) and torch.equal(one_lse, lse[rows])
