@@ -5,8 +5,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from fusegen.jobs.bench.host_share import (PHASES, HostShareConfig, main, measure,
-                                           tiny_checkpoint)
+from fusegen.jobs.bench.host_share import (PHASES, HostShareConfig, PhaseTimer, main,
+                                           measure, tiny_checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +36,15 @@ def test_bad_configs_name_the_value():
         HostShareConfig(0)
     with pytest.raises(ValueError, match="output_len 4 leaves no timed decode step"):
         HostShareConfig(1, output_len=4)
+    with pytest.raises(ValueError, match="clock 'gpu' is none of wall, cpu"):
+        PhaseTimer("gpu")
 
 
 def test_command_prints_and_writes_each_batch_size(tiny_dir, tmp_path):
     out = tmp_path / "host.json"
     result = CliRunner().invoke(main, ["--batch-sizes", "1,2", "--output-len", "6",
-                                       "--repeats", "2", "--model", str(tiny_dir),
+                                       "--repeats", "2", "--clock", "cpu",
+                                       "--model", str(tiny_dir),
                                        "--json", str(out)])
     assert result.exit_code == 0, result.output
     lines = result.output.strip().splitlines()

@@ -10,7 +10,9 @@ rows), so what is timed is the host's work alone, on any machine. Every request 
 same prompt and output length, so all are admitted in the first step and every later
 step is a decode step of the whole batch until they finish together.
 
-Phases, each host microseconds per decode step (wall clock around the call):
+Phases, each host microseconds per decode step (wall clock around the call, or with
+`clock="cpu"` this thread's CPU time, which a machine shared with other work inflates
+less):
   schedule  Scheduler.schedule
   inputs    the step's inputs from the batch (engine/step_inputs.py)
   copies    the runner's forward with the model stubbed: the inputs made tensors and
@@ -39,6 +41,8 @@ TOKEN = 7  # what every stubbed row samples: a plain id of every preset's vocabu
 # a stop string no output of TOKEN repeated contains: each request's tokens are
 # detokenized incrementally, as with any stop string, and none ever stops
 STOP = "\x00never\x00"
+# wall: time.perf_counter_ns; cpu: the calling thread's CPU time
+CLOCKS = {"wall": time.perf_counter_ns, "cpu": time.thread_time_ns}
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +104,10 @@ class PhaseTimer:
     exclusive of the timed calls made inside it (the runner's step less its inputs and
     forward pass is its sampling, wherever the engine builds the inputs)."""
 
-    def __init__(self):
+    def __init__(self, clock: str = "wall"):
+        if clock not in CLOCKS:
+            raise ValueError(f"clock {clock!r} is none of {', '.join(CLOCKS)}")
+        self.now = CLOCKS[clock]
         self.ns = dict.fromkeys(PHASES, 0)
         self.total_ns = 0  # LLMEngine.step, inclusive
         self.on = False
@@ -112,11 +119,11 @@ class PhaseTimer:
             if not self.on:
                 return fn(*args, **kwargs)
             self._inner.append(0)
-            start = time.perf_counter_ns()
+            start = self.now()
             try:
                 return fn(*args, **kwargs)
             finally:
-                took = time.perf_counter_ns() - start
+                took = self.now() - start
                 self.ns[phase] += took - self._inner.pop()
                 if self._inner:
                     self._inner[-1] += took
@@ -130,9 +137,11 @@ class PhaseTimer:
         return out
 
 
-def measure(model_dir: str | Path, config: HostShareConfig, device: str = "cpu") -> dict:
+def measure(model_dir: str | Path, config: HostShareConfig, device: str = "cpu",
+            clock: str = "wall") -> dict:
     """Run `config`'s workload through a fresh engine on `model_dir` with the model
-    stubbed; its counts and host microseconds per timed decode step by phase."""
+    stubbed; its counts and host microseconds per timed decode step by phase, on
+    `clock` (CLOCKS)."""
     from fusegen.engine import model_runner
     from fusegen.engine.llm_engine import LLMEngine
     from fusegen.engine.config import EngineConfig
@@ -146,7 +155,7 @@ def measure(model_dir: str | Path, config: HostShareConfig, device: str = "cpu")
     try:
         runner = engine.runner
         runner.model = stub = StubModel(runner.model, max(b * p, 256), runner.device)
-        timer = PhaseTimer()
+        timer = PhaseTimer(clock)
         sched = engine.scheduler
         sched.schedule = timer.wrap("schedule", sched.schedule)
         sched.update = timer.wrap("update", sched.update)
@@ -226,11 +235,14 @@ def _batch_sizes(_ctx, _param, value: str) -> list[int]:
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1),
               help="Runs of each batch size, in turn; the table gives the medians.")
 @click.option("--sampled", is_flag=True, help="Temperature 0.8, top-p 0.9 rows, not greedy.")
+@click.option("--clock", type=click.Choice(sorted(CLOCKS)), default="wall", show_default=True,
+              help="wall: elapsed time; cpu: this thread's CPU time (less inflated where "
+                   "other work shares the cores).")
 @click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False),
               help="A checkpoint directory (default: the tiny preset's, built once).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write every run's figures to this JSON file.")
-def main(batch_sizes, output_len, repeats, sampled, model_dir, json_path):
+def main(batch_sizes, output_len, repeats, sampled, clock, model_dir, json_path):
     """Host microseconds per decode step, by phase, with the model's device work stubbed."""
     torch.set_num_threads(1)  # the host loop is one thread; the stub computes nothing
     model_dir = model_dir or tiny_checkpoint()
@@ -238,7 +250,7 @@ def main(batch_sizes, output_len, repeats, sampled, model_dir, json_path):
     for _ in range(repeats):
         for b in batch_sizes:
             runs[b].append(measure(model_dir, HostShareConfig(b, output_len=output_len,
-                                                              sampled=sampled)))
+                                                              sampled=sampled), clock=clock))
     medians = []
     for b, rs in runs.items():
         us = {k: statistics.median(r["us_per_step"][k] for r in rs)
