@@ -2,6 +2,7 @@
 step N runs. Every output is token-exact with the synchronous loop's, no discarded token
 shows or counts, and every KV block is free at the end."""
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -9,6 +10,7 @@ from checkpoints import make_hf_checkpoint
 from fusegen.engine import LLM, SamplingParams
 from fusegen.engine.block_manager import BlockManager
 from fusegen.engine.errors import EngineConfigError
+from fusegen.engine.llm_engine import _async_scheduling
 from fusegen.engine.options import EngineOptions
 from fusegen.engine.request import PLACEHOLDER, Request
 from fusegen.engine.scheduler import Scheduler
@@ -142,6 +144,24 @@ def test_option_checked_and_auto_off_on_cpu(llama_dir):
         EngineOptions(async_scheduling="yes")
     with LLM(str(llama_dir), dtype="float32", device="cpu") as llm:
         assert llm.engine.async_scheduling is False
+
+
+@pytest.mark.parametrize("asked, device, group, longrope, want", [
+    (None, "cuda:0", False, False, True), (None, "cpu", False, False, False),
+    (None, "cuda", True, False, False), (None, "cuda", False, True, False),
+    (True, "cpu", False, False, True), (False, "cuda", False, False, False),
+    (True, "cuda", True, False, "a device group .*keeps its own batches"),
+    (True, "cpu", False, True, "the model's rotary factors .*LongRoPE")])
+def test_option_resolved_per_runner(asked, device, group, longrope, want):
+    config = SimpleNamespace(options=SimpleNamespace(async_scheduling=asked), device=device)
+    runner = SimpleNamespace(supports_async_scheduling=not group,
+                             uses_request_lengths=longrope)
+    if isinstance(want, str):
+        with pytest.raises(EngineConfigError, match=f"async_scheduling=True cannot run "
+                                                    f"here: {want}"):
+            _async_scheduling(config, runner, 0)
+    else:
+        assert _async_scheduling(config, runner, 0) is want
 
 
 # -- the scheduler alone: plain integers ---------------------------------------------------
