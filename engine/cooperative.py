@@ -128,9 +128,13 @@ class CooperativeStep:
                  pool: ThreadPoolExecutor | None, host_threads: int, device_threads: int):
         # on a CUDA device its part runs the Triton kernel there, reading these
         self.device_part = split.device.tensors().to(device)
-        self.host_part = split.host.tensors()
+        # only the rows the host part computes cross to the host (their segments
+        # renumbered over them); the others' output is the device part's
+        query_rows, host = _compact(split.host)
+        self.host_part = host.tensors()
         self.deterministic = split.deterministic
         as_index = (lambda xs, on: torch.tensor(xs, dtype=torch.int64, device=on))
+        self.host_query_rows = as_index(query_rows, device)
         self.device_rows = as_index(split.device_rows, device)
         self.device_slots = as_index(split.device_slots, device)
         self.host_rows = as_index(split.host_rows, device)
@@ -151,7 +155,13 @@ class CooperativeStep:
         if len(self.host_rows):
             write_kv_cache(k[self.host_rows].cpu(), v[self.host_rows].cpu(), host_k, host_v,
                            self.host_slots)
-        host_q = q.cpu()  # the queries cross to the host, the partial output comes back
+        out, lse = empty_partial(q)
+        if not len(self.host_query_rows):
+            attention_part(q, k_cache, v_cache, self.device_part, out, lse, scale=layer.scale,
+                           num_threads=self.device_threads, deterministic=self.deterministic)
+            return out
+        # the host rows' queries cross to the host, their partial output comes back
+        host_q = q[self.host_query_rows].cpu()
         host_out, host_lse = empty_partial(host_q)
         host_args = (host_q, host_k, host_v, self.host_part, host_out, host_lse)
         rec, timer = _recording, None
@@ -159,7 +169,6 @@ class CooperativeStep:
             timer = _Timer(q.device)
         job = None if self.pool is None else self.pool.submit(
             attention_part, *host_args, scale=layer.scale, num_threads=self.host_threads)
-        out, lse = empty_partial(q)
         attention_part(q, k_cache, v_cache, self.device_part, out, lse, scale=layer.scale,
                        num_threads=self.device_threads, deterministic=self.deterministic)
         if timer is not None:
@@ -172,7 +181,21 @@ class CooperativeStep:
             timer.host_done(rec, serial=job is None)
             rec.bytes_to_host += _nbytes(host_q) + 2 * len(self.host_rows) * _nbytes(k[0])
             rec.bytes_to_device += _nbytes(host_out) + _nbytes(host_lse)
-        return merge_partials(out, lse, host_out.to(q.device), host_lse.to(q.device))
+        rows = self.host_query_rows
+        out[rows] = merge_partials(out[rows], lse[rows], host_out.to(q.device),
+                                   host_lse.to(q.device))
+        return out
+
+
+def _compact(seg: Segments) -> tuple[list[int], Segments]:
+    """The rows `seg` names, and `seg` over them alone (segment k's rows renumbered to
+    follow the segments before it)."""
+    rows, starts = [], []
+    for row, count in zip(seg.rows, seg.counts):
+        starts.append(len(rows))
+        rows.extend(range(row, row + count))
+    return rows, Segments(starts, list(seg.counts), list(seg.seq_lens), list(seg.tables),
+                          list(seg.kv_ends))
 
 
 def _nbytes(t: torch.Tensor) -> int:

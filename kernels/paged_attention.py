@@ -29,8 +29,10 @@ fill the GPU) each program covers 1/S of the key range and writes a partial resu
 
 For cooperative KV placement (kernels/cooperative_attention.py) the launcher also writes
 each row's log-sum-exp of its scaled scores (`lse`, natural units, -inf for a row that
-saw no key) and ends sequence i's keys at kv_end[i]; a sequence of no keys writes zeros
-and -inf, so the gaps between a part's segments cost one empty program each.
+saw no key) into the caller's `out`, and ends sequence i's keys at kv_end[i]. A row no
+key reaches (a sequence of no keys: the gaps between a part's segments, one empty
+program each) ends as zeros and -inf, or keeps what the caller's out and lse hold;
+rows of no sequence keep theirs.
 """
 from __future__ import annotations
 
@@ -298,7 +300,8 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_st
     if lse is not None:
         assert lse.shape == (num_tokens, num_heads) and lse.dtype == torch.float32 \
             and lse.is_contiguous() and lse.device == q.device, \
-            f"lse {tuple(lse.shape)} {lse.dtype} must be contiguous fp32 ({num_tokens}, {num_heads})"
+            f"lse {tuple(lse.shape)} {lse.dtype} must be contiguous fp32 " \
+            f"({num_tokens}, {num_heads})"
     if kv_end is not None:
         assert kv_end.shape == (num_seqs,) and kv_end.dtype == torch.int32 \
             and kv_end.device == q.device, f"kv_end {tuple(kv_end.shape)} {kv_end.dtype} " \
@@ -330,8 +333,8 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_st
     _paged_attention_kernel[grid](
         out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         part_out, part_m, part_l, out if lse is None else lse,
-        seq_lens if kv_end is None else kv_end, scale * math.log2(math.e), softcap * math.log2(math.e),
-        num_seqs, sliding_window,
+        seq_lens if kv_end is None else kv_end, scale * math.log2(math.e),
+        softcap * math.log2(math.e), num_seqs, sliding_window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),

@@ -175,7 +175,8 @@ class BudgetTooSmall(ValueError):
 def minimum_device_budget(sizes: ModelSizes, prefetch_depth: int = 1) -> int:
     """The smallest device budget that runs: every layer streamed through the
     staging slots, and the KV floor."""
-    return (sizes.fixed_bytes + sizes.activation_bytes + sizes.kv_floor_blocks * sizes.kv_block_bytes
+    return (sizes.fixed_bytes + sizes.activation_bytes
+            + sizes.kv_floor_blocks * sizes.kv_block_bytes
             + min(prefetch_depth + 1, sizes.num_layers) * sizes.layer_bytes)
 
 

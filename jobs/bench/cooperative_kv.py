@@ -141,7 +141,8 @@ def _print_table(runs: dict[str, list[Run]], generated: int, total: int, rounds:
         stall = ("-" if name != "cooperative" else
                  f"{med(rows, lambda r: 1e3 * r.stall_seconds / max(r.steps, 1)):.2f}")
         print(f"{name:<12} {seconds:8.1f} {generated / seconds:9.2f} {total / seconds:8.0f} "
-              f"{med(rows, lambda r: r.decode_batch):12.2f} {med(rows, lambda r: r.preempted):9.0f} "
+              f"{med(rows, lambda r: r.decode_batch):12.2f} "
+              f"{med(rows, lambda r: r.preempted):9.0f} "
               f"{med(rows, lambda r: r.swapped_blocks):8.0f} "
               f"{med(rows, lambda r: r.crossed_bytes) / 2**20:11.1f} {stall:>13}")
     if "swap" in runs and "cooperative" in runs:
