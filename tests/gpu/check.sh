@@ -9,10 +9,16 @@
 #             then sparse tiles against cuBLAS, as the stage sparse does)
 #   sparse    sparse tiles against cuBLAS (python -m fusegen.kernels.triton_sparse --bench,
 #             T_SPARSE s, 240)
+#   new       the test files in $NEW_TESTS on the GPU, pytest -n 8 (T_NEW s, 150): the
+#             CUDA paths a session has just built, checked before its benchmarks
 #   profile   decode steps eagerly and with CUDA graphs (tests/gpu/decode_profile.py)
 #   benchB    fusegen beside transformers' static batch of 64, 64 requests
 #   bench1k   fusegen alone on gpu-8b-1k (1000 in / 1000 out), $REQ_1K requests (256)
 #   benchA    fusegen alone, 512 requests, with the time left
+#   anchors   the anchors' workloads (--workload sharegpt-like, 1,000 requests, transformers'
+#             static batch on the first $HF_REQ (16); then without asynchronous scheduling;
+#             random-1k-1k, $REQ_1K requests; sharegpt-like with FP8 weights), each while
+#             the call's time lasts
 # on the bench's gpu-8b shape with LAYERS decoder layers (32, the default, is the whole
 # Llama-3-8B; fewer build and load in a fraction of the time).
 #
@@ -36,7 +42,23 @@ python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -2
 python3 -c "import fusegen.jobs.cli" 2>/dev/null || {
   mkdir -p /tmp/pp; ln -sfn "$PWD" /tmp/pp/fusegen; export PYTHONPATH=/tmp/pp; }
 python3 -c "import fusegen, torch, triton, transformers; print(fusegen.__file__, 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; date -u
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; if stage anchors; then
+  # name, seconds it needs at least, then the bench's arguments; each runs while the
+  # call's time lasts (the first one loads the checkpoint into the page cache)
+  anchor() {
+    local name=$1 need=$2; shift 2; local left=$(( END - $(date +%s) - 5 ))
+    if (( left < need )); then echo "anchor $name skipped: $left s left"; return; fi
+    timeout "$left" python3 -m fusegen.jobs.cli bench --preset gpu-8b --layers "$LAYERS" \
+        --json "/tmp/anchor_$name.json" "$@" > "$OUT/anchor_$name.log" 2>&1
+    echo "anchor $name rc=$? ($(( $(date +%s) - END + left + 5 )) s)"; tail -14 "$OUT/anchor_$name.log"
+  }
+  anchor sharegpt 60 --workload sharegpt-like --hf-requests "${HF_REQ:-16}" \
+      --hf-batch-size "${HF_REQ:-16}" --skip-hf-continuous
+  anchor sharegpt_sync 50 --workload sharegpt-like --skip-hf --no-async-scheduling
+  anchor 1k1k 60 --workload random-1k-1k --requests "${REQ_1K:-256}" --skip-hf
+  anchor sharegpt_fp8 50 --workload sharegpt-like --skip-hf --quantization fp8
+fi
+date -u
 if stage suite; then
   # The whole suite with the GPU visible (S3 tests need moto, absent there), then the
   # device-group tests in a slot of their own.
@@ -78,13 +100,36 @@ if stage quant || stage sparse; then
   timeout "${T_SPARSE:-240}" python3 -m fusegen.kernels.triton_sparse --bench > $OUT/sparse.log 2>&1
   echo "sparse bench rc=$?"; tail -14 $OUT/sparse.log
 fi
-stage profile || stage benchB || stage bench1k || stage benchA || { date -u; exit 0; }
+if stage new; then
+  PYTHONPATH=$PYTHONPATH:tests/gpu timeout "${T_NEW:-150}" python3 -m pytest -v -p no:cacheprovider \
+      -p instafail -n 8 --timeout 120 --tb=short $NEW_TESTS > $OUT/new_tests.log 2>&1
+  echo "new tests rc=$?"; grep -cE " PASSED " $OUT/new_tests.log; grep -cE " SKIPPED " $OUT/new_tests.log
+  grep -E " (FAILED|ERROR) " $OUT/new_tests.log | sed 's/.* \(FAILED\|ERROR\) //' | cut -c1-150 | sort -u | head -30
+  grep -E "^E  |^====" $OUT/failures.log 2>/dev/null | cut -c1-220 | head -50
+fi
+stage profile || stage anchors || stage benchB || stage bench1k || stage benchA || { date -u; exit 0; }
 CKPT=$(python3 -c "
 from fusegen.jobs.bench.presets import PRESETS
 from fusegen.jobs.bench.checkpoint import default_cache_dir, ensure_checkpoint
 preset = PRESETS['gpu-8b'].shrink(num_layers=$LAYERS)
 print(ensure_checkpoint('gpu-8b', preset.model, default_cache_dir()))" | tail -1)
-echo "checkpoint $CKPT"; date -u
+echo "checkpoint $CKPT"; if stage anchors; then
+  # name, seconds it needs at least, then the bench's arguments; each runs while the
+  # call's time lasts (the first one loads the checkpoint into the page cache)
+  anchor() {
+    local name=$1 need=$2; shift 2; local left=$(( END - $(date +%s) - 5 ))
+    if (( left < need )); then echo "anchor $name skipped: $left s left"; return; fi
+    timeout "$left" python3 -m fusegen.jobs.cli bench --preset gpu-8b --layers "$LAYERS" \
+        --json "/tmp/anchor_$name.json" "$@" > "$OUT/anchor_$name.log" 2>&1
+    echo "anchor $name rc=$? ($(( $(date +%s) - END + left + 5 )) s)"; tail -14 "$OUT/anchor_$name.log"
+  }
+  anchor sharegpt 60 --workload sharegpt-like --hf-requests "${HF_REQ:-16}" \
+      --hf-batch-size "${HF_REQ:-16}" --skip-hf-continuous
+  anchor sharegpt_sync 50 --workload sharegpt-like --skip-hf --no-async-scheduling
+  anchor 1k1k 60 --workload random-1k-1k --requests "${REQ_1K:-256}" --skip-hf
+  anchor sharegpt_fp8 50 --workload sharegpt-like --skip-hf --quantization fp8
+fi
+date -u
 if stage profile; then
   timeout "$T_PROF" python3 tests/gpu/decode_profile.py "$CKPT" $OUT > $OUT/profile.log 2>&1
   echo "profile rc=$?"; grep -E "batch|gpu busy|Error|error" $OUT/profile.log | cut -c1-400
@@ -104,5 +149,21 @@ if stage benchA; then
   echo "bench A gets $LEFT s"
   timeout "$LEFT" python3 -m fusegen.jobs.cli bench --preset gpu-8b --layers "$LAYERS" --requests 512 --skip-hf --json /tmp/bench_a.json > $OUT/bench_a.log 2>&1
   echo "bench A rc=$?"; tail -12 $OUT/bench_a.log
+fi
+if stage anchors; then
+  # name, seconds it needs at least, then the bench's arguments; each runs while the
+  # call's time lasts (the first one loads the checkpoint into the page cache)
+  anchor() {
+    local name=$1 need=$2; shift 2; local left=$(( END - $(date +%s) - 5 ))
+    if (( left < need )); then echo "anchor $name skipped: $left s left"; return; fi
+    timeout "$left" python3 -m fusegen.jobs.cli bench --preset gpu-8b --layers "$LAYERS" \
+        --json "/tmp/anchor_$name.json" "$@" > "$OUT/anchor_$name.log" 2>&1
+    echo "anchor $name rc=$? ($(( $(date +%s) - END + left + 5 )) s)"; tail -14 "$OUT/anchor_$name.log"
+  }
+  anchor sharegpt 60 --workload sharegpt-like --hf-requests "${HF_REQ:-16}" \
+      --hf-batch-size "${HF_REQ:-16}" --skip-hf-continuous
+  anchor sharegpt_sync 50 --workload sharegpt-like --skip-hf --no-async-scheduling
+  anchor 1k1k 60 --workload random-1k-1k --requests "${REQ_1K:-256}" --skip-hf
+  anchor sharegpt_fp8 50 --workload sharegpt-like --skip-hf --quantization fp8
 fi
 date -u
