@@ -82,14 +82,16 @@ def sparse_linear_parts(x: torch.Tensor, parts: Sequence[SparseTiles]) -> torch.
     if not parts:
         raise ValueError("sparse_linear_parts takes at least one part")
     first = parts[0]
-    _check_x(x, first)
-    for tiles in parts:
+    width = first.out_features
+    if x.dim() != 2 or x.shape[1] != first.in_features or x.dtype not in _NATIVE:
+        _check_x(x, first)
+        if x.dim() != 2:
+            raise ValueError(f"sparse_linear_parts takes rows [T, in], got {list(x.shape)}")
+    for tiles in parts[1:]:
         if tiles.in_features != first.in_features:
             raise ValueError(f"sparse_linear_parts: parts of in_features {first.in_features} "
                              f"and {tiles.in_features}; a fused parameter's parts share x")
-    if x.dim() != 2:
-        raise ValueError(f"sparse_linear_parts takes rows [T, in], got {list(x.shape)}")
-    width = first.out_features if len(parts) == 1 else sum(t.out_features for t in parts)
+        width += tiles.out_features
     if (x.shape[0] and x.dtype in _NATIVE and len(parts) <= MAX_SEGMENTS and use_native(x)
             and has_kernel()):
         out = _native_product(x, parts, width)

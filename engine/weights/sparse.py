@@ -311,6 +311,8 @@ class SparseLinear(CompressedLinear):
     def _product(self, x: torch.Tensor, parts: list) -> torch.Tensor:
         """x [..., in] -> [..., sum of the parts' out]: the parts (a fused parameter's q,
         k, v, or gate and up) side by side in one output, one kernel call on CPUs."""
+        if x.dim() == 2:  # the engine's rows [T, in]: no reshapes (a decode step's calls)
+            return _kernels().sparse_linear_parts(x, parts)
         out = _kernels().sparse_linear_parts(x.reshape(-1, self.in_features), parts)
         return out.view(*x.shape[:-1], out.shape[-1])
 
