@@ -2,6 +2,7 @@
 the rest in the host pool, attention merged from both, and greedy fp32 tokens are exactly
 those of the engine with every block on the device."""
 import pytest
+import torch
 
 from checkpoints import make_hf_checkpoint
 from fusegen.engine import LLM, EngineConfigError, SamplingParams
@@ -75,6 +76,19 @@ def test_deterministic_alone_and_batched(model_dir):
     for a, b in zip(alone, batched):
         assert a.token_ids == b.token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs  # bit for bit
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("batched_tokens", [512, 16])
+def test_token_exact_on_cuda(model_dir, batched_tokens):
+    # the device part through the Triton kernel, the host part on the CPU's cores beside it
+    with LLM(str(model_dir), device="cuda", kv_placement="device", **OPTIONS) as llm:
+        reference = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
+    with LLM(str(model_dir), device="cuda", max_num_batched_tokens=batched_tokens,
+             enable_prefix_caching=False, **COOPERATIVE, **OPTIONS) as llm:
+        outs = llm.generate(PROMPTS, PARAMS)
+        assert llm.memory_report()["kv_placement"] == "cooperative"
+    assert [o.token_ids for o in outs] == reference
 
 
 def test_auto_picks_cooperative_when_the_batch_does_not_fit(model_dir):

@@ -22,7 +22,13 @@ def _tensors(consumer: int, layer: int) -> list[torch.Tensor]:
 
 
 def _rank(rank: int, world: int, init: str, backend, results) -> None:
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    device = torch.device("cpu")
+    if backend == "nccl":  # a CUDA device group: one GPU a rank, NCCL the default
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if backend == "nccl" else "gloo", init_method=init,
+                            rank=rank, world_size=world)
+    backend = None if backend == "nccl" else backend  # join picks NCCL by itself
     holders = HOLDERS[rank]
     consumers = {c for c, own in HOLDERS.items() for h in own.values() if h == rank}
     channel = PeerChannel.join(world, holders, consumers, payload_backend=backend)
@@ -34,25 +40,31 @@ def _rank(rank: int, world: int, init: str, backend, results) -> None:
     got = {}
     for round_ in range(3):  # layers in turn, tensors asked for before any is waited on
         for layer in sorted(holders, reverse=round_ % 2 == 1):
-            targets = [torch.empty_like(t) for t in _tensors(rank, layer)]
+            targets = [torch.empty_like(t, device=device) for t in _tensors(rank, layer)]
             waits = [channel.fetch(layer, k, t) for k, t in enumerate(targets)]
             for wait in waits:
                 wait()
-            got[(round_, layer)] = targets
+            got[(round_, layer)] = [t.cpu() for t in targets]  # .cpu() waits on the stream
     channel.close()
+    held_on = {str(t.device) for ts in channel.held.values() for t in ts}
     results[rank] = (got, sorted(channel.payload_groups), channel.bytes_fetched,
-                     channel.bytes_served)
+                     channel.bytes_served, held_on)
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("backend", [None, "gloo"])
+NCCL = pytest.param("nccl", marks=pytest.mark.skipif(
+    torch.cuda.device_count() < 3, reason="needs three CUDA GPUs"))
+
+
+@pytest.mark.parametrize("backend", [None, "gloo", NCCL])
 def test_fetches_arrive_bit_for_bit(tmp_path, backend):
     world = 3
     results = mp.Manager().dict()
     mp.spawn(_rank, args=(world, f"file://{tmp_path}/init", backend, results), nprocs=world)
     sizes = {}
     for rank in range(world):
-        got, pairs, fetched, served = results[rank]
+        got, pairs, fetched, served, held_on = results[rank]
+        assert held_on == ({f"cuda:{rank}"} if backend == "nccl" else {"cpu"})
         for (round_, layer), tensors in got.items():
             for a, b in zip(tensors, _tensors(rank, layer)):
                 assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8),
