@@ -90,9 +90,11 @@ _SPLIT_MIN_TILES = 4     # column-tiles a split covers at least (256 input chann
 _PROGRAMS_PER_SM = 4     # programs split-K aims at per SM
 _INTERPRETER_SMS = 132   # the SM count splits assume under the interpreter (an H100's)
 _VARIANTS = ("packed", "gather")   # the default expansion, and each element loaded alone
-# Warps a program: packed, four (32 elements of a tile a thread: each row's mask half and
-# count serve more of them); gather, eight (16 a thread: more loads in flight)
-_NUM_WARPS = {"packed": 4, "gather": 8}
+# Warps a program: gather, eight (16 elements of a tile a thread: more loads in flight);
+# packed, four up to 32-row blocks (32 elements a thread: fewer instructions a tile, and
+# registers for three programs an SM), eight for 128-row blocks (registers)
+_NUM_WARPS = {("gather", False): 8, ("gather", True): 8, ("packed", False): 4,
+              ("packed", True): 8}
 _PACKED_VECTOR_BYTES = 16  # one aligned vector load of packed values
 _PACKED_MIN_CAP = 256      # the packed vector's length: at least one value a thread
 _PACKED_MAX_CAP = 4096     # ... at most a dense tile's
@@ -502,10 +504,11 @@ def _check(x: torch.Tensor, tiles: SparseTiles) -> torch.Tensor:
 def _packed_shape(tiles: SparseTiles) -> dict:
     """The packed variant's constants from the weight alone (never M: batch invariance):
     ALIGN values make one 16-byte vector; one column-tile a step (TILES; two take more
-    registers than they save); CAP the vector's length, a power of two holding an
-    average tile's values and a quarter more (tiles past it take the second pass)."""
+    registers than they save); CAP the vector's length, a power of two holding a whole
+    tile's average values (the density times 4096: edge tiles hold fewer) and a quarter
+    more (tiles past it take the second pass)."""
     align = _PACKED_VECTOR_BYTES // tiles.values.element_size()
-    mean = tiles.values.numel() / max(1, tiles.num_tiles)
+    mean = tiles.values.numel() * 4096 / max(1, tiles.out_features * tiles.in_features)
     cap = triton.next_power_of_2(int(mean * 1.25) + align)
     return {"TILES": 1, "CAP": max(_PACKED_MIN_CAP, min(cap, _PACKED_MAX_CAP)),
             "ALIGN": align}
@@ -538,7 +541,7 @@ def sparse_linear_triton(x: torch.Tensor, tiles: SparseTiles, batch_invariant: b
     if variant not in _VARIANTS:
         raise ValueError(f"sparse_linear_triton: variant {variant!r} is not one of {_VARIANTS}")
     shape = {name: cfg.pop(name) for name in ("TILES", "CAP", "ALIGN")}
-    cfg["num_warps"] = cfg["num_warps"] or _NUM_WARPS[variant]
+    cfg["num_warps"] = cfg["num_warps"] or _NUM_WARPS[variant, cfg["BLOCK_M"] > 32]
     group = shape["TILES"] if variant == "packed" else 1
     splits = max(1, min(int(cfg.pop("splits", 1)), tiles.num_col_tiles))
     per_split = -(-tiles.num_col_tiles // splits)

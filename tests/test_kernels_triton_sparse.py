@@ -4,7 +4,9 @@
 tails, 0 and 1 rows, empty and fully dense tiles, every values dtype (int8 with its
 scales) and every x dtype; a row is bit-identical alone and batched; split-K's policy is
 the weight's shape's, not M's; every kernel compiles for sm_90 (the GPU's POPC path the
-interpreter never runs) without spills; sparse_linear() sends it CUDA x; and the engine
+interpreter never runs) without spills; the default packed variant equals the gather
+variant bit for bit where every tile fits its vector, and tiles that do not take its
+second pass; sparse_linear() sends it CUDA x; and the engine
 through it (the interpreter here, the GPU where lent) generates the pruned dense model's
 tokens."""
 from __future__ import annotations
@@ -115,14 +117,71 @@ def test_kernel_equals_dense_product(shape, values, x_dtype, device):
 @pytest.mark.parametrize("values", ["bfloat16", "int8"])
 def test_split_k_and_row_blocks(values, device):
     # 9 column-tiles in 3 runs of 3 (and 20 runs asked: 9 of 1), 20 rows in 16-row blocks
-    # with a tail; the loop with and without its prefetch of the next tile
+    # with a tail; the loop with and without its prefetch of the next tile; both variants,
+    # the packed one also two tiles a step (runs of 4 and 2: a last group of one)
     w = pruned_weight(100, 560, sparsity=0.7, seed=3)
     tiles = encode_on(w, values, device)
     x = make_x(20, 560, torch.bfloat16, device)
     kernel = triton_on(device, ts.sparse_linear_triton)
-    for splits, prefetch in ((3, True), (20, False), (1, False)):
-        config = {"BLOCK_M": 16, "splits": splits, "PREFETCH": prefetch}
+    for variant, splits, prefetch, group in (("packed", 3, True, 1), ("packed", 20, False, 1),
+                                             ("packed", 3, True, 2), ("packed", 5, False, 2),
+                                             ("gather", 3, True, 1), ("gather", 1, False, 1)):
+        config = {"variant": variant, "BLOCK_M": 16, "splits": splits, "PREFETCH": prefetch,
+                  "TILES": group, "CAP": 4096}
         assert_within_tolerance(kernel(x, tiles, config=config), x, tiles)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("values, x_dtype", [("bfloat16", torch.bfloat16),
+                                             ("float32", torch.float32),
+                                             ("int8", torch.float16)])
+def test_packed_equals_gather_bit_for_bit(values, x_dtype, device):
+    # no tile too dense for the packed vector (an empty one among them) and room in the
+    # storage past the last value: every tile expanded on chip, the same dots in the same
+    # order as the gather variant's loads, so the same bits
+    w = pruned_weight(130, 330, sparsity=0.7, seed=7)
+    w[:64, :64][torch.rand(64, 64, generator=torch.Generator().manual_seed(8)) < 0.7] = 0.0
+    tiles = encode_on(w, values, device)
+    room = torch.zeros(tiles.values.numel() + 64, dtype=tiles.values.dtype, device=device)
+    room[:tiles.values.numel()] = tiles.values
+    tiles = codec.SparseTiles(tiles.bitmap, tiles.offsets, room[:tiles.values.numel()],
+                              tiles.scales, tiles.out_features, tiles.in_features)
+    counts = tiles.offsets.diff().cpu()
+    shape = ts._packed_shape(tiles)
+    assert (counts + shape["ALIGN"] <= shape["CAP"]).all() and (counts == 0).any()
+    x = make_x(5, 330, x_dtype, device)
+    kernel = triton_on(device, ts.sparse_linear_triton)
+    for splits in (1, 2):
+        packed = kernel(x, tiles, config={"splits": splits})
+        gather = kernel(x, tiles, config={"splits": splits, "variant": "gather"})
+        assert torch.equal(packed, gather)
+    assert_within_tolerance(packed, x, tiles)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_packed_second_pass(device):
+    # a vector of 256 values holds none of these tiles but the empty one (about 1,640
+    # values each, the dense one 4,096): the others go to the second pass, alone and in
+    # groups of two, with and without prefetch; a vector of 2,048 holds all but the
+    # dense tile (and groups of two none)
+    w = pruned_weight(100, 400, sparsity=0.6, seed=9)
+    tiles = encode_on(w, "bfloat16", device)
+    x = make_x(3, 400, torch.bfloat16, device)
+    kernel = triton_on(device, ts.sparse_linear_triton)
+    for cap, group, prefetch in ((256, 1, True), (256, 2, False), (2048, 1, True),
+                                 (2048, 2, True)):
+        config = {"CAP": cap, "TILES": group, "PREFETCH": prefetch, "splits": 2}
+        assert_within_tolerance(kernel(x, tiles, config=config), x, tiles)
+
+
+def test_safe_end_is_the_storage_room():
+    # the aligned vectors may read past the last value up to the storage's end, rounded
+    # down to whole vectors; a view's room counts from its own first value
+    values = torch.zeros(1000, dtype=torch.bfloat16)
+    assert ts._safe_end(values, 8) == 1000
+    assert ts._safe_end(values[:997], 8) == 1000
+    assert ts._safe_end(values[3:990], 8) == 992
+    assert ts._safe_end(torch.zeros(37, dtype=torch.int8), 16) == 32
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -170,6 +229,23 @@ def _shape_only(out_features, in_features):
     return codec.SparseTiles(empty, empty, empty, None, out_features, in_features)
 
 
+def test_packed_shape_follows_the_values():
+    # CAP: a power of two over a whole tile's average values (the density's) and a
+    # quarter (and a vector's alignment), from 256 up to a dense tile's 4,096; ALIGN:
+    # values in 16 bytes
+    def shape(nnz, dtype, num_tiles=10):
+        values = torch.empty(nnz, dtype=dtype)
+        return ts._packed_shape(codec.SparseTiles(values, values, values, None, 64,
+                                                  64 * num_tiles))
+    assert shape(12290, torch.bfloat16) == {"TILES": 1, "CAP": 2048, "ALIGN": 8}  # 70%
+    assert shape(20480, torch.float32) == {"TILES": 1, "CAP": 4096, "ALIGN": 4}   # 50%
+    assert shape(40960, torch.int8) == {"TILES": 1, "CAP": 4096, "ALIGN": 16}     # dense
+    assert shape(100, torch.float16)["CAP"] == 256
+    edges = codec.SparseTiles(*(torch.empty(1200, dtype=torch.bfloat16),) * 3, None, 65, 65)
+    assert ts._packed_shape(edges)["CAP"] == 2048     # 28% of 65 x 65 kept: 1,163 a tile
+    assert shape(0, torch.bfloat16, num_tiles=0)["CAP"] == 256
+
+
 def test_config_splits_follow_the_weight_not_m():
     # Llama-3-8B's up [14336, 4096] and down [4096, 14336] on 132 SMs: four programs an
     # SM over one row block, runs of at least 4 column-tiles
@@ -179,6 +255,7 @@ def test_config_splits_follow_the_weight_not_m():
         assert ts._config(m, down, True, 132)["splits"] == 9
         assert ts._config(m, down, True, 132)["BLOCK_M"] == (16 if m <= 16 else 32)
         assert ts._config(m, down, True, 132)["PREFETCH"] is True
+        assert ts._config(m, down, True, 132)["variant"] == "packed"
     free = ts._config(256, down, False, 132)
     assert (free["BLOCK_M"], free["splits"], free["dense"]) == (128, 5, False)  # 2 x 64
     assert ts._config(511, down, False, 132)["dense"] is False
@@ -200,6 +277,8 @@ def test_bad_inputs_are_named():
     no_scales = codec.SparseTiles(tiles.bitmap, tiles.offsets, tiles.values, None, 70, 129)
     with pytest.raises(ValueError, match="int8 values need their fp32 scales.*scales absent"):
         call(x, no_scales)
+    with pytest.raises(ValueError, match=r"variant 'dense' is not one of \('packed', 'gather'\)"):
+        call(x, tiles, config={"variant": "dense"})
     with pytest.raises(ValueError, match="the tiles' bitmap is on meta, x on cpu"):
         call(x, codec.SparseTiles(tiles.bitmap.to("meta"), tiles.offsets, tiles.values,
                                   tiles.scales, 70, 129))
@@ -229,7 +308,7 @@ def test_sparse_linear_dispatches_cuda_x_to_triton(monkeypatch):
 # -- compiled for a GPU, without one -------------------------------------------------
 
 _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-          torch.int8: "i8", torch.int64: "i64"}
+          torch.int8: "i8", torch.int32: "i32", torch.int64: "i64"}
 
 
 class _CompileInstead:
@@ -258,6 +337,8 @@ class _CompileInstead:
                 signature[name], constexprs[name] = "constexpr", value
             elif isinstance(value, torch.Tensor):
                 signature[name] = "*" + _TYPES[value.dtype]
+                if value.data_ptr() % 16 == 0:  # as the JIT specializes aligned pointers
+                    attrs[(i,)] = [["tt.divisibility", 16]]
             else:
                 signature[name] = "i32"
                 if value % 16 == 0:
@@ -281,7 +362,8 @@ class _CompileInstead:
 def test_kernels_compile_for_sm90_without_spills(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the GPU's path: POPC
     kernels = {name: _CompileInstead(getattr(ts, name)) for name in
-               ("_sparse_tiles_kernel", "_sum_splits_kernel", "_expand_kernel")}
+               ("_sparse_packed_kernel", "_sparse_tiles_kernel", "_sum_splits_kernel",
+                "_expand_kernel")}
     for name, recorder in kernels.items():
         monkeypatch.setattr(ts, name, recorder)
     down = codec.encode(pruned_weight(256, 1024, seed=6), "bfloat16")
@@ -291,10 +373,16 @@ def test_kernels_compile_for_sm90_without_spills(monkeypatch):
     ts.sparse_linear_triton(torch.zeros(8, 1024, dtype=torch.float16), int8)
     ts.sparse_linear_triton(torch.zeros(200, 1024, dtype=torch.bfloat16), down,
                             batch_invariant=False)                               # 128 rows
+    ts.sparse_linear_triton(torch.zeros(8, 1024, dtype=torch.bfloat16), down,
+                            config={"TILES": 2, "CAP": 4096})                    # two a step
+    for rows in (8, 40):                                                        # the old way
+        ts.sparse_linear_triton(torch.zeros(rows, 1024, dtype=torch.bfloat16), down,
+                                config={"variant": "gather"})
     ts.sparse_linear_triton(torch.zeros(512, 1024, dtype=torch.bfloat16), down,
                             batch_invariant=False)                               # bands
-    assert kernels["_sparse_tiles_kernel"].stack_bytes == [0, 0, 0, 0]
-    assert kernels["_sum_splits_kernel"].stack_bytes == [0, 0, 0, 0]  # every call split
+    assert kernels["_sparse_packed_kernel"].stack_bytes == [0] * 5
+    assert kernels["_sparse_tiles_kernel"].stack_bytes == [0, 0]
+    assert kernels["_sum_splits_kernel"].stack_bytes == [0] * 7  # every call split
     assert kernels["_expand_kernel"].stack_bytes == [0]
     ts.sparse_linear_triton(torch.zeros(8, 1024), down)   # fp32 x: IEEE fp32 dots compile
 
