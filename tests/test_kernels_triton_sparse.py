@@ -375,14 +375,13 @@ def test_kernels_compile_for_sm90_without_spills(monkeypatch):
                             batch_invariant=False)                               # 128 rows
     ts.sparse_linear_triton(torch.zeros(8, 1024, dtype=torch.bfloat16), down,
                             config={"TILES": 2, "CAP": 4096})                    # two a step
-    for rows in (8, 40):                                                        # the old way
-        ts.sparse_linear_triton(torch.zeros(rows, 1024, dtype=torch.bfloat16), down,
-                                config={"variant": "gather"})
+    ts.sparse_linear_triton(torch.zeros(8, 1024, dtype=torch.bfloat16), down,
+                            config={"variant": "gather"})                        # the old way
     ts.sparse_linear_triton(torch.zeros(512, 1024, dtype=torch.bfloat16), down,
                             batch_invariant=False)                               # bands
     assert kernels["_sparse_packed_kernel"].stack_bytes == [0] * 5
-    assert kernels["_sparse_tiles_kernel"].stack_bytes == [0, 0]
-    assert kernels["_sum_splits_kernel"].stack_bytes == [0] * 7  # every call split
+    assert kernels["_sparse_tiles_kernel"].stack_bytes == [0]
+    assert kernels["_sum_splits_kernel"].stack_bytes == [0] * 6  # every call split
     assert kernels["_expand_kernel"].stack_bytes == [0]
     ts.sparse_linear_triton(torch.zeros(8, 1024), down)   # fp32 x: IEEE fp32 dots compile
 
