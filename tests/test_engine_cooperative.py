@@ -12,7 +12,10 @@ PROMPTS = ["The quick brown fox jumps over the lazy dog, then again and again.",
            "Bonjour, comment allez-vous ? Tres bien, merci, et vous ?",
            "In the beginning the universe was created.", "a b c d e f g h i j k l m n o p"]
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-OPTIONS = dict(dtype="float32", max_model_len=128, block_size=4, max_num_seqs=8)
+# on the CPU, whose C kernels and automatic placement these tests pin down (a GPU machine
+# would run them on CUDA); test_token_exact_on_cuda names its device
+OPTIONS = dict(dtype="float32", max_model_len=128, block_size=4, max_num_seqs=8, device="cpu")
+ON_CUDA = OPTIONS | dict(device="cuda")
 # 32 device blocks (the least that holds one request of max_model_len) for 8 requests:
 # 4 each (16 tokens), the rest in the host pool
 COOPERATIVE = dict(kv_placement="cooperative", num_kv_blocks=32, num_host_kv_blocks=400,
@@ -82,10 +85,10 @@ def test_deterministic_alone_and_batched(model_dir):
 @pytest.mark.parametrize("batched_tokens", [512, 16])
 def test_token_exact_on_cuda(model_dir, batched_tokens):
     # the device part through the Triton kernel, the host part on the CPU's cores beside it
-    with LLM(str(model_dir), device="cuda", kv_placement="device", **OPTIONS) as llm:
+    with LLM(str(model_dir), kv_placement="device", **ON_CUDA) as llm:
         reference = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
-    with LLM(str(model_dir), device="cuda", max_num_batched_tokens=batched_tokens,
-             enable_prefix_caching=False, **COOPERATIVE, **OPTIONS) as llm:
+    with LLM(str(model_dir), max_num_batched_tokens=batched_tokens,
+             enable_prefix_caching=False, **COOPERATIVE, **ON_CUDA) as llm:
         outs = llm.generate(PROMPTS, PARAMS)
         assert llm.memory_report()["kv_placement"] == "cooperative"
     assert [o.token_ids for o in outs] == reference
