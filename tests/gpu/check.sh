@@ -11,6 +11,8 @@
 #             T_SPARSE s, 240)
 #   new       the test files in $NEW_TESTS on the GPU, pytest -n 8 (T_NEW s, 150): the
 #             CUDA paths a session has just built, checked before its benchmarks
+#   coop      cooperative KV against swapping and recompute, the host part on the CPU's
+#             cores (python -m fusegen.jobs.bench.cooperative_kv --device cuda; T_COOP s, 90)
 #   profile   decode steps eagerly and with CUDA graphs (tests/gpu/decode_profile.py)
 #   benchB    fusegen beside transformers' static batch of 64, 64 requests
 #   bench1k   fusegen alone on gpu-8b-1k (1000 in / 1000 out), $REQ_1K requests (256)
@@ -106,6 +108,10 @@ if stage new; then
   echo "new tests rc=$?"; grep -cE " PASSED " $OUT/new_tests.log; grep -cE " SKIPPED " $OUT/new_tests.log
   grep -E " (FAILED|ERROR) " $OUT/new_tests.log | sed 's/.* \(FAILED\|ERROR\) //' | cut -c1-150 | sort -u | head -30
   grep -E "^E  |^====" $OUT/failures.log 2>/dev/null | cut -c1-220 | head -50
+fi
+if stage coop; then
+  timeout "${T_COOP:-90}" python3 -m fusegen.jobs.bench.cooperative_kv --device cuda > $OUT/coop.log 2>&1
+  echo "coop rc=$?"; tail -16 $OUT/coop.log
 fi
 stage profile || stage anchors || stage benchB || stage bench1k || stage benchA || { date -u; exit 0; }
 CKPT=$(python3 -c "
