@@ -583,9 +583,18 @@ def sparse_linear_triton(x: torch.Tensor, tiles: SparseTiles, batch_invariant: b
 
 # -- the GPU benchmark ---------------------------------------------------------------
 
-BENCH_SHAPES = ((4096, 14336), (14336, 4096))   # W [out, in]: Llama-3-8B's up and down
-BENCH_ROWS = (8, 16, 64, 256, 1024)   # 1024: the dense-band path without batch_invariant
+BENCH_SHAPES = ((4096, 14336), (14336, 4096))   # W [out, in]: Llama-3-8B's down and up
+BENCH_ROWS = (1, 8, 16, 64, 256)                 # decode batches
 BENCH_SPARSITY = 0.7
+# The launches --bench times: the default (packed, batch-invariant), the packed variant
+# with eight warps and two tiles a step, the gather variant, and without batch_invariant
+BENCH_LAUNCHES = {
+    "packed": {},
+    "packed 8w": {"config": {"num_warps": 8}},
+    "packed x2": {"config": {"TILES": 2, "CAP": 4096}},
+    "gather": {"config": {"variant": "gather"}},
+    "free": {"batch_invariant": False},
+}
 
 
 def _pruned(out_features: int, in_features: int, sparsity: float, seed: int = 0):
@@ -598,22 +607,21 @@ def _pruned(out_features: int, in_features: int, sparsity: float, seed: int = 0)
 
 
 def bench(device: str = "cuda", shapes=BENCH_SHAPES, rows=BENCH_ROWS,
-          sparsity: float = BENCH_SPARSITY) -> list[dict]:
+          sparsity: float = BENCH_SPARSITY, launches=BENCH_LAUNCHES) -> list[dict]:
     """The kernel against cuBLAS (bf16 F.linear over the same pruned weight stored dense)
     at decode shapes, bf16 x and values: median microseconds of each (triton's
-    do_bench) for the default launch, batch_invariant=False and the default without
-    PREFETCH; the sparse weight's bytes against dense; the largest difference of any
-    launch from the dense product. Prints a table; returns its rows."""
+    do_bench) for each of `launches`; the sparse weight's bytes against dense; the
+    largest difference of any launch from the dense product. Prints a table; returns
+    its rows."""
     from triton.testing import do_bench
 
     from fusegen.kernels import sparse_format
 
     print(f"sparse tiles (Triton) vs cuBLAS dense, bf16, {sparsity:.0%} sparsity, "
-          f"{torch.cuda.get_device_name(device)}; microseconds (speedup over dense): the "
-          "default launch, batch_invariant=False, and the default without PREFETCH")
-    print(f"{'W [out, in]':>14} {'M':>4} {'dense':>7} {'sparse':>15} {'free':>15} "
-          f"{'no prefetch':>15} {'bytes':>6} {'max |diff|':>10}")
-    launches = ({}, {"batch_invariant": False}, {"config": {"PREFETCH": False}})
+          f"{torch.cuda.get_device_name(device)}; microseconds (speedup over dense) of: "
+          + "; ".join(f"{name} {kw or '(default)'}" for name, kw in launches.items()))
+    print(f"{'W [out, in]':>14} {'M':>4} {'dense':>7} "
+          + " ".join(f"{name:>14}" for name in launches) + f" {'bytes':>6} {'max |diff|':>10}")
     table = []
     for out_features, in_features in shapes:
         dense = _pruned(out_features, in_features, sparsity)
@@ -626,16 +634,14 @@ def bench(device: str = "cuda", shapes=BENCH_SHAPES, rows=BENCH_ROWS,
             x = torch.randn(m, in_features, device=device, dtype=torch.bfloat16)
             want = torch.nn.functional.linear(x, w).float()
             diff = max((sparse_linear_triton(x, tiles, **kw).float() - want).abs().max().item()
-                       for kw in launches)
+                       for kw in launches.values())
             t_dense = do_bench(lambda: torch.nn.functional.linear(x, w), return_mode="median")
-            times = [do_bench(lambda: sparse_linear_triton(x, tiles, **kw),
-                              return_mode="median") for kw in launches]
-            row = {"out": out_features, "in": in_features, "rows": m,
-                   "dense_us": 1e3 * t_dense, "sparse_us": 1e3 * times[0],
-                   "free_us": 1e3 * times[1], "no_prefetch_us": 1e3 * times[2],
-                   "bytes": byte_share, "max_diff": diff}
-            table.append(row)
-            cells = " ".join(f"{1e3 * t:>7.1f} ({t_dense / t:4.2f}x)" for t in times)
+            times = {name: do_bench(lambda: sparse_linear_triton(x, tiles, **kw),
+                                    return_mode="median") for name, kw in launches.items()}
+            table.append({"out": out_features, "in": in_features, "rows": m,
+                          "dense_us": 1e3 * t_dense, "bytes": byte_share, "max_diff": diff,
+                          **{f"{name}_us": 1e3 * t for name, t in times.items()}})
+            cells = " ".join(f"{1e3 * t:>7.1f} {t_dense / t:5.2f}x" for t in times.values())
             print(f"{f'[{out_features}, {in_features}]':>14} {m:>4} {1e3 * t_dense:>7.1f} "
                   f"{cells} {byte_share:>6.2f} {diff:>10.3g}")
     return table
