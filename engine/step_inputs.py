@@ -51,47 +51,52 @@ class StepInputs:
 def step_inputs(batch: ScheduledBatch, block_size: int, with_lengths: bool) -> StepInputs:
     """`batch`'s uncomputed tokens in order, with their KV slots and the rows to sample;
     `with_lengths`: each request's whole length too (a model that reads it)."""
-    requests = batch.requests
+    requests, counts = batch.requests, batch.num_scheduled_tokens
     num_reqs = len(requests)
-    counts = np.array(batch.num_scheduled_tokens, dtype=np.int64)  # [B]
-    starts = np.array([r.num_computed_tokens for r in requests], dtype=np.int64)
+    starts = [r.num_computed_tokens for r in requests]
     lengths = np.array([r.num_tokens for r in requests], dtype=np.int64)
-    ends = starts + counts  # [B]
-    query_start = np.zeros(num_reqs + 1, dtype=np.int64)
-    np.cumsum(counts, out=query_start[1:])
-    num_tokens = int(query_start[-1])
-    max_query_len = int(counts.max())
-    if max_query_len == 1:  # one token a request: its position is its computed count
-        input_ids = np.array([r.token_ids[r.num_computed_tokens] for r in requests],
-                             dtype=np.int64)
-        positions, owner = starts, np.arange(num_reqs)
+    tables = block_tables(requests)
+    num_tokens = sum(counts)
+    if num_tokens == num_reqs:  # one token a request (decode): a row per request
+        input_ids = np.array([r.token_ids[s] for r, s in zip(requests, starts)], dtype=np.int64)
+        positions = np.array(starts, dtype=np.int64)
+        seq_lens = positions + 1
+        query_start = np.arange(num_reqs + 1, dtype=np.int64)
+        owner = query_start[:-1]  # [T] each row's request
     else:
         input_ids = np.fromiter(chain.from_iterable(
-            r.token_ids[s:s + n] for r, s, n in zip(requests, starts.tolist(),
-                                                     batch.num_scheduled_tokens)),
+            r.token_ids[s:s + n] for r, s, n in zip(requests, starts, counts)),
             dtype=np.int64, count=num_tokens)
-        owner = np.repeat(np.arange(num_reqs), counts)  # [T] each row's request
-        positions = np.arange(num_tokens, dtype=np.int64) + (starts - query_start[:-1])[owner]
-    tables = block_tables(requests)
-    slots = tables[owner, positions // block_size].astype(np.int64) * block_size \
-        + positions % block_size
-    samples = ends == lengths  # the request's last uncomputed token runs
+        sizes = np.array(counts, dtype=np.int64)
+        query_start = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(sizes, out=query_start[1:])
+        seq_lens = np.array(starts, dtype=np.int64) + sizes
+        owner = np.repeat(np.arange(num_reqs), sizes)
+        # each row's position: its request's first position plus its offset in the request
+        positions = np.arange(num_tokens, dtype=np.int64) + (seq_lens - query_start[1:])[owner]
+    blocks, offsets = np.divmod(positions, block_size)
+    slots = tables[owner, blocks] * np.int64(block_size) + offsets
+    samples = seq_lens == lengths  # the request's last uncomputed token runs
     sample_reqs = np.flatnonzero(samples)
-    return StepInputs(input_ids, positions, slots, tables, ends, query_start,
-                      query_start[1:][samples] - 1, sample_reqs, max_query_len,
-                      lengths if with_lengths else None, batch.swap_out, batch.swap_in)
+    sample_rows = query_start[1:][sample_reqs] - 1
+    return StepInputs(input_ids, positions, slots, tables, seq_lens, query_start, sample_rows,
+                      sample_reqs, max(counts), lengths if with_lengths else None,
+                      batch.swap_out, batch.swap_in)
 
 
 def block_tables(requests) -> np.ndarray:
     """[B, width] int32: each request's block table, padded with 0 to the widest."""
-    widths = np.array([len(r.block_table) for r in requests], dtype=np.int64)
+    widths = [len(r.block_table) for r in requests]
+    width = max(widths)
+    if len(requests) < 32:  # a few rows: numpy's per-call cost exceeds a Python pass
+        return np.array([r.block_table + [0] * (width - n) for r, n in zip(requests, widths)],
+                        dtype=np.int32)
     flat = np.fromiter(chain.from_iterable(r.block_table for r in requests), dtype=np.int32,
-                       count=int(widths.sum()))
-    width = int(widths.max())
+                       count=sum(widths))
     if flat.size == len(requests) * width:  # every table as wide: no padding
         return flat.reshape(len(requests), width)
     tables = np.zeros((len(requests), width), dtype=np.int32)
-    tables[np.arange(width) < widths[:, None]] = flat
+    tables[np.arange(width) < np.array(widths)[:, None]] = flat
     return tables
 
 
