@@ -429,7 +429,8 @@ def _sparse_and_dense(tmp_path, tmp_path_factory):
 
 
 # Every other kernel on its CPU path (FUSEGEN_KERNELS=auto), the sparse linears' products
-# sent to the Triton kernel (in the interpreter) as sparse_linear() sends CUDA x.
+# sent to the Triton kernel (in the interpreter) as sparse_linear() sends CUDA x (and
+# kept from the C kernel, which takes CPU x only).
 ENGINE_SCRIPT = """
 import json, os, sys
 os.environ["FUSEGEN_KERNELS"] = "auto"
@@ -441,6 +442,7 @@ calls = []
 kernel = triton_sparse.sparse_linear_triton
 triton_sparse.sparse_linear_triton = lambda *a, **k: calls.append(1) or kernel(*a, **k)
 sparse_linear.use_triton = lambda x: True
+sparse_linear.use_native = lambda x: False  # as for CUDA x: the C kernel never takes it
 llm = LLM(sys.argv[1], device="cpu", dtype="float32", max_num_batched_tokens=24, block_size=4)
 prompts = json.loads(sys.argv[2])
 outs = llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
