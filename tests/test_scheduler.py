@@ -360,7 +360,7 @@ def test_shared_prefix_progress_under_preemption_with_exact_reference_counts(num
 
 def _submit(batch):
     for req in batch.requests:
-        req.in_flight = True
+        req.num_in_flight += 1
     return batch
 
 
