@@ -264,7 +264,8 @@ def _packed_head(halves_ptr, values_ptr, scales_ptr, t, num_tiles, start, end, s
     """What a group of TILES tiles (t .. t + num_tiles - 1; num_tiles <= 0: none) loads
     before its expansion, none of it waiting on another load of the group:
       halves  int32 [TILES * 128]: the mask words' 32-bit halves (row r = 2c + h: column
-              c's rows 32h .. 32h + 31), 0 past num_tiles;
+              c's rows 32h .. 32h + 31); past num_tiles 0 (TILES > 1: a partial group),
+              or unread (TILES = 1: such a group is never expanded);
       packed  [CAP] values from index `base` (start - 1 rounded down to ALIGN, so
               lead = start - base is 1 .. ALIGN): the group's values (start .. end - 1)
               at lead .. lead + end - start - 1, read as aligned vectors of ALIGN values;
@@ -379,7 +380,7 @@ def _sparse_packed_kernel(x_ptr, halves_ptr, offsets_ptr, values_ptr, scales_ptr
             after_end = tl.load(offsets_ptr + tl.minimum(t + 3 * TILES, t_end))
         if fits:
             w = _expand(halves, packed, lead, HW_POPC, TILES)
-        else:  # left to the second pass
+        else:  # left to the second pass; w 0 (the dot outside the branch: one w layout)
             w = tl.zeros((TILES * 64, 64), dtype=values_ptr.dtype.element_ty)
             left_over = True
         if HAS_SCALES:
