@@ -226,3 +226,34 @@ def test_a_request_in_flight_waits_for_a_block_instead_of_preempting():
     third = _submit(sched)  # new is back: the newest, preempted to make room for old
     assert (old.num_preemptions, new.num_preemptions) == (0, 1)
     assert third.requests == [old] and new.token_ids == [4, 5, 6, 7, 9]
+
+
+def test_abort_in_flight_drops_the_placeholders_and_frees_the_blocks():
+    sched, req = _scheduler()
+    first, second = _submit(sched), _submit(sched)
+    sched.finish([req], "abort")
+    assert (req.token_ids, req.num_placeholders) == ([1, 2, 3], 0)
+    assert sched.block_manager.num_free_blocks == 16
+    assert sched.update(first, [5]) == [] == sched.update(second, [6])
+    assert req.token_ids == [1, 2, 3] and not req.in_flight
+    assert first.num_generated == second.num_generated == 0
+
+
+def test_a_request_that_waits_for_its_token_is_not_advanced_at_submit():
+    # logprobs: the step writes them into the request, so it runs once per token
+    sched = Scheduler(BlockManager(16, block_size=4), max_num_seqs=4,
+                      max_num_batched_tokens=64, max_model_len=64, overlap=True)
+    waits = Request(0, [1, 2, 3], SamplingParams(max_tokens=8, temperature=0.0, logprobs=1))
+    goes = Request(1, [4, 5], SamplingParams(max_tokens=8, temperature=0.0))
+    sched.add(waits)
+    sched.add(goes)
+    first = _submit(sched)
+    assert (waits.num_computed_tokens, waits.token_ids) == (0, [1, 2, 3])
+    assert (goes.num_computed_tokens, goes.token_ids) == (2, [4, 5, PLACEHOLDER])
+    second = _submit(sched)
+    assert second.requests == [goes]
+    sched.update(first, [7, 8])
+    assert (waits.num_computed_tokens, waits.token_ids) == (3, [1, 2, 3, 7])
+    assert goes.token_ids == [4, 5, 8, PLACEHOLDER]
+    third = _submit(sched)
+    assert third.requests == [waits, goes] and third.num_scheduled_tokens == [1, 1]
