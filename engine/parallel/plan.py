@@ -3,7 +3,8 @@
 A group of tensor_parallel_size T and pipeline_parallel_size P has W = T * P ranks;
 rank r is tensor rank r % T of stage r // T. Stages take contiguous runs of layers,
 balanced by the layers' bytes as loaded (`layer_stages`); the ranks of a stage split
-every layer of it (shard.py).
+every layer of it (shard.py): 1-D, or as a Tesseract grid of q x q x d ranks
+(tensor_parallel_mode 2d / 2.5d, `check_grid`; tesseract_layers.py).
 """
 from __future__ import annotations
 

@@ -15,7 +15,9 @@ each rank adds their product; depth layers never talk (forward, inference).
 
 Policy (`GridShape`, `tesseract_grid`, `check_tesseract_shapes`, the block ranges) is
 plain Python over integers; `TesseractGroups` and `TesseractLinear` are the mechanism
-over an existing torch.distributed world (gloo or nccl).
+over an existing torch.distributed world (gloo or nccl). The decoder runs on the grid
+weight-stationary instead (tesseract_layers.py: SUMMA moves weight blocks every step),
+over the same groups; tesseract_batch.py splits each step's sequences.
 """
 from __future__ import annotations
 

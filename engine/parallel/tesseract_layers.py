@@ -46,9 +46,8 @@ class GridLinear(_RankShare):
     def __init__(self, bias: bool, columns: slice | None, sum_, gathers: bool,
                  groups: TesseractGroups):
         super().__init__()
-        self.inner, self.columns, self.sum, self.gathers = Linear(bias=False), columns, sum_, \
-            gathers
-        self.groups = groups
+        self.inner = Linear(bias=False)
+        self.columns, self.sum, self.gathers, self.groups = columns, sum_, gathers, groups
         self.bias = torch.empty(0) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -184,9 +183,9 @@ class GridShardRunner(ShardRunner):
 
     @torch.inference_mode()
     def step(self, inputs: StepInputs, groups: list[int], greedy: bool):
-        """The rank's share of the step; on rank (0, 0, 0) the whole step's greedy ids
-        [S] or sampled rows' logits [S, V] in the step's sample order (None elsewhere,
-        and where nothing samples)."""
+        """The rank's share of the step (`groups`: each request's sequence group); on
+        rank (0, 0, 0) the whole step's greedy ids [S] or sampled rows' logits [S, V] in
+        the step's sample order (None elsewhere, and where nothing samples)."""
         g = self.groups
         split = rank_step(inputs, groups, g.grid, g.i, g.k)
         self.state.step, self.state.meta = split, None
