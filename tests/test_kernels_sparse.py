@@ -5,8 +5,8 @@ up to 6 rows, the many-row path's scratch above, in one run of tiles or several 
 rows), empty and fully dense tiles and every value type; each row's bits the same alone
 or in any batch and on 1 to 3 threads; the AVX-512 (without VBMI2), AVX2 and baseline
 builds giving the native build's bits (but bf16 x against bf16 or int8 values by
-vdpbf16ps); a fused parameter's parts in one call (half bands where the bands do not split
-evenly among the threads) or written in place; the dispatcher and the torch path."""
+vdpbf16ps); a fused parameter's parts in one call or written in place; the dispatcher and
+the torch path."""
 import pytest
 import torch
 
@@ -134,8 +134,7 @@ def test_other_cpu_builds_give_the_same_bits(flags, paths, tmp_path):
                 assert torch.equal(sl.sparse_linear_native(x, tiles, plain=True, lib=lib), got)
                 if sl.has_kernel() and not by_pairs(values, dtype):
                     assert torch.equal(sl.sparse_linear_native(x, tiles), got)
-        # the weight and a 1-row part in one call on 2 threads (LONG: 2 + 1 bands, split
-        # as half bands)
+        # the weight and a 1-row part in one call, their bands split among 2 threads
         one, _ = pruned_tiles(1, shape[1], values, seed=4)
         x = rows_of(2, shape[1], torch.bfloat16)
         threads = torch.get_num_threads()
@@ -177,9 +176,9 @@ def test_parts_write_their_columns_of_one_output_in_place(values, dtype):
 @pytest.mark.parametrize("values", VALUE_TYPES)
 def test_parts_in_one_call_on_any_thread_count(values, dtype, in_features):
     """A fused parameter's parts (100, 1 and 64 output rows: 4 bands, one of 36 rows and
-    one of 1) in one kernel call: each part's columns hold the bits of its own product
-    for 1 to 7 rows on 1 to 4 threads (with few rows, bands that do not split evenly
-    among the threads run as half bands: rows [0, 32) and [32, 64), some empty)."""
+    one of 1) in one kernel call, their bands split among the threads as one list: each
+    part's columns hold the bits of its own product for 1 to 6 rows (the few-row path) and
+    7 (the many-row path) on 1 to 4 threads."""
     parts = [pruned_tiles(n, in_features, values, seed=6 + i)[0]
              for i, n in enumerate((100, 1, 64))]
     x = rows_of(7, in_features, dtype)

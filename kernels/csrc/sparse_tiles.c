@@ -15,8 +15,6 @@
  * broadcast, an FMA a vector, into the 64 sums of each row, kept in registers for MR = 6
  * rows (AVX-512: 4 zmm a row, 24 sums). A step whose columns keep nothing is skipped.
  *   Few rows (T <= MR): each step is expanded in registers, used by the rows, dropped.
- *     Where the bands do not split evenly among the threads, they are split as half bands
- *     (32 output rows, 2 of the 4 vectors) so that every thread gets the same count.
  *   Many rows (T > MR, `band_many`): a run of a band's tiles (up to 256 KB expanded) is
  *     expanded once into a per-thread scratch, step after non-empty step, each 256 B as
  *     the registers would hold it, and every block of MR rows runs the dense inner loop
@@ -61,17 +59,13 @@
 /* ---- few rows: each step expanded in registers ----------------------------------------- */
 #if SP_AVX512 || SP_AVX2
 
-/* rows [r0, r0 + R) against pass h's CH rows of band `to`, vectors [V0, V1) of them (0,
- * 2 or 4: rows [16 V0, 16 V1) of the pass; AVX2: 0 and NV, whole passes); int8: each
- * tile's sum of code x x folded into `total` with the tile's scale. A column or tile is
- * skipped by its whole word or count, whatever part of it the call takes, so a half band
- * takes the same steps as the whole one. */
+/* rows [r0, r0 + R) against pass h's CH rows of band `to`; int8: each tile's sum of
+ * code x x folded into `total` with the tile's scale */
 static inline __attribute__((always_inline)) void
-band_pass(const call_t *c, int64_t to, int h, int64_t r0, const int R, const int VT,
-          const int V0, const int V1) {
+band_pass(const call_t *c, int64_t to, int h, int64_t r0, const int R, const int VT) {
     vec_t acc[MR][NV], total[MR][NV]; /* fixed sizes: R rows of them live in registers */
     for (int r = 0; r < R; r++)
-        for (int v = V0; v < V1; v++) acc[r][v] = total[r][v] = (vec_t){0};
+        for (int v = 0; v < NV; v++) acc[r][v] = total[r][v] = (vec_t){0};
     const float *x = c->x + r0 * c->ldx;
     for (int64_t ti = 0; ti < c->n_ti; ti++) {
         const int64_t t = to * c->n_ti + ti;
@@ -87,20 +81,20 @@ band_pass(const call_t *c, int64_t to, int h, int64_t r0, const int R, const int
             if (!word) continue;
             vec_t w[NV];
 #if SP_AVX512
-            expand_column(c, word, here, w, VT, V0, V1);
+            expand_step(c, word, here, w, VT);
             (void)h;
 #else
             expand_pass(c, word, here, h, w, VT);
 #endif
             for (int r = 0; r < R; r++) {
                 const vec_t xb = VSET1(xk[r * c->ldx + col]);
-                for (int v = V0; v < V1; v++) acc[r][v] = VFMA(w[v], xb, acc[r][v]);
+                for (int v = 0; v < NV; v++) acc[r][v] = VFMA(w[v], xb, acc[r][v]);
             }
         }
         if (VT == V_I8) {
             const vec_t scale = VSET1(c->scales[t]);
             for (int r = 0; r < R; r++)
-                for (int v = V0; v < V1; v++) {
+                for (int v = 0; v < NV; v++) {
                     total[r][v] = VFMA(acc[r][v], scale, total[r][v]);
                     acc[r][v] = (vec_t){0};
                 }
@@ -108,17 +102,17 @@ band_pass(const call_t *c, int64_t to, int h, int64_t r0, const int R, const int
     }
     float sums[MR * CH] __attribute__((aligned(64)));
     for (int r = 0; r < R; r++)
-        for (int v = V0; v < V1; v++)
+        for (int v = 0; v < NV; v++)
             VSTORE(sums + r * CH + v * VL, VT == V_I8 ? total[r][v] : acc[r][v]);
     const int64_t o0 = to * TILE + h * CH;
-    const int nrows = band_rows(c, o0, V1 * VL);
-    if (nrows > V0 * VL) store_rows(c, sums, CH, r0, R, o0, V0 * VL, nrows, LAYOUT(VT, 0));
+    const int nrows = band_rows(c, o0, CH);
+    if (nrows > 0) store_rows(c, sums, CH, r0, R, o0, nrows, LAYOUT(VT, 0));
 }
 #endif
 
 /* plain C: each set bit's value into its row's sum, in the same order (k ascending; int8:
- * each tile's sum of codes x x folded in with its scale); band rows [j0, j1) stored */
-static void band_plain(const call_t *c, int64_t to, int64_t r0, int R, int vt, int j0, int j1) {
+ * each tile's sum of codes x x folded in with its scale) */
+static void band_plain(const call_t *c, int64_t to, int64_t r0, int R, int vt) {
     float sums[MR * TILE] = {0}, part[MR * TILE] = {0};
     float *acc = vt == V_I8 ? part : sums;
     const float *x = c->x + r0 * c->ldx;
@@ -150,24 +144,19 @@ static void band_plain(const call_t *c, int64_t to, int64_t r0, int R, int vt, i
             }
     }
     const int64_t o0 = to * TILE;
-    const int nrows = band_rows(c, o0, j1);
-    if (nrows > j0) store_rows(c, sums, TILE, r0, R, o0, j0, nrows, LAYOUT_NATURAL);
+    store_rows(c, sums, TILE, r0, R, o0, band_rows(c, o0, TILE), LAYOUT_NATURAL);
 }
 
 #if SP_DP
 /* bf16 x against bf16 (or int8) values: columns k and k + 1 expanded together into word
  * pairs, multiplied with x's pair (x[k], x[k + 1]) by vdpbf16ps: half the widening and
  * the FMAs of band_pass. Each element is summed over the pairs of k ascending, products
- * exact, in vdpbf16ps's fp32 sums; int8: each tile's sum folded in with its scale.
- * Vectors [V0, V1) (rows [16 V0, 16 V1)) for bf16 values; int8 values take the whole
- * band (its pairs spread every vector over the 64 rows) and store rows [16 V0, 16 V1). */
+ * exact, in vdpbf16ps's fp32 sums; int8: each tile's sum folded in with its scale. */
 static inline __attribute__((always_inline)) void
-band_pass_dp(const call_t *c, int64_t to, int64_t r0, const int R, const int VT, const int S0,
-             const int S1) {
-    const int V0 = VT == V_I8 ? 0 : S0, V1 = VT == V_I8 ? 4 : S1;
+band_pass_dp(const call_t *c, int64_t to, int64_t r0, const int R, const int VT) {
     __m512 acc[MR][4], total[MR][4];
     for (int r = 0; r < R; r++)
-        for (int v = V0; v < V1; v++) acc[r][v] = total[r][v] = _mm512_setzero_ps();
+        for (int v = 0; v < 4; v++) acc[r][v] = total[r][v] = _mm512_setzero_ps();
     const uint16_t *x = c->xb + r0 * c->ldxb;
     for (int64_t ti = 0; ti < c->n_ti; ti++) {
         const int64_t t = to * c->n_ti + ti;
@@ -182,18 +171,18 @@ band_pass_dp(const call_t *c, int64_t to, int64_t r0, const int R, const int VT,
             at += popcount64(w0) + popcount64(w1);
             if (!(w0 | w1)) continue;
             __m512i pair[4];
-            expand_pair(c, w0, w1, here, pair, VT, V0, V1);
+            expand_pair(c, w0, w1, here, pair, VT);
             for (int r = 0; r < R; r++) {
                 const __m512bh xp = (__m512bh)_mm512_set1_epi32((int)load32(
                     (const uint8_t *)(xk + r * c->ldxb + col)));
-                for (int v = V0; v < V1; v++)
+                for (int v = 0; v < 4; v++)
                     acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)pair[v], xp);
             }
         }
         if (VT == V_I8) {
             const __m512 scale = _mm512_set1_ps(c->scales[t]);
             for (int r = 0; r < R; r++)
-                for (int v = V0; v < V1; v++) {
+                for (int v = 0; v < 4; v++) {
                     total[r][v] = _mm512_fmadd_ps(acc[r][v], scale, total[r][v]);
                     acc[r][v] = _mm512_setzero_ps();
                 }
@@ -201,38 +190,29 @@ band_pass_dp(const call_t *c, int64_t to, int64_t r0, const int R, const int VT,
     }
     float sums[MR * TILE] __attribute__((aligned(64)));
     for (int r = 0; r < R; r++)
-        for (int v = V0; v < V1; v++)
+        for (int v = 0; v < 4; v++)
             _mm512_store_ps(sums + r * TILE + v * VL, VT == V_I8 ? total[r][v] : acc[r][v]);
     const int64_t o0 = to * TILE;
-    const int nrows = band_rows(c, o0, S1 * VL);
-    if (nrows > S0 * VL) store_rows(c, sums, TILE, r0, R, o0, S0 * VL, nrows, LAYOUT(VT, 1));
+    store_rows(c, sums, TILE, r0, R, o0, band_rows(c, o0, TILE), LAYOUT(VT, 1));
 }
 #endif
 
 #include "sparse_tiles_many.h"
 
 /* ---- the band functions, one per path and value type (the type a constant inside) ---- */
-/* band `to` for rows [a, b), `part` of it: PART_WHOLE, or rows [0, 32) or [32, 64) */
-enum { PART_WHOLE = 0, PART_LOW = 1, PART_HIGH = 2 };
-typedef void (*band_fn)(const call_t *, int64_t to, int64_t a, int64_t b, int part);
+typedef void (*band_fn)(const call_t *, int64_t, int64_t, int64_t); /* band, rows [a, b) */
 
 #if SP_AVX512 || SP_AVX2
-/* rows [r_begin, r_end) against rows [16 Q0, 16 Q1) of band `to` (Q0, Q1 in 0, 2, 4) */
 static inline __attribute__((always_inline)) void
 band_few(const call_t *c, int64_t to, int64_t r_begin, int64_t r_end, const int VT,
-         const int DP, const int Q0, const int Q1) {
-    /* AVX-512: one pass of the band's 4 vectors, [Q0, Q1) of them; AVX2: passes [Q0, Q1)
-     * of 16 rows each */
-    const int h0 = SP_AVX512 || DP ? 0 : Q0, h1 = SP_AVX512 || DP ? 1 : Q1;
-    const int V0 = SP_AVX512 ? Q0 : 0, V1 = SP_AVX512 ? Q1 : NV;
-    for (int h = h0; h < h1; h++)
+         const int DP) {
+    for (int h = 0; h < (DP ? 1 : TILE / CH); h++)
         for (int64_t r0 = r_begin; r0 < r_end; r0 += MR) {
             const int rows = r_end - r0 < MR ? (int)(r_end - r0) : MR;
 #if SP_DP
-#define BAND_CALL(R) DP ? band_pass_dp(c, to, r0, R, VT, Q0, Q1)                          \
-                        : band_pass(c, to, h, r0, R, VT, V0, V1)
+#define BAND_CALL(R) DP ? band_pass_dp(c, to, r0, R, VT) : band_pass(c, to, h, r0, R, VT)
 #else
-#define BAND_CALL(R) band_pass(c, to, h, r0, R, VT, V0, V1)
+#define BAND_CALL(R) band_pass(c, to, h, r0, R, VT)
 #endif
             FOR_ROWS_1_TO_6(rows, BAND_CALL)
 #undef BAND_CALL
@@ -240,25 +220,18 @@ band_few(const call_t *c, int64_t to, int64_t r_begin, int64_t r_end, const int 
 }
 
 /* T > MR rows take the many-row path (each step then expanded once, not once per block
- * of MR rows; whole bands only); the same bits either way. Without memory for the
- * scratch, the few-row path. */
+ * of MR rows); the same bits either way. Without memory for the scratch, the few-row
+ * path. */
 static inline __attribute__((always_inline)) void
-band(const call_t *c, int64_t to, int64_t r_begin, int64_t r_end, int part, const int VT,
-     const int DP) {
+band(const call_t *c, int64_t to, int64_t r_begin, int64_t r_end, const int VT, const int DP) {
     scratch_t s;
-    if (part == PART_LOW)
-        band_few(c, to, r_begin, r_end, VT, DP, 0, 2);
-    else if (part == PART_HIGH)
-        band_few(c, to, r_begin, r_end, VT, DP, 2, 4);
-    else if (c->rows > MR && thread_scratch(&s, r_end - r_begin))
+    if (c->rows > MR && thread_scratch(&s, r_end - r_begin))
         band_many(c, to, r_begin, r_end, &s, VT, DP);
     else
-        band_few(c, to, r_begin, r_end, VT, DP, 0, 4);
+        band_few(c, to, r_begin, r_end, VT, DP);
 }
 #define BAND_FN(NAME, VT, DP)                                                             \
-    static void NAME(const call_t *c, int64_t to, int64_t a, int64_t b, int part) {       \
-        band(c, to, a, b, part, VT, DP);                                                  \
-    }
+    static void NAME(const call_t *c, int64_t to, int64_t a, int64_t b) { band(c, to, a, b, VT, DP); }
 BAND_FN(band_bf16, V_BF16, 0)
 BAND_FN(band_f16, V_F16, 0)
 BAND_FN(band_f32, V_F32, 0)
@@ -271,11 +244,9 @@ BAND_FN(band_dp_i8, V_I8, 1)
 #endif
 #endif
 
-static void band_plain_all(const call_t *c, int64_t to, int64_t r_begin, int64_t r_end,
-                           int part) {
-    const int j0 = part == PART_HIGH ? 32 : 0, j1 = part == PART_LOW ? 32 : TILE;
+static void band_plain_all(const call_t *c, int64_t to, int64_t r_begin, int64_t r_end) {
     for (int64_t r0 = r_begin; r0 < r_end; r0 += MR)
-        band_plain(c, to, r0, r_end - r0 < MR ? (int)(r_end - r0) : MR, c->vt, j0, j1);
+        band_plain(c, to, r0, r_end - r0 < MR ? (int)(r_end - r0) : MR, c->vt);
 }
 
 /* whether bf16 x against values of type vt goes by vdpbf16ps in this build */
@@ -312,33 +283,15 @@ typedef struct {
 
 #define MAX_SEGMENTS 64
 
-/* the bands of every segment, in order, run on `num_threads` threads: whole bands and
- * groups of rows (below), or with few rows where whole bands do not split evenly, half
- * bands. Which thread runs what changes no bit. */
+/* the bands of every segment, in order, split among `num_threads` threads (which thread
+ * runs what changes no bit) */
 static int product(const call_t *calls, const band_fn *fns, int num_segments, int64_t rows,
-                   int num_threads, int halves) {
+                   int num_threads) {
     int64_t first[MAX_SEGMENTS + 1]; /* each segment's first band in the call's list */
     first[0] = 0;
     for (int s = 0; s < num_segments; s++)
         first[s + 1] = first[s] + (calls[s].n + TILE - 1) / TILE;
     const int64_t n_to = first[num_segments];
-    if (rows <= MR && num_threads > 1 && n_to % num_threads && halves) {
-        /* each thread a contiguous run of the 2 n_to half bands: whole bands where it
-         * holds both halves */
-        _Pragma("omp parallel for num_threads(num_threads) schedule(static)")
-        for (int t = 0; t < num_threads; t++) {
-            const int64_t u1 = 2 * n_to * (t + 1) / num_threads;
-            int s = 0;
-            for (int64_t u = 2 * n_to * t / num_threads; u < u1;) {
-                const int64_t b = u / 2;
-                while (b >= first[s + 1]) s++;
-                const int part = u % 2 ? PART_HIGH : u + 1 < u1 ? PART_WHOLE : PART_LOW;
-                fns[s](&calls[s], b - first[s], 0, rows, part);
-                u += part == PART_WHOLE ? 2 : 1;
-            }
-        }
-        return 0;
-    }
     /* Work items: a band and a group of rows. Where the bands do not split evenly among
      * the threads, many rows are cut into up to one group a thread (of whole blocks of
      * MR rows), so every thread gets the same count of items; a group expands its band's
@@ -355,7 +308,7 @@ static int product(const call_t *calls, const band_fn *fns, int num_segments, in
         const int64_t r1 = r0 + group < rows ? r0 + group : rows;
         int s = 0;
         while (b >= first[s + 1]) s++;
-        fns[s](&calls[s], b - first[s], r0, r1, PART_WHOLE);
+        fns[s](&calls[s], b - first[s], r0, r1);
     }
     return 0;
 }
@@ -381,7 +334,7 @@ int sparse_tiles(const void *xv, int x_bf16, int64_t rows, int64_t ldx, const se
     call_t calls[MAX_SEGMENTS];
     band_fn fns[MAX_SEGMENTS];
     const int64_t n_ti = (k + TILE - 1) / TILE;
-    int pairs = 0, widened = 0, halves = 1;
+    int pairs = 0, widened = 0;
     int64_t col = 0;
     for (int s = 0; s < num_segments; s++) {
         const segment_t *g = &segments[s];
@@ -398,9 +351,6 @@ int sparse_tiles(const void *xv, int x_bf16, int64_t rows, int64_t ldx, const se
         const int by_pair = x_bf16 && !plain && by_pairs(vt);
         pairs |= by_pair, widened |= x_bf16 && !by_pair;
         fns[s] = band_for(vt, by_pair, plain);
-        /* int8 pairs spread each vector over the band's 64 rows: a half band costs a
-         * whole one */
-        halves &= !(by_pair && vt == V_I8);
     }
     if (rows <= 0) return 0;
     uint16_t *xb = 0;
@@ -434,7 +384,7 @@ int sparse_tiles(const void *xv, int x_bf16, int64_t rows, int64_t ldx, const se
             c->xb = xb ? xb : xv, c->ldxb = xb ? k + 1 : ldx;
         }
     }
-    const int status = product(calls, fns, num_segments, rows, num_threads, halves);
+    const int status = product(calls, fns, num_segments, rows, num_threads);
     free(xb);
     free(xf);
     return status;

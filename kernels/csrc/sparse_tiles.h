@@ -102,18 +102,16 @@ __attribute__((constructor)) static void init_positions(void) {
 #if SP_AVX512
 typedef __m512 vec_t;
 
-/* column with mask `word`, its values from index `at`: vectors [V0, V1) of rows [0, 64)
- * (in LAYOUT(VT, 0)'s order: vectors [V0, V1) hold rows [16 V0, 16 V1) for V0, V1 in 0, 2,
- * 4: a half band's rows, or the whole band's) */
+/* column with mask `word`, its values from index `at`; rows [0, 64) in 4 vectors (in
+ * LAYOUT(VT, 0)'s order) */
 static inline __attribute__((always_inline)) void
-expand_column(const call_t *c, uint64_t word, int64_t at, __m512 w[4], const int VT,
-              const int V0, const int V1) {
+expand_column(const call_t *c, uint64_t word, int64_t at, __m512 w[4], const int VT) {
     const uint8_t *v = c->values;
     if (VT == V_F32) {
         const float *p = (const float *)v + at;
-        for (int g = 0; g < V1; g++) {
+        for (int g = 0; g < 4; g++) {
             const __mmask16 m = (__mmask16)(word >> (16 * g));
-            if (g >= V0) w[g] = _mm512_maskz_expandloadu_ps(m, p);
+            w[g] = _mm512_maskz_expandloadu_ps(m, p);
             p += popcount64(m);
         }
         return;
@@ -121,41 +119,34 @@ expand_column(const call_t *c, uint64_t word, int64_t at, __m512 w[4], const int
 #if SP_VBMI2
     if (VT == V_I8) {
         const __m512i b = _mm512_maskz_expandloadu_epi8((__mmask64)word, v + at);
-        if (V0 == 0) {
-            w[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_castsi512_si128(b)));
-            w[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(b, 1)));
-        }
-        if (V1 == 4) {
-            w[2] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(b, 2)));
-            w[3] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(b, 3)));
-        }
+        w[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_castsi512_si128(b)));
+        w[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(b, 1)));
+        w[2] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(b, 2)));
+        w[3] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(b, 3)));
         return;
     }
     const uint16_t *p = (const uint16_t *)v + at;
     const __mmask32 lo = (__mmask32)word, hi = (__mmask32)(word >> 32);
-    __m512i half[2]; /* rows [0, 32) and [32, 64) as 16-bit words */
-    if (V0 == 0) half[0] = _mm512_maskz_expandloadu_epi16(lo, p);
-    if (V1 == 4) half[1] = _mm512_maskz_expandloadu_epi16(hi, p + popcount64(lo));
-    for (int g = V0 / 2; g < V1 / 2; g++) {
-        if (VT == V_BF16) { /* bf16 -> fp32: the word in the high half, zeros below */
-            const __m512i z = _mm512_setzero_si512();
-            w[2 * g] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, half[g]));
-            w[2 * g + 1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, half[g]));
-        } else {
-            w[2 * g] = _mm512_cvtph_ps(_mm512_castsi512_si256(half[g]));
-            w[2 * g + 1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(half[g], 1));
-        }
+    const __m512i h0 = _mm512_maskz_expandloadu_epi16(lo, p);
+    const __m512i h1 = _mm512_maskz_expandloadu_epi16(hi, p + popcount64(lo));
+    if (VT == V_BF16) { /* bf16 -> fp32: the word in the high half, zeros below */
+        const __m512i z = _mm512_setzero_si512();
+        w[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, h0));
+        w[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, h0));
+        w[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, h1));
+        w[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, h1));
+    } else {
+        w[0] = _mm512_cvtph_ps(_mm512_castsi512_si256(h0));
+        w[1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h0, 1));
+        w[2] = _mm512_cvtph_ps(_mm512_castsi512_si256(h1));
+        w[3] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h1, 1));
     }
 #else
-    for (int g = 0; g < V1; g++) { /* 16 rows: load the step's values packed, then expand */
+    for (int g = 0; g < 4; g++) { /* 16 rows: load the step's values packed, then expand */
         const __mmask16 m = (__mmask16)(word >> (16 * g));
         const int count = popcount64(m);
         const __mmask16 first = (__mmask16)((1u << count) - 1);
         __m512i packed;
-        if (g < V0) {
-            at += count;
-            continue;
-        }
         if (VT == V_I8) {
             packed = _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(first, v + at));
             w[g] = _mm512_cvtepi32_ps(_mm512_maskz_expand_epi32(m, packed));
@@ -174,7 +165,7 @@ expand_column(const call_t *c, uint64_t word, int64_t at, __m512 w[4], const int
 /* a step of the FMA path: the column's 4 vectors */
 static inline __attribute__((always_inline)) void
 expand_step(const call_t *c, uint64_t word, int64_t at, vec_t w[NV], const int VT) {
-    expand_column(c, word, at, w, VT, 0, 4);
+    expand_column(c, word, at, w, VT);
 }
 
 #elif SP_AVX2
@@ -229,20 +220,20 @@ expand_pass(const call_t *c, uint64_t word, int64_t at, int h, __m256 w[2], cons
 
 /* ---- storing a block of sums ----------------------------------------------------------- */
 
-/* R rows of x (from r0), tile rows [j0, nrows) of the band from output o0: row r's sum of
+/* R rows of x (from r0), tile rows [0, nrows) of the band from output o0: row r's sum of
  * tile row j at sums[r * stride + POSITION[layout][j]] */
 static inline __attribute__((always_inline)) void
 store_rows(const call_t *c, const float *sums, int stride, int64_t r0, const int R,
-           int64_t o0, int j0, int nrows, int layout) {
+           int64_t o0, int nrows, int layout) {
     const int *pos = POSITION[layout];
     for (int r = 0; r < R; r++) {
         const float *s = sums + r * stride;
         if (c->out_bf16) {
             uint16_t *o = (uint16_t *)c->out + (r0 + r) * c->ldo + o0;
-            for (int j = j0; j < nrows; j++) o[j] = f32_to_bf16(s[pos[j]]);
+            for (int j = 0; j < nrows; j++) o[j] = f32_to_bf16(s[pos[j]]);
         } else {
             float *o = (float *)c->out + (r0 + r) * c->ldo + o0;
-            for (int j = j0; j < nrows; j++) o[j] = s[pos[j]];
+            for (int j = 0; j < nrows; j++) o[j] = s[pos[j]];
         }
     }
 }
@@ -302,11 +293,10 @@ pairs_i8(const int8_t *p0, uint64_t w0, const int8_t *p1, uint64_t w1, __m512i p
 #endif
 
 /* columns k and k + 1 of a tile (masks w0, w1; values from index `at`) as 4 vectors of
- * bf16 pairs (row j's two weights in one dword), in LAYOUT(VT, 1)'s order; bf16 values:
- * only vectors [V0, V1) (0, 2 or 4: rows [16 V0, 16 V1)), int8 values: all 4 */
+ * bf16 pairs (row j's two weights in one dword), in LAYOUT(VT, 1)'s order */
 static inline __attribute__((always_inline)) void
 expand_pair(const call_t *c, uint64_t w0, uint64_t w1, int64_t at, __m512i pair[4],
-            const int VT, const int V0, const int V1) {
+            const int VT) {
 #if SP_DP_I8
     if (VT == V_I8) {
         const int8_t *p0 = (const int8_t *)c->values + at;
@@ -316,16 +306,12 @@ expand_pair(const call_t *c, uint64_t w0, uint64_t w1, int64_t at, __m512i pair[
 #endif
     const uint16_t *p0 = (const uint16_t *)c->values + at, *p1 = p0 + popcount64(w0);
     const __mmask32 lo0 = (__mmask32)w0, lo1 = (__mmask32)w1;
-    if (V0 == 0) { /* rows [0, 32) */
-        const __m512i a0 = _mm512_maskz_expandloadu_epi16(lo0, p0);
-        const __m512i a1 = _mm512_maskz_expandloadu_epi16(lo1, p1);
-        pair[0] = _mm512_unpacklo_epi16(a0, a1), pair[1] = _mm512_unpackhi_epi16(a0, a1);
-    }
-    if (V1 == 4) { /* rows [32, 64) */
-        const __m512i b0 = _mm512_maskz_expandloadu_epi16((__mmask32)(w0 >> 32), p0 + popcount64(lo0));
-        const __m512i b1 = _mm512_maskz_expandloadu_epi16((__mmask32)(w1 >> 32), p1 + popcount64(lo1));
-        pair[2] = _mm512_unpacklo_epi16(b0, b1), pair[3] = _mm512_unpackhi_epi16(b0, b1);
-    }
+    const __m512i a0 = _mm512_maskz_expandloadu_epi16(lo0, p0);
+    const __m512i b0 = _mm512_maskz_expandloadu_epi16((__mmask32)(w0 >> 32), p0 + popcount64(lo0));
+    const __m512i a1 = _mm512_maskz_expandloadu_epi16(lo1, p1);
+    const __m512i b1 = _mm512_maskz_expandloadu_epi16((__mmask32)(w1 >> 32), p1 + popcount64(lo1));
+    pair[0] = _mm512_unpacklo_epi16(a0, a1), pair[1] = _mm512_unpackhi_epi16(a0, a1);
+    pair[2] = _mm512_unpacklo_epi16(b0, b1), pair[3] = _mm512_unpackhi_epi16(b0, b1);
     (void)VT;
 }
 #endif

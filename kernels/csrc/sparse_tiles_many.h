@@ -120,7 +120,7 @@ expand_run(const call_t *c, int64_t to, int64_t ti0, int64_t ti1, scratch_t *s, 
 #if SP_DP
             if (DP) {
                 __m512i pair[4];
-                expand_pair(c, w0, w1, here, pair, VT, 0, 4);
+                expand_pair(c, w0, w1, here, pair, VT);
                 for (int v = 0; v < 4; v++) w[v] = _mm512_castsi512_ps(pair[v]);
             } else
 #endif
@@ -197,7 +197,7 @@ band_many(const call_t *c, int64_t to, int64_t r_begin, int64_t r_end, scratch_t
     }
     for (int64_t r0 = r_begin; r0 < r_end; r0 += MR) {
         const int rows = r_end - r0 < MR ? (int)(r_end - r0) : MR;
-        store_rows(c, s->sums + (r0 - r_begin) * TILE, TILE, r0, rows, to * TILE, 0,
+        store_rows(c, s->sums + (r0 - r_begin) * TILE, TILE, r0, rows, to * TILE,
                    band_rows(c, to * TILE, TILE), LAYOUT(VT, DP));
     }
 }
