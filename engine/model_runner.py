@@ -395,7 +395,8 @@ class ModelRunner(Runner):
         """The sampled rows' tokens, each at its request's index (None elsewhere): the
         ids of every chunk read back in one sync."""
         sample_reqs = inputs.sample_reqs.tolist()
-        requests = [batch.requests[i] for i in sample_reqs]
+        requests = batch.requests if len(sample_reqs) == len(batch) else \
+            [batch.requests[i] for i in sample_reqs]  # the batch's own list where all sample
         parts = []
         # plain greedy rows: their tokens straight from the head, no logits written
         for chunk, ids, logits in self.head_chunks(
