@@ -241,3 +241,25 @@ def test_bytes_each_rank_moves_per_layer_equal_the_formulas(root):
             assert [c["bytes_sent"] for c in layers] == [expected] * cfg.num_layers, rank
             assert [c["bytes_received"] for c in layers] == [expected] * cfg.num_layers
             assert [c["num_collectives"] for c in layers] == [7] * cfg.num_layers
+
+
+def test_sampled_rows_logits_come_back_in_the_steps_order(root):
+    """Seeded sampling with logprobs: the sampled rows' logits (Gemma 3's soft-capped
+    head) gathered over the vocabulary slices and the depth layers into the step's
+    order; tokens equal the single-process engine's, logprobs within fp32 rounding of the
+    grid's split sums."""
+    path = str(_checkpoint(root, "gemma3"))
+    prompts = [list(range(5, 14)), [20, 21, 22], list(range(30, 70)), [7] * 17]
+    params = [SamplingParams(max_tokens=8, temperature=0.9, seed=i, logprobs=2)
+              for i in range(4)]
+    runs = []
+    for options in ({}, GRIDS["2.5d"]):
+        with LLM(path, **options) as llm:
+            runs.append([o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)])
+    one, grid = runs
+    assert [o.token_ids for o in grid] == [o.token_ids for o in one]
+    for a, b in zip(one, grid):
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert list(x) == list(y)
+            assert [v.logprob for v in y.values()] == pytest.approx(
+                [v.logprob for v in x.values()], rel=1e-5, abs=1e-5)
