@@ -348,7 +348,9 @@ def _join_group(info: RankInfo, port: int, timeout: int) -> tuple[TPGroup, objec
     return TPGroup(grid.layer, q * q, grid.i * q + grid.j), grid
 
 
-def main(rank: int) -> None:
+def main(rank: int, grid_runner=None) -> None:
+    """Serve as rank `rank`; `grid_runner`: the runner class of a Tesseract grid's ranks
+    (tesseract_layers.GridShardRunner, passed in by __main__: it builds on ShardRunner)."""
     _die_with_parent()
     conn = Client(os.environ[ADDRESS_ENV], authkey=bytes.fromhex(os.environ[AUTHKEY_ENV]))
     conn.send(("hello", rank, os.getpid()))
@@ -359,12 +361,8 @@ def main(rank: int) -> None:
         peer = PeerChannel.join(info.world_size, info.own_peer_layers, info.peer_consumers) \
             if info.peer_holders else None
         config = dataclasses.replace(config, device=info.device)
-        if grid is None:
-            runner = ShardRunner(config, info, group, peer)
-        else:
-            from fusegen.engine.parallel.tesseract_layers import GridShardRunner
-
-            runner = GridShardRunner(config, info, group, grid)
+        runner = ShardRunner(config, info, group, peer) if grid is None else \
+            grid_runner(config, info, group, grid)
         shm = _attach(shm_name) if info.replies and shm_name else None
         conn.send(("ready", rank, runner.memory_report()))
         Worker(conn, info, runner, shm, num_slots).serve()
