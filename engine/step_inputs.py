@@ -6,9 +6,11 @@ take a step in this form.
 Built with one pass over the requests per field (the per-request numbers the scheduler
 keeps in Python) and numpy for the rest: positions, KV slots, which rows sample. A
 256-request decode step's inputs take a few passes of C-level iteration, not a Python
-loop over its tokens."""
+loop over its tokens. Below SMALL_BATCH requests one Python pass is cheaper, and its
+lists become the same arrays."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from itertools import chain
 from typing import TYPE_CHECKING
@@ -48,9 +50,16 @@ class StepInputs:
         return self.max_query_len == 1 and len(self.sample_rows) == len(self.input_ids)
 
 
+# Below this many requests one Python pass over the tokens costs less than numpy's
+# per-call overhead (about a microsecond a call, a dozen calls a step).
+SMALL_BATCH = 8
+
+
 def step_inputs(batch: ScheduledBatch, block_size: int, with_lengths: bool) -> StepInputs:
     """`batch`'s uncomputed tokens in order, with their KV slots and the rows to sample;
     `with_lengths`: each request's whole length too (a model that reads it)."""
+    if len(batch.requests) < SMALL_BATCH:
+        return _small_step_inputs(batch, block_size, with_lengths)
     requests, counts = batch.requests, batch.num_scheduled_tokens
     num_reqs = len(requests)
     starts = [r.num_computed_tokens for r in requests]
@@ -84,11 +93,38 @@ def step_inputs(batch: ScheduledBatch, block_size: int, with_lengths: bool) -> S
                       batch.swap_out, batch.swap_in)
 
 
+def _small_step_inputs(batch: ScheduledBatch, block_size: int,
+                       with_lengths: bool) -> StepInputs:
+    """step_inputs for a few requests: the rows in one Python pass, then arrays."""
+    bs = block_size
+    input_ids, positions, slots, seq_lens, lengths = [], [], [], [], []
+    query_start, sample_rows, sample_reqs = [0], [], []
+    for i, (req, n) in enumerate(zip(batch.requests, batch.num_scheduled_tokens)):
+        start, end = req.num_computed_tokens, req.num_computed_tokens + n
+        input_ids += req.token_ids[start:end]
+        positions += range(start, end)
+        table = req.block_table
+        slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+        query_start.append(query_start[-1] + n)
+        seq_lens.append(end)
+        lengths.append(req.num_tokens)
+        if end == lengths[-1]:
+            sample_rows.append(query_start[-1] - 1)
+            sample_reqs.append(i)
+    as_array = functools.partial(np.array, dtype=np.int64)
+    return StepInputs(as_array(input_ids), as_array(positions), as_array(slots),
+                      block_tables(batch.requests), as_array(seq_lens), as_array(query_start),
+                      as_array(sample_rows), as_array(sample_reqs),
+                      max(batch.num_scheduled_tokens),
+                      as_array(lengths) if with_lengths else None, batch.swap_out,
+                      batch.swap_in)
+
+
 def block_tables(requests) -> np.ndarray:
     """[B, width] int32: each request's block table, padded with 0 to the widest."""
     widths = [len(r.block_table) for r in requests]
     width = max(widths)
-    if len(requests) < 32:  # a few rows: numpy's per-call cost exceeds a Python pass
+    if len(requests) < SMALL_BATCH:
         return np.array([r.block_table + [0] * (width - n) for r, n in zip(requests, widths)],
                         dtype=np.int32)
     flat = np.fromiter(chain.from_iterable(r.block_table for r in requests), dtype=np.int32,

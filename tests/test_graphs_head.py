@@ -12,7 +12,7 @@ from fusegen.engine import LLM, SamplingParams
 from fusegen.engine.graphs import DecodeGraphs, greedy_head
 from fusegen.engine.runner_api import LOGITS_CHUNK
 from fusegen.engine.scheduler import ScheduledBatch
-from fusegen.engine.step_inputs import step_inputs
+from fusegen.engine.step_inputs import SMALL_BATCH, step_inputs
 from test_engine_equality import PROMPTS
 from test_engine_graphs import BUDGETS, replaying
 
@@ -111,3 +111,32 @@ def test_step_inputs_as_arrays_equal_a_token_by_token_reference(decode):
         inputs.seq_lens.tolist())
     assert inputs.is_decode == decode
     assert step_inputs(batch, block_size, with_lengths=False).request_lengths is None
+
+
+@pytest.mark.parametrize("num_reqs", [3, SMALL_BATCH, 40])
+@pytest.mark.parametrize("decode", [True, False])
+def test_small_and_large_batches_build_the_same_inputs(num_reqs, decode):
+    # Below SMALL_BATCH requests the rows come from one Python pass, from it on from
+    # numpy; both equal the token-by-token reference, ragged tables and chunks included.
+    block_size = 4
+    requests, counts = [], []
+    for i in range(num_reqs):
+        length = 5 + (i * 7) % 23
+        computed = length - 1 if decode or i % 3 == 0 else (i * 5) % (length - 1)
+        count = 1 if decode else min(length - computed, 1 + i % 4)
+        table = [(i * 11 + j * 3) % 97 for j in range(-(-(computed + count) // block_size))]
+        requests.append(fake_request(list(range(1000 * i, 1000 * i + length)), computed, table))
+        counts.append(count)
+    batch = ScheduledBatch(requests, counts)
+    inputs = step_inputs(batch, block_size, with_lengths=True)
+    ids, positions, slots, query_start, rows, reqs = reference_inputs(batch, block_size)
+    assert [inputs.input_ids.tolist(), inputs.positions.tolist(), inputs.slots.tolist(),
+            inputs.query_start.tolist(), inputs.sample_rows.tolist(),
+            inputs.sample_reqs.tolist()] == [ids, positions, slots, query_start, rows, reqs]
+    width = max(len(r.block_table) for r in requests)
+    assert inputs.block_tables.tolist() == [r.block_table + [0] * (width - len(r.block_table))
+                                            for r in requests]
+    assert all(a.dtype == np.int64 for a in (inputs.input_ids, inputs.positions, inputs.slots,
+                                             inputs.seq_lens, inputs.query_start))
+    assert inputs.request_lengths.tolist() == [len(r.token_ids) for r in requests]
+    assert inputs.is_decode == (decode or all(c == 1 for c in counts) and len(reqs) == num_reqs)
