@@ -11,8 +11,6 @@
 #             T_SPARSE s, 240)
 #   new       the test files in $NEW_TESTS on the GPU, pytest -n 8 (T_NEW s, 150): the
 #             CUDA paths a session has just built, checked before its benchmarks
-#   coop      cooperative KV against swapping and recompute, the host part on the CPU's
-#             cores (python -m fusegen.jobs.bench.cooperative_kv --device cuda; T_COOP s, 90)
 #   profile   decode steps eagerly and with CUDA graphs (tests/gpu/decode_profile.py)
 #   benchB    fusegen beside transformers' static batch of 64, 64 requests
 #   bench1k   fusegen alone on gpu-8b-1k (1000 in / 1000 out), $REQ_1K requests (256)
@@ -20,7 +18,11 @@
 #   anchors   the anchors' workloads (--workload sharegpt-like, 1,000 requests, transformers'
 #             static batch on the first $HF_REQ (16); then without asynchronous scheduling;
 #             random-1k-1k, $REQ_1K requests; sharegpt-like with FP8 weights), each while
-#             the call's time lasts
+#             the call's time lasts; $ANCHORS picks among sharegpt, sharegpt_sync, 1k1k,
+#             sharegpt_fp8 (default: all)
+#   coop      cooperative KV against swapping and recompute, the host part on the CPU's
+#             cores (python -m fusegen.jobs.bench.cooperative_kv --device cuda; T_COOP s, 90,
+#             at most what is left after the anchors)
 # on the bench's gpu-8b shape with LAYERS decoder layers (32, the default, is the whole
 # Llama-3-8B; fewer build and load in a fraction of the time).
 #
@@ -44,23 +46,7 @@ python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -2
 python3 -c "import fusegen.jobs.cli" 2>/dev/null || {
   mkdir -p /tmp/pp; ln -sfn "$PWD" /tmp/pp/fusegen; export PYTHONPATH=/tmp/pp; }
 python3 -c "import fusegen, torch, triton, transformers; print(fusegen.__file__, 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; if stage anchors; then
-  # name, seconds it needs at least, then the bench's arguments; each runs while the
-  # call's time lasts (the first one loads the checkpoint into the page cache)
-  anchor() {
-    local name=$1 need=$2; shift 2; local left=$(( END - $(date +%s) - 5 ))
-    if (( left < need )); then echo "anchor $name skipped: $left s left"; return; fi
-    timeout "$left" python3 -m fusegen.jobs.cli bench --preset gpu-8b --layers "$LAYERS" \
-        --json "/tmp/anchor_$name.json" "$@" > "$OUT/anchor_$name.log" 2>&1
-    echo "anchor $name rc=$? ($(( $(date +%s) - END + left + 5 )) s)"; tail -14 "$OUT/anchor_$name.log"
-  }
-  anchor sharegpt 60 --workload sharegpt-like --hf-requests "${HF_REQ:-16}" \
-      --hf-batch-size "${HF_REQ:-16}" --skip-hf-continuous
-  anchor sharegpt_sync 50 --workload sharegpt-like --skip-hf --no-async-scheduling
-  anchor 1k1k 60 --workload random-1k-1k --requests "${REQ_1K:-256}" --skip-hf
-  anchor sharegpt_fp8 50 --workload sharegpt-like --skip-hf --quantization fp8
-fi
-date -u
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; date -u
 if stage suite; then
   # The whole suite with the GPU visible (S3 tests need moto, absent there), then the
   # device-group tests in a slot of their own.
@@ -109,11 +95,7 @@ if stage new; then
   grep -E " (FAILED|ERROR) " $OUT/new_tests.log | sed 's/.* \(FAILED\|ERROR\) //' | cut -c1-150 | sort -u | head -30
   grep -E "^E  |^====" $OUT/failures.log 2>/dev/null | cut -c1-220 | head -50
 fi
-if stage coop; then
-  timeout "${T_COOP:-90}" python3 -m fusegen.jobs.bench.cooperative_kv --device cuda > $OUT/coop.log 2>&1
-  echo "coop rc=$?"; tail -16 $OUT/coop.log
-fi
-stage profile || stage anchors || stage benchB || stage bench1k || stage benchA || { date -u; exit 0; }
+stage profile || stage anchors || stage coop || stage benchB || stage bench1k || stage benchA || { date -u; exit 0; }
 CKPT=$(python3 -c "
 from fusegen.jobs.bench.presets import PRESETS
 from fusegen.jobs.bench.checkpoint import default_cache_dir, ensure_checkpoint
@@ -129,11 +111,22 @@ echo "checkpoint $CKPT"; if stage anchors; then
         --json "/tmp/anchor_$name.json" "$@" > "$OUT/anchor_$name.log" 2>&1
     echo "anchor $name rc=$? ($(( $(date +%s) - END + left + 5 )) s)"; tail -14 "$OUT/anchor_$name.log"
   }
-  anchor sharegpt 60 --workload sharegpt-like --hf-requests "${HF_REQ:-16}" \
-      --hf-batch-size "${HF_REQ:-16}" --skip-hf-continuous
-  anchor sharegpt_sync 50 --workload sharegpt-like --skip-hf --no-async-scheduling
-  anchor 1k1k 60 --workload random-1k-1k --requests "${REQ_1K:-256}" --skip-hf
-  anchor sharegpt_fp8 50 --workload sharegpt-like --skip-hf --quantization fp8
+  ANCHORS=" ${ANCHORS:-sharegpt sharegpt_sync 1k1k sharegpt_fp8} "
+  [[ $ANCHORS == *" sharegpt "* ]] && anchor sharegpt 60 --workload sharegpt-like \
+      --hf-requests "${HF_REQ:-16}" --hf-batch-size "${HF_REQ:-16}" --skip-hf-continuous
+  [[ $ANCHORS == *" sharegpt_sync "* ]] && anchor sharegpt_sync 50 --workload sharegpt-like \
+      --skip-hf --no-async-scheduling
+  [[ $ANCHORS == *" 1k1k "* ]] && anchor 1k1k 60 --workload random-1k-1k \
+      --requests "${REQ_1K:-256}" --skip-hf
+  [[ $ANCHORS == *" sharegpt_fp8 "* ]] && anchor sharegpt_fp8 50 --workload sharegpt-like \
+      --skip-hf --quantization fp8
+fi
+if stage coop; then  # after the anchors, in what time is left (T_COOP s at most, 90)
+  LEFT=$(( END - $(date +%s) - 5 )); T=$(( LEFT < ${T_COOP:-90} ? LEFT : ${T_COOP:-90} ))
+  if (( T < 40 )); then echo "coop skipped: $LEFT s left"; else
+    timeout "$T" python3 -m fusegen.jobs.bench.cooperative_kv --device cuda > $OUT/coop.log 2>&1
+    echo "coop rc=$?"; tail -16 $OUT/coop.log
+  fi
 fi
 date -u
 if stage profile; then
@@ -166,10 +159,21 @@ if stage anchors; then
         --json "/tmp/anchor_$name.json" "$@" > "$OUT/anchor_$name.log" 2>&1
     echo "anchor $name rc=$? ($(( $(date +%s) - END + left + 5 )) s)"; tail -14 "$OUT/anchor_$name.log"
   }
-  anchor sharegpt 60 --workload sharegpt-like --hf-requests "${HF_REQ:-16}" \
-      --hf-batch-size "${HF_REQ:-16}" --skip-hf-continuous
-  anchor sharegpt_sync 50 --workload sharegpt-like --skip-hf --no-async-scheduling
-  anchor 1k1k 60 --workload random-1k-1k --requests "${REQ_1K:-256}" --skip-hf
-  anchor sharegpt_fp8 50 --workload sharegpt-like --skip-hf --quantization fp8
+  ANCHORS=" ${ANCHORS:-sharegpt sharegpt_sync 1k1k sharegpt_fp8} "
+  [[ $ANCHORS == *" sharegpt "* ]] && anchor sharegpt 60 --workload sharegpt-like \
+      --hf-requests "${HF_REQ:-16}" --hf-batch-size "${HF_REQ:-16}" --skip-hf-continuous
+  [[ $ANCHORS == *" sharegpt_sync "* ]] && anchor sharegpt_sync 50 --workload sharegpt-like \
+      --skip-hf --no-async-scheduling
+  [[ $ANCHORS == *" 1k1k "* ]] && anchor 1k1k 60 --workload random-1k-1k \
+      --requests "${REQ_1K:-256}" --skip-hf
+  [[ $ANCHORS == *" sharegpt_fp8 "* ]] && anchor sharegpt_fp8 50 --workload sharegpt-like \
+      --skip-hf --quantization fp8
+fi
+if stage coop; then  # after the anchors, in what time is left (T_COOP s at most, 90)
+  LEFT=$(( END - $(date +%s) - 5 )); T=$(( LEFT < ${T_COOP:-90} ? LEFT : ${T_COOP:-90} ))
+  if (( T < 40 )); then echo "coop skipped: $LEFT s left"; else
+    timeout "$T" python3 -m fusegen.jobs.bench.cooperative_kv --device cuda > $OUT/coop.log 2>&1
+    echo "coop rc=$?"; tail -16 $OUT/coop.log
+  fi
 fi
 date -u
