@@ -101,34 +101,7 @@ from fusegen.jobs.bench.presets import PRESETS
 from fusegen.jobs.bench.checkpoint import default_cache_dir, ensure_checkpoint
 preset = PRESETS['gpu-8b'].shrink(num_layers=$LAYERS)
 print(ensure_checkpoint('gpu-8b', preset.model, default_cache_dir()))" | tail -1)
-echo "checkpoint $CKPT"; if stage anchors; then
-  # name, seconds it needs at least, then the bench's arguments; each runs while the
-  # call's time lasts (the first one loads the checkpoint into the page cache)
-  anchor() {
-    local name=$1 need=$2; shift 2; local left=$(( END - $(date +%s) - 5 ))
-    if (( left < need )); then echo "anchor $name skipped: $left s left"; return; fi
-    timeout "$left" python3 -m fusegen.jobs.cli bench --preset gpu-8b --layers "$LAYERS" \
-        --json "/tmp/anchor_$name.json" "$@" > "$OUT/anchor_$name.log" 2>&1
-    echo "anchor $name rc=$? ($(( $(date +%s) - END + left + 5 )) s)"; tail -14 "$OUT/anchor_$name.log"
-  }
-  ANCHORS=" ${ANCHORS:-sharegpt sharegpt_sync 1k1k sharegpt_fp8} "
-  [[ $ANCHORS == *" sharegpt "* ]] && anchor sharegpt 60 --workload sharegpt-like \
-      --hf-requests "${HF_REQ:-16}" --hf-batch-size "${HF_REQ:-16}" --skip-hf-continuous
-  [[ $ANCHORS == *" sharegpt_sync "* ]] && anchor sharegpt_sync 50 --workload sharegpt-like \
-      --skip-hf --no-async-scheduling
-  [[ $ANCHORS == *" 1k1k "* ]] && anchor 1k1k 60 --workload random-1k-1k \
-      --requests "${REQ_1K:-256}" --skip-hf
-  [[ $ANCHORS == *" sharegpt_fp8 "* ]] && anchor sharegpt_fp8 50 --workload sharegpt-like \
-      --skip-hf --quantization fp8
-fi
-if stage coop; then  # after the anchors, in what time is left (T_COOP s at most, 90)
-  LEFT=$(( END - $(date +%s) - 5 )); T=$(( LEFT < ${T_COOP:-90} ? LEFT : ${T_COOP:-90} ))
-  if (( T < 40 )); then echo "coop skipped: $LEFT s left"; else
-    timeout "$T" python3 -m fusegen.jobs.bench.cooperative_kv --device cuda > $OUT/coop.log 2>&1
-    echo "coop rc=$?"; tail -16 $OUT/coop.log
-  fi
-fi
-date -u
+echo "checkpoint $CKPT"; date -u
 if stage profile; then
   timeout "$T_PROF" python3 tests/gpu/decode_profile.py "$CKPT" $OUT > $OUT/profile.log 2>&1
   echo "profile rc=$?"; grep -E "batch|gpu busy|Error|error" $OUT/profile.log | cut -c1-400
