@@ -65,12 +65,15 @@ def free_memory(device: str) -> FreeMemory:
 
 def group_free_memory(device: str, world: int) -> FreeMemory:
     """The memory each rank of a group may plan with: on CPUs the ranks share the
-    machine's; on GPUs the least any of the group's GPUs has free."""
+    machine's; on GPUs the least any rank's share of its GPU's free memory (a GPU named
+    for n ranks, "cuda:0,0", gives each 1/n)."""
     host = psutil.virtual_memory().available
     if not device.startswith("cuda"):
         return FreeMemory(device=host // world, host=host // world, on_gpu=False)
-    from fusegen.engine.parallel.plan import rank_devices
+    from fusegen.engine.parallel.plan import rank_devices, ranks_per_device
 
     devices = rank_devices(device, world, torch.cuda.device_count())
-    free = min(torch.cuda.mem_get_info(torch.device(d))[0] for d in devices)
-    return FreeMemory(device=free, host=host // world, on_gpu=True)
+    sharing = ranks_per_device(devices)
+    free = min(torch.cuda.mem_get_info(torch.device(d))[0] // n
+               for d, n in zip(devices, sharing))
+    return FreeMemory(device=free, host=host // world, on_gpu=True, shared_by=max(sharing))

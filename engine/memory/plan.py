@@ -48,6 +48,10 @@ class FreeMemory:
     device: int  # bytes free on the device tier (the CPU's available memory on CPUs)
     host: int  # bytes of available host memory
     on_gpu: bool
+    # ranks of a device group that share one GPU (the most on any of its GPUs): `device`
+    # is then one rank's share of the GPU's free memory, and a device_memory in bytes
+    # (the GPU's budget) is split among them
+    shared_by: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +132,10 @@ def _place(options, shape: ModelShape, free: FreeMemory, limits: tuple[int, int]
            max_model_len: int) -> PlacementPlan:
     sizes = model_sizes(options, shape, limits, max_model_len)
     if options.device_memory is not None:
-        budget = _bytes(options.device_memory, free.device, "device_memory")
+        # a GPU's budget: the ranks sharing it take 1/n each (a fraction is of the
+        # whole GPU's free memory, so the same fraction of each rank's share)
+        whole = None if free.device is None else free.device * free.shared_by
+        budget = _bytes(options.device_memory, whole, "device_memory") // free.shared_by
     else:
         # No limit: all weights on the device; KV gets its own budget.
         weights = sizes.fixed_bytes + sizes.num_layers * sizes.layer_bytes

@@ -16,6 +16,7 @@ from collections import deque
 import torch
 
 from fusegen.engine.config import EngineConfig
+from fusegen.engine.errors import EngineConfigError
 from fusegen.engine.models import get_architecture
 from fusegen.engine.parallel.group import DeviceGroup, check_shared_memory
 from fusegen.engine.parallel.overlap import overlap_summary
@@ -191,6 +192,12 @@ def _with_peers(infos: list, config: EngineConfig) -> list:
     plan = config.placement
     if "peer" not in plan.layer_tiers:
         return infos
+    shared = max(info.device_ranks for info in infos)
+    if shared > 1:
+        raise EngineConfigError(
+            f"peer_memory: device {config.device!r} puts {shared} ranks on one GPU, whose "
+            "memory they already split; a peer tier lends one GPU's memory to another: "
+            "leave peer_memory unset, or give each rank a GPU of its own")
     holders = group_holders(infos, plan.layer_tiers, plan.sizes.layer_bytes, plan.peer_spare)
     return [dataclasses.replace(info, peer_holders=holders) for info in infos]
 

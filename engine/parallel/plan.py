@@ -8,6 +8,7 @@ every layer of it (shard.py): 1-D, or as a Tesseract grid of q x q x d ranks
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from fusegen.engine.errors import EngineConfigError
@@ -29,6 +30,11 @@ class RankInfo:
     # tensor_parallel_mode 2d / 2.5d: the Tesseract grid's depth d (its ranks are
     # the stage's tp_size = q x q x d); 0 in 1-D mode
     grid_depth: int = 0
+    # the group's process-group backend (`group_backend`): nccl where every rank has a
+    # GPU of its own, gloo on CPUs or where ranks share a GPU
+    backend: str = "gloo"
+    # the ranks on its device (`ranks_per_device`; 1 on a GPU of its own)
+    device_ranks: int = 1
 
     @property
     def world_size(self) -> int:
@@ -161,26 +167,48 @@ def model_stages(layer_params: int, num_layers: int, head_params: int,
 
 def rank_devices(device: str, world: int, num_visible_gpus: int) -> list[str]:
     """Each rank's device. On CPUs every rank shares the machine (its cores are divided,
-    `cpu_threads`); GPUs are one per rank: "cuda" takes the first W, "cuda:a,b,..."
-    names them."""
+    `cpu_threads`); on GPUs "cuda" takes the first W, one per rank, and "cuda:a,b,..."
+    names one per rank, a GPU named more than once shared by those ranks (they split its
+    memory, `ranks_per_device`, and the group runs over gloo, `group_backend`)."""
     if device == "cpu":
         return ["cpu"] * world
     if device == "cuda":
         if world > num_visible_gpus:
             raise EngineConfigError(
                 f"a device group of {world} ranks needs {world} GPUs; this machine shows "
-                f"{num_visible_gpus}: lower tensor_parallel_size x pipeline_parallel_size")
+                f"{num_visible_gpus}: lower tensor_parallel_size x pipeline_parallel_size, "
+                f"or name a GPU once per rank to share it (\"cuda:{','.join(['0'] * world)}\")")
         return [f"cuda:{i}" for i in range(world)]
     indexes = device.removeprefix("cuda:").split(",")
     if len(indexes) != world:
         raise EngineConfigError(
             f"device {device!r} names {len(indexes)} GPU(s) for a device group of {world} "
-            f"ranks; name one per rank (\"cuda:0,1\") or pass \"cuda\"")
+            f"ranks; name one per rank (\"cuda:0,1\", or \"cuda:0,0\" for two ranks "
+            f"sharing GPU 0) or pass \"cuda\"")
     ids = [int(i) for i in indexes]
-    if len(set(ids)) != len(ids) or max(ids) >= num_visible_gpus:
-        raise EngineConfigError(f"device {device!r}: the GPUs must be distinct and below "
+    if max(ids) >= num_visible_gpus:
+        raise EngineConfigError(f"device {device!r}: the GPUs must be below "
                                 f"{num_visible_gpus}, the GPUs this machine shows")
     return [f"cuda:{i}" for i in ids]
+
+
+def ranks_per_device(devices: list[str]) -> list[int]:
+    """Per rank, the ranks on its device: a GPU named for n ranks is n-way shared (each
+    plans with 1/n of its memory); CPU ranks count 1 (group_free_memory divides the
+    machine's memory among all of them)."""
+    counts = Counter(devices)
+    return [1 if d == "cpu" else counts[d] for d in devices]
+
+
+def group_backend(devices: list[str]) -> str:
+    """The process-group backend of a group on `devices`: nccl where every rank has a GPU
+    of its own; gloo on CPUs, and where ranks share a GPU (NCCL refuses two ranks of one
+    communicator on one GPU). Gloo takes CUDA tensors in all-reduce, all-gather and
+    broadcast; its point-to-point sends take host tensors only, so the pipeline's
+    activations go through the host there (worker.py)."""
+    if all(d.startswith("cuda") for d in devices) and len(set(devices)) == len(devices):
+        return "nccl"
+    return "gloo"
 
 
 def cpu_threads(num_cores: int, world: int) -> int:
@@ -192,10 +220,11 @@ def cpu_threads(num_cores: int, world: int) -> int:
 def rank_infos(tp: int, pp: int, stages: list[range], devices: list[str],
                num_cores: int, grid_depth: int = 0) -> list[RankInfo]:
     threads = cpu_threads(num_cores, tp * pp)
+    backend, sharing = group_backend(devices), ranks_per_device(devices)
     return [RankInfo(rank=r, tp_rank=r % tp, pp_rank=r // tp, tp_size=tp, pp_size=pp,
                      layers=stages[r // tp], device=devices[r],
                      num_threads=threads if devices[r] == "cpu" else 1,
-                     grid_depth=grid_depth)
+                     grid_depth=grid_depth, backend=backend, device_ranks=sharing[r])
             for r in range(tp * pp)]
 
 

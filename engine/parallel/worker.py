@@ -130,6 +130,8 @@ class ShardRunner(ModelRunner):
 
     def memory_report(self) -> dict:
         report = super().memory_report()
+        if self.info.device_ranks > 1:  # a shared GPU: its budget is this rank's share
+            report["device"]["ranks_on_gpu"] = self.info.device_ranks
         if self.peer is not None or self.plan.peer_budget:
             report["layers"]["peer"] = self._rank_tiers().count("peer")
             report["peer"] = {"budget": self.plan.peer_budget,
@@ -199,6 +201,9 @@ class Worker:
         self.trace: list[tuple[int, float, float, float]] = []
         self.pipeline_bytes = 0
         self._sending = None  # the last isend to the next stage, waited before the next
+        # gloo sends host tensors only: CUDA activations between stages go through the
+        # host where the group runs over gloo (ranks sharing a GPU, plan.group_backend)
+        self._staged = info.backend == "gloo" and info.device.startswith("cuda")
 
     def serve(self) -> None:
         while True:
@@ -243,8 +248,10 @@ class Worker:
         hidden = None
         if not info.is_first_stage:
             shape = (2, len(inputs.input_ids), runner.config.model_config.hidden_size)
-            received = torch.empty(shape, dtype=runner.dtype, device=runner.device)
+            received = torch.empty(shape, dtype=runner.dtype,
+                                   device="cpu" if self._staged else runner.device)
             dist.recv(received, src=info.prev_rank)
+            received = received.to(runner.device)
             hidden = (received[0], received[1])
         start = time.monotonic()
         x, residual = runner.forward(inputs, hidden)
@@ -252,7 +259,10 @@ class Worker:
             if self._sending is not None:
                 self._sending.wait()
             payload = torch.stack([x, residual])
+            if self._staged:
+                payload = payload.cpu()
             self._sending = dist.isend(payload, dst=info.next_rank)
+            self._sent = payload  # alive until the send is waited
             self.pipeline_bytes += payload.numel() * payload.element_size()
             self.trace.append((index, waiting, start, time.monotonic()))
         else:
@@ -329,8 +339,7 @@ def _place(info: RankInfo) -> None:
 def _join_group(info: RankInfo, port: int, timeout: int) -> tuple[TPGroup, object]:
     """The rank's tensor-parallel group (on a Tesseract grid: its depth layer's, which
     splits the vocabulary) and its grid's groups (None in 1-D mode)."""
-    backend = "nccl" if info.device.startswith("cuda") else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}",
+    dist.init_process_group(info.backend, init_method=f"tcp://127.0.0.1:{port}",
                             world_size=info.world_size, rank=info.rank,
                             timeout=datetime.timedelta(seconds=timeout))
     mine = None
