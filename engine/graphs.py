@@ -12,8 +12,9 @@ padding rows write no KV (slot -1: the cache kernel skips it) and attend to one 
 a valid block, so they stay finite and touch nothing; their outputs are cut off. A
 step's graph also depends on the attention's split of the keys (flash-decoding), which
 the launcher picks from the longest sequence: one graph per (bucket, splits) and
-whether it holds the head (below), recorded the first time a step needs it, after one eager run of that step (which compiles the
-kernels and does the step's work; the replay repeats it bit for bit). Should recording
+whether it holds the head (below), recorded the first time a step needs it, after one
+eager run of that step (which compiles the kernels and does the step's work; the
+replay repeats it bit for bit). Should recording
 ever fail, that step keeps its eager result and the engine runs eagerly from then on,
 with one warning: no request is lost to it.
 

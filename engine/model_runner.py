@@ -454,8 +454,9 @@ class ModelRunner(Runner):
         split = split_step(np.asarray(inputs.block_tables).tolist(),
                            np.asarray(inputs.seq_lens).tolist(),
                            np.asarray(inputs.query_start).tolist(),
-                           np.asarray(inputs.slots).tolist(), self.num_blocks, self.kv_split.device_quota,
-                           self.block_size, self.config.options.deterministic)
+                           np.asarray(inputs.slots).tolist(), self.num_blocks,
+                           self.kv_split.device_quota, self.block_size,
+                           self.config.options.deterministic)
         threads = torch.get_num_threads()
         pool = None if self.device.type == "cpu" else self._host_pool
         return CooperativeStep(split, self.device, self._host_caches, pool, threads, threads)
