@@ -95,7 +95,8 @@ def test_a_peer_tier_on_a_shared_gpu_is_refused_before_start():
 
 PROMPTS = [list(range(5, 14 + i)) for i in range(0, 40, 5)]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-LLM = functools.partial(_LLM, dtype="float32", max_num_batched_tokens=16)
+# a small KV pool (and so a small pinned swap pool) on every rank: quick to start
+LLM = functools.partial(_LLM, dtype="float32", max_num_batched_tokens=16, num_kv_blocks=64)
 
 
 def _tokens(llm) -> list[list[int]]:
