@@ -7,6 +7,7 @@ into the part compute hid and the part it did not."""
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,8 +18,8 @@ from fusegen import SamplingParams
 from fusegen.engine.errors import EngineConfigError
 from fusegen.engine.models.config import ModelConfig
 from fusegen.engine.options import EngineOptions
-from fusegen.engine.parallel.overlap import (SumTimes, chunk_bounds, overlap_summary,
-                                             summed_in_chunks)
+from fusegen.engine.parallel.overlap import (SumTimes, chunk_bounds, grid_summed_in_chunks,
+                                             overlap_summary, summed_in_chunks)
 
 LLM = functools.partial(_LLM, device="cpu", dtype="float32")
 
@@ -161,6 +162,57 @@ def test_chunks_beyond_the_rows_run_a_row_each():
     assert (times.comm_s, times.exposed_s, times.hidden_s) == (1.5, 0.5, 1.0)
 
 
+class _Grid:
+    """Rank (0, 0) of a q = 2 grid whose row sums and column gathers take `comm` seconds
+    each, one at a time on one link: a sum leaves the block as it is, a gather puts the
+    other rank's block (the same here, negated) beside it."""
+
+    def __init__(self, clock: _Clock, comm: float):
+        self.clock, self.comm, self.free_at, self.started = clock, comm, 0.0, []
+        self.grid = SimpleNamespace(q=2)
+
+    def _start(self, what: str, t):
+        begin = max(self.clock.now, self.free_at)
+        self.free_at = begin + self.comm
+        self.started.append((what, t.shape[0], begin))
+        return _Work(self.clock, self.free_at)
+
+    def start_all_reduce_row(self, t):
+        return self._start("sum", t)
+
+    def start_gather_col(self, t):
+        return [t, -t], self._start("gather", t)
+
+
+def test_grid_chunks_start_each_runs_gather_once_its_sum_is_in():
+    """Two runs of 3 rows, 1 s of compute and 1 s per collective: run 0 computes 0-1,
+    its sum 1-2 while run 1 computes 1-2; run 1's sum 2-3, then run 0's gather (waited
+    at 2 with nothing blocked) 3-4, run 1's 4-5; the caller blocks 2-5 (run 1's sum from
+    2 to 3, then the gathers). In flight 1-5 (4 s), exposed 3 s."""
+    clock = _Clock()
+    grid, times = _Grid(clock, 1.0), SumTimes()
+    x = torch.arange(12.0).view(6, 2)
+    out = grid_summed_in_chunks(_compute(clock, 1.0), x, grid, 2, times, clock)
+    assert torch.equal(out, torch.cat([x * 2.0, x * -2.0], dim=1))
+    assert grid.started == [("sum", 3, 1.0), ("sum", 3, 2.0), ("gather", 3, 3.0),
+                            ("gather", 3, 4.0)]
+    # per run of 3 rows x 2 fp32: a ring sum sends 2 (q-1)/q of 24 bytes, a gather 24
+    assert (times.calls, times.tokens, times.bytes) == (1, 6, 2 * (24 + 24))
+    assert (times.comm_s, times.exposed_s, times.hidden_s, times.compute_s) == (4.0, 3.0, 1.0,
+                                                                               2.0)
+
+
+def test_grid_one_chunk_sums_then_gathers_with_nothing_hidden():
+    clock = _Clock()
+    grid, times = _Grid(clock, 1.5), SumTimes()
+    x = torch.arange(12.0).view(6, 2)
+    out = grid_summed_in_chunks(_compute(clock, 1.0), x, grid, 1, times, clock)
+    assert torch.equal(out, torch.cat([x * 2.0, x * -2.0], dim=1))
+    assert grid.started == [("sum", 6, 1.0), ("gather", 6, 2.5)]
+    assert (times.comm_s, times.exposed_s, times.hidden_s, times.compute_s) == (3.0, 3.0, 0.0,
+                                                                               1.0)
+
+
 def test_the_groups_summary_counts_each_layer_on_the_ranks_that_ran_it():
     """Two stages: layer 0 on ranks 0 and 1, layer 1 on rank 2 alone (tp 2 x pp 2,
     one rank's figures left out). Seconds add over ranks; calls, tokens and bytes are a
@@ -278,3 +330,27 @@ def test_bytes_per_rank_per_layer_per_token_equal_the_1d_formula(checkpoints, tp
     expected = (2 * cfg.num_layers + 1) * ring + head
     assert {rank: b["tensor_parallel"] for rank, b in sent.items()} \
         == {rank: expected for rank in range(tp)}
+
+
+# -- on a Tesseract grid -----------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["llama", "llama-bias"])
+def test_overlapped_grids_give_single_process_tokens(checkpoints, reference, name):
+    """[2, 2, 1] with 2 chunks: o and the MLP in runs of rows, each run's sum over the
+    grid row and gather along the grid column started while the next runs compute; o's
+    and down's biases added once, after. Per layer and token a rank sends, for o and for
+    down alike, 2 (q-1)/q of its h/q block summed and (q-1) blocks gathered."""
+    cfg = ModelConfig.from_dir(checkpoints[name])
+    with LLM(str(checkpoints[name]), tensor_parallel_size=4, tensor_parallel_mode="2d",
+             tp_overlap_chunks=2, **TIGHT) as llm:
+        assert tokens(llm) == reference[name]
+        assert llm.engine.stats.num_preemptions > 0
+        overlap = llm.engine.runner.tensor_parallel_overlap()
+    layers, q, e = overlap["layers"], 2, 4
+    assert sorted(layers) == sorted(f"{i}.{part}" for i in range(cfg.num_layers)
+                                    for part in ("o", "mlp"))
+    block = cfg.hidden_size // q * e
+    for row in layers.values():
+        assert row["ranks"] == 4 and row["calls"] > 0
+        assert row["bytes_per_token"] == 2 * (q - 1) * block / q + (q - 1) * block
+    assert overlap["comm_s"] > 0 and 0.0 <= overlap["overlap_fraction"] <= 1.0

@@ -90,6 +90,74 @@ def summed_in_chunks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
     return out
 
 
+def grid_summed_in_chunks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                          groups, chunks: int, times: SumTimes,
+                          clock: Clock = time.perf_counter) -> torch.Tensor:
+    """On a Tesseract grid (tesseract.TesseractGroups): fn(x) [N, n], a partial product
+    over hidden block i, summed over grid row i, then grid column j's output blocks
+    gathered side by side -> [N, q n] (o and down, tesseract_layers.py). fn runs on
+    `chunks` runs of x's rows; each run's row sum starts while the next run computes, and
+    its gather starts once that sum is in, while the run after next computes. One chunk:
+    the sum and the gather, synchronous, after fn. Every rank of a grid row and column
+    runs the same rows, so the collectives pair up in one order on each group."""
+    start = clock()
+    bounds = chunk_bounds(x.shape[0], chunks)
+    spans, exposed, moved = [], 0.0, 0
+    sums, gathers = [], []  # per run: (its sum's work, the run); (its blocks, work)
+
+    def track(work, span):
+        if work is not None:  # None: nothing moved (q 1, an empty block)
+            work.get_future().then(lambda _, span=span: span.__setitem__(1, clock()))
+            spans.append(span)
+
+    def wait(work) -> None:
+        nonlocal exposed
+        if work is not None:
+            blocked = clock()
+            work.wait()
+            exposed += clock() - blocked
+
+    def gather(run: int) -> None:  # run's sum waited, its gather started
+        nonlocal moved
+        work, part = sums[run]
+        wait(work)
+        span = [clock(), None]
+        blocks, work = groups.start_gather_col(part)
+        track(work, span)
+        gathers.append((blocks, work))
+        moved += _grid_bytes(part, groups.grid.q)
+
+    for n, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        part = fn(x[a:b]).contiguous()
+        span = [clock(), None]
+        work = groups.start_all_reduce_row(part)
+        track(work, span)
+        sums.append((work, part))
+        if n:
+            gather(n - 1)
+    gather(len(sums) - 1)
+    for _, work in gathers:
+        wait(work)
+    done = clock()
+    out = torch.cat([torch.cat(blocks, dim=1) for blocks, _ in gathers])
+    # a completion the callback has not stamped yet ended by the wait's return
+    spans = [(s, e if e is not None else done) for s, e in spans]
+    times.calls += 1
+    times.tokens += x.shape[0]
+    times.bytes += moved
+    times.comm_s += _union(spans)
+    times.exposed_s += exposed
+    times.compute_s += done - start - exposed
+    return out
+
+
+def _grid_bytes(part: torch.Tensor, q: int) -> int:
+    """Bytes a rank sends summing `part` over its grid row (ring: 2 (q - 1) / q of it)
+    and gathering it along its grid column ((q - 1) blocks)."""
+    nbytes = part.numel() * part.element_size()
+    return 2 * (q - 1) * nbytes // q + (q - 1) * nbytes
+
+
 def _union(spans: list[tuple[float, float]]) -> float:
     """Seconds covered by at least one of the intervals."""
     total, reach = 0.0, float("-inf")

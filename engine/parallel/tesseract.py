@@ -246,6 +246,25 @@ class TesseractGroups:
             self.counter.all_reduce(t.numel() * t.element_size(), self.grid.q)
         return t
 
+    def start_all_reduce_row(self, t: torch.Tensor):
+        """Start summing `t` in place over grid row i; None where nothing moves, else the
+        work handle to wait on before reading `t`."""
+        if self.grid.q == 1 or not t.numel():
+            return None
+        work = dist.all_reduce(t, group=self.row, async_op=True)
+        self.counter.all_reduce(t.numel() * t.element_size(), self.grid.q)
+        return work
+
+    def start_gather_col(self, t: torch.Tensor):
+        """Start gathering grid column j's blocks of `t` (dense, equal shapes):
+        (the blocks in grid-row order, the work handle to wait on first; None with q 1)."""
+        if self.grid.q == 1:
+            return [t], None
+        parts = [torch.empty_like(t) for _ in range(self.grid.q)]
+        work = dist.all_gather(parts, t, group=self.col, async_op=True)
+        self.counter.all_gather(t.numel() * t.element_size(), self.grid.q)
+        return parts, work
+
     def all_gather(self, t: torch.Tensor, group, members: int) -> list[torch.Tensor]:
         if members == 1:
             return [t]

@@ -26,6 +26,7 @@ import torch
 from fusegen.engine.models.decoder import AttentionMetadata
 from fusegen.engine.parallel.layers import (TPGroup, VocabParallelHead, _RankShare,
                                             _vocab_lookup)
+from fusegen.engine.parallel.overlap import SumTimes, grid_summed_in_chunks
 from fusegen.engine.parallel.shard import (grid_layer_sources, grid_model_config,
                                            shard_fixed_sources, vocab_range)
 from fusegen.engine.parallel.tesseract import CommCounter, TesseractGroups
@@ -39,23 +40,32 @@ from fusegen.kernels.rotary import rotary_and_cache
 
 class GridLinear(_RankShare):
     """Rank (i, j)'s block of a linear: its input columns (`columns`, or all) times its
-    weight block through `inner` (any dense storage, built without bias), the partial
-    products summed over the grid row or column (`sum`), the output blocks gathered
-    along the grid column where `gathers`, then the bias (the rank's outputs' share)."""
+    weight block through `inner` (any dense storage, built without bias), then the bias
+    (the rank's outputs' share). qkv and gate_up: the partial products summed over the
+    grid column (`sum`). o and down (`times` given): summed over the grid row and the
+    output blocks gathered along the grid column, in `chunks` runs of rows, each run's
+    collectives started while the next computes (overlap.grid_summed_in_chunks), timed.
+    Neither (down inside a chunked MLP, `_GridChunkedMlp`): the partial product alone."""
 
-    def __init__(self, bias: bool, columns: slice | None, sum_, gathers: bool,
-                 groups: TesseractGroups):
+    def __init__(self, bias: bool, columns: slice | None, sum_, groups: TesseractGroups,
+                 times: SumTimes | None = None, chunks: int = 1):
         super().__init__()
         self.inner = Linear(bias=False)
-        self.columns, self.sum, self.gathers, self.groups = columns, sum_, gathers, groups
+        self.columns, self.sum, self.groups = columns, sum_, groups
+        self.times, self.chunks = times, chunks
         self.bias = torch.empty(0) if bias else None
 
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """The rank's partial product, unsummed and without bias."""
+        return self.inner(x if self.columns is None else x[:, self.columns])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.columns is not None:
-            x = x[:, self.columns]
-        out = self.sum(self.inner(x))
-        if self.gathers:
-            out = gather_columns(self.groups, out)
+        if self.times is not None:
+            out = grid_summed_in_chunks(self.product, x, self.groups, self.chunks, self.times)
+        elif self.sum is not None:
+            out = self.sum(self.product(x))
+        else:
+            return self.product(x)
         return out if self.bias is None else out + self.bias
 
     __call__ = forward
@@ -72,11 +82,6 @@ class GridLinear(_RankShare):
                                  self.bias.numel() * self.bias.element_size())
 
 
-def gather_columns(groups: TesseractGroups, block: torch.Tensor) -> torch.Tensor:
-    """[R, n] blocks of grid column j's ranks (i = 0..q-1) side by side -> [R, q n]."""
-    return torch.cat(groups.all_gather(block, groups.col, groups.grid.q), dim=1)
-
-
 def gather_rows(groups: TesseractGroups, block: torch.Tensor,
                 row_tokens: list[int]) -> torch.Tensor:
     """The grid column's row blocks stacked in grid-row order: rank (i, j)'s `block`
@@ -86,6 +91,22 @@ def gather_rows(groups: TesseractGroups, block: torch.Tensor,
     padded[:block.shape[0]] = block
     parts = groups.all_gather(padded, groups.col, groups.grid.q)
     return torch.cat([p[:n] for p, n in zip(parts, row_tokens)])
+
+
+class _GridChunkedMlp:
+    """A grid layer's MLP (its own `_mlp`: gate_up summed over the grid column, down
+    giving the rank's partial product) in `chunks` runs of rows, each run's down summed
+    over the grid row and gathered along the grid column while the next runs compute
+    (overlap.grid_summed_in_chunks), then down's bias."""
+
+    def __init__(self, mlp, down: GridLinear, groups: TesseractGroups, chunks: int,
+                 times: SumTimes):
+        self.mlp, self.down, self.groups, self.chunks, self.times = \
+            mlp, down, groups, chunks, times
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = grid_summed_in_chunks(self.mlp, x, self.groups, self.chunks, self.times)
+        return out if self.down.bias is None else out + self.down.bias
 
 
 class GridStepState:
@@ -117,23 +138,31 @@ def _grid_attention(layer, state: GridStepState, groups: TesseractGroups, positi
 
 
 def grid_parallelize(model, groups: TesseractGroups, layer_group: TPGroup,
-                     state: GridStepState) -> list[CommCounter]:
+                     state: GridStepState, chunks: int = 1) -> list[CommCounter]:
     """Make `model` (built from `grid_model_config`, weights not yet loaded) rank
     (i, j, k)'s share; each layer's collectives counted apart (the counters returned,
-    one a layer)."""
+    one a layer), its o and MLP sums timed in `layer_group.times` ("3.o", "3.mlp", as
+    1-D's). `chunks` > 1: o and the whole MLP run in that many runs of the step's rows,
+    each run's row sum and column gather overlapping the next runs' compute."""
     g, i, j = groups.grid, groups.i, groups.j
     h = model.cfg.hidden_size
     hidden = slice(i * h // g.q, (i + 1) * h // g.q)
     counters = []
-    for layer in model.layers:
+    for index, layer in enumerate(model.layers):
         mine = copy.copy(groups)  # the same process groups, this layer's counter
         mine.counter = CommCounter()
         counters.append(mine.counter)
         cfg = model.cfg
-        layer.qkv = GridLinear(cfg.qkv_bias, hidden, mine.all_reduce_col, False, mine)
-        layer.o = GridLinear(cfg.o_bias, None, mine.all_reduce_row, True, mine)
-        layer.gate_up = GridLinear(cfg.mlp_bias, hidden, mine.all_reduce_col, False, mine)
-        layer.down = GridLinear(cfg.mlp_bias, None, mine.all_reduce_row, True, mine)
+        o_times = layer_group.times.setdefault(f"{index}.o", SumTimes())
+        mlp_times = layer_group.times.setdefault(f"{index}.mlp", SumTimes())
+        layer.qkv = GridLinear(cfg.qkv_bias, hidden, mine.all_reduce_col, mine)
+        layer.o = GridLinear(cfg.o_bias, None, None, mine, o_times, chunks)
+        layer.gate_up = GridLinear(cfg.mlp_bias, hidden, mine.all_reduce_col, mine)
+        if chunks > 1:  # down gives its partial product; the whole MLP is chunked
+            layer.down = GridLinear(cfg.mlp_bias, None, None, mine)
+            layer._mlp = _GridChunkedMlp(layer._mlp, layer.down, mine, chunks, mlp_times)
+        else:
+            layer.down = GridLinear(cfg.mlp_bias, None, None, mine, mlp_times)
         layer._attention = functools.partial(_grid_attention, layer, state, mine)
     start, end = vocab_range(model.cfg.vocab_size, g.q * g.q, i * g.q + j)
     model.lookup = _vocab_lookup(model, start, end, layer_group)
@@ -161,7 +190,8 @@ class GridShardRunner(ShardRunner):
 
     def _build_model(self, cfg):
         model = self.arch.build_model(cfg)
-        self.layer_counters = grid_parallelize(model, self.groups, self.group, self.state)
+        self.layer_counters = grid_parallelize(model, self.groups, self.group, self.state,
+                                               self.config.options.tp_overlap_chunks)
         return model
 
     def _fixed_sources(self, state) -> dict:
