@@ -103,25 +103,37 @@ def _tokens(llm) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_ranks_sharing_one_gpu_give_single_process_tokens(tmp_path):
-    """Mixed prompt lengths in fused batches, with chunked prefill (16-token steps)."""
-    path = str(make_hf_checkpoint(tmp_path / "llama", "llama"))
+# each a device group on GPU 0 alone
+RUNS = {"2d": dict(device="cuda:0,0,0,0", tensor_parallel_size=4, tensor_parallel_mode="2d"),
+        "1d-overlap": dict(device="cuda:0,0", tensor_parallel_size=2, tp_overlap_chunks=2),
+        # two stages: the activations between them go through the host (gloo)
+        "pipeline": dict(device="cuda:0,0", pipeline_parallel_size=2),
+        # the grid's sums and gathers started async (CUDA work handles under gloo)
+        "2d-overlap": dict(device="cuda:0,0,0,0", tensor_parallel_size=4,
+                           tensor_parallel_mode="2d", tp_overlap_chunks=2)}
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """The tiny llama and the single-process engine's tokens on the GPU."""
+    path = str(make_hf_checkpoint(tmp_path_factory.mktemp("shared") / "llama", "llama"))
     with LLM(path, device="cuda") as llm:
-        reference = _tokens(llm)
-    runs = {"2d": dict(device="cuda:0,0,0,0", tensor_parallel_size=4,
-                       tensor_parallel_mode="2d"),
-            "1d": dict(device="cuda:0,0", tensor_parallel_size=2, tp_overlap_chunks=2),
-            # two stages: the activations between them go through the host (gloo)
-            "pipeline": dict(device="cuda:0,0", pipeline_parallel_size=2)}
-    for name, options in runs.items():
-        with LLM(path, **options) as llm:
-            assert _tokens(llm) == reference, name
-            report = llm.engine.memory_report()
-            ranks = options.get("tensor_parallel_size", 1) * \
-                options.get("pipeline_parallel_size", 1)
-            assert report["group"]["devices"] == ["cuda:0"] * ranks
-            assert [r["device"]["ranks_on_gpu"] for r in report["ranks"].values()] == [ranks] * ranks
-            if name == "1d":
-                overlap = llm.engine.runner.tensor_parallel_overlap()
-                assert overlap["layers"]["0.o"]["calls"] > 0
+        return path, _tokens(llm)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", list(RUNS))
+def test_ranks_sharing_one_gpu_give_single_process_tokens(llama, name):
+    """Mixed prompt lengths in fused batches, with chunked prefill (16-token steps)."""
+    path, reference = llama
+    options = RUNS[name]
+    ranks = options.get("tensor_parallel_size", 1) * options.get("pipeline_parallel_size", 1)
+    with LLM(path, **options) as llm:
+        assert _tokens(llm) == reference
+        report = llm.engine.memory_report()
+        assert report["group"]["devices"] == ["cuda:0"] * ranks
+        assert [r["device"]["ranks_on_gpu"] for r in report["ranks"].values()] == \
+            [ranks] * ranks
+        if options.get("tp_overlap_chunks", 1) > 1:
+            overlap = llm.engine.runner.tensor_parallel_overlap()
+            assert overlap["layers"]["0.o"]["calls"] > 0
