@@ -263,3 +263,58 @@ def test_sampled_rows_logits_come_back_in_the_steps_order(root):
             assert list(x) == list(y)
             assert [v.logprob for v in y.values()] == pytest.approx(
                 [v.logprob for v in x.values()], rel=1e-5, abs=1e-5)
+
+
+# -- the memory plan on the grid ------------------------------------------------------
+
+def test_the_plan_counts_a_grid_ranks_weights_exactly(root):
+    """A rank of a q x q grid holds 1/q^2 of each linear (its block), both norms whole,
+    and 1/q^2 of the vocabulary's embedding and head rows (a tied head's packed copy
+    too, Gemma 3 on a CPU): the plan's bytes equal what every rank loads."""
+    for arch in ("llama", "gemma3"):
+        path = str(_checkpoint(root, arch))
+        cfg = ModelConfig.from_dir(path)
+        with LLM(path, **GRIDS["2d"]) as llm:
+            sizes = llm.placement.sizes
+            loaded = {rank: report["device"]["weights"]
+                      for rank, report in llm.engine.memory_report()["ranks"].items()}
+        assert loaded == {rank: sizes.fixed_bytes + cfg.num_layers * sizes.layer_bytes
+                          for rank in range(4)}, arch
+        if arch == "llama":  # no biases, untied head
+            h, inter, d, q = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, 2
+            heads, kv = cfg.num_heads, cfg.num_kv_heads
+            linears = (heads + 2 * kv) * d * h + h * heads * d + 3 * inter * h
+            assert sizes.layer_bytes == E * (linears // q ** 2 + 2 * h)
+            assert sizes.fixed_bytes == E * (2 * cfg.vocab_size // q ** 2 * h + h)
+
+
+def test_asked_for_host_kv_blocks_get_their_bytes_on_a_cpu():
+    """num_host_kv_blocks on a CPU with no device_memory or host_memory: the asked-for
+    blocks, exactly, and no swap pool unasked."""
+    from fusegen.engine.memory.plan import FreeMemory, ModelShape, plan_engine
+    from fusegen.engine.options import EngineOptions
+
+    shape = ModelShape(num_layers=8, layer_params=2**20, fixed_params=2**21, kv_width=64,
+                       activation_width=1000, vocab_size=1000, max_position_embeddings=256,
+                       dtype_bytes=4)
+    cpu = FreeMemory(device=8 * 2**30, host=8 * 2**30, on_gpu=False)
+    plan = plan_engine(EngineOptions(num_host_kv_blocks=12), shape, cpu).placement
+    assert plan.num_host_kv_blocks == 12
+    assert plan.host_budget == 12 * plan.sizes.kv_block_bytes
+    assert plan.layer_tiers == ["device"] * 8
+    assert plan_engine(EngineOptions(), shape, cpu).placement.num_host_kv_blocks == 0
+
+
+@pytest.mark.parametrize("mode", ["2d", "2.5d"])
+def test_grid_preemption_swaps_to_host_blocks_token_exact(root, mode):
+    """TIGHT's small device pool and 12 host KV blocks: preempted requests' blocks are
+    swapped out to the host pool and back into their sequence group's ranks."""
+    path = str(_checkpoint(root, "llama"))
+    with LLM(path) as llm:
+        expected = tokens(llm, TIGHT_PROMPTS, 20)
+    with LLM(path, **GRIDS[mode], **TIGHT, num_host_kv_blocks=12) as llm:
+        assert llm.placement.num_host_kv_blocks == 12
+        assert tokens(llm, TIGHT_PROMPTS, 20) == expected
+        stats = llm.engine.stats
+        assert stats.num_preemptions > 0 and stats.num_swapped_blocks > 0
+        assert llm.engine.memory_report()["kv_blocks"]["host"] == 12

@@ -154,7 +154,9 @@ def _place(options, shape: ModelShape, free: FreeMemory, limits: tuple[int, int]
     elif free.on_gpu or options.device_memory is not None:
         host = int(free.host * _HOST_FRACTION)
     else:
-        host = 0  # CPU with no device limit: nothing to spill to
+        # CPU with no device limit: nothing to spill to unasked, and the host KV blocks
+        # asked for (num_host_kv_blocks) exactly: every layer stays on the device
+        host = (options.num_host_kv_blocks or 0) * sizes.kv_block_bytes
     ceiling = limits[0] * sizes.min_kv_blocks  # every request at max_model_len
     max_kv_blocks = options.num_kv_blocks or ceiling
     # A fraction of a CPU's memory bounds the pool; it is not a share to fill (below).

@@ -32,6 +32,9 @@ def plan_shape(model, cfg: ModelConfig, dtype: torch.dtype, quantization: str,
 
         tp = check_grid(cfg, options, quantization)  # a Tesseract grid: its q
         check_parallel(cfg, tp, pp)
+        if options.tensor_parallel_mode != "1d":  # dense, one stage (check_grid)
+            return (grid_rank_shape(model, cfg, dtype, tp, packed_head, options),
+                    (range(cfg.num_layers),))
         layer_bytes = None
         if quantization in COMPRESSED:  # a rank's slice of each layer, compressed
             layer_bytes = compressed_layer_bytes(model, cfg, dtype, quantization, options,
@@ -99,6 +102,38 @@ def rank_shape(cfg: ModelConfig, dtype: torch.dtype, tp: int, pp: int,
     stages = stages or group_stages(cfg, dtype, tp, pp)
     return dataclasses.replace(local, num_layers=max(len(s) for s in stages),
                                fixed_params=-(-local.fixed_params // tp))
+
+
+def grid_rank_shape(model, cfg: ModelConfig, dtype: torch.dtype, q: int, packed_head: bool,
+                    options: EngineOptions) -> ModelShape:
+    """What one rank of a [q, q, d] grid holds, counted exactly: its q x q block of every
+    layer (1/q^2 of each linear; norms, o's and down's biases whole, as
+    `shard.grid_layer_sources` narrows them), the most vocabulary rows any of the depth
+    layer's q^2 ranks holds of the embedding and head (and of a tied head's packed copy
+    on CPUs), the KV and activations of its heads block (`shard.grid_model_config`).
+    Shapes from the checkpoint's tensor tables; nothing read."""
+    from fusegen.engine.parallel.shard import (dense_numel, grid_layer_sources,
+                                               grid_model_config, shard_fixed_sources,
+                                               vocab_range)
+    from fusegen.engine.weights.loader import checkpoint_tensors
+
+    state = checkpoint_tensors(model, cfg, dtype, "dequantize", options.allow_pickle)
+    arch = get_architecture(cfg.architecture)
+    layer_params = max(dense_numel(grid_layer_sources(
+        cfg, arch.layer_sources(state, i, cfg), q, 0, 0)) for i in range(cfg.num_layers))
+    ranks = q * q
+
+    def rows(rank: int) -> int:
+        start, end = vocab_range(cfg.vocab_size, ranks, rank)
+        return end - start
+
+    widest = max(range(ranks), key=rows)
+    fixed_params = dense_numel(shard_fixed_sources(cfg, arch.fixed_sources(state, cfg),
+                                                   widest, ranks))
+    if packed_head:
+        fixed_params += rows(widest) * cfg.hidden_size
+    local = model_shape(grid_model_config(cfg, q), dtype)
+    return dataclasses.replace(local, layer_params=layer_params, fixed_params=fixed_params)
 
 
 def compressed_layer_bytes(model, cfg: ModelConfig, dtype: torch.dtype, quantization: str,

@@ -155,6 +155,12 @@ class _Extent:
         return _Extent(self.shape[:dim] + (length,) + self.shape[dim + 1:])
 
 
+def dense_numel(sources: dict[str, list]) -> int:
+    """The values of parameter sources (lazy or narrowed tensors, or shapes alone), by
+    their shapes: nothing read."""
+    return sum(math.prod(part.shape) for parts in sources.values() for part in parts)
+
+
 def rank_layer_nbytes(cfg: ModelConfig, sources: dict[str, list], tp: int, itemsize: int,
                       index: int, device: str = "cpu") -> int:
     """Layer `index`'s weight bytes on one rank of a tp-way split (every rank holds as
