@@ -38,6 +38,20 @@ def test_greedy_steps_run_the_head_in_the_graph_token_exact(llama_dir, monkeypat
     assert keys == {(8, True), (4, True), (2, True), (1, True)} and graphs.replays > 0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_recorded_greedy_head_on_cuda_equals_eager(llama_dir):
+    # The real capture: greedy decode steps replay graphs that end in the argmax.
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in BUDGETS]
+    with LLM(str(llama_dir), dtype="float32", device="cuda", enforce_eager=True) as llm:
+        eager = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    with LLM(str(llama_dir), dtype="float32", device="cuda") as llm:
+        graphed = [o.token_ids for o in llm.generate(PROMPTS, params)]
+        graphs = llm.engine.runner.graphs
+        assert graphs.failed is None and graphs.replays > 0
+        assert all(list(by_head) == [True] for by_head in graphs.graphs.values())
+    assert graphed == eager
+
+
 def test_sampled_rows_keep_the_head_outside_the_graph(llama_dir, monkeypatch):
     # The requests of budgets 1, 4 and 7 sample with their own seeds: the steps they are
     # in return (x, residual) from their graphs and sample eagerly; once they are done
