@@ -48,7 +48,7 @@ def test_recorded_greedy_head_on_cuda_equals_eager(llama_dir):
         graphed = [o.token_ids for o in llm.generate(PROMPTS, params)]
         graphs = llm.engine.runner.graphs
         assert graphs.failed is None and graphs.replays > 0
-        assert all(list(by_head) == [True] for by_head in graphs.graphs.values())
+        assert any(True in by_head for by_head in graphs.graphs.values())
     assert graphed == eager
 
 
