@@ -22,7 +22,6 @@ import time
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 Clock = Callable[[], float]
 
