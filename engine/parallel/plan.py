@@ -232,7 +232,8 @@ def check_grid(cfg, options, quantization: str) -> int:
     """Refuse, before any process starts, a Tesseract grid (tensor_parallel_mode 2d /
     2.5d) that the ranks, the model or the other options cannot take, naming the
     numbers and the shapes that work; the split the memory plan counts a rank's KV
-    heads (and, conservatively, its weights) by: q. 1-D mode: tensor_parallel_size."""
+    heads by: q (its weights, exactly: memory/shape.py's grid_rank_shape). 1-D mode:
+    tensor_parallel_size."""
     from fusegen.engine.parallel.tesseract import check_tesseract_shapes, tesseract_grid
 
     mode, tp = options.tensor_parallel_mode, options.tensor_parallel_size
