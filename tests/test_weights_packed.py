@@ -43,6 +43,30 @@ def test_packed_equals_the_dense_product(shape, bias, rows):
     assert packed.nbytes == dense.nbytes  # the packed copy replaces the dense one
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_shape_packed_with_other_hints_and_threads(dtype):
+    # two engines of one process pack the same shapes with their own token budgets (and
+    # thread counts): oneDNN may lay each out its own way, so fusegen's kernel must not
+    # read one with the channel blocking found for another (tiny llama's qkv, 4 threads:
+    # the 16-row packing was read with the 512-row one's blocking, every product wrong)
+    if not can_pack(dtype):
+        pytest.skip(f"{dtype} weights are not packed on this CPU")
+    threads = torch.get_num_threads()
+    dense = _linear(128, 64, seed=3)
+    dense.weight = dense.weight.to(dtype)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(4)).to(dtype)
+    try:
+        for num_threads, hint in [(4, 512), (4, 16), (2, 16), (2, 512), (1, 7)]:
+            torch.set_num_threads(num_threads)
+            packed = PackedLinear.pack(dense, batch_hint=hint)
+            for rows in (1, 3, 5):
+                want = torch.ops.mkldnn._linear_pointwise(x[:rows], packed.weight, None,
+                                                          "none", [], "")
+                assert torch.equal(packed(x[:rows]), want), (num_threads, hint, rows)
+    finally:
+        torch.set_num_threads(threads)
+
 def test_packed_takes_strided_rows():
     dense = _linear(256, 64)
     packed = PackedLinear.pack(dense, batch_hint=64)

@@ -74,6 +74,9 @@ class PackedLinear(Linear):
         packed = cls(bias=linear.bias is not None)
         packed.weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.contiguous(),
                                                                 batch_hint)
+        # what oneDNN chose its layout by: two engines of one process packing the same
+        # shape with other hints or thread counts may get other layouts
+        packed.layout = (batch_hint, torch.get_num_threads())
         packed.bias = linear.bias
         packed.row_tile = linear.row_tile
         packed.out_features, packed.in_features = linear.weight.shape
@@ -201,7 +204,8 @@ class NativeLinear(Linear):
         raise TypeError("a packed linear's weight is fixed at load; streamed layers use Linear")
 
 
-# oneDNN's blocking over the input channels per (dtype, out, in, bias) shape: found once
+# oneDNN's blocking over the input channels per (dtype, out, in, bias) shape and the
+# (batch hint, threads) it was packed with, which choose oneDNN's layout: found once
 _DP_BLOCKS: dict[tuple, tuple[int, int] | None] = {}
 
 
@@ -213,7 +217,7 @@ def _dp_blocks(packed: PackedLinear) -> tuple[int, int] | None:
     dtype, out_features, in_features = packed.dtype, packed.out_features, packed.in_features
     if in_features * 64 * dtype.itemsize > DP_MAX_TILE:
         return None
-    key = (dtype, out_features, in_features, packed.bias is not None)
+    key = (dtype, out_features, in_features, packed.bias is not None, packed.layout)
     if key not in _DP_BLOCKS:
         _DP_BLOCKS[key] = _probe_dp_blocks(packed) if _dp_gemm(dtype) else None
     return _DP_BLOCKS[key]
