@@ -119,7 +119,7 @@ class EngineOptions:
         "a request's next input id is the sampled id the device still holds; requests "
         "with structured output, logits processors, logprobs or prompt logprobs wait for "
         "their previous token (engine/llm_engine.py).", kind=bool,
-        unset="on for a CUDA device in one process, off on CPUs; never in device groups")
+        unset="off (measured slower on a GPU and no faster on CPUs); never in device groups")
     # Another revision is other weights: part of a job's identity.
     revision: str | None = option(
         None, "Hub revision (branch, tag or commit) of a model named by its hub id "

@@ -147,7 +147,7 @@ def test_option_checked_and_auto_off_on_cpu(llama_dir):
 
 
 @pytest.mark.parametrize("asked, device, group, longrope, want", [
-    (None, "cuda:0", False, False, True), (None, "cpu", False, False, False),
+    (None, "cuda:0", False, False, False), (None, "cpu", False, False, False),
     (None, "cuda", True, False, False), (None, "cuda", False, True, False),
     (True, "cpu", False, False, True), (False, "cuda", False, False, False),
     (True, "cuda", True, False, "a device group .*keeps its own batches"),

@@ -16,9 +16,9 @@
 #   bench1k   fusegen alone on gpu-8b-1k (1000 in / 1000 out), $REQ_1K requests (256)
 #   benchA    fusegen alone, 512 requests, with the time left
 #   anchors   the anchors' workloads (--workload sharegpt-like, 1,000 requests, transformers'
-#             static batch on the first $HF_REQ (16); then without asynchronous scheduling;
+#             static batch on the first $HF_REQ (16); then with asynchronous scheduling;
 #             random-1k-1k, $REQ_1K requests; sharegpt-like with FP8 weights), each while
-#             the call's time lasts; $ANCHORS picks among sharegpt, sharegpt_sync, 1k1k,
+#             the call's time lasts; $ANCHORS picks among sharegpt, sharegpt_async, 1k1k,
 #             sharegpt_fp8 (default: all)
 #   coop      cooperative KV against swapping and recompute, the host part on the CPU's
 #             cores (python -m fusegen.jobs.bench.cooperative_kv --device cuda; T_COOP s, 90,
@@ -132,11 +132,11 @@ if stage anchors; then
         --json "/tmp/anchor_$name.json" "$@" > "$OUT/anchor_$name.log" 2>&1
     echo "anchor $name rc=$? ($(( $(date +%s) - END + left + 5 )) s)"; tail -14 "$OUT/anchor_$name.log"
   }
-  ANCHORS=" ${ANCHORS:-sharegpt sharegpt_sync 1k1k sharegpt_fp8} "
+  ANCHORS=" ${ANCHORS:-sharegpt sharegpt_async 1k1k sharegpt_fp8} "
   [[ $ANCHORS == *" sharegpt "* ]] && anchor sharegpt 60 --workload sharegpt-like \
       --hf-requests "${HF_REQ:-16}" --hf-batch-size "${HF_REQ:-16}" --skip-hf-continuous
-  [[ $ANCHORS == *" sharegpt_sync "* ]] && anchor sharegpt_sync 50 --workload sharegpt-like \
-      --skip-hf --no-async-scheduling
+  [[ $ANCHORS == *" sharegpt_async "* ]] && anchor sharegpt_async 50 --workload sharegpt-like \
+      --skip-hf --async-scheduling
   [[ $ANCHORS == *" 1k1k "* ]] && anchor 1k1k 60 --workload random-1k-1k \
       --requests "${REQ_1K:-256}" --skip-hf
   [[ $ANCHORS == *" sharegpt_fp8 "* ]] && anchor sharegpt_fp8 50 --workload sharegpt-like \
