@@ -343,10 +343,10 @@ class LLMEngine:
 
 
 def _async_scheduling(config: EngineConfig, runner: Runner, recompute_at: int) -> bool:
-    """The `async_scheduling` option resolved: None is off (on the GPU where it was
-    measured, Llama-3-8B's shape with CUDA graphs on an H200, the worker thread's steps
-    ran slower than the synchronous loop's: the controller's Python and the step's
-    launches share one interpreter); True where it cannot run is an error naming why."""
+    """The `async_scheduling` option resolved: None is off until a measurement shows a
+    gain (its one GPU run, Llama-3-8B's shape with CUDA graphs on an H200, was slower
+    than the synchronous loop's; the controller's Python and the worker thread's launches
+    share one interpreter); True where it cannot run is an error naming why."""
     asked = config.options.async_scheduling
     why = None
     if not runner.supports_async_scheduling:
