@@ -151,11 +151,18 @@ def test_packed_equals_gather_bit_for_bit(values, x_dtype, device):
     assert (counts + shape["ALIGN"] <= shape["CAP"]).all() and (counts == 0).any()
     x = make_x(5, 330, x_dtype, device)
     kernel = triton_on(device, ts.sparse_linear_triton)
+    # compiled for a GPU, the two variants' int8 expansions round code x scale into x's
+    # dtype by other instruction sequences (an H200 gave other bits): there each variant
+    # is held to the reference; the interpreter runs both the same way
+    same_bits = not (values == "int8" and device == "cuda")
     for splits in (1, 2):
         packed = kernel(x, tiles, config={"splits": splits})
         gather = kernel(x, tiles, config={"splits": splits, "variant": "gather"})
-        assert torch.equal(packed, gather)
-    assert_within_tolerance(packed, x, tiles)
+        if same_bits:
+            assert torch.equal(packed, gather)
+        else:
+            assert_within_tolerance(gather, x, tiles)
+        assert_within_tolerance(packed, x, tiles)
 
 
 @pytest.mark.parametrize("device", DEVICES)
