@@ -53,9 +53,16 @@ def root(tmp_path_factory):
     return tmp_path_factory.mktemp("tesseract")
 
 
+# Top-2 of 4 experts (tests/test_models_moe.py's); Qwen3-MoE's experts narrower than its
+# (unused) dense intermediate size.
+MOE = {"mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+       "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                         head_dim=16, norm_topk_prob=True)}
+
+
 @functools.cache
 def _checkpoint(root, arch: str):
-    return make_hf_checkpoint(root / arch, arch)
+    return make_hf_checkpoint(root / arch, arch, **MOE.get(arch, {}))
 
 
 # -- policy ---------------------------------------------------------------------------
@@ -176,21 +183,36 @@ def test_grids_the_model_or_options_cannot_take_are_refused_before_start(root):
         with pytest.raises(EngineConfigError) as info:
             LLM(path, **options)
         assert str(info.value).startswith(message), str(info.value)
-    with pytest.raises(EngineConfigError, match=r"^tensor_parallel_mode '2d' runs dense "
-                                                r"decoders only; MixtralForCausalLM is a "
-                                                r"mixture of experts: use tensor_parallel_mode "
-                                                r"'1d'"):
-        LLM(str(_checkpoint(root, "mixtral")), tensor_parallel_size=4,
-            tensor_parallel_mode="2d")
     assert _children() == []
+
+
+def test_experts_the_grid_cannot_split_are_refused_naming_the_sizes(root):
+    """A mixture of experts' width is cut into q blocks like the dense MLP's: one q does
+    not divide is refused before any process starts (Qwen3-MoE's dense
+    intermediate_size, which no layer uses, is not asked to divide)."""
+    import dataclasses
+
+    from fusegen.engine.options import EngineOptions
+    from fusegen.engine.parallel.plan import check_grid
+
+    cfg = ModelConfig.from_dir(_checkpoint(root, "qwen3_moe"))
+    options = EngineOptions(tensor_parallel_size=4, tensor_parallel_mode="2d")
+    assert check_grid(dataclasses.replace(cfg, intermediate_size=127), options,
+                      "dequantize") == 2
+    with pytest.raises(EngineConfigError) as info:
+        check_grid(dataclasses.replace(cfg, moe_intermediate_size=63), options, "dequantize")
+    assert str(info.value) == (
+        "tensor_parallel_mode '2d': expert intermediate size 63 is not divisible by q = 2 "
+        "of the Tesseract grid [2, 2, 1]; grids with q in [1, 3, 7, 9, 21, 63] split it")
 
 
 # -- the engine on the grid -----------------------------------------------------------
 
-# Every dense architecture on [2, 2, 2]; those with their own layer code on [2, 2, 1] too.
+# Every dense architecture on [2, 2, 2]; those with their own layer code on [2, 2, 1] too;
+# the mixtures of experts (router whole, every expert's blocks in place) on both.
 MODES = {"llama": ("2.5d", "2d"), "mistral": ("2.5d",), "qwen2": ("2.5d",),
          "qwen3": ("2.5d", "2d"), "gemma2": ("2.5d",), "gemma3": ("2.5d", "2d"),
-         "phi3": ("2.5d", "2d")}
+         "phi3": ("2.5d", "2d"), "mixtral": ("2.5d", "2d"), "qwen3_moe": ("2.5d", "2d")}
 
 
 @pytest.mark.parametrize("arch", list(MODES))
@@ -268,10 +290,11 @@ def test_sampled_rows_logits_come_back_in_the_steps_order(root):
 # -- the memory plan on the grid ------------------------------------------------------
 
 def test_the_plan_counts_a_grid_ranks_weights_exactly(root):
-    """A rank of a q x q grid holds 1/q^2 of each linear (its block), both norms whole,
-    and 1/q^2 of the vocabulary's embedding and head rows (a tied head's packed copy
-    too, Gemma 3 on a CPU): the plan's bytes equal what every rank loads."""
-    for arch in ("llama", "gemma3"):
+    """A rank of a q x q grid holds 1/q^2 of each linear (its block; of every expert's,
+    Mixtral), both norms and a router whole, and 1/q^2 of the vocabulary's embedding and
+    head rows (a tied head's packed copy too, Gemma 3 on a CPU): the plan's bytes equal
+    what every rank loads."""
+    for arch in ("llama", "gemma3", "mixtral"):
         path = str(_checkpoint(root, arch))
         cfg = ModelConfig.from_dir(path)
         with LLM(path, **GRIDS["2d"]) as llm:
@@ -280,12 +303,18 @@ def test_the_plan_counts_a_grid_ranks_weights_exactly(root):
                       for rank, report in llm.engine.memory_report()["ranks"].items()}
         assert loaded == {rank: sizes.fixed_bytes + cfg.num_layers * sizes.layer_bytes
                           for rank in range(4)}, arch
-        if arch == "llama":  # no biases, untied head
+        if arch in ("llama", "mixtral"):  # no biases, untied head
             h, inter, d, q = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, 2
             heads, kv = cfg.num_heads, cfg.num_kv_heads
             linears = (heads + 2 * kv) * d * h + h * heads * d + 3 * inter * h
-            assert sizes.layer_bytes == E * (linears // q ** 2 + 2 * h)
-            assert sizes.fixed_bytes == E * (2 * cfg.vocab_size // q ** 2 * h + h)
+            router = 0
+            if arch == "mixtral":  # 4 experts of width moe_intermediate_size, router [E, h]
+                experts = cfg.num_experts
+                linears += (experts - 1) * 3 * cfg.moe_intermediate_size * h
+                router = experts * h
+                assert experts == 4 and cfg.moe_intermediate_size == inter
+            assert sizes.layer_bytes == E * (linears // q ** 2 + router + 2 * h), arch
+            assert sizes.fixed_bytes == E * (2 * cfg.vocab_size // q ** 2 * h + h), arch
 
 
 def test_asked_for_host_kv_blocks_get_their_bytes_on_a_cpu():

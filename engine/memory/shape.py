@@ -32,7 +32,7 @@ def plan_shape(model, cfg: ModelConfig, dtype: torch.dtype, quantization: str,
 
         tp = check_grid(cfg, options, quantization)  # a Tesseract grid: its q
         check_parallel(cfg, tp, pp)
-        if options.tensor_parallel_mode != "1d":  # dense, one stage (check_grid)
+        if options.tensor_parallel_mode != "1d":  # dense weights, one stage (check_grid)
             return (grid_rank_shape(model, cfg, dtype, tp, packed_head, options),
                     (range(cfg.num_layers),))
         layer_bytes = None

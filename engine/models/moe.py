@@ -100,6 +100,10 @@ class MoeLayer(DecoderLayer):
         self.down = ExpertLinear(cfg.num_experts)  # [E, h, I]
 
     def _mlp(self, x):
+        return run_experts(x, *self.route(x), self.gate_up, self.down)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, h] -> each token's k routing weights and experts, [T, k] each."""
         logits = self.router(x)  # [T, E] in the model's dtype
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k] each
@@ -107,7 +111,7 @@ class MoeLayer(DecoderLayer):
             weights /= weights.sum(dim=-1, keepdim=True)
         if self.weights_in_model_dtype:
             weights = weights.to(logits.dtype)
-        return run_experts(x, weights, experts, self.gate_up, self.down)
+        return weights, experts
 
 
 class MoeCausalLM(CausalLM):

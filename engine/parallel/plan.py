@@ -244,13 +244,14 @@ def check_grid(cfg, options, quantization: str) -> int:
         grid = tesseract_grid(tp, options.tesseract_depth)
         check_tesseract_shapes(grid, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                                hidden_size=cfg.hidden_size,
-                               intermediate_size=cfg.intermediate_size,
+                               intermediate_size=None if cfg.num_experts
+                               else cfg.intermediate_size,
+                               moe_intermediate_size=cfg.moe_intermediate_size
+                               if cfg.num_experts else None,
                                batch=options.max_num_seqs)
     except ValueError as exc:
         raise EngineConfigError(f"{what}: {exc}") from None
     refusals = [
-        (cfg.num_experts, f"runs dense decoders only; {cfg.architecture} is a mixture of "
-                          "experts: use tensor_parallel_mode '1d'"),
         (options.pipeline_parallel_size > 1,
          f"runs with pipeline_parallel_size 1 (got {options.pipeline_parallel_size}): the "
          "grid splits every layer; use tensor_parallel_mode '1d' with stages"),

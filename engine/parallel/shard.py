@@ -196,12 +196,14 @@ def shard_fixed_sources(cfg: ModelConfig, sources: dict[str, list], tp_rank: int
 def grid_model_config(cfg: ModelConfig, q: int) -> ModelConfig:
     """The model one rank of a [q, q, d] grid runs: heads block j (H / q query heads,
     K / q KV heads) and intermediate block j of the MLP; the hidden size stays whole
-    (each rank holds its depth layer's residual stream whole, so norms run as they are)."""
+    (each rank holds its depth layer's residual stream whole, so norms run as they are);
+    a mixture of experts: block j of every expert's intermediate size, all E experts."""
     if q == 1:
         return cfg
     return dataclasses.replace(cfg, num_heads=cfg.num_heads // q,
                                num_kv_heads=cfg.num_kv_heads // q,
-                               intermediate_size=cfg.intermediate_size // q)
+                               intermediate_size=cfg.intermediate_size // q,
+                               moe_intermediate_size=cfg.moe_intermediate_size // q)
 
 
 def grid_layer_sources(cfg: ModelConfig, sources: dict[str, list], q: int, i: int,
@@ -212,6 +214,8 @@ def grid_layer_sources(cfg: ModelConfig, sources: dict[str, list], q: int, i: in
       the outputs of block j;
     - o and down: outputs (hidden rows) of block i, inputs of block j (heads block j;
       intermediate block j); their biases whole (added once, after the sums);
+    - a mixture of experts: each expert's gate, up and down parts cut as the dense
+      MLP's, the router whole;
     - norms (and per-head q/k norms) whole.
     Parts are narrowed, never read (as `shard_layer_sources`)."""
     if q == 1:
@@ -238,6 +242,6 @@ def grid_layer_sources(cfg: ModelConfig, sources: dict[str, list], q: int, i: in
             out[name] = [p.narrow(0, *hidden).narrow(1, *q_rows) for p in parts]
         elif name == "down.weight":
             out[name] = [_rows(p.narrow(0, *hidden), j, q, dim=1) for p in parts]
-        else:  # norms, o's and down's biases: whole
+        else:  # norms, the router, o's and down's biases: whole
             out[name] = parts
     return out

@@ -87,13 +87,15 @@ def tesseract_grid(world_size: int, depth: int) -> GridShape:
 def check_tesseract_shapes(grid: GridShape, *, num_heads: int | None = None,
                            num_kv_heads: int | None = None, hidden_size: int | None = None,
                            intermediate_size: int | None = None,
+                           moe_intermediate_size: int | None = None,
                            batch: int | None = None) -> None:
     """Refuse sizes the grid cannot split, naming the size, the grid and what works:
-    heads and the hidden / intermediate sizes are cut into q column blocks, a fused batch
-    into d depth shares."""
+    heads and the hidden / intermediate sizes (a mixture of experts: each expert's) are
+    cut into q column blocks, a fused batch into d depth shares."""
     for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
                         ("hidden_size", hidden_size),
-                        ("intermediate_size", intermediate_size)):
+                        ("intermediate_size", intermediate_size),
+                        ("expert intermediate size", moe_intermediate_size)):
         if value is not None and value % grid.q:
             qs = [q for q in range(1, value + 1) if value % q == 0 and q <= 64]
             raise ValueError(

@@ -24,6 +24,7 @@ import functools
 import torch
 
 from fusegen.engine.models.decoder import AttentionMetadata
+from fusegen.engine.models.moe import MoeLayer
 from fusegen.engine.parallel.layers import (TPGroup, VocabParallelHead, _RankShare,
                                             _vocab_lookup)
 from fusegen.engine.parallel.overlap import SumTimes, grid_summed_in_chunks
@@ -36,6 +37,7 @@ from fusegen.engine.step_inputs import StepInputs, host_rows
 from fusegen.engine.weights.linear import Linear
 from fusegen.kernels.paged_attention import paged_attention
 from fusegen.kernels.rotary import rotary_and_cache
+from fusegen.kernels.silu_mul import silu_and_mul
 
 
 class GridLinear(_RankShare):
@@ -109,6 +111,55 @@ class _GridChunkedMlp:
         return out if self.down.bias is None else out + self.down.bias
 
 
+class _GridMoe:
+    """A grid layer's mixture of experts, weight-stationary like the dense MLP: the
+    router whole on every rank, so the depth layer's q^2 ranks (the same rows whole)
+    route every token to the same experts; rank (i, j) holds each expert's gate/up
+    block (outputs j, hidden inputs i) and down block (hidden outputs i, inputs j).
+    Every routed row's gate/up partial products, all experts' at once, are summed over
+    the grid column in one all-reduce (same shape on every rank: routing is identical);
+    each expert's down gives [n, h / q] partials, weighted and summed over a token's k
+    choices locally (linear, as 1-D sums a mixture's output once), then summed over the
+    grid row and gathered along the grid column once, in `chunks` runs of rows
+    (overlap.grid_summed_in_chunks), as the dense MLP's down."""
+
+    def __init__(self, layer, hidden: slice, groups: TesseractGroups, chunks: int,
+                 times: SumTimes):
+        self.layer, self.hidden, self.groups, self.chunks, self.times = \
+            layer, hidden, groups, chunks, times
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return grid_summed_in_chunks(self.partial, x, self.groups, self.chunks, self.times)
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, h] whole -> [T, h / q]: hidden block i of the mixture's output, this
+        rank's intermediate block j's share (models/moe.run_experts, on blocks)."""
+        layer = self.layer
+        weights, experts = layer.route(x)  # [T, k] each, the same on every rank
+        num_tokens, top_k = experts.shape
+        choices = experts.flatten()
+        order = torch.argsort(choices, stable=True)  # slots grouped by expert
+        counts = torch.bincount(choices, minlength=layer.gate_up.num_experts).tolist()
+        rows = x[order // top_k][:, self.hidden]  # [T * k, h / q]
+        width = layer.gate_up.weight.shape[1]  # 2 I / q: gate block j, up block j
+        mid = rows.new_empty(rows.shape[0], width)
+        bounds, start = [], 0
+        for expert, count in enumerate(counts):
+            if count:
+                group = slice(start, start + count)
+                mid[group] = layer.gate_up(rows[group], expert)
+                bounds.append((expert, group))
+                start += count
+        del rows
+        act = silu_and_mul(self.groups.all_reduce_col(mid))  # [T * k, I / q]
+        out = x.new_empty(act.shape[0], layer.down.weight.shape[1])  # [T * k, h / q]
+        for expert, group in bounds:
+            out[group] = layer.down(act[group], expert)
+        weighted = out * weights.flatten()[order, None]  # fp32 weights: an fp32 product
+        slots = torch.empty_like(weighted).index_copy_(0, order, weighted)
+        return slots.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
+
+
 class GridStepState:
     """The current step's split, read by every layer's attention: the rank's grid row's
     rows and their attention metadata (None: none there)."""
@@ -157,12 +208,15 @@ def grid_parallelize(model, groups: TesseractGroups, layer_group: TPGroup,
         mlp_times = layer_group.times.setdefault(f"{index}.mlp", SumTimes())
         layer.qkv = GridLinear(cfg.qkv_bias, hidden, mine.all_reduce_col, mine)
         layer.o = GridLinear(cfg.o_bias, None, None, mine, o_times, chunks)
-        layer.gate_up = GridLinear(cfg.mlp_bias, hidden, mine.all_reduce_col, mine)
-        if chunks > 1:  # down gives its partial product; the whole MLP is chunked
+        if isinstance(layer, MoeLayer):  # router whole; experts' blocks stay in place
+            layer._mlp = _GridMoe(layer, hidden, mine, chunks, mlp_times)
+        elif chunks > 1:  # down gives its partial product; the whole MLP is chunked
             layer.down = GridLinear(cfg.mlp_bias, None, None, mine)
             layer._mlp = _GridChunkedMlp(layer._mlp, layer.down, mine, chunks, mlp_times)
         else:
             layer.down = GridLinear(cfg.mlp_bias, None, None, mine, mlp_times)
+        if not isinstance(layer, MoeLayer):
+            layer.gate_up = GridLinear(cfg.mlp_bias, hidden, mine.all_reduce_col, mine)
         layer._attention = functools.partial(_grid_attention, layer, state, mine)
     start, end = vocab_range(model.cfg.vocab_size, g.q * g.q, i * g.q + j)
     model.lookup = _vocab_lookup(model, start, end, layer_group)
@@ -205,7 +259,7 @@ class GridShardRunner(ShardRunner):
                                   g.i, g.j)
 
     def _layer_parts(self, state, index: int, tp_rank: int | None = None):
-        return {}, self._layer_sources(state, index)  # dense only (plan.check_grid)
+        return {}, self._layer_sources(state, index)  # dense weights only (plan.check_grid)
 
     def layer_bytes(self) -> list[dict[str, int]]:
         """Per layer, the bytes this rank's grid collectives sent and received."""
