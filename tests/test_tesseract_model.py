@@ -1,8 +1,8 @@
 """The decoder on a Tesseract grid (tensor_parallel_mode 2d / 2.5d): the sequence groups'
 policy over plain lists, each rank's weight blocks, refusals before any process starts,
 and the engine's tokens on 4 ranks [2, 2, 1] and 8 ranks [2, 2, 2] against the
-single-process engine (greedy, fp32), through fused mixed-length batches, chunked
-prefill, preemption and prefix-cache hits; each rank's bytes per layer against the
+single-process engine (greedy, fp32; dense and mixture-of-experts models), through
+fused mixed-length batches, chunked prefill, preemption and prefix-cache hits; each rank's bytes per layer against the
 formulas in docs/parallel_modes.md."""
 from __future__ import annotations
 

@@ -12,7 +12,9 @@ run as the decoder has them. Per layer, with X [R, h] the depth layer's tokens:
   those sequences: no rank holds another's); the outputs gathered along grid column j;
 - o: heads block j times o's rows of hidden block i, summed over grid row i, then the
   hidden blocks gathered along grid column j -> [R, h];
-- gate/up: as qkv (intermediate block j); down: as o.
+- gate/up: as qkv (intermediate block j); down: as o. A mixture of experts: the router
+  whole, each expert's gate/up and down blocks as these, routed rows summed once each
+  way (`_GridMoe`).
 The embedding and head are split by vocabulary over the depth layer's q^2 ranks, as
 1-D splits them over its ranks (layers.py).
 """
@@ -140,7 +142,7 @@ class _GridMoe:
         choices = experts.flatten()
         order = torch.argsort(choices, stable=True)  # slots grouped by expert
         counts = torch.bincount(choices, minlength=layer.gate_up.num_experts).tolist()
-        rows = x[order // top_k][:, self.hidden]  # [T * k, h / q]
+        rows = x[order // top_k, self.hidden]  # [T * k, h / q]: hidden block i
         width = layer.gate_up.weight.shape[1]  # 2 I / q: gate block j, up block j
         mid = rows.new_empty(rows.shape[0], width)
         bounds, start = [], 0
