@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from fusegen.engine.graphs import DecodeGraphs
     from fusegen.engine.memory.offload import WeightStreamer
     from fusegen.engine.scheduler import ScheduledBatch
 
@@ -25,6 +24,14 @@ if TYPE_CHECKING:
 # and the memory plan's activation reserve counts at most this many [vocab] rows
 # whatever max_num_seqs is: it belongs to the contract between the two.
 LOGITS_CHUNK = 256
+
+
+class RecordedSteps(Protocol):
+    """What the contract shows of a runner's recorded decode steps (engine/graphs.py's
+    `DecodeGraphs`, which implements it): counts for the benchmark's report."""
+    graphs: dict  # the recorded graphs, by (rows bucket, KV splits)
+    replays: int  # decode steps replayed from a recorded graph
+    failed: str | None  # why recording failed (every step then eager), else None
 
 
 class Runner(Protocol):
@@ -41,7 +48,7 @@ class Runner(Protocol):
     # the ring this process streams host- and disk-tier layers through; None when every
     # layer is resident, or when ranks of a device group stream for themselves
     streamer: WeightStreamer | None
-    graphs: DecodeGraphs | None  # recorded decode steps (CUDA graphs), else None
+    graphs: RecordedSteps | None  # recorded decode steps (CUDA graphs), else None
     # `overlap_steps` is available (asynchronous scheduling, engine/llm_engine.py)
     supports_async_scheduling: bool = False
 

@@ -580,9 +580,3 @@ def sparse_linear_triton(x: torch.Tensor, tiles: SparseTiles, batch_invariant: b
         _sum_splits_kernel[(triton.cdiv(numel, 1024),)](part, target, numel, SPLITS=splits,
                                                         BLOCK=1024, num_warps=4)
     return out
-
-
-if __name__ == "__main__":  # the benchmark's command line (kernels/triton_sparse_bench.py)
-    from fusegen.kernels.triton_sparse_bench import main
-
-    main()

@@ -1,5 +1,5 @@
 """The Triton sparse-tile kernel (kernels/triton_sparse.py) against cuBLAS at decode shapes
-on a GPU: `python -m fusegen.kernels.triton_sparse --bench` (or this module) prints each
+on a GPU: `python -m fusegen.kernels.triton_sparse_bench --bench` prints each
 launch's median microseconds and speedup over the same pruned weight stored dense."""
 from __future__ import annotations
 

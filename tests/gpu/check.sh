@@ -7,7 +7,7 @@
 #   quant     compressed-weight kernels checked and timed (tests/gpu/quant_bench.py: Triton
 #             int4/int8 and GGUF, fp8 _scaled_mm, beside bf16 F.linear; T_QUANT s, 150;
 #             then sparse tiles against cuBLAS, as the stage sparse does)
-#   sparse    sparse tiles against cuBLAS (python -m fusegen.kernels.triton_sparse --bench,
+#   sparse    sparse tiles against cuBLAS (python -m fusegen.kernels.triton_sparse_bench --bench,
 #             T_SPARSE s, 240)
 #   new       the test files in $NEW_TESTS on the GPU, pytest -n 8 (T_NEW s, 150): the
 #             CUDA paths a session has just built, checked before its benchmarks
@@ -85,7 +85,7 @@ if stage quant; then
   sed -n '/^layer /,$p' $OUT/quant.log | tail -40
 fi
 if stage quant || stage sparse; then
-  timeout "${T_SPARSE:-240}" python3 -m fusegen.kernels.triton_sparse --bench > $OUT/sparse.log 2>&1
+  timeout "${T_SPARSE:-240}" python3 -m fusegen.kernels.triton_sparse_bench --bench > $OUT/sparse.log 2>&1
   echo "sparse bench rc=$?"; tail -14 $OUT/sparse.log
 fi
 if stage new; then
