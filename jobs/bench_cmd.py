@@ -163,7 +163,8 @@ def bench(preset_name, model_name, revision, workload_name, num_requests, hf_req
         raise click.UsageError(str(exc)) from None
     try:
         report = run_benchmark(config, _progress_printer())
-    except SparseSourceError as exc:  # raised before any timed run
+    except (SparseSourceError, EngineConfigError) as exc:  # raised before any timed run
+        # (fusegen's engine, built first, refuses a split the model's shape cannot take)
         raise click.UsageError(str(exc)) from None
     click.echo(format_report(report))
     if json_path is not None:

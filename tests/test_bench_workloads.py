@@ -105,6 +105,18 @@ def test_an_unknown_workload_is_refused():
         PRESETS["tiny"].with_workload("sharegpt")
 
 
+
+def test_a_grid_the_model_cannot_take_is_a_usage_error(tmp_path):
+    # found when fusegen's engine is built, before anything is timed: the message, not a
+    # traceback
+    result = CliRunner().invoke(bench, ["--preset", "tiny", "--skip-hf", "--requests", "2",
+                                        "--cache-dir", str(tmp_path),
+                                        "--tensor-parallel-size", "3",
+                                        "--tensor-parallel-mode", "2d"])
+    assert result.exit_code == 2, result.output
+    assert "a Tesseract grid of 3 ranks at tesseract_depth 1 needs 3 = q x q x 1" in \
+        result.output
+
 def test_a_model_too_short_for_the_workload_is_refused(tmp_path):
     # a real model (--model) keeps its positions: tiny's own checkpoint has 128
     model_dir = checkpoint.ensure_checkpoint("tiny", PRESETS["tiny"].model, tmp_path)
