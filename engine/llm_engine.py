@@ -15,9 +15,9 @@ logprobs / prompt logprobs (written into the request by the step) - wait for the
 token: each of their steps is scheduled after the last one's tokens are back, while
 the rest of the batch goes on. The tokens are those of the synchronous loop (tests/
 test_async_scheduling.py); unseeded sampling draws from the engine's generator, which
-discarded tokens advance too. Auto (None) turns it on for a CUDA device in one
-process: on a CPU the controller and the step share the same cores. Device groups
-keep their own batches in flight (pipeline stages) and never use it."""
+discarded tokens advance too. Unset (None) it is off until a measurement shows a gain
+(`_async_scheduling`). Device groups keep their own batches in flight (pipeline stages)
+and never use it."""
 from __future__ import annotations
 
 import dataclasses
