@@ -18,6 +18,7 @@ from fusegen.engine.options import EngineOptions, describe, describe_vllm
 from fusegen.engine.outputs import RequestOutput
 from fusegen.engine.sampling_params import SamplingParams
 from fusegen.engine.tokenizer import PromptError, PromptLimit, Tokenizer, messages_problem
+from fusegen.kernels.openmp import mark_engine_thread, release_thread_team
 
 # Prompts `generate` keeps submitted and unfinished, per request a step runs at most:
 # enough that every step finds a full batch waiting, few enough that an iterable of
@@ -50,7 +51,10 @@ class LLM:
         # steps) runs on one thread: each thread that opens one gets a team of its own,
         # and with two teams libgomp counts more threads than cores and lets waiting
         # threads sleep after ~100 spins, so every region of a step pays their wake-up
-        # (2.7 ms of a 29.5 ms decode step, docs/performance.md).
+        # (2.7 ms of a 29.5 ms decode step, docs/performance.md). The caller's thread
+        # is the other one that may hold a team (any parallel torch op it ran before,
+        # or runs between calls): `_release_caller_team` frees it where work is handed
+        # over, once the engine is built and on every submit.
         built: Future = Future()
         # "cuda" names the caller's current GPU; the engine's thread starts on cuda:0.
         self._caller_gpu = _current_gpu()
@@ -65,6 +69,7 @@ class LLM:
                 self._cond.notify_all()
             raise
         self.tokenizer = self.engine.tokenizer  # its prompt limit set by the engine
+        self._release_caller_team()
 
     @property
     def max_model_len(self) -> int:
@@ -198,6 +203,9 @@ class LLM:
     def submit_many(self, requests: Sequence[tuple[Prompt, SamplingParams | None]]
                     ) -> list[Future]:
         """Thread-safe; the requests join the running batch in the same step."""
+        # generate(), chat() and submit() hand their work over here; so do the jobs'
+        # workers and the OpenAI-batch path, whose threads then wait on the futures
+        self._release_caller_team()
         futures, items = [], []
         for prompt, params in requests:
             future: Future = Future()
@@ -218,8 +226,16 @@ class LLM:
             self._cond.notify()
         return futures
 
+    def _release_caller_team(self) -> None:
+        """Free the calling thread's OpenMP team where the engine runs the C kernels on
+        this machine's cores (`kernels/openmp.py`): an idle team there makes every
+        parallel region of the engine's steps wait for its workers to wake up."""
+        if self.config.device == "cpu":
+            release_thread_team()
+
     def _run(self, model: str, options: dict, built: Future) -> None:
         """The engine's thread: build the engine, hand it over, then step it."""
+        mark_engine_thread()
         try:
             config = EngineConfig.build(model, EngineOptions.from_kwargs(options))
             gpu = engine_gpu(config.device, self._caller_gpu)
