@@ -5,6 +5,8 @@ as `fusegen quantize` reads them (jobs/quantize_cmd.py); the engine does the res
 from __future__ import annotations
 
 import re
+import signal
+import sys
 
 import click
 
@@ -35,14 +37,23 @@ def sparsify(model, sparsity, method, calibration, calibration_column, calibrati
     from fusegen.engine.weights.sparsify import SparsifySpec, sparsify_checkpoint
     from fusegen.engine.weights.quantize import QuantizeError
 
+    from fusegen.jobs.interrupt import signal_of, stop_on_signals
+
     try:
         spec = SparsifySpec(sparsity, method, values)
         prompts = calibration_prompts(method, "wanda", calibration, calibration_column,
                                       calibration_rows)
-        report = sparsify_checkpoint(model, output, spec, prompts=prompts,
-                                     overwrite=overwrite)
+        # SIGTERM, as Ctrl-C, unwinds the writer: it removes its staging directory
+        with stop_on_signals():
+            report = sparsify_checkpoint(model, output, spec, prompts=prompts,
+                                         overwrite=overwrite)
     except QuantizeError as exc:
         raise click.BadParameter(str(exc), param_hint=f"'--{exc.option}'") from None
+    except KeyboardInterrupt as exc:
+        signum = signal_of(exc)
+        click.echo(f"interrupted by {signal.Signals(signum).name}; {output} "
+                   f"{'left as it was' if output.exists() else 'not written'}", err=True)
+        sys.exit(128 + signum)
     for line in report_lines(report):
         click.echo(line)
     click.echo(f"wrote {output}")
