@@ -248,6 +248,13 @@ def check(tiles: SparseTiles, out_features: int, in_features: int) -> None:
     if int(offsets[-1]) != values.numel():
         raise ValueError(f"sparse_values: {values.numel()} values, but the offsets and "
                          f"bitmaps count nnz = {int(offsets[-1])}")
+    if values.is_floating_point():  # a kept weight that is inf or NaN poisons every token
+        bad = ~torch.isfinite(values)
+        if bad.any():
+            i = int(bad.nonzero()[0])
+            t = int(torch.searchsorted(offsets, i, right=True)) - 1
+            raise ValueError(f"sparse_values: value {i} (tile {t}) is {float(values[i])}; "
+                             "every kept weight must be finite")
 
 
 def _check_tensor(name: str, tensor: torch.Tensor, dtypes: tuple, shape: tuple) -> None:

@@ -87,3 +87,61 @@ def test_sigterm_mid_write_leaves_nothing_half_written(src, tmp_path, monkeypatc
         assert [p.name for p in out.iterdir()] == ["keep.txt"]
     else:
         assert not out.exists()
+
+
+# -- sparse checkpoints whose tables or declaration were changed ------------------------
+
+Q = "model.layers.1.self_attn.q_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def sparse_dir(src, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sparse") / "s"
+    sp.sparsify_checkpoint(src, out, sp.SparsifySpec(0.5))
+    return out
+
+
+def _tampered(sparse_dir, dst, edit=None, config_edit=None):
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(sparse_dir, dst)
+    if edit is not None:
+        tensors = load_file(dst / "model.safetensors")
+        edit(tensors)
+        save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    if config_edit is not None:
+        config = json.loads((dst / "config.json").read_text())
+        config_edit(config["sparsity_config"])
+        (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def _load_error(path) -> str:
+    from fusegen.engine import LLM
+    from fusegen.engine.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError) as info:
+        LLM(str(path), device="cpu", dtype="float32", max_model_len=64, max_num_seqs=2)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_kept_value_that_is_not_finite_is_named(sparse_dir, tmp_path, bad):
+    """A NaN or inf among a weight's kept values would turn every token to garbage: the
+    load names the weight, the value's index and its tile."""
+    def edit(tensors):
+        values = tensors[Q + ".sparse_values"].clone()
+        values[4000] = bad  # tiles of 2048, 1024, 1024, 512 values (half of 64 x 64, 64 x 32, ...)
+        tensors[Q + ".sparse_values"] = values
+
+    text = _load_error(_tampered(sparse_dir, tmp_path / "t", edit=edit))
+    assert "model.safetensors" in text and repr(Q) in text
+    assert f"sparse_values: value 4000 (tile 2) is {bad}; every kept weight must be finite" \
+        in text
+
+
+def test_a_module_listed_twice_is_named(sparse_dir, tmp_path):
+    """Not reported as its tensors missing (they were taken by the first listing)."""
+    text = _load_error(_tampered(sparse_dir, tmp_path / "t",
+                                 config_edit=lambda c: c["modules"].append(Q)))
+    assert f"sparsity_config.modules lists {Q!r} more than once" in text

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+from collections import Counter
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -106,6 +107,10 @@ def sparsity_config(model) -> SparseFormat | None:
     if not isinstance(modules, list) or not modules or \
             not all(isinstance(m, str) for m in modules):
         raise bad("modules", modules, "it must be a non-empty list of weight names")
+    repeated = sorted(m for m, n in Counter(modules).items() if n > 1)
+    if repeated:
+        raise ModelLoadError(f"{path}: {CONFIG_KEY}.modules lists {repeated[0]!r} more than "
+                             "once; each sparse weight is listed once")
     return SparseFormat(sc["values"], float(sparsity), sc["method"], tuple(modules))
 
 
