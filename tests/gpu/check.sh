@@ -20,6 +20,10 @@
 #             random-1k-1k, $REQ_1K requests; sharegpt-like with FP8 weights), each while
 #             the call's time lasts; $ANCHORS picks among sharegpt, sharegpt_async, 1k1k,
 #             sharegpt_fp8 (default: all)
+#   offload   gpu-offload (a 32B Llama shape, $OFF_LAYERS layers (32): about 31 GB against
+#             the preset's 24 GiB device budget, so a quarter of the layers stream from
+#             pinned host memory) beside accelerate's offload on the first $OFF_HF (8)
+#             requests, $OFF_REQ (128) requests, T_OFF s (300) at most of what is left
 #   coop      cooperative KV against swapping and recompute, the host part on the CPU's
 #             cores (python -m fusegen.jobs.bench.cooperative_kv --device cuda; T_COOP s, 90,
 #             at most what is left after the anchors)
@@ -95,7 +99,7 @@ if stage new; then
   grep -E " (FAILED|ERROR) " $OUT/new_tests.log | sed 's/.* \(FAILED\|ERROR\) //' | cut -c1-150 | sort -u | head -30
   grep -E "^E  |^====" $OUT/failures.log 2>/dev/null | cut -c1-220 | head -50
 fi
-stage profile || stage anchors || stage coop || stage benchB || stage bench1k || stage benchA || { date -u; exit 0; }
+stage profile || stage anchors || stage offload || stage coop || stage benchB || stage bench1k || stage benchA || { date -u; exit 0; }
 CKPT=$(python3 -c "
 from fusegen.jobs.bench.presets import PRESETS
 from fusegen.jobs.bench.checkpoint import default_cache_dir, ensure_checkpoint
@@ -141,6 +145,15 @@ if stage anchors; then
       --requests "${REQ_1K:-256}" --skip-hf
   [[ $ANCHORS == *" sharegpt_fp8 "* ]] && anchor sharegpt_fp8 50 --workload sharegpt-like \
       --skip-hf --quantization fp8
+fi
+if stage offload; then  # its own checkpoint: the 32B shape, cut to OFF_LAYERS layers
+  LEFT=$(( END - $(date +%s) - 5 )); T=$(( LEFT < ${T_OFF:-300} ? LEFT : ${T_OFF:-300} ))
+  if (( T < 120 )); then echo "offload skipped: $LEFT s left"; else
+    timeout "$T" python3 -m fusegen.jobs.cli bench --preset gpu-offload --layers "${OFF_LAYERS:-32}" \
+        --requests "${OFF_REQ:-128}" --hf-requests "${OFF_HF:-8}" --skip-hf-continuous \
+        --json /tmp/bench_offload.json > $OUT/offload.log 2>&1
+    echo "offload rc=$?"; tail -16 $OUT/offload.log
+  fi
 fi
 if stage coop; then  # after the anchors, in what time is left (T_COOP s at most, 90)
   LEFT=$(( END - $(date +%s) - 5 )); T=$(( LEFT < ${T_COOP:-90} ? LEFT : ${T_COOP:-90} ))
