@@ -9,6 +9,7 @@ where weights and KV blocks live) is worked out by `engine.memory.plan.plan_engi
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from fusegen.engine.errors import EngineConfigError
@@ -241,7 +242,37 @@ class EngineOptions:
                 f"peer_memory {self.peer_memory!r} needs a device group: peers are the other "
                 "ranks of one, and tensor_parallel_size x pipeline_parallel_size is 1 x 1; "
                 "set one of them above 1, or use host_memory")
+        self._check_group()
         self._check_quantization()
+
+    def _check_group(self) -> None:
+        """A device group's refusals that need no model, here so that a job or an `LLM`
+        fails before it starts processes or writes its output (parallel/plan.py's
+        `check_grid` and the engine's async check repeat them with the model in hand)."""
+        ranks = self.tensor_parallel_size * self.pipeline_parallel_size
+        if self.async_scheduling and ranks > 1:
+            raise EngineConfigError(
+                f"async_scheduling=True cannot run in a device group (tensor_parallel_size "
+                f"{self.tensor_parallel_size} x pipeline_parallel_size "
+                f"{self.pipeline_parallel_size}): it keeps its own batches in flight; leave "
+                "async_scheduling unset or false")
+        mode = self.tensor_parallel_mode
+        if mode == "1d":
+            return
+        from fusegen.engine.parallel.tesseract import tesseract_grid
+
+        try:
+            tesseract_grid(self.tensor_parallel_size, self.tesseract_depth)
+        except ValueError as exc:
+            raise EngineConfigError(f"tensor_parallel_mode {mode!r}: {exc}") from None
+        if self.pipeline_parallel_size > 1:
+            raise EngineConfigError(
+                f"tensor_parallel_mode {mode!r} runs with pipeline_parallel_size 1 (got "
+                f"{self.pipeline_parallel_size}): the grid splits every layer; use "
+                "tensor_parallel_mode '1d' with stages")
+        if self.peer_memory is not None:
+            raise EngineConfigError(f"tensor_parallel_mode {mode!r} has no peer tier: leave "
+                                    f"peer_memory ({self.peer_memory!r}) unset")
 
     def _check_quantization(self) -> None:
         if self.quantization not in QUANTIZATIONS:
@@ -399,6 +430,13 @@ def _check_int(options: EngineOptions, name: str, minimum: int) -> None:
 
 
 def _parse(value, available, name: str) -> int:
+    # A float is a fraction of what is free or a whole number of bytes: 1.5 would be
+    # read as 1 byte, inf cannot be read at all.
+    if isinstance(value, float) and value > 1 and not (math.isfinite(value)
+                                                       and value.is_integer()):
+        raise EngineConfigError(f"{name}: {value!r} is neither whole bytes nor a fraction "
+                                "in (0, 1]; write bytes, a size like '24GiB' or a fraction "
+                                "like 0.8")
     try:
         return parse_bytes(value, available, name)
     except ValueError as exc:

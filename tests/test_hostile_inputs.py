@@ -145,3 +145,73 @@ def test_a_module_listed_twice_is_named(sparse_dir, tmp_path):
     text = _load_error(_tampered(sparse_dir, tmp_path / "t",
                                  config_edit=lambda c: c["modules"].append(Q)))
     assert f"sparsity_config.modules lists {Q!r} more than once" in text
+
+
+# -- engine options: through LLM(...) and through a `fusegen run` job file --------------
+
+def _job_refusal(tmp_path, src, lines: str) -> str:
+    """`fusegen run` of a job file holding `lines`: its usage error (exit 1), with the
+    output directory never made."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"prompt": ["hello"]}), tmp_path / "in.parquet")
+    job = tmp_path / "job.yaml"
+    job.write_text(f"model: {src}\ninput: {tmp_path / 'in.parquet'}\n"
+                   f"output: {tmp_path / 'out'}\nmax_tokens: 2\nprogress: none\n{lines}\n")
+    result = run_command("run", job)
+    assert result.exit_code == 1, result.output
+    assert not (tmp_path / "out").exists()
+    return result.output
+
+
+@pytest.mark.parametrize("name", ["device_memory", "host_memory", "peer_memory"])
+@pytest.mark.parametrize("value, yaml", [(1.5, "1.5"), (float("inf"), ".inf")])
+def test_a_memory_budget_neither_bytes_nor_a_fraction_is_named(src, tmp_path, name, value,
+                                                              yaml):
+    """1.5 was read as 1 byte, and inf was an OverflowError: each is named with what the
+    option takes."""
+    from fusegen.engine import LLM
+    from fusegen.engine.errors import EngineConfigError
+
+    group = {"tensor_parallel_size": 2} if name == "peer_memory" else {}
+    want = (f"{name}: {value!r} is neither whole bytes nor a fraction in (0, 1]; write "
+            "bytes, a size like '24GiB' or a fraction like 0.8")
+    with pytest.raises(EngineConfigError) as info:
+        LLM(str(src), **{name: value}, **group)
+    assert str(info.value) == want
+    extra = "\ntensor_parallel_size: 2" if group else ""
+    assert want in _job_refusal(tmp_path, src, f"{name}: {yaml}{extra}")
+
+
+@pytest.mark.parametrize("options, yaml, message", [
+    (dict(tensor_parallel_size=2, tensor_parallel_mode="2d"),
+     "tensor_parallel_size: 2\ntensor_parallel_mode: 2d",
+     "tensor_parallel_mode '2d': a Tesseract grid of 2 ranks at tesseract_depth 1 needs "
+     "2 = q x q x 1 for some integer q"),
+    (dict(tensor_parallel_size=4, tensor_parallel_mode="2.5d", tesseract_depth=2),
+     "tensor_parallel_size: 4\ntensor_parallel_mode: 2.5d\ntesseract_depth: 2",
+     "tensor_parallel_mode '2.5d': a Tesseract grid of 4 ranks at tesseract_depth 2 needs "
+     "4 = q x q x 2"),
+    (dict(tensor_parallel_size=4, tensor_parallel_mode="2d", pipeline_parallel_size=2),
+     "tensor_parallel_size: 4\ntensor_parallel_mode: 2d\npipeline_parallel_size: 2",
+     "tensor_parallel_mode '2d' runs with pipeline_parallel_size 1 (got 2)"),
+    (dict(tensor_parallel_size=4, tensor_parallel_mode="2d", peer_memory="1GiB"),
+     "tensor_parallel_size: 4\ntensor_parallel_mode: 2d\npeer_memory: 1GiB",
+     "tensor_parallel_mode '2d' has no peer tier: leave peer_memory ('1GiB') unset"),
+    (dict(tensor_parallel_size=2, async_scheduling=True),
+     "tensor_parallel_size: 2\nasync_scheduling: true",
+     "async_scheduling=True cannot run in a device group (tensor_parallel_size 2 x "
+     "pipeline_parallel_size 1)"),
+])
+def test_group_options_that_contradict_are_refused_before_the_job_starts(
+        src, tmp_path, options, yaml, message):
+    """Refused with the options alone: a job makes no output directory (it made one, then
+    failed loading the model), an `LLM` starts no process."""
+    from fusegen.engine.errors import EngineConfigError
+    from fusegen.engine.options import EngineOptions
+
+    with pytest.raises(EngineConfigError) as info:
+        EngineOptions(**options)
+    assert str(info.value).startswith(message), str(info.value)
+    assert message in _job_refusal(tmp_path, src, yaml)
