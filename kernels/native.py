@@ -12,6 +12,12 @@ directory never loads a build made for another CPU.
 
 Without a compiler (or when the build fails) fusegen falls back to the torch
 reference and says so once in the log; FUSEGEN_KERNELS=reference skips the build.
+
+Every entry point of the loaded library is a `Kernel`: it calls the ctypes function
+and, while `recording` is active in the calling thread, notes the call (function,
+arguments, result), which is how a CPU graph (engine/cpu_graphs.py) learns a decode
+step's kernel calls. A name the table below does not declare is wrapped too the first
+time it is read, so no call site can reach an unwrapped function through the library.
 """
 from __future__ import annotations
 
@@ -23,6 +29,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 log = logging.getLogger("fusegen.kernels")
@@ -88,6 +96,77 @@ _SIGNATURES = {
     "sparse_tiles_available": [],
     "sparse_tiles": [_P, _I, _L, _L, _P, _I, _L, _P, _L, _I, _I],
 }
+
+
+_recording = 0  # recorders active in any thread: the calls' only check when it is 0
+_recorders = threading.local()  # .calls: the list this thread's calls go to, or None
+_recording_lock = threading.Lock()
+
+
+class Kernel:
+    """A C entry point as call sites hold it: `fn` is the ctypes function; `argtypes`
+    and `restype` are its own (set through the wrapper)."""
+    __slots__ = ("fn",)
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args):
+        result = self.fn(*args)
+        if _recording:  # one global read a call when nothing records
+            calls = getattr(_recorders, "calls", None)
+            if calls is not None:
+                calls.append((self.fn, args, result))
+        return result
+
+    @property
+    def argtypes(self):
+        return self.fn.argtypes
+
+    @argtypes.setter
+    def argtypes(self, value):
+        self.fn.argtypes = value
+
+    @property
+    def restype(self):
+        return self.fn.restype
+
+    @restype.setter
+    def restype(self, value):
+        self.fn.restype = value
+
+    @property
+    def __name__(self):
+        return self.fn.__name__
+
+
+@contextmanager
+def recording(calls: list):
+    """Every kernel call this thread makes inside the block is appended to `calls` as
+    (ctypes function, args tuple, return value), in order. Not reentrant."""
+    global _recording
+    if getattr(_recorders, "calls", None) is not None:
+        raise RuntimeError("this thread is recording kernel calls already")
+    _recorders.calls = calls
+    with _recording_lock:
+        _recording += 1
+    try:
+        yield calls
+    finally:
+        _recorders.calls = None
+        with _recording_lock:
+            _recording -= 1
+
+
+class _Kernels(ctypes.CDLL):
+    """The shared object, whose functions read as attributes are `Kernel`s."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        kernel = Kernel(self[name])  # AttributeError where the build lacks it
+        setattr(self, name, kernel)
+        return kernel
 
 
 def _compiler() -> str | None:
@@ -168,7 +247,7 @@ def library() -> ctypes.CDLL | None:
     try:
         import torch  # noqa: F401 - load torch's OpenMP runtime first, so the kernels share it
 
-        lib = ctypes.CDLL(str(build()))
+        lib = _Kernels(str(build()))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("fusegen: CPU kernels unavailable, using the torch reference: %s", exc)
         return None
