@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -139,7 +141,13 @@ def bench(preset_name, model_name, revision, workload_name, num_requests, hf_req
     from fusegen.jobs.bench.report import format_report
 
     report_path = _report_path(report_path, json_path)
+    for flag, path in (("--json", json_path), ("--report", report_path)):
+        if path is not None:  # found now, not after the run
+            _check_writable(flag, path)
     preset = PRESETS[preset_name]
+    if layers is not None and layers > preset.model.num_layers:
+        raise click.UsageError(f"--layers {layers} is more than the {preset_name} preset's "
+                               f"{preset.model.num_layers}; --layers runs fewer of its layers")
     if workload_name is not None:
         preset = preset.with_workload(workload_name)
     preset = preset.shrink(num_layers=layers, num_requests=num_requests,
@@ -191,9 +199,38 @@ def _report_path(report: Path | None, json_path: Path | None) -> Path | None:
     return report
 
 
+def _check_writable(flag: str, path: Path) -> None:
+    """UsageError naming the flag where `path` cannot be written: a file in its path, a
+    directory or a read-only file there, no directory writable (one made and removed
+    where the file's folder is, or would be made)."""
+    existing = path.absolute().parent
+    while not existing.exists():  # _write makes the missing folders
+        existing = existing.parent
+    if not existing.is_dir():
+        raise click.UsageError(f"{flag} {path} cannot be written: {existing} is not a "
+                               "directory")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise click.UsageError(f"{flag} {path} cannot be written: the file is read-only")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".fusegen-bench-", dir=existing))
+    except OSError as exc:
+        raise click.UsageError(f"{flag} {path} cannot be written: no file can be made in "
+                               f"{existing} ({exc.strerror})") from None
+
+
 def _write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text, encoding="utf-8")
+    """`text` at `path`; where that fails after the run (a full disk), in a temporary
+    file named in the error instead, so the run's figures are kept."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        fd, kept = tempfile.mkstemp(prefix="fusegen-bench-", suffix=path.suffix)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        click.echo(f"error: {path} was not written ({exc}); the figures are in {kept}",
+                   err=True)
+        sys.exit(1)
     click.echo(f"wrote {path}")
 
 

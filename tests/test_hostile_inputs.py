@@ -215,3 +215,58 @@ def test_group_options_that_contradict_are_refused_before_the_job_starts(
         EngineOptions(**options)
     assert str(info.value).startswith(message), str(info.value)
     assert message in _job_refusal(tmp_path, src, yaml)
+
+
+# -- fusegen bench: what is found before the run ----------------------------------------
+
+def _bench(monkeypatch, *args):
+    """`fusegen bench --preset tiny ARGS`, with the run itself recorded, not done."""
+    from click.testing import CliRunner
+
+    from fusegen.jobs.bench import harness
+    from fusegen.jobs.bench_cmd import bench
+
+    runs = []
+    monkeypatch.setattr(harness, "run_benchmark", lambda *a: runs.append(a) or {})
+    result = CliRunner().invoke(bench, ["--preset", "tiny", "--skip-hf", *map(str, args)])
+    return result, runs
+
+
+@pytest.mark.parametrize("flag", ["--json", "--report"])
+def test_an_output_file_that_cannot_be_written_is_refused_before_the_run(
+        tmp_path, monkeypatch, flag):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    result, runs = _bench(monkeypatch, flag, blocker / "out" / "b.json")
+    assert result.exit_code == 2, result.output
+    assert f"{flag} {blocker / 'out' / 'b.json'} cannot be written: {blocker} is not a " \
+        "directory" in result.output
+    assert runs == [] and blocker.read_text() == "x"
+
+
+def test_more_layers_than_the_preset_are_refused(tmp_path, monkeypatch):
+    """--layers runs fewer of a preset's layers; more would build another, larger model."""
+    result, runs = _bench(monkeypatch, "--layers", 3, "--cache-dir", tmp_path)
+    assert result.exit_code == 2, result.output
+    assert "--layers 3 is more than the tiny preset's 2; --layers runs fewer of its " \
+        "layers" in result.output
+    assert runs == [] and list(tmp_path.iterdir()) == []
+
+
+def test_figures_are_kept_when_the_json_file_fails_after_the_run(tmp_path, capsys):
+    """A write that fails once the run is over (the disk filled meanwhile) puts the
+    figures in a temporary file, named in the error, instead of a traceback."""
+    import re
+
+    from fusegen.jobs.bench_cmd import _write
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(SystemExit) as info:
+        _write(blocker / "b.json", '{"tok_s": 1}\n')
+    assert info.value.code == 1
+    err = capsys.readouterr().err
+    kept = re.search(r"the figures are in (\S+\.json)", err).group(1)
+    assert f"error: {blocker / 'b.json'} was not written" in err
+    assert open(kept).read() == '{"tok_s": 1}\n'
+    os.remove(kept)
