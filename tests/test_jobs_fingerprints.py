@@ -73,14 +73,15 @@ LATER_VALUES = {
     "chat_template": "{{ messages }}", "system_prompt": "Be brief.",
     "param_columns": ["seed"], "output_format": "jsonl", "revision": "v2",
     "tokenizer": "/tok", "quantization": "int8", "tensor_parallel_size": 2,
-    "tp_overlap_chunks": 2, "tensor_parallel_mode": "2d", "tesseract_depth": 2, "min_p": 0.1,
+    "tp_overlap_chunks": 2, "tensor_parallel_mode": "2d", "tesseract_depth": 4, "min_p": 0.1,
     "stop_token_ids": [2], "ignore_eos": True, "n": 2, "json_schema": {"type": "object"},
     "regex": "a+", "choice": ["a"], "grammar": 'root ::= "a"', "presence_penalty": 0.5,
     "frequency_penalty": 0.5, "repetition_penalty": 1.1, "min_tokens": 1,
     "logit_bias": {5: 1.0}, "bad_words": ["foo"], "logprobs": 1, "prompt_logprobs": 1,
     "skip_special_tokens": False, "include_stop_str_in_output": True}
 # fields that are only valid beside another's value: compared with that value alone
-COMPANIONS = {"tesseract_depth": {"tensor_parallel_mode": "2.5d"}}
+# (16 ranks: the grid [4, 4, 1] at depth 1, [2, 2, 4] at depth 4)
+COMPANIONS = {"tesseract_depth": {"tensor_parallel_mode": "2.5d", "tensor_parallel_size": 16}}
 
 
 def test_fields_after_the_first_enter_the_fingerprint_only_when_set():
