@@ -70,7 +70,7 @@ def test_sigterm_mid_write_leaves_nothing_half_written(src, tmp_path, monkeypatc
     out = tmp_path / "s"
     if overwrite:
         out.mkdir()
-        (out / "keep.txt").write_text("old")
+        (out / "config.json").write_text("{}")  # an earlier checkpoint, as far as it goes
     real = qz._write_shard
 
     def stopped(path, planned, tensors):
@@ -84,9 +84,30 @@ def test_sigterm_mid_write_leaves_nothing_half_written(src, tmp_path, monkeypatc
     assert f"interrupted by SIGTERM; {out} " in result.output
     assert not list(tmp_path.glob(".s.*"))
     if overwrite:
-        assert [p.name for p in out.iterdir()] == ["keep.txt"]
+        assert [p.name for p in out.iterdir()] == ["config.json"]
+        assert (out / "config.json").read_text() == "{}"
     else:
         assert not out.exists()
+
+
+def test_overwrite_replaces_a_checkpoint_not_any_folder(src, tmp_path):
+    """--overwrite with an --output that holds files but no config.json (a typo for the
+    parent, a data folder) is refused with the folder untouched; an empty folder or an
+    earlier checkpoint is replaced."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "results.parquet").write_text("keep")
+    result = run_sparsify("--model", src, "--sparsity", 0.5, "--output", data, "--overwrite")
+    assert result.exit_code == 2, result.output
+    assert f"{data} holds files but no config.json: --overwrite replaces a checkpoint " \
+        "directory" in result.output
+    assert [p.name for p in data.iterdir()] == ["results.parquet"]
+    out = tmp_path / "s"
+    for _ in range(2):  # made, then replaced
+        result = run_sparsify("--model", src, "--sparsity", 0.5, "--output", out,
+                              "--overwrite")
+        assert result.exit_code == 0, result.output
+    assert json.loads((out / "config.json").read_text())["sparsity_config"]["sparsity"] == 0.5
 
 
 # -- sparse checkpoints whose tables or declaration were changed ------------------------

@@ -197,6 +197,11 @@ def sparsify_checkpoint(model, output, spec: SparsifySpec, *,
                                 f"{name!r}'s rows of {in_features}; choose a lower one",
                                 "sparsity")
     check_output(output, source.path, overwrite)
+    if overwrite and output.is_dir() and any(output.iterdir()) \
+            and not (output / "config.json").is_file():  # a typo must not remove a folder
+        raise QuantizeError(f"{output} holds files but no config.json: --overwrite replaces "
+                            "a checkpoint directory, and this is none; choose another "
+                            "--output, or empty it first", "output")
     check_writable(output)
     report = SparseReport(output, dense_dtype=str(dense_dtype).removeprefix("torch."),
                           values=values)
