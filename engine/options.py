@@ -249,6 +249,11 @@ class EngineOptions:
         """A device group's refusals that need no model, here so that a job or an `LLM`
         fails before it starts processes or writes its output (parallel/plan.py's
         `check_grid` and the engine's async check repeat them with the model in hand)."""
+        if self.tp_overlap_chunks > 1 and self.tensor_parallel_size == 1:
+            raise EngineConfigError(
+                f"tp_overlap_chunks {self.tp_overlap_chunks} splits the all-reduces of a "
+                "tensor-parallel group, and tensor_parallel_size is 1; set "
+                "tensor_parallel_size above 1, or leave tp_overlap_chunks at 1")
         ranks = self.tensor_parallel_size * self.pipeline_parallel_size
         if self.async_scheduling and ranks > 1:
             raise EngineConfigError(

@@ -220,6 +220,9 @@ def test_a_memory_budget_neither_bytes_nor_a_fraction_is_named(src, tmp_path, na
     (dict(tensor_parallel_size=4, tensor_parallel_mode="2d", peer_memory="1GiB"),
      "tensor_parallel_size: 4\ntensor_parallel_mode: 2d\npeer_memory: 1GiB",
      "tensor_parallel_mode '2d' has no peer tier: leave peer_memory ('1GiB') unset"),
+    (dict(tp_overlap_chunks=4), "tp_overlap_chunks: 4",
+     "tp_overlap_chunks 4 splits the all-reduces of a tensor-parallel group, and "
+     "tensor_parallel_size is 1"),
     (dict(tensor_parallel_size=2, async_scheduling=True),
      "tensor_parallel_size: 2\nasync_scheduling: true",
      "async_scheduling=True cannot run in a device group (tensor_parallel_size 2 x "

@@ -81,7 +81,8 @@ LATER_VALUES = {
     "skip_special_tokens": False, "include_stop_str_in_output": True}
 # fields that are only valid beside another's value: compared with that value alone
 # (16 ranks: the grid [4, 4, 1] at depth 1, [2, 2, 4] at depth 4)
-COMPANIONS = {"tesseract_depth": {"tensor_parallel_mode": "2.5d", "tensor_parallel_size": 16}}
+COMPANIONS = {"tesseract_depth": {"tensor_parallel_mode": "2.5d", "tensor_parallel_size": 16},
+              "tp_overlap_chunks": {"tensor_parallel_size": 2}}
 
 
 def test_fields_after_the_first_enter_the_fingerprint_only_when_set():
