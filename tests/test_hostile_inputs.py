@@ -294,3 +294,21 @@ def test_figures_are_kept_when_the_json_file_fails_after_the_run(tmp_path, capsy
     assert f"error: {blocker / 'b.json'} was not written" in err
     assert open(kept).read() == '{"tok_s": 1}\n'
     os.remove(kept)
+
+
+def test_a_config_that_is_not_an_object_is_named(src, tmp_path):
+    """config.json holding a list (or a number) was an AttributeError, in `fusegen
+    sparsify` and in `LLM` alike."""
+    from fusegen.engine import LLM
+    from fusegen.engine.errors import ModelLoadError
+
+    bad = tmp_path / "m"
+    shutil.copytree(src, bad)
+    (bad / "config.json").write_text("[]")
+    want = f"{bad / 'config.json'}: a JSON list, not an object of the model's settings"
+    out = tmp_path / "s"
+    assert_usage_error(run_sparsify("--model", bad, "--sparsity", 0.5, "--output", out),
+                       "'--model'", want, out=out)
+    with pytest.raises(ModelLoadError) as info:
+        LLM(str(bad))
+    assert str(info.value) == want

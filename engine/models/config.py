@@ -90,6 +90,9 @@ class ModelConfig:
             raw = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise ModelLoadError(f"{path}: not valid JSON ({exc})") from None
+        if not isinstance(raw, dict):
+            raise ModelLoadError(f"{path}: a JSON {type(raw).__name__}, not an object of "
+                                 "the model's settings")
         cfg = cls.from_dict(raw, source=str(path))
         from fusegen.engine.weights.loader import check_num_layers  # it imports this module
 
