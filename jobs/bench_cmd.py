@@ -144,6 +144,8 @@ def bench(preset_name, model_name, revision, workload_name, num_requests, hf_req
     for flag, path in (("--json", json_path), ("--report", report_path)):
         if path is not None:  # found now, not after the run
             _check_writable(flag, path)
+    if cache_dir is not None:
+        _check_writable("--cache-dir", cache_dir, folder=True)
     preset = PRESETS[preset_name]
     if layers is not None and layers > preset.model.num_layers:
         raise click.UsageError(f"--layers {layers} is more than the {preset_name} preset's "
@@ -199,17 +201,17 @@ def _report_path(report: Path | None, json_path: Path | None) -> Path | None:
     return report
 
 
-def _check_writable(flag: str, path: Path) -> None:
-    """UsageError naming the flag where `path` cannot be written: a file in its path, a
-    directory or a read-only file there, no directory writable (one made and removed
-    where the file's folder is, or would be made)."""
-    existing = path.absolute().parent
+def _check_writable(flag: str, path: Path, folder: bool = False) -> None:
+    """UsageError naming the flag where the file `path` (a `folder`: files in it) cannot
+    be written: a file in its path, a read-only file there, no directory writable (one
+    made and removed where the files go, or the nearest folder that exists)."""
+    existing = path.absolute() if folder else path.absolute().parent
     while not existing.exists():  # _write makes the missing folders
         existing = existing.parent
     if not existing.is_dir():
         raise click.UsageError(f"{flag} {path} cannot be written: {existing} is not a "
                                "directory")
-    if path.exists() and not os.access(path, os.W_OK):
+    if not folder and path.exists() and not os.access(path, os.W_OK):
         raise click.UsageError(f"{flag} {path} cannot be written: the file is read-only")
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".fusegen-bench-", dir=existing))

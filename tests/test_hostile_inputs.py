@@ -312,3 +312,13 @@ def test_a_config_that_is_not_an_object_is_named(src, tmp_path):
     with pytest.raises(ModelLoadError) as info:
         LLM(str(bad))
     assert str(info.value) == want
+
+
+def test_a_cache_folder_under_a_file_is_refused_before_the_run(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    result, runs = _bench(monkeypatch, "--cache-dir", blocker / "cache")
+    assert result.exit_code == 2, result.output
+    assert f"--cache-dir {blocker / 'cache'} cannot be written: {blocker} is not a " \
+        "directory" in result.output
+    assert runs == []
