@@ -110,9 +110,11 @@ class EngineOptions:
     # A recorded decode step runs its batch padded to a bucket size, which, like another
     # batch composition, may pick another matmul kernel: not part of a job's identity.
     enforce_eager: bool = option(
-        False, "On GPUs, run every step op by op: no CUDA graphs for decode steps (they "
-        "replay a step's kernels with one launch; deterministic mode, streamed layers and "
-        "MoE models never use them).", kind=bool)
+        False, "Run every step op by op: no recorded decode steps. On GPUs those are CUDA "
+        "graphs (a step's kernels replayed with one launch; deterministic mode never uses "
+        "them); on CPUs, CPU graphs of steps of up to 8 rows (a step's C kernel calls "
+        "replayed without the Python around them). Streamed layers and MoE models never "
+        "use either.", kind=bool)
     # The same tokens either way (a request that stops runs one extra token, discarded):
     # not part of a job's identity.
     async_scheduling: bool | None = option(
@@ -212,6 +214,13 @@ class EngineOptions:
         self._check_seed()
         if self.num_host_kv_blocks is not None:
             _check_int(self, "num_host_kv_blocks", 0)
+        blocks = {n: getattr(self, n) for n in ("num_kv_blocks", "num_host_kv_blocks")
+                  if getattr(self, n) is not None}
+        if sum(blocks.values()) > MAX_KV_BLOCKS:
+            raise EngineConfigError(
+                f"{' + '.join(f'{n} {v}' for n, v in blocks.items())} is past the "
+                f"{MAX_KV_BLOCKS} KV blocks a block table can number (int32 ids, the "
+                "host pool's after the device's)")
         if self.kv_placement not in KV_PLACEMENTS:
             raise EngineConfigError(f"kv_placement must be one of {', '.join(KV_PLACEMENTS)}; "
                                     f"got {self.kv_placement!r}")
@@ -426,6 +435,11 @@ def describe() -> str:
 
 
 EngineOptions.__doc__ = "What a user may set on an engine; every field:\n\n" + describe()
+
+
+# Block tables hold int32 block ids; a split (cooperative) pool numbers the host pool's
+# blocks after the device pool's.
+MAX_KV_BLOCKS = 2**31 - 1
 
 
 def _check_int(options: EngineOptions, name: str, minimum: int) -> None:

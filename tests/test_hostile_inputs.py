@@ -322,3 +322,25 @@ def test_a_cache_folder_under_a_file_is_refused_before_the_run(tmp_path, monkeyp
     assert f"--cache-dir {blocker / 'cache'} cannot be written: {blocker} is not a " \
         "directory" in result.output
     assert runs == []
+
+
+@pytest.mark.parametrize("options, yaml, message", [
+    (dict(num_host_kv_blocks=10**20), "num_host_kv_blocks: 100000000000000000000",
+     "num_host_kv_blocks 100000000000000000000 is past the 2147483647 KV blocks a block "
+     "table can number"),
+    (dict(num_kv_blocks=2**30, num_host_kv_blocks=2**30),
+     "num_kv_blocks: 1073741824\nnum_host_kv_blocks: 1073741824",
+     "num_kv_blocks 1073741824 + num_host_kv_blocks 1073741824 is past the 2147483647 KV "
+     "blocks"),
+])
+def test_block_counts_past_what_a_block_table_numbers_are_named(src, tmp_path, options, yaml,
+                                                                message):
+    """An int64 overflow inside torch's allocator (a traceback naming no option) before;
+    the option and the limit now, before anything loads."""
+    from fusegen.engine import LLM
+    from fusegen.engine.errors import EngineConfigError
+
+    with pytest.raises(EngineConfigError) as info:
+        LLM(str(src), **options)
+    assert str(info.value).startswith(message), str(info.value)
+    assert message in _job_refusal(tmp_path, src, yaml)
