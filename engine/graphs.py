@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps.
+"""Recorded decode steps: CUDA graphs on GPUs, CPU graphs on CPUs.
 
 A decode step on a GPU is bound by its fixed cost: every layer launches a dozen
 kernels from Python, and the GPU waits between them (on an H200, an 8-layer Llama-3-8B
@@ -30,6 +30,21 @@ the head and sampler outside the graph (their per-row generators and data-depend
 top-k widths do not replay). The graph's body is `decode_body`, a plain function: on a
 CPU, tests run it eagerly in place of a replay (`DecodeGraphs._capture` is the only
 CUDA-specific part).
+
+On CPUs a decode step is bound by the Python around its C kernel calls, and
+`CpuDecodeGraphs` records the same `decode_body` as a CPU graph (engine/cpu_graphs.py:
+the step's kernel calls and torch ops, replayed in one Python loop). What differs from
+the GPU: one graph per exact row count (no padding rows: they would cost real compute,
+and could take another kernel path, so outputs would differ from eager) up to
+CPU_GRAPH_ROWS and per head flag; recording is the step's eager run itself (nothing
+runs twice); before each replay the step's tables, lengths and slots are checked
+against the cache (the kernels' wrappers check them eagerly, a replay does not), with
+the eager path's error; a replayed kernel that returns another status than at
+recording leaves the step and the engine eager, as a failed recording does; the graphs
+keep at most CPU_GRAPH_BYTES of intermediates. Deterministic mode uses them too (a
+replay makes eager's calls, so its bits are eager's); models whose decode steps take a
+torch path with Python-side loops (Gemma 2's soft cap) and the torch-reference kernels
+(FUSEGEN_KERNELS=reference) do not.
 """
 from __future__ import annotations
 
@@ -39,6 +54,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
+from fusegen.engine.cpu_graphs import ReplayMismatch, record
 from fusegen.engine.models.decoder import AttentionMetadata
 from fusegen.engine.runner_api import LOGITS_CHUNK
 from fusegen.engine.step_inputs import StepInputs, host_rows
@@ -126,9 +142,10 @@ class GraphedRunner(Protocol):
 
 
 class DecodeGraphs:
-    """The recorded decode steps of one runner on a GPU: `serves` says which steps a
-    graph runs, `run` runs one; `replays`, `graphs` (by (bucket, splits), then by
-    whether the graph holds the head) and `failed` say what they did."""
+    """The recorded decode steps of one runner (on a GPU; CpuDecodeGraphs below on a
+    CPU): `serves` says which steps a graph runs, `run` runs one; `replays`, `graphs`
+    (by (bucket, splits), then by whether the graph holds the head) and `failed` say
+    what they did."""
 
     def __init__(self, runner: GraphedRunner, max_rows: int, max_model_len: int):
         self.runner = runner
@@ -165,12 +182,16 @@ class DecodeGraphs:
                                         max_seq_len))
         recorded = self.graphs.get(key, {})
         if head in recorded:
-            graph, out = recorded[head]
-            graph.replay()
-            self.replays += 1
+            out = self._replay(recorded[head], bucket, max_seq_len, head)
         else:
             out = self._record(key, bucket, max_seq_len, head)
         return tuple(t[:rows] for t in out)
+
+    def _replay(self, recorded, bucket: int, max_seq_len: int, head: bool):
+        graph, out = recorded
+        graph.replay()
+        self.replays += 1
+        return out
 
     @staticmethod
     def _copy(dst: torch.Tensor, host: torch.Tensor) -> None:
@@ -179,21 +200,28 @@ class DecodeGraphs:
         else:
             dst.copy_(host)
 
-    def _record(self, key, bucket: int, max_seq_len: int, head: bool):
+    def _forward(self, bucket: int, max_seq_len: int, head: bool):
+        """The step over the first `bucket` rows of the buffers, as a call of nothing."""
         small, tables = self.small[:, :bucket], self.block_tables[:bucket]
         query_start = self.query_start[:bucket + 1]
 
         def forward():
             return decode_body(self.runner, small, tables, query_start, max_seq_len,
                                self.with_lengths, head)
+        return forward
 
+    def _fail(self, failure: Exception, what: str) -> None:
+        self.failed = f"{type(failure).__name__}: {failure}"
+        log.warning("%s failed (%s); this engine runs every step eagerly from now on",
+                    what, self.failed)
+
+    def _record(self, key, bucket: int, max_seq_len: int, head: bool):
+        forward = self._forward(bucket, max_seq_len, head)
         eager = forward()  # this step, eagerly: compiles what the graph will launch
         try:
             graph, out = self._capture(forward)
         except Exception as failure:  # noqa: BLE001 - whatever refused, the step is done
-            self.failed = f"{type(failure).__name__}: {failure}"
-            log.warning("recording a decode step as a CUDA graph failed (%s); this engine "
-                        "runs every step eagerly from now on", self.failed)
+            self._fail(failure, "recording a decode step as a CUDA graph")
             return eager
         graph.replay()  # the step again, from the graph: the same writes, the same output
         self.graphs.setdefault(key, {})[head] = (graph, out)
@@ -207,3 +235,93 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = forward()
         return graph, out
+
+
+# CPU graphs (engine/cpu_graphs.py) serve decode steps of up to this many rows: each
+# graph keeps every intermediate tensor of its step (one graph per row count and head
+# flag), and the Python a graph saves is a fixed cost per step that a step's own compute
+# outgrows as rows are added.
+CPU_GRAPH_ROWS = 8
+# The bytes all CPU graphs of an engine may keep (their steps' intermediates); past it,
+# the row counts without a graph run eagerly.
+CPU_GRAPH_BYTES = 256 << 20
+
+
+def cpu_graphable(model: CausalLM) -> bool:
+    """Whether a CPU graph replays `model`'s decode steps right: every layer without
+    host syncs, and every kernel of a decode step a C kernel or a torch op whose shapes
+    do not depend on the step's values (Gemma 2's soft-capped attention runs the torch
+    reference, which loops over the sequences in Python)."""
+    from fusegen.kernels import use_native
+
+    return (model.graphable and use_native(torch.empty(0))
+            and all(not getattr(layer, "softcap", 0) for layer in model.layers))
+
+
+def bounds_problem(inputs: StepInputs, num_blocks: int, block_size: int) -> str | None:
+    """What the eager step's kernels would refuse in the step's tables, lengths and
+    slots (their bounds checks do not run in a replay), in their words; None: fine."""
+    tables = np.asarray(inputs.block_tables)
+    low, high, longest = int(tables.min()), int(tables.max()), int(np.max(inputs.seq_lens))
+    if longest > tables.shape[1] * block_size or not 0 <= low <= high < num_blocks:
+        return (f"block tables [{tables.shape}, ids {low}..{high}] do not cover "
+                f"sequences of up to {longest} tokens in a cache of {num_blocks} blocks of "
+                f"{block_size}")
+    slots = np.asarray(inputs.slots)
+    if int(slots.max()) >= num_blocks * block_size:
+        return f"slot {int(slots.max())} outside a KV cache of {num_blocks} blocks of {block_size}"
+    return None
+
+
+class CpuDecodeGraphs(DecodeGraphs):
+    """Recorded decode steps on a CPU (engine/cpu_graphs.py): one graph per exact row
+    count up to CPU_GRAPH_ROWS (padding rows would cost real compute, and could take
+    another kernel path than the rows alone, so outputs would differ from eager) and
+    head flag. Recording IS the step's eager run; a replay makes the same kernel calls,
+    so its outputs are eager's bit for bit. `nbytes`: what the graphs keep."""
+
+    def __init__(self, runner: GraphedRunner, max_rows: int, max_model_len: int):
+        super().__init__(runner, min(max_rows, CPU_GRAPH_ROWS), max_model_len)
+        self.buckets = list(range(1, min(max_rows, CPU_GRAPH_ROWS) + 1))
+        self.nbytes = 0
+        self.full = False  # the graphs hold CPU_GRAPH_BYTES: new row counts run eagerly
+        self.num_blocks = next(c for c in runner.kv_caches if c is not None)[0].shape[0]
+
+    def run(self, inputs: StepInputs, head: bool = False) -> tuple[torch.Tensor, ...]:
+        problem = bounds_problem(inputs, self.num_blocks, self.runner.block_size)
+        if problem is not None:
+            raise IndexError(problem)
+        return super().run(inputs, head)
+
+    def _replay(self, recorded, bucket: int, max_seq_len: int, head: bool):
+        graph, out = recorded
+        try:
+            graph.replay()
+        except ReplayMismatch as failure:
+            self._fail(failure, "replaying a decode step's CPU graph")
+            return self._forward(bucket, max_seq_len, head)()  # the step again, eagerly
+        self.replays += 1
+        return out
+
+    def _record(self, key, bucket: int, max_seq_len: int, head: bool):
+        forward = self._forward(bucket, max_seq_len, head)
+        if self.full:
+            return forward()
+        try:
+            graph, out = record(forward)  # the step itself, eagerly, recorded as it runs
+        except Exception as failure:  # noqa: BLE001 - the step runs again, eagerly
+            out = forward()  # a failure of the step itself raises again here
+            self._fail(failure, "recording a decode step as a CPU graph")
+            return out
+        if self.nbytes + graph.nbytes > CPU_GRAPH_BYTES:
+            self.full = True
+            log.debug("CPU graphs: %d rows%s would keep %d bytes over the %d kept; "
+                      "new row counts run eagerly", bucket, " with the head" if head else "",
+                      graph.nbytes, self.nbytes)
+            return out
+        self.nbytes += graph.nbytes
+        log.debug("CPU graph: %d rows%s, %d kernel calls, %d torch ops, %d bytes kept "
+                  "(%d in all)", bucket, " with the head" if head else "", graph.num_calls,
+                  graph.num_ops, graph.nbytes, self.nbytes)
+        self.graphs.setdefault(key, {})[head] = (graph, out)
+        return out

@@ -24,7 +24,7 @@ from fusegen.engine.weights.packed import can_pack, pack_linear, pack_linears
 from fusegen.engine.weights.quantized import compress_shell, keep_blocks, split_kept
 from fusegen.engine.logprobs import record_prompt_logprobs
 from fusegen.engine.sampler import Sampler
-from fusegen.engine.graphs import DecodeGraphs
+from fusegen.engine.graphs import CpuDecodeGraphs, DecodeGraphs, cpu_graphable
 from fusegen.engine.runner_api import LOGITS_CHUNK, Runner
 from fusegen.engine.request import PLACEHOLDER
 from fusegen.engine.scheduler import ScheduledBatch
@@ -122,7 +122,8 @@ class ModelRunner(Runner):
         self.peak_device_bytes = sum(self.memory["device"].values())
         self.graphs = None
         if self._records_decode_steps():
-            self.graphs = DecodeGraphs(self, config.max_num_seqs, config.max_model_len)
+            graphs = DecodeGraphs if self.device.type == "cuda" else CpuDecodeGraphs
+            self.graphs = graphs(self, config.max_num_seqs, config.max_model_len)
         self._tokens: deque[list[int | None]] = deque()  # submitted batches' results
 
     @property
@@ -130,13 +131,18 @@ class ModelRunner(Runner):
         return self.model.streamer
 
     def _records_decode_steps(self) -> bool:
-        """CUDA graphs for decode steps (engine/graphs.py): on a GPU, unless asked not
-        to, for models without host syncs in their forward pass, with every layer
-        resident, outside deterministic mode."""
+        """Recorded decode steps (engine/graphs.py), unless asked not to, for models
+        without host syncs in their forward pass, with every layer resident and no KV
+        in host memory: CUDA graphs on a GPU outside deterministic mode; on a CPU, CPU
+        graphs (engine/cpu_graphs.py) where every kernel of a decode step takes the C
+        path, deterministic mode included (a replay makes eager's calls)."""
         options = self.config.options
-        return (self.device.type == "cuda" and not options.enforce_eager
-                and not options.deterministic and self.model.graphable
-                and self.model.streamer is None and not self.config.kv_split.cooperative)
+        if options.enforce_eager or self.model.streamer is not None \
+                or self.config.kv_split.cooperative:
+            return False
+        if self.device.type == "cuda":
+            return not options.deterministic and self.model.graphable
+        return self.device.type == "cpu" and cpu_graphable(self.model)
 
     # -- what a rank of a device group holds instead (engine/parallel/worker.py) ----
 

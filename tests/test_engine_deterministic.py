@@ -41,8 +41,10 @@ def recorded(monkeypatch):
         return real(self, logits, batch)
 
     monkeypatch.setattr(Sampler, "__call__", recording)
-    # every row's logits through the sampler, greedy ones too (not the argmax head)
+    # every row's logits through the sampler, greedy ones too (not the argmax head, nor
+    # a recorded decode step's head: engine/graphs.py)
     monkeypatch.setattr(CausalLM, "greedy_tokens", lambda *args: None)
+    monkeypatch.setattr(Sampler, "plain_greedy", staticmethod(lambda requests: False))
     return logits_by_seed
 
 

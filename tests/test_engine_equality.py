@@ -56,10 +56,11 @@ def test_preemption_equals_transformers(mistral_sp_dir):
 def test_logits_in_chunks_equal_transformers(llama_dir, monkeypatch, head):
     # Sampled rows through the LM head 3 at a time: 7 requests, 3 chunks per step; through
     # the logits and the sampler, or (greedy rows, fusegen's CPU GEMM) the head's argmax.
-    from fusegen.engine import model_runner as runner
+    from fusegen.engine import graphs, model_runner as runner
     from fusegen.engine.models.decoder import CausalLM
     from fusegen.engine.weights.packed import NativeLinear, _native_gemm
     monkeypatch.setattr(runner, "LOGITS_CHUNK", 3)
+    monkeypatch.setattr(graphs, "LOGITS_CHUNK", 3)  # a CPU graph's head (greedy_head)
     calls = []
     if head == "logits":
         original = CausalLM.logits

@@ -61,8 +61,9 @@ def test_padding_rows_write_no_kv_and_attend_to_one_key():
     assert with_lengths[4].tolist() == [40, 7, 1, 1]
 
 
-def test_cpu_engines_and_eager_gpu_engines_record_nothing(llama_dir):
-    with LLM(str(llama_dir), dtype="float32", device="cpu") as llm:
+def test_eager_engines_record_nothing(llama_dir):
+    # (CPU engines record CPU graphs otherwise: tests/test_cpu_graphs.py)
+    with LLM(str(llama_dir), dtype="float32", device="cpu", enforce_eager=True) as llm:
         assert llm.engine.runner.graphs is None
     with pytest.raises(EngineConfigError, match="enforce_eager must be true or false"):
         LLM(str(llama_dir), enforce_eager="yes")
