@@ -10,7 +10,6 @@ import signal
 from functools import partial
 
 import pytest
-import torch
 
 from checkpoints import make_hf_checkpoint
 from quant_helpers import assert_usage_error, run_command
