@@ -343,3 +343,26 @@ def test_block_counts_past_what_a_block_table_numbers_are_named(src, tmp_path, o
         LLM(str(src), **options)
     assert str(info.value).startswith(message), str(info.value)
     assert message in _job_refusal(tmp_path, src, yaml)
+
+
+def test_a_weight_past_float16_is_named_not_written_as_inf(src, tmp_path):
+    """--values fp16 and a kept weight past 65504: it was written as inf (a checkpoint
+    that gave garbage tokens); now the tensor, the weight and where it is are named, and
+    nothing is written. bf16 keeps it."""
+    from safetensors.torch import load_file, save_file
+
+    big = tmp_path / "big"
+    shutil.copytree(src, big)
+    tensors = load_file(big / "model.safetensors")
+    name = "model.layers.0.mlp.up_proj.weight"
+    tensors[name][3, 5] = 1e6
+    save_file(tensors, big / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "s"
+    result = run_sparsify("--model", big, "--sparsity", 0.5, "--values", "fp16",
+                          "--output", out)
+    assert_usage_error(result, "'--values'", f"tensor {name!r} keeps the weight 1000000.0 "
+                       "(row 3, column 5), past float16's range (largest 65504); choose "
+                       "--values bf16, fp32 or int8", out=out)
+    result = run_sparsify("--model", big, "--sparsity", 0.5, "--values", "bf16",
+                          "--output", out)
+    assert result.exit_code == 0, result.output

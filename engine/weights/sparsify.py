@@ -123,7 +123,17 @@ class SparseForm:
     def _encoded(self, name: str, weight: torch.Tensor):
         from fusegen.kernels import sparse_format
 
-        return sparse_format.encode(self.pruned(name, weight), self.values)
+        pruned = self.pruned(name, weight)
+        tiles = sparse_format.encode(pruned, self.values)
+        if tiles.values.is_floating_point() and not torch.isfinite(tiles.values).all():
+            # finite weights turned inf: past the values dtype's range (float16's 65504)
+            row, column = divmod(int(pruned.abs().argmax()), pruned.shape[1])
+            raise QuantizeError(
+                f"tensor {name!r} keeps the weight {float(pruned[row, column])!r} (row {row}, "
+                f"column {column}), past {self.values}'s range "
+                f"(largest {torch.finfo(tiles.values.dtype).max:g}); choose --values bf16, "
+                "fp32 or int8", "values")
+        return tiles
 
     def planned(self, name: str, source: Source) -> Planned:
         from fusegen.kernels import sparse_format
