@@ -211,6 +211,8 @@ def _check_writable(flag: str, path: Path, folder: bool = False) -> None:
     if not existing.is_dir():
         raise click.UsageError(f"{flag} {path} cannot be written: {existing} is not a "
                                "directory")
+    if not folder and path.is_dir():  # --report's default, beside --json, may be one
+        raise click.UsageError(f"{flag} {path} cannot be written: it is a directory")
     if not folder and path.exists() and not os.access(path, os.W_OK):
         raise click.UsageError(f"{flag} {path} cannot be written: the file is read-only")
     try:

@@ -267,6 +267,16 @@ def test_an_output_file_that_cannot_be_written_is_refused_before_the_run(
     assert runs == [] and blocker.read_text() == "x"
 
 
+def test_a_default_report_path_that_is_a_directory_is_refused_before_the_run(
+        tmp_path, monkeypatch):
+    (tmp_path / "b.html").mkdir()
+    result, runs = _bench(monkeypatch, "--json", tmp_path / "b.json")
+    assert result.exit_code == 2, result.output
+    assert f"--report {tmp_path / 'b.html'} cannot be written: it is a directory" \
+        in result.output
+    assert runs == []
+
+
 def test_more_layers_than_the_preset_are_refused(tmp_path, monkeypatch):
     """--layers runs fewer of a preset's layers; more would build another, larger model."""
     result, runs = _bench(monkeypatch, "--layers", 3, "--cache-dir", tmp_path)
