@@ -36,7 +36,6 @@ def sparsify(model, sparsity, method, calibration, calibration_column, calibrati
     norms and MoE routers stay dense."""
     from fusegen.engine.weights.sparsify import SparsifySpec, sparsify_checkpoint
     from fusegen.engine.weights.quantize import QuantizeError
-
     from fusegen.jobs.interrupt import signal_of, stop_on_signals
 
     try:

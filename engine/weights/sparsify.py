@@ -188,8 +188,9 @@ def sparsify_checkpoint(model, output, spec: SparsifySpec, *,
     """Write `model` (a 16-bit / fp32 checkpoint directory or a GGUF file) pruned by
     `spec` into the directory `output`; `prompts`: wanda's calibration prompts;
     `dense`: the pruned weights written dense instead (`PrunedDense`). QuantizeError,
-    naming the option, for a bad input, before anything is written; nothing is
-    written at `output` then, nor when interrupted."""
+    naming the option, for a bad input, before anything is written (an output that
+    cannot be made: before the calibration pass; `overwrite` replaces only a checkpoint
+    or an empty folder); nothing is written at `output` then, nor when interrupted."""
     output = Path(output)
     if spec.method == "wanda" and not prompts:
         raise QuantizeError("method wanda needs calibration prompts (--calibration)",
