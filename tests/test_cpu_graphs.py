@@ -22,12 +22,14 @@ from test_engine_graphs import BUDGETS
 from test_sparse_weights import source, write_pruned
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="needs the C kernels")
-# 7 requests whose budgets finish them one by one: decode steps of 6, 5, .. 1 rows
-OPTIONS = dict(device="cpu", max_num_seqs=8, max_model_len=128)
-ROWS = {1, 2, 3, 4, 5, 6}
+# 7 requests whose budgets finish them one by one: decode steps of 7 (once), 6, 5, 4
+# (once each), 3, 2 (twice each) and 1 row (four times), every row count a graph takes
+NS = [13, 2, 9, 4, 3, 7, 5]
+OPTIONS = dict(device="cpu", max_num_seqs=7, max_model_len=128)
+ROWS = set(range(1, 8))
 
 
-def greedy(ns=BUDGETS):
+def greedy(ns=NS):
     return [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in ns]
 
 
@@ -76,7 +78,7 @@ def arch_dirs(tmp_path_factory):
 ])
 def test_greedy_tokens_equal_eager(arch, dtype, arch_dirs):
     graphs = assert_graphed_equals_eager(arch_dirs(arch), dtype=dtype)
-    assert type(graphs) is CpuDecodeGraphs and graphs.buckets == list(range(1, 9))
+    assert type(graphs) is CpuDecodeGraphs and graphs.buckets == list(range(1, 8))
     # greedy rows: each graph holds the head and argmax
     assert all(set(by_head) == {True} for by_head in graphs.graphs.values())
 
@@ -113,7 +115,7 @@ def test_sampled_rows_stops_logprobs_and_prefix_caching(llama_dir):
 
 def test_deterministic_mode_is_bit_identical(llama_dir):
     params = [SamplingParams(max_tokens=n, temperature=0.0, logprobs=2, ignore_eos=True)
-              for n in BUDGETS]
+              for n in NS]
     assert_graphed_equals_eager(llama_dir, params, dtype="float32", deterministic=True)
 
 
@@ -227,12 +229,29 @@ def test_a_kernel_status_other_than_recorded_leaves_the_engine_eager(llama_dir, 
         replays = graphs.replays
         with caplog.at_level(logging.WARNING, logger="fusegen.engine"):
             outs = llm.generate(PROMPTS, greedy())
-        # rows 6, 5, 4 and 3 record, 3 replays twice, then 2's graph fails: eager since
-        assert graphs.failed.startswith("ReplayMismatch") and graphs.replays == replays + 2
-        assert {rows for rows, _ in graphs.graphs} == {6, 5, 4, 3, 2}
+        # rows 7 to 3 record, 3 replays once, then 2's graph fails: eager from then on
+        assert graphs.failed.startswith("ReplayMismatch") and graphs.replays == replays + 1
+        assert {rows for rows, _ in graphs.graphs} == {7, 6, 5, 4, 3, 2}
     warnings = [r.getMessage() for r in caplog.records if "CPU graph" in r.getMessage()]
     assert len(warnings) == 1 and "runs every step eagerly" in warnings[0]
     assert [o.token_ids for o in outs] == want
+
+
+def test_a_failed_recording_leaves_the_step_and_engine_eager(llama_dir, monkeypatch,
+                                                              caplog):
+    want, _, _ = generate(llama_dir, greedy(), True, dtype="float32")
+
+    def refuse(forward):
+        forward()  # part of the step ran before the failure: the eager rerun redoes it
+        raise RuntimeError("refused")
+
+    monkeypatch.setattr(graphs_module, "record", refuse)
+    with caplog.at_level(logging.WARNING, logger="fusegen.engine"):
+        got, _, graphs = generate(llama_dir, greedy(), False, dtype="float32")
+    assert got == want
+    assert graphs.failed == "RuntimeError: refused" and graphs.graphs == {}
+    warnings = [r.getMessage() for r in caplog.records if "CPU graph" in r.getMessage()]
+    assert len(warnings) == 1 and "runs every step eagerly" in warnings[0]
 
 
 def test_bad_block_tables_raise_before_a_replay(runner):
@@ -254,13 +273,13 @@ def test_memory_cap_leaves_new_row_counts_eager(llama_dir, monkeypatch):
     _, _, graphs = generate(llama_dir, greedy(), False, dtype="float32")
     sizes = {rows: by_head[True][0].nbytes for (rows, _), by_head in graphs.graphs.items()}
     assert graphs.nbytes == sum(sizes.values()) and not graphs.full
-    # the decode steps run 6, 5, 4, 3 (three times), 2 (twice), 1 (four times) rows:
-    # room for the graphs of 6..3 rows, recorded in that order; 2 and 1 run eagerly
-    kept = sizes[6] + sizes[5] + sizes[4] + sizes[3]
-    monkeypatch.setattr(graphs_module, "CPU_GRAPH_BYTES", kept + sizes[2] - 1)
+    # room for the graphs of 7..2 rows, recorded in that order (3 and 2 replay once
+    # each); the 1-row steps run eagerly
+    kept = sum(sizes[rows] for rows in range(2, 8))
+    monkeypatch.setattr(graphs_module, "CPU_GRAPH_BYTES", kept + sizes[1] - 1)
     got, _, capped = generate(llama_dir, greedy(), False, dtype="float32")
     assert got == want
-    assert {rows for rows, _ in capped.graphs} == {6, 5, 4, 3}
+    assert {rows for rows, _ in capped.graphs} == set(range(2, 8))
     assert capped.full and capped.replays == 2 and capped.nbytes == kept
 
 
