@@ -29,6 +29,7 @@ C path (engine/graphs.py: `CpuDecodeGraphs`).
 """
 from __future__ import annotations
 
+import bisect
 import ctypes
 from dataclasses import dataclass, field
 
@@ -99,7 +100,7 @@ def record(forward) -> tuple[CpuGraph, object]:
 
 def _build(log: list, out) -> CpuGraph:
     outputs = {id(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)}
-    keep, fresh, live = [], {}, _consumed(log, outputs)
+    keep, fresh, live, pointers = [], {}, _consumed(log, outputs), _pointers(log)
     steps, num_calls, num_ops = [], 0, 0
     for entry in log:
         if entry[0] is not _OP:
@@ -125,8 +126,8 @@ def _build(log: list, out) -> CpuGraph:
         made = {k: v for k, v in _storages(tensors).items() if k not in inputs}
         # a view, or an op that may alias and did (`to` its own dtype, `reshape` of
         # contiguous memory): nothing computed. Else a fresh result, unless nothing
-        # replayed reads it
-        if made and any(id(t) in live for t in tensors):
+        # replayed reads it (a later op, a kernel by pointer, `forward`'s caller)
+        if made and any(id(t) in live or _holds(t, pointers) for t in tensors):
             fresh.update(made)
             keep.append((args, kwargs))
             steps.append((_run_into, (func, args, kwargs, result), None))
@@ -135,28 +136,28 @@ def _build(log: list, out) -> CpuGraph:
 
 
 def _consumed(log: list, outputs: set[int]) -> set[int]:
-    """ids of the op results something replayed reads: a later op other than a host
-    read, a kernel call (by pointer into its storage), or `forward`'s output."""
+    """ids of the tensors a later op other than a host read takes, and `forward`'s
+    outputs."""
     live = set(outputs)
-    pointers = [a for entry in log if entry[0] is not _OP for a in entry[1]
-                if isinstance(a, int) and not isinstance(a, bool)]
     for entry in log:
         if entry[0] is _OP and entry[1] not in _HOST_READS:
             live.update(id(t) for t in tree_flatten((entry[2], entry[3]))[0]
                         if isinstance(t, torch.Tensor))
-    for entry in log:
-        if entry[0] is _OP:
-            for t in tree_flatten(entry[4])[0]:
-                if isinstance(t, torch.Tensor) and id(t) not in live and _holds(t, pointers):
-                    live.add(id(t))
     return live
 
 
+def _pointers(log: list) -> list[int]:
+    """The kernel calls' integer arguments (their pointers among them), sorted."""
+    return sorted({a for entry in log if entry[0] is not _OP for a in entry[1]
+                   if isinstance(a, int) and not isinstance(a, bool)})
+
+
 def _holds(t: torch.Tensor, pointers: list[int]) -> bool:
+    """Whether a kernel call took a pointer into `t`'s storage."""
     storage = t.untyped_storage()
     start = storage.data_ptr()
-    end = start + storage.nbytes()
-    return any(start <= p < end for p in pointers)
+    i = bisect.bisect_left(pointers, start)
+    return i < len(pointers) and pointers[i] < start + storage.nbytes()
 
 
 def _storages(tensors) -> dict[int, int]:
