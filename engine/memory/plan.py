@@ -83,6 +83,7 @@ def plan_engine(options, shape: ModelShape, free: FreeMemory) -> EnginePlan:
             placement, limits = _place(options, shape, free, larger, max_model_len), larger
         except BudgetTooSmall:
             pass
+    _check_fits(options, placement, free)
     return EnginePlan(placement, *limits, max_model_len)
 
 
@@ -204,6 +205,61 @@ def _peer_budget(options, free: FreeMemory, device_budget: int) -> tuple[int, in
             f"borrows, so peer_memory may be at most {format_bytes(spare)}: lower "
             "peer_memory or device_memory")
     return peer, spare
+
+
+def _check_fits(options, plan: PlacementPlan, free: FreeMemory) -> None:
+    """Refuse a plan whose asked-for sizes (KV blocks, batch limits) need more memory than
+    the tier has, naming the option, its bytes and the bytes there are: nothing has been
+    allocated yet, and a device group has started no rank. Without this the allocator
+    (or oneDNN, for a step's activations) fails later with a message naming no option.
+    A plan over the limit through no option's doing (a model larger than memory, which
+    mmap'ed weights may still run) is left as it was."""
+    device = sum(plan.device_bytes.values())
+    host = sum(plan.host_bytes.values())
+    # On a CPU the device tier and the host tier are the same memory.
+    tiers = ([("the GPU", device, free.device), ("host memory", host, free.host)]
+             if free.on_gpu else [("memory", device + host, free.device)])
+    for tier, needed, available in tiers:
+        if needed <= available:
+            continue
+        asked = _asked_sizes(options, plan, tier)
+        if not asked:
+            continue
+        name, value, nbytes, what = max(asked, key=lambda a: a[2])
+        rank = ("" if options.tensor_parallel_size * options.pipeline_parallel_size == 1
+                else " (each rank's share)")
+        raise EngineConfigError(
+            f"{name} {value} asks for {format_bytes(nbytes)} ({nbytes} bytes) of {what}; "
+            f"with the rest of the plan this run needs {format_bytes(needed)} ({needed} "
+            f"bytes) of {tier}, but {format_bytes(available)} ({available} bytes) is "
+            f"available{rank}: lower {name}")
+
+
+def _asked_sizes(options, plan: PlacementPlan, tier: str) -> list[tuple[str, int, int, str]]:
+    """(option, its value, the bytes it puts on `tier`, what they hold) for each size the
+    user asked for."""
+    s = plan.sizes
+    asked = []
+    if tier != "host memory":
+        kv = plan.device_bytes["kv_cache"]
+        if options.num_kv_blocks is not None:
+            asked.append(("num_kv_blocks", options.num_kv_blocks, kv,
+                          f"KV cache ({s.kv_block_bytes} bytes a block)"))
+        elif options.kv_cache_memory is not None:
+            asked.append(("kv_cache_memory", options.kv_cache_memory, kv, "KV cache"))
+        activations = plan.device_bytes["activations"]
+        if options.max_num_batched_tokens is not None:
+            asked.append(("max_num_batched_tokens", options.max_num_batched_tokens,
+                          activations, "a step's activations"))
+        elif options.max_num_seqs is not None:
+            asked.append(("max_num_seqs", options.max_num_seqs, activations,
+                          "a step's activations (its default max_num_batched_tokens "
+                          "follows max_num_seqs)"))
+    if tier != "the GPU" and options.num_host_kv_blocks is not None:
+        asked.append(("num_host_kv_blocks", options.num_host_kv_blocks,
+                      plan.host_bytes["kv_cache"],
+                      f"host KV cache ({s.kv_block_bytes} bytes a block)"))
+    return asked
 
 
 def _cpu_kv_bytes(options, free: FreeMemory) -> int:
