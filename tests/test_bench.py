@@ -288,31 +288,29 @@ def test_offload_preset_end_to_end(cache_dir):
     assert set(report["ratios"]) == {"hf_offload"}
 
 
-def test_recorded_decode_steps_are_counted(cache_dir, tmp_path, monkeypatch):
-    # A CPU engine made to record its decode steps (each "replay" run eagerly, as in
-    # tests/test_engine_graphs.py): the report says how many of the timed run's decode
-    # steps replayed a graph; an engine without graphs reports none.
-    from fusegen.engine.graphs import DecodeGraphs
-    from fusegen.engine.model_runner import ModelRunner
-    from test_engine_graphs import replaying
+def test_recorded_decode_steps_are_counted(cache_dir, tmp_path):
+    # A CPU engine records its decode steps as CPU graphs (engine/graphs.py): the report
+    # says how many of the timed run's decode steps replayed one, and names the graphs
+    # after the device that ran them; an engine without graphs reports none.
+    from fusegen.jobs.bench.report import _graphs_line
 
-    # a GPU's decision, less the device: enforce_eager still says no
-    monkeypatch.setattr(ModelRunner, "_records_decode_steps",
-                        lambda self: not self.config.options.enforce_eager)
-    monkeypatch.setattr(DecodeGraphs, "_capture", replaying)
     out = tmp_path / "r.json"
     result = CliRunner().invoke(bench, ["--preset", "tiny", "--requests", "6", "--skip-hf",
                                         "--cache-dir", str(cache_dir), "--json", str(out)])
     assert result.exit_code == 0, result.output
     fusegen = json.loads(out.read_text())["results"]["fusegen"]
-    graphs = fusegen["cuda_graphs"]
-    assert graphs["failed"] is None and graphs["recorded"] >= 1
+    graphs = fusegen["graphs"]
+    assert graphs["device"] == "cpu" and graphs["failed"] is None and graphs["recorded"] >= 1
     assert 0 < graphs["replays"] <= fusegen["num_decode_steps"]
-    assert (f"CUDA graphs: {graphs['replays']:,} of {fusegen['num_decode_steps']:,} decode steps "
+    assert (f"CPU graphs: {graphs['replays']:,} of {fusegen['num_decode_steps']:,} decode steps "
             "replayed a recorded graph") in result.stdout
+    assert "CUDA graphs" not in result.stdout
+    # the same figures from a GPU's run
+    assert _graphs_line({**graphs, "device": "cuda"}, fusegen).startswith(
+        f"CUDA graphs: {graphs['replays']:,} of {fusegen['num_decode_steps']:,} decode steps")
     result = CliRunner().invoke(bench, ["--preset", "tiny", "--requests", "6", "--skip-hf",
                                         "--enforce-eager", "--cache-dir", str(cache_dir),
                                         "--json", str(out)])
     assert result.exit_code == 0, result.output
-    assert "cuda_graphs" not in json.loads(out.read_text())["results"]["fusegen"]
-    assert "CUDA graphs" not in result.stdout
+    assert "graphs" not in json.loads(out.read_text())["results"]["fusegen"]
+    assert "graphs:" not in result.stdout

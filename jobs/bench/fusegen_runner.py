@@ -53,7 +53,7 @@ def run_fusegen(model_dir: Path, requests: list[BenchRequest], warmup: list[Benc
         runner = llm.engine.runner
         streamer = runner.streamer  # a device group's ranks stream for themselves
         stall_before = streamer.stall_seconds if streamer is not None else 0.0
-        graphs = runner.graphs  # GPUs: recorded decode steps
+        graphs = runner.graphs  # recorded decode steps: CUDA graphs, or CPU graphs on a CPU
         replays_before = graphs.replays if graphs is not None else 0
         progress(f"fusegen: generating {len(requests)} requests "
                  f"(max_num_seqs {llm.config.max_num_seqs}, "
@@ -78,9 +78,10 @@ def run_fusegen(model_dir: Path, requests: list[BenchRequest], warmup: list[Benc
         # a device group's row-parallel sums timed (warm-up included): how much of the
         # all-reduces' time its compute hid
         overlap = runner.tensor_parallel_overlap() if tp > 1 else None
-        cuda_graphs = None if graphs is None else {
-            "replays": graphs.replays - replays_before, "recorded": len(graphs.graphs),
-            "failed": graphs.failed}
+        # the graphs' kind is the device the steps ran on: "cuda" or "cpu"
+        recorded = None if graphs is None else {
+            "device": runner.device.type, "replays": graphs.replays - replays_before,
+            "recorded": len(graphs.graphs), "failed": graphs.failed}
     finally:
         llm.close()
 
@@ -105,7 +106,7 @@ def run_fusegen(model_dir: Path, requests: list[BenchRequest], warmup: list[Benc
         "decode_step_times_s": steps.decode_step_times_s,  # each timed decode step, in order
         "memory": memory,  # bytes per tier and use, budgets, layers and KV blocks per tier
         **offload,
-        **({} if cuda_graphs is None else {"cuda_graphs": cuda_graphs}),
+        **({} if recorded is None else {"graphs": recorded}),
         **({} if overlap is None else {"tensor_parallel_overlap": overlap}),
     }
     if schema is not None:

@@ -167,9 +167,11 @@ def format_report(report: dict) -> str:
             f"{offload['decode_step_s'] * 1e3:.1f} ms ({offload['decode_over_bound']:.2f}x "
             f"the bound), of which compute waited {offload['stall_per_step_s'] * 1e3:.1f} ms "
             "per step on copies")
-    graphs = report["results"].get("fusegen", {}).get("cuda_graphs")
+    fusegen = report["results"].get("fusegen", {})
+    # "cuda_graphs": the key of reports written before the entry named its device
+    graphs = fusegen.get("graphs") or fusegen.get("cuda_graphs")
     if graphs:
-        lines.append(_graphs_line(graphs, report["results"]["fusegen"]))
+        lines.append(_graphs_line({"device": cfg["device"], **graphs}, fusegen))
     util = report["utilisation"]
     if util:
         lines.append(
@@ -235,8 +237,10 @@ def _llamacpp_line(peer: dict, ratios: dict, quantization: str | None, dtype: st
 
 
 def _graphs_line(graphs: dict, fusegen: dict) -> str:
-    """How many of the timed run's decode steps replayed a CUDA graph (engine/graphs.py)."""
-    line = (f"CUDA graphs: {graphs['replays']:,} of {fusegen.get('num_decode_steps', 0):,} "
+    """How many of the timed run's decode steps replayed a recorded graph
+    (engine/graphs.py): CUDA graphs on a GPU, CPU graphs on a CPU."""
+    kind = "CPU" if graphs["device"] == "cpu" else "CUDA"
+    line = (f"{kind} graphs: {graphs['replays']:,} of {fusegen.get('num_decode_steps', 0):,} "
             f"decode steps replayed a recorded graph ({graphs['recorded']} recorded)")
     if graphs["failed"]:
         line += f"; recording failed, the engine ran eagerly after: {graphs['failed'][:300]}"
