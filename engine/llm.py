@@ -228,8 +228,9 @@ class LLM:
 
     def _release_caller_team(self) -> None:
         """Free the calling thread's OpenMP team where the engine runs the C kernels on
-        this machine's cores (`kernels/openmp.py`): an idle team there makes every
-        parallel region of the engine's steps wait for its workers to wake up."""
+        this machine's cores (`kernels/openmp.py`): left idle, it makes libgomp count
+        more threads than cores, and the engine's own workers then sleep between its
+        parallel regions, each region of a step waiting for them to wake up."""
         if self.config.device == "cpu":
             release_thread_team()
 

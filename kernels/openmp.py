@@ -14,6 +14,10 @@ to twice as slow (docs/performance.md).
 symbol is looked up through the loaded C kernels' own handle, so it is the runtime the
 kernels run on (torch's, loaded first: `native.library`), never a second one loaded here.
 `LLM` calls it wherever a caller hands work to its engine.
+
+This makes the count honest, and the engine's team spins at libgomp's full count: the
+fastest on cores of its own, but on cores that other busy processes share, a spinning
+worker can take the time slice its team's master needs (docs/performance.md has both).
 """
 from __future__ import annotations
 
