@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import math
+import signal
+import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
@@ -40,6 +43,23 @@ def output_options(command):
     return click.option("--output", required=True, type=click.Path(path_type=Path),
                         help="Directory to write (made under a temporary name, renamed when "
                         "complete).")(command)
+
+
+@contextmanager
+def stopped_by_signals(output: Path):
+    """The body of a checkpoint-writing command: SIGTERM, as Ctrl-C, unwinds the writer
+    (it removes its staging directory); either ends the command with exit 128 + the
+    signal's number (130, 143), saying whether `output` was left as it was."""
+    from fusegen.jobs.interrupt import signal_of, stop_on_signals
+
+    try:
+        with stop_on_signals():
+            yield
+    except KeyboardInterrupt as exc:
+        signum = signal_of(exc)
+        click.echo(f"interrupted by {signal.Signals(signum).name}; {output} "
+                   f"{'left as it was' if output.exists() else 'not written'}", err=True)
+        sys.exit(128 + signum)
 
 
 def calibration_prompts(method: str, calibrated: str, calibration: Path | None,
@@ -79,7 +99,9 @@ def quantize(model, bits, group_size, symmetric, method, calibration, calibratio
         spec = QuantizeSpec(int(bits), int(group_size), symmetric, method)
         prompts = calibration_prompts(method, "awq", calibration, calibration_column,
                                       calibration_rows)
-        report = quantize_checkpoint(model, output, spec, prompts=prompts, overwrite=overwrite)
+        with stopped_by_signals(output):
+            report = quantize_checkpoint(model, output, spec, prompts=prompts,
+                                         overwrite=overwrite)
     except QuantizeError as exc:
         raise click.BadParameter(str(exc), param_hint=f"'--{exc.option}'") from None
     for (layer, group), (alpha, error, rtn) in sorted(report.searches.items()):
@@ -98,6 +120,9 @@ def read_prompts(path: Path, column: str, max_rows: int) -> list[str]:
     """The first `max_rows` non-empty prompts of a calibration file; a usage error
     naming --calibration (or --calibration-column) for a missing file, an unknown
     format, a missing column, a value that is not text, or no prompts at all."""
+    if path.is_dir():
+        raise _bad(f"{path} is a directory; --calibration takes a file (.parquet, .jsonl "
+                   "or .txt)")
     if not path.is_file():
         raise _bad(f"{path}: no such calibration file")
     suffix = path.suffix.lower()

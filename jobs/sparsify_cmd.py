@@ -5,12 +5,11 @@ as `fusegen quantize` reads them (jobs/quantize_cmd.py); the engine does the res
 from __future__ import annotations
 
 import re
-import signal
-import sys
 
 import click
 
-from fusegen.jobs.quantize_cmd import calibration_options, calibration_prompts, output_options
+from fusegen.jobs.quantize_cmd import (calibration_options, calibration_prompts,
+                                       output_options, stopped_by_signals)
 
 
 @click.command()
@@ -36,23 +35,16 @@ def sparsify(model, sparsity, method, calibration, calibration_column, calibrati
     norms and MoE routers stay dense."""
     from fusegen.engine.weights.sparsify import SparsifySpec, sparsify_checkpoint
     from fusegen.engine.weights.quantize import QuantizeError
-    from fusegen.jobs.interrupt import signal_of, stop_on_signals
 
     try:
         spec = SparsifySpec(sparsity, method, values)
         prompts = calibration_prompts(method, "wanda", calibration, calibration_column,
                                       calibration_rows)
-        # SIGTERM, as Ctrl-C, unwinds the writer: it removes its staging directory
-        with stop_on_signals():
+        with stopped_by_signals(output):
             report = sparsify_checkpoint(model, output, spec, prompts=prompts,
                                          overwrite=overwrite)
     except QuantizeError as exc:
         raise click.BadParameter(str(exc), param_hint=f"'--{exc.option}'") from None
-    except KeyboardInterrupt as exc:
-        signum = signal_of(exc)
-        click.echo(f"interrupted by {signal.Signals(signum).name}; {output} "
-                   f"{'left as it was' if output.exists() else 'not written'}", err=True)
-        sys.exit(128 + signum)
     for line in report_lines(report):
         click.echo(line)
     click.echo(f"wrote {output}")

@@ -1,11 +1,22 @@
 """Sizes and files fusegen must refuse clearly, before anything loads or is written: KV
 pools and batch limits past the memory there is, sparse or sharded checkpoints missing a
 part, and the checkpoint writers' output, signals and leftover staging folders."""
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+from functools import partial
+
 import pytest
 
+from checkpoints import make_hf_checkpoint
+from quant_helpers import assert_usage_error, run_command
 from fusegen import LLM
 from fusegen.engine.errors import EngineConfigError
 from fusegen.engine.memory import device
+from fusegen.engine.weights import quantize as qz
 
 
 def _refusal(model, **options) -> str:
@@ -51,3 +62,138 @@ def test_sizes_that_fit_still_run(llama_dir):
     with LLM(str(llama_dir), device="cpu", num_kv_blocks=64, num_host_kv_blocks=16,
              max_num_seqs=8, max_num_batched_tokens=512) as llm:
         assert llm.engine.config.placement.num_device_kv_blocks == 64
+
+
+# -- fusegen quantize: where the output goes, signals, --calibration -----------------
+
+run_quantize = partial(run_command, "quantize")
+QUANTIZE = ("--bits", 8, "--group-size", 32)
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    """Llama, 96 hidden and 160 intermediate (groups of 32 divide both)."""
+    return make_hf_checkpoint(tmp_path_factory.mktemp("src"), "llama", hidden_size=96,
+                              intermediate_size=160)
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_text("hello world\nthe quick brown fox\n")
+    return path
+
+
+def test_quantize_output_that_cannot_be_made_is_refused_before_calibrating(
+        src, tmp_path, prompts, monkeypatch):
+    """An --output under a file is named at once, before AWQ's calibration pass."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    calibrated = []
+    monkeypatch.setattr(qz, "calibrate", lambda *a: calibrated.append(1) or {})
+    out = blocker / "sub" / "q"
+    result = run_quantize("--model", src, *QUANTIZE, "--method", "awq", "--calibration",
+                          prompts, "--output", out)
+    assert result.exit_code == 2, result.output
+    assert "'--output'" in result.output and f"{blocker} is not a directory" in result.output
+    assert calibrated == [] and blocker.read_text() == "x"
+
+
+def test_quantize_failed_write_is_named_and_leaves_nothing(src, tmp_path, monkeypatch):
+    real = qz._write_shard
+
+    def full(path, planned, tensors):
+        real(path, planned, tensors)
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(qz, "_write_shard", full)
+    out = tmp_path / "q"
+    assert_usage_error(run_quantize("--model", src, *QUANTIZE, "--output", out),
+                       "'--output'", f"{out} was not written", "No space left on device",
+                       out=out)
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_quantize_sigterm_mid_write_leaves_nothing_half_written(src, tmp_path, monkeypatch,
+                                                               overwrite):
+    """SIGTERM while the weights are written unwinds as Ctrl-C does: staging removed, an
+    existing --output as it was, exit status 143."""
+    out = tmp_path / "q"
+    if overwrite:
+        out.mkdir()
+        (out / "config.json").write_text("{}")
+    real = qz._write_shard
+
+    def stopped(path, planned, tensors):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(path, planned, tensors)
+
+    monkeypatch.setattr(qz, "_write_shard", stopped)
+    result = run_quantize("--model", src, *QUANTIZE, "--output", out,
+                          *(("--overwrite",) if overwrite else ()))
+    assert result.exit_code == 143, result.output
+    assert f"interrupted by SIGTERM; {out} " in result.output
+    assert not list(tmp_path.glob(".q.*"))
+    if overwrite:
+        assert [p.name for p in out.iterdir()] == ["config.json"]
+        assert (out / "config.json").read_text() == "{}"
+    else:
+        assert not out.exists()
+
+
+def test_quantize_overwrite_replaces_a_checkpoint_not_any_folder(src, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "results.parquet").write_text("keep")
+    result = run_quantize("--model", src, *QUANTIZE, "--output", data, "--overwrite")
+    assert result.exit_code == 2, result.output
+    assert f"{data} holds files but no config.json: --overwrite replaces a checkpoint " \
+        "directory" in result.output
+    assert [p.name for p in data.iterdir()] == ["results.parquet"]
+    out = tmp_path / "q"
+    for _ in range(2):  # made, then replaced
+        result = run_quantize("--model", src, *QUANTIZE, "--output", out, "--overwrite")
+        assert result.exit_code == 0, result.output
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["bits"] == 8
+
+
+@pytest.mark.parametrize("command, method", [("quantize", "awq"), ("sparsify", "wanda")])
+def test_a_calibration_directory_is_named_as_one(src, tmp_path, command, method):
+    out = tmp_path / "o"
+    extra = QUANTIZE if command == "quantize" else ("--sparsity", 0.5)
+    result = run_command(command, "--model", src, *extra, "--method", method,
+                         "--calibration", tmp_path, "--output", out)
+    assert_usage_error(result, "'--calibration'", f"{tmp_path} is a directory; --calibration "
+                       "takes a file", out=out)
+    assert "no such calibration file" not in result.output
+
+
+# -- staging folders left by writers that were killed ---------------------------------
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_a_killed_writers_staging_is_removed_a_live_ones_kept(src, tmp_path):
+    """A writer killed by SIGKILL leaves `.NAME.partial-PID`; the next writer of NAME
+    removes it, and leaves alone the staging of a writer still running."""
+    out = tmp_path / "q"
+    dead = tmp_path / f".q.partial-{_dead_pid()}"
+    live_writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        live = tmp_path / f".q.partial-{live_writer.pid}"
+        other = tmp_path / f".other.partial-{_dead_pid()}"  # another output's: not ours
+        for folder in (dead, live, other):
+            folder.mkdir()
+            (folder / "model.safetensors").write_bytes(b"half")
+        result = run_quantize("--model", src, *QUANTIZE, "--output", out)
+        assert result.exit_code == 0, result.output
+        assert not dead.exists()
+        assert (live / "model.safetensors").read_bytes() == b"half"
+        assert other.exists()
+        assert (out / "config.json").is_file()
+    finally:
+        live_writer.kill()
+        live_writer.wait()

@@ -22,6 +22,7 @@ import json
 import math
 import os
 import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Protocol
@@ -281,22 +282,58 @@ def write_checkpoint(source: Source, output: Path, form: LinearForm | None, repo
     """`source` written at `output` (checked by `check_output` first) with its decoder
     linears in `form` (None: dense, as the source holds them) and `form`'s config
     entries: written under a temporary name, renamed when complete; nothing is left
-    at `output` when it fails or is interrupted (an existing one stays as it was)."""
+    at `output` when it fails or is interrupted (an existing one stays as it was).
+    A failed write (a full disk, a quota) is a QuantizeError naming --output."""
+    remove_dead_staging(output)
     staging = output.with_name(f".{output.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
     try:
+        staging.mkdir(parents=True)
         source.write_metadata(staging, {} if form is None else form.config_entries())
         _write_weights(staging, source, form, transform, max_shard_bytes, report)
         _replace(staging, output)
+    except OSError as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise QuantizeError(f"{output} was not written: {exc}", "output") from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
 
 
+def remove_dead_staging(output: Path) -> list[Path]:
+    """Remove the staging folders (`.NAME.partial-PID`) beside `output` whose writer is
+    no longer running: one killed by SIGKILL (or a lost machine) cannot remove its own.
+    A live writer's staging is left alone. Returns what was removed."""
+    removed = []
+    parent = output.absolute().parent
+    if not parent.is_dir():
+        return removed
+    for path in parent.glob(f".{output.name}.partial-*"):
+        pid = path.name.rsplit("-", 1)[1]
+        if pid.isdigit() and path.is_dir() and not _pid_alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def check_output(output: Path, source: Path, overwrite: bool) -> None:
     """QuantizeError (--output) for an output that would replace the source, or that
-    exists and --overwrite was not given, or that is not a directory."""
+    exists and --overwrite was not given, or that is not a directory, or that --overwrite
+    would replace though it is no checkpoint (files but no config.json: a typo must not
+    remove a folder), or where no directory can be made (`check_writable`). Called
+    before any calibration or writing, so a long run does not fail at its end."""
     resolved, src = output.resolve(), source.resolve()
     if resolved == src or resolved in src.parents:
         raise QuantizeError(f"{output}: the output would replace the source model "
@@ -306,6 +343,28 @@ def check_output(output: Path, source: Path, overwrite: bool) -> None:
                             "output")
     if output.exists() and not output.is_dir():
         raise QuantizeError(f"{output} exists and is not a directory", "output")
+    if output.is_dir() and any(output.iterdir()) and not (output / "config.json").is_file():
+        raise QuantizeError(f"{output} holds files but no config.json: --overwrite replaces "
+                            "a checkpoint directory, and this is none; choose another "
+                            "--output, or empty it first", "output")
+    check_writable(output)
+
+
+def check_writable(output: Path) -> None:
+    """QuantizeError (--output) where no directory can be made beside `output`: a
+    file in its path, no permission, a read-only file system. Tried (an empty directory
+    made and removed)."""
+    existing = output.absolute().parent
+    while not existing.exists():  # write_checkpoint makes the missing parents
+        existing = existing.parent
+    if not existing.is_dir():
+        raise QuantizeError(f"{output} cannot be made: {existing} is not a directory",
+                            "output")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=f".{output.name}.probe-", dir=existing))
+    except OSError as exc:
+        raise QuantizeError(f"{output} cannot be made: no directory can be written in "
+                            f"{existing} ({exc.strerror})", "output") from None
 
 
 def _replace(staging: Path, output: Path) -> None:

@@ -21,8 +21,6 @@ its metadata.
 """
 from __future__ import annotations
 
-import os
-import tempfile
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -208,40 +206,13 @@ def sparsify_checkpoint(model, output, spec: SparsifySpec, *,
                                 f"{name!r}'s rows of {in_features}; choose a lower one",
                                 "sparsity")
     check_output(output, source.path, overwrite)
-    if overwrite and output.is_dir() and any(output.iterdir()) \
-            and not (output / "config.json").is_file():  # a typo must not remove a folder
-        raise QuantizeError(f"{output} holds files but no config.json: --overwrite replaces "
-                            "a checkpoint directory, and this is none; choose another "
-                            "--output, or empty it first", "output")
-    check_writable(output)
     report = SparseReport(output, dense_dtype=str(dense_dtype).removeprefix("torch."),
                           values=values)
     norms = wanda_norms(source, prompts, report) if spec.method == "wanda" else {}
     form = (PrunedDense if dense else SparseForm)(spec, values, modules, norms, report,
                                                   source.out_dtype)
-    try:
-        write_checkpoint(source, output, form, report, max_shard_bytes=max_shard_bytes)
-    except OSError as exc:  # a full disk, a quota: write_checkpoint removed what it wrote
-        raise QuantizeError(f"{output} was not written: {exc}", "output") from None
+    write_checkpoint(source, output, form, report, max_shard_bytes=max_shard_bytes)
     return report
-
-
-def check_writable(output: Path) -> None:
-    """QuantizeError (--output) where no directory can be made beside `output`: a
-    file in its path, no permission, a read-only file system. Tried (an empty directory
-    made and removed) before the calibration pass and the pruning, so a long run does
-    not fail at its end."""
-    existing = output.absolute().parent
-    while not existing.exists():  # write_checkpoint makes the missing parents
-        existing = existing.parent
-    if not existing.is_dir():
-        raise QuantizeError(f"{output} cannot be made: {existing} is not a directory",
-                            "output")
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=f".{output.name}.probe-", dir=existing))
-    except OSError as exc:
-        raise QuantizeError(f"{output} cannot be made: no directory can be written in "
-                            f"{existing} ({exc.strerror})", "output") from None
 
 
 def _source_values(dtype: torch.dtype) -> str:
