@@ -4,6 +4,7 @@ part, and the checkpoint writers' output, signals and leftover staging folders."
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 from checkpoints import make_hf_checkpoint
 from quant_helpers import assert_usage_error, run_command
 from fusegen import LLM
-from fusegen.engine.errors import EngineConfigError
+from fusegen.engine.errors import EngineConfigError, ModelLoadError
 from fusegen.engine.memory import device
 from fusegen.engine.weights import quantize as qz
 
@@ -197,3 +198,61 @@ def test_a_killed_writers_staging_is_removed_a_live_ones_kept(src, tmp_path):
     finally:
         live_writer.kill()
         live_writer.wait()
+
+
+# -- checkpoints missing a part: the sparse tiles' declaration, a shard ----------------
+
+def test_sparse_tiles_without_their_config_entry_are_named(src, tmp_path):
+    """A sparse checkpoint whose config.json lost its sparsity_config: the tiles' tensors
+    are named as sparse tiles the config does not describe, not as unexpected tensors."""
+    from fusegen.engine.weights import sparsify as sp
+    out = tmp_path / "s"
+    sp.sparsify_checkpoint(src, out, sp.SparsifySpec(0.5))
+    config = json.loads((out / "config.json").read_text())
+    del config["sparsity_config"]
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError) as info:
+        LLM(str(out), device="cpu")
+    message = str(info.value)
+    assert "is a sparse tile table" in message, message
+    assert "config.json has no 'sparsity_config' entry that describes the sparse tiles" \
+        in message, message
+    assert "unexpected tensor" not in message
+
+
+def _split_shards(src, out, second) -> None:
+    """`src`'s tensors written as two shards (`second(name)` picks the second's) with
+    their index, as a hub checkpoint is."""
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, out)
+    (out / "model.safetensors").unlink()
+    tensors = load_file(str(src / "model.safetensors"))
+    names = {"model-00001-of-00002.safetensors": [n for n in tensors if not second(n)],
+             "model-00002-of-00002.safetensors": [n for n in tensors if second(n)]}
+    for file, held in names.items():
+        save_file({n: tensors[n].contiguous() for n in held}, str(out / file))
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: f for f, held in names.items() for n in held}}))
+
+
+@pytest.mark.parametrize("second, error", [
+    (lambda n: n.startswith("model.layers.1."), "num_hidden_layers is 2; expected 1"),
+    (lambda n: n.startswith("model.layers.1.mlp") or n == "model.norm.weight",
+     "weights missing for model.norm.weight, model.layers.1.mlp.gate_proj.weight"),
+])
+def test_a_missing_last_shard_and_index_are_named(src, tmp_path, second, error):
+    """The last shard and the index gone: the error names the layer whose tensors are
+    absent (or the tensors) and the missing shard, not only a layer count."""
+    out = tmp_path / "m"
+    _split_shards(src, out, second)
+    (out / "model-00002-of-00002.safetensors").unlink()
+    (out / "model.safetensors.index.json").unlink()
+    with pytest.raises(ModelLoadError) as info:
+        LLM(str(out), device="cpu")
+    message = str(info.value)
+    assert error in message, message
+    if "expected 1" in error:
+        assert "no tensors of layer model.layers.1.*" in message, message
+    assert "the checkpoint is sharded in 2 files and model-00002-of-00002.safetensors is " \
+        f"missing from {out} (as is model.safetensors.index.json): copy the missing " \
+        "files" in message, message

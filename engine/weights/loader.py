@@ -126,7 +126,43 @@ def check_num_layers(cfg: ModelConfig, model_dir: Path, source: str) -> None:
     if len(layers) != cfg.num_layers or (layers and max(layers) != len(layers) - 1):
         held = f"numbered {min(layers)} to {max(layers)}" if layers else "none"
         raise ModelLoadError(f"{source}: num_hidden_layers is {cfg.num_layers}; expected "
-                             f"{len(layers)}, the layers its weights hold ({held})")
+                             f"{len(layers)}, the layers its weights hold ({held})"
+                             + _missing_layers(cfg, model_dir, layers))
+
+
+def _missing_layers(cfg: ModelConfig, model_dir: Path, layers: set[int]) -> str:
+    """What a layer count short of config.json's points to where the folder lacks shards
+    (model-0000i-of-0000n.safetensors): the layers whose tensors are absent and the
+    missing files. '' where every shard is there (config.json may be the one wrong)."""
+    absent = [i for i in range(cfg.num_layers) if i not in layers]
+    shards = _missing_shards(model_dir)
+    if not absent or not shards:
+        return ""
+    prefix = get_architecture(cfg.architecture).layer_prefix
+    shown = ", ".join(prefix.format(i) + "*" for i in absent[:3])
+    text = (f"; no tensors of layer{'s' * (len(absent) > 1)} {shown}"
+            f"{f' and {len(absent) - 3} more' if len(absent) > 3 else ''}")
+    return text + shards
+
+
+def _missing_shards(model_dir: Path) -> str:
+    """'; the checkpoint is sharded in n files and ... is missing ...' where the folder's
+    shards (model-0000i-of-0000n.safetensors) are fewer than their names count; ''."""
+    shards = [m for p in model_dir.glob("*.safetensors")
+              if (m := re.fullmatch(r"(.*-)(\d+)-of-(\d+)\.safetensors", p.name))]
+    if not shards:
+        return ""
+    head, number, total = shards[0].groups()
+    names = [f"{head}{i:0{len(number)}d}-of-{total}.safetensors"
+             for i in range(1, int(total) + 1)]
+    gone = [n for n in names if not (model_dir / n).is_file()]
+    if not gone:
+        return ""
+    index = "" if (model_dir / "model.safetensors.index.json").is_file() else \
+        " (as is model.safetensors.index.json)"
+    return (f"; the checkpoint is sharded in {int(total)} files and {', '.join(gone)} "
+            f"{'is' if len(gone) == 1 else 'are'} missing from {model_dir}{index}: copy "
+            "the missing files")
 
 
 def _safetensors_names(model_dir: Path) -> list[str] | None:
@@ -210,8 +246,7 @@ def load_state_dict(model_dir: str | Path, cfg: ModelConfig,
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied: the embedding serves as the head
         if name not in expected:
-            raise ModelLoadError(f"{path}: unexpected tensor {name!r} for "
-                                 f"{cfg.architecture} with this config.json")
+            raise ModelLoadError(_unexpected(path, name, cfg, fmt))
         if tuple(tensor.shape) != expected[name]:
             raise ModelLoadError(
                 f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, but config.json "
@@ -236,8 +271,26 @@ def load_state_dict(model_dir: str | Path, cfg: ModelConfig,
     missing = [n for n in expected if n not in state]
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        raise ModelLoadError(f"{model_dir}: weights missing for {', '.join(missing[:3])}{more}")
+        raise ModelLoadError(f"{model_dir}: weights missing for {', '.join(missing[:3])}{more}"
+                             + _missing_shards(model_dir))
     return state
+
+
+def _unexpected(path: Path, name: str, cfg: ModelConfig, fmt) -> str:
+    """Why tensor `name` is not one the config expects: a compressed form's part that the
+    config.json does not declare (its entry removed, or another's), or a stray."""
+    undeclared = [(tuple(SUFFIXES), f"a sparse tile table ({', '.join(SUFFIXES)}), but "
+                   f"config.json has no {CONFIG_KEY!r} entry that describes the sparse tiles"
+                   f" (restore it: `fusegen sparsify` writes it)"),
+                  (COMPONENT_SUFFIXES, "a group-quantized linear's codes or scales, but "
+                   "config.json has no fusegen quantization_config that describes them "
+                   "(restore it: `fusegen quantize` writes it)"),
+                  (SCALE_SUFFIXES, "an FP8 weight's scale, but config.json has no "
+                   "quantization_config with quant_method 'fp8'")]
+    for suffixes, why in undeclared:
+        if name.endswith(suffixes):
+            return f"{path}: tensor {name!r} is {why}"
+    return f"{path}: unexpected tensor {name!r} for {cfg.architecture} with this config.json"
 
 
 def _read_fp8(state: dict[str, torch.Tensor], files: dict[str, Path],
