@@ -36,15 +36,15 @@ On CPUs a decode step is bound by the Python around its C kernel calls, and
 the step's kernel calls and torch ops, replayed in one Python loop). What differs from
 the GPU: one graph per exact row count (no padding rows: they would cost real compute,
 and could take another kernel path, so outputs would differ from eager) up to
-CPU_GRAPH_ROWS and per head flag; recording is the step's eager run itself (nothing
+max_num_seqs and per head flag, as many row counts as CPU_GRAPH_BYTES holds
+(`CpuDecodeGraphs` states the rule); recording is the step's eager run itself (nothing
 runs twice); before each replay the step's tables, lengths and slots are checked
 against the cache (the kernels' wrappers check them eagerly, a replay does not), with
 the eager path's error; a replayed kernel that returns another status than at
-recording leaves the step and the engine eager, as a failed recording does; the graphs
-keep at most CPU_GRAPH_BYTES of intermediates. Deterministic mode uses them too (a
-replay makes eager's calls, so its bits are eager's); models whose decode steps take a
-torch path with Python-side loops (Gemma 2's soft cap) and the torch-reference kernels
-(FUSEGEN_KERNELS=reference) do not.
+recording leaves the step and the engine eager, as a failed recording does.
+Deterministic mode uses them too (a replay makes eager's calls, so its bits are
+eager's); models whose decode steps take a torch path with Python-side loops (Gemma 2's
+soft cap) and the torch-reference kernels (FUSEGEN_KERNELS=reference) do not.
 """
 from __future__ import annotations
 
@@ -237,14 +237,19 @@ class DecodeGraphs:
         return graph, out
 
 
-# CPU graphs (engine/cpu_graphs.py) serve decode steps of up to this many rows: each
-# graph keeps every intermediate tensor of its step (one graph per row count and head
-# flag), and the Python a graph saves is a fixed cost per step that a step's own compute
-# outgrows as rows are added.
-CPU_GRAPH_ROWS = 8
-# The bytes all CPU graphs of an engine may keep (their steps' intermediates); past it,
-# the row counts without a graph run eagerly.
+# The bytes all CPU graphs of an engine may keep: each keeps every intermediate tensor
+# of its step, about rows x one row's activations (CpuDecodeGraphs: which row counts
+# get a graph within it).
 CPU_GRAPH_BYTES = 256 << 20
+
+
+def rows_within(bytes_per_row: float, cap: int) -> int:
+    """The largest n whose graphs of 1..n rows, `bytes_per_row` (> 0) each row, keep at
+    most `cap` bytes: n (n + 1) / 2 rows in all."""
+    n = int((2 * cap / bytes_per_row) ** 0.5)
+    while n * (n + 1) / 2 * bytes_per_row > cap:
+        n -= 1
+    return n
 
 
 def cpu_graphable(model: CausalLM) -> bool:
@@ -274,17 +279,26 @@ def bounds_problem(inputs: StepInputs, num_blocks: int, block_size: int) -> str 
 
 
 class CpuDecodeGraphs(DecodeGraphs):
-    """Recorded decode steps on a CPU (engine/cpu_graphs.py): one graph per exact row
-    count up to CPU_GRAPH_ROWS (padding rows would cost real compute, and could take
-    another kernel path than the rows alone, so outputs would differ from eager) and
-    head flag. Recording IS the step's eager run; a replay makes the same kernel calls,
-    so its outputs are eager's bit for bit. `nbytes`: what the graphs keep."""
+    """Recorded decode steps on a CPU (engine/cpu_graphs.py). The rule: one graph per
+    exact row count and head flag, recorded the first time a step of that many rows
+    runs, for row counts 1..`rows`, and the graphs kept total at most CPU_GRAPH_BYTES.
+    `rows` starts at max_num_seqs; each graph recorded lowers it to the largest n whose
+    graphs of 1..n rows, at that graph's bytes per row (a graph keeps its step's
+    intermediates: bytes in proportion to rows), fit in CPU_GRAPH_BYTES, so small row
+    counts, which save a step as much Python as large ones at a fraction of the bytes,
+    are not crowded out by the large ones a run starts with. A graph past `rows`, or
+    one that would pass the cap all the same (both head flags recorded), is dropped,
+    and `rows` drops below it. Steps of more than `rows` rows without a graph run
+    eagerly (through the static buffers, unrecorded). No padding rows: they would cost real
+    compute, and could take another kernel path than the rows alone, so outputs would
+    differ from eager. Recording IS the step's eager run; a replay makes the same kernel
+    calls, so its outputs are eager's bit for bit. `nbytes`: what the graphs keep."""
 
     def __init__(self, runner: GraphedRunner, max_rows: int, max_model_len: int):
-        super().__init__(runner, min(max_rows, CPU_GRAPH_ROWS), max_model_len)
-        self.buckets = list(range(1, min(max_rows, CPU_GRAPH_ROWS) + 1))
+        super().__init__(runner, max_rows, max_model_len)
+        self.buckets = list(range(1, max_rows + 1))
+        self.rows = max_rows
         self.nbytes = 0
-        self.full = False  # the graphs hold CPU_GRAPH_BYTES: new row counts run eagerly
         self.num_blocks = next(c for c in runner.kv_caches if c is not None)[0].shape[0]
 
     def run(self, inputs: StepInputs, head: bool = False) -> tuple[torch.Tensor, ...]:
@@ -305,7 +319,7 @@ class CpuDecodeGraphs(DecodeGraphs):
 
     def _record(self, key, bucket: int, max_seq_len: int, head: bool):
         forward = self._forward(bucket, max_seq_len, head)
-        if self.full:
+        if bucket > self.rows:  # past the row counts the cap holds: eagerly, unrecorded
             return forward()
         try:
             graph, out = record(forward)  # the step itself, eagerly, recorded as it runs
@@ -313,11 +327,14 @@ class CpuDecodeGraphs(DecodeGraphs):
             out = forward()  # a failure of the step itself raises again here
             self._fail(failure, "recording a decode step as a CPU graph")
             return out
-        if self.nbytes + graph.nbytes > CPU_GRAPH_BYTES:
-            self.full = True
-            log.debug("CPU graphs: %d rows%s would keep %d bytes over the %d kept; "
-                      "new row counts run eagerly", bucket, " with the head" if head else "",
-                      graph.nbytes, self.nbytes)
+        if graph.nbytes:  # how many row counts the cap holds at this graph's bytes per row
+            self.rows = min(self.rows, rows_within(graph.nbytes / bucket, CPU_GRAPH_BYTES))
+        if bucket > self.rows or self.nbytes + graph.nbytes > CPU_GRAPH_BYTES:
+            self.rows = min(self.rows, bucket - 1)
+            log.debug("CPU graphs: %d rows%s keep %d bytes, %d kept already: past what "
+                      "CPU_GRAPH_BYTES holds; steps of more than %d rows without a graph "
+                      "run eagerly", bucket, " with the head" if head else "", graph.nbytes,
+                      self.nbytes, self.rows)
             return out
         self.nbytes += graph.nbytes
         log.debug("CPU graph: %d rows%s, %d kernel calls, %d torch ops, %d bytes kept "

@@ -13,7 +13,7 @@ from checkpoints import make_hf_checkpoint
 from fusegen.engine import LLM, SamplingParams
 from fusegen.engine import graphs as graphs_module
 from fusegen.engine.cpu_graphs import ReplayMismatch, record
-from fusegen.engine.graphs import CPU_GRAPH_ROWS, CpuDecodeGraphs
+from fusegen.engine.graphs import CpuDecodeGraphs, rows_within
 from fusegen.engine.step_inputs import StepInputs
 from fusegen.kernels import native
 from gguf_checkpoints import Q, write_gguf
@@ -113,10 +113,27 @@ def test_sampled_rows_stops_logprobs_and_prefix_caching(llama_dir):
     assert heads == {False, True}
 
 
+# 12 requests finishing one by one: decode steps of every row count 1..12, past 8
+NS12 = [13, 2, 9, 4, 3, 7, 5, 16, 6, 10, 11, 12]
+PROMPTS12 = PROMPTS + PROMPTS[:5]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_row_counts_past_eight_record_and_replay(dtype, llama_dir):
+    graphs = assert_graphed_equals_eager(llama_dir, greedy(NS12), rows=set(range(1, 13)),
+                                         prompts=PROMPTS12, dtype=dtype, max_num_seqs=12)
+    assert graphs.rows == 12 and graphs.buckets == list(range(1, 13))
+
+
 def test_deterministic_mode_is_bit_identical(llama_dir):
     params = [SamplingParams(max_tokens=n, temperature=0.0, logprobs=2, ignore_eos=True)
               for n in NS]
     assert_graphed_equals_eager(llama_dir, params, dtype="float32", deterministic=True)
+    # and past 8 rows, in bf16
+    params = [SamplingParams(max_tokens=n, temperature=0.0, logprobs=2, ignore_eos=True)
+              for n in NS12]
+    assert_graphed_equals_eager(llama_dir, params, rows=set(range(1, 13)), prompts=PROMPTS12,
+                                dtype="bfloat16", deterministic=True, max_num_seqs=12)
 
 
 def test_sparse_tile_weights(tmp_path, tmp_path_factory):
@@ -272,25 +289,55 @@ def test_memory_cap_leaves_new_row_counts_eager(llama_dir, monkeypatch):
     want, _, _ = generate(llama_dir, greedy(), True, dtype="float32")
     _, _, graphs = generate(llama_dir, greedy(), False, dtype="float32")
     sizes = {rows: by_head[True][0].nbytes for (rows, _), by_head in graphs.graphs.items()}
-    assert graphs.nbytes == sum(sizes.values()) and not graphs.full
-    # room for the graphs of 7..2 rows, recorded in that order (3 and 2 replay once
-    # each); the 1-row steps run eagerly
-    kept = sum(sizes[rows] for rows in range(2, 8))
-    monkeypatch.setattr(graphs_module, "CPU_GRAPH_BYTES", kept + sizes[1] - 1)
+    assert graphs.nbytes == sum(sizes.values()) and graphs.rows == 7
+    # room for the graphs of 1..6 rows: the first graph (7 rows, the first decode
+    # step's) lowers the rows served to 6 and is dropped; its step is eager
+    kept = sum(sizes[rows] for rows in range(1, 7))
+    assert rows_within(sizes[7] / 7, kept) == 6
+    monkeypatch.setattr(graphs_module, "CPU_GRAPH_BYTES", kept)
     got, _, capped = generate(llama_dir, greedy(), False, dtype="float32")
     assert got == want
-    assert {rows for rows, _ in capped.graphs} == set(range(2, 8))
-    assert capped.full and capped.replays == 2 and capped.nbytes == kept
+    assert {rows for rows, _ in capped.graphs} == set(range(1, 7))
+    assert capped.nbytes == kept
+    # each graph recorded lowered `rows` to what its bytes per row plan for
+    assert capped.rows == min(rows_within(sizes[rows] / rows, kept) for rows in sizes)
+    assert capped.replays == graphs.replays  # the 7-row step never replayed a graph
+
+
+@torch.inference_mode()
+def test_a_graph_past_the_cap_is_dropped_and_larger_row_counts_run_eagerly(runner,
+                                                                           monkeypatch):
+    # Both head flags, whose graphs the bytes-per-row plan does not count twice: the
+    # cap itself drops the graph that would pass it (the plan set aside here)
+    sizes = {}
+    for rows, head in ((4, True), (4, False), (3, True)):
+        graphs = CpuDecodeGraphs(runner, 7, runner.config.max_model_len)
+        graphs.run(decode_inputs(rows, 0), head=head)
+        sizes[rows, head] = graphs.nbytes
+    monkeypatch.setattr(graphs_module, "rows_within", lambda bytes_per_row, cap: 7)
+    cap = sizes[4, True] + sizes[4, False] + sizes[3, True] - 1
+    monkeypatch.setattr(graphs_module, "CPU_GRAPH_BYTES", cap)
+    graphs = CpuDecodeGraphs(runner, 7, runner.config.max_model_len)
+    graphs.run(decode_inputs(4, 0), head=True)
+    graphs.run(decode_inputs(4, 0), head=False)
+    assert graphs.rows == 7 and graphs.nbytes == sizes[4, True] + sizes[4, False]
+    (first,) = graphs.run(decode_inputs(3, 0), head=True)  # past the cap: dropped
+    assert graphs.rows == 2 and graphs.nbytes == sizes[4, True] + sizes[4, False]
+    assert set(graphs.graphs) == {(4, 1)} and set(graphs.graphs[4, 1]) == {True, False}
+    (again,) = graphs.run(decode_inputs(3, 0), head=True)  # eagerly, unrecorded
+    assert torch.equal(first, again) and set(graphs.graphs) == {(4, 1)}
+    # the 4-row graphs kept still replay
+    graphs.run(decode_inputs(4, 1), head=True)
+    assert graphs.replays == 1 and graphs.nbytes <= cap
 
 
 def test_which_engines_record_cpu_graphs(llama_dir, monkeypatch):
     with LLM(str(llama_dir), dtype="float32", max_num_seqs=20, device="cpu") as llm:
         graphs = llm.engine.runner.graphs
         assert type(graphs) is CpuDecodeGraphs
-        assert graphs.buckets == list(range(1, CPU_GRAPH_ROWS + 1))
-        # more rows than CPU_GRAPH_ROWS: eager
-        assert not graphs.serves(decode_inputs(CPU_GRAPH_ROWS + 1, 0))
-        assert graphs.serves(decode_inputs(CPU_GRAPH_ROWS, 0))
+        # every row count up to max_num_seqs, until the cap says otherwise
+        assert graphs.buckets == list(range(1, 21)) and graphs.rows == 20
+        assert graphs.serves(decode_inputs(20, 0))
     monkeypatch.setenv("FUSEGEN_KERNELS", "reference")
     with LLM(str(llama_dir), dtype="float32", device="cpu") as llm:
         assert llm.engine.runner.graphs is None  # the torch reference's loops
