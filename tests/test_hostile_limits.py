@@ -46,6 +46,36 @@ def test_sizes_past_memory_are_refused_naming_the_option(llama_dir, option, valu
     assert abs(shown - available) < 2**30  # the machine's available memory, not a guess
 
 
+def test_the_plan_compares_asked_sizes_with_each_tier():
+    """The plan alone, over made-up sizes: on a GPU the device tier is compared with the
+    GPU's free memory (exact bytes in the message); a device_memory budget bounds the KV
+    pool itself, so the same num_kv_blocks under one is no error; the exact fit runs."""
+    from fusegen.engine.memory.plan import FreeMemory, ModelShape, plan_engine
+    from fusegen.engine.options import EngineOptions
+    mib = 2**20
+    shape = ModelShape(num_layers=8, layer_params=mib, fixed_params=2 * mib, kv_width=64,
+                       activation_width=1000, vocab_size=1000, max_position_embeddings=256,
+                       dtype_bytes=4)
+    gpu = FreeMemory(device=2**30, host=2**30, on_gpu=True)
+    block = 8 * 16 * 64 * 4  # layers x block_size x kv_width x fp32
+    with pytest.raises(EngineConfigError) as info:
+        plan_engine(EngineOptions(num_kv_blocks=10**6), shape, gpu)
+    assert str(info.value).startswith(
+        f"num_kv_blocks 1000000 asks for 30.52 GiB ({10**6 * block} bytes) of KV cache "
+        f"({block} bytes a block); "), info.value
+    used = plan_engine(EngineOptions(num_kv_blocks=16), shape, gpu).placement
+    rest = sum(used.device_bytes.values()) - 16 * block
+    fits = (2**30 - rest) // block
+    assert str(info.value).endswith(f"of the GPU, but 1.00 GiB ({2**30} bytes) is available:"
+                                    f" lower num_kv_blocks to at most {fits}"), info.value
+    budgeted = plan_engine(EngineOptions(num_kv_blocks=10**6, device_memory=2**29), shape, gpu)
+    assert budgeted.placement.device_budget == 2**29
+    assert plan_engine(EngineOptions(num_kv_blocks=fits), shape, gpu).placement \
+        .num_device_kv_blocks == fits
+    with pytest.raises(EngineConfigError):
+        plan_engine(EngineOptions(num_kv_blocks=fits + 1), shape, gpu)
+
+
 def test_a_group_is_refused_before_any_rank_starts(llama_dir, monkeypatch):
     """tensor_parallel_size 2 x pipeline_parallel_size 2 with a huge num_kv_blocks: the
     plan (each rank's share of the memory) refuses it in the caller, not a failed group."""

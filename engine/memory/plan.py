@@ -228,11 +228,19 @@ def _check_fits(options, plan: PlacementPlan, free: FreeMemory) -> None:
         name, value, nbytes, what = max(asked, key=lambda a: a[2])
         rank = ("" if options.tensor_parallel_size * options.pipeline_parallel_size == 1
                 else " (each rank's share)")
+        most = _most_that_fits(name, plan, needed - nbytes, available)
         raise EngineConfigError(
             f"{name} {value} asks for {format_bytes(nbytes)} ({nbytes} bytes) of {what}; "
             f"with the rest of the plan this run needs {format_bytes(needed)} ({needed} "
             f"bytes) of {tier}, but {format_bytes(available)} ({available} bytes) is "
-            f"available{rank}: lower {name}")
+            f"available{rank}: lower {name}{most}")
+
+
+def _most_that_fits(name: str, plan: PlacementPlan, rest: int, available: int) -> str:
+    """' to at most N' for a count of KV blocks (`rest`: the plan's other bytes)."""
+    if name not in ("num_kv_blocks", "num_host_kv_blocks"):
+        return ""
+    return f" to at most {max(available - rest, 0) // plan.sizes.kv_block_bytes}"
 
 
 def _asked_sizes(options, plan: PlacementPlan, tier: str) -> list[tuple[str, int, int, str]]:
@@ -240,7 +248,9 @@ def _asked_sizes(options, plan: PlacementPlan, tier: str) -> list[tuple[str, int
     user asked for."""
     s = plan.sizes
     asked = []
-    if tier != "host memory":
+    # Under a device_memory budget the device's share is the budget's (the plan fits its
+    # KV and activations in it), so no other option is to blame for it.
+    if tier != "host memory" and options.device_memory is None:
         kv = plan.device_bytes["kv_cache"]
         if options.num_kv_blocks is not None:
             asked.append(("num_kv_blocks", options.num_kv_blocks, kv,
