@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import sys
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -59,7 +61,21 @@ def stopped_by_signals(output: Path):
         signum = signal_of(exc)
         click.echo(f"interrupted by {signal.Signals(signum).name}; {output} "
                    f"{'left as it was' if output.exists() else 'not written'}", err=True)
-        sys.exit(128 + signum)
+        _exit(128 + signum)
+
+
+def _exit(status: int) -> None:
+    """sys.exit, or os._exit where an engine's thread is still loading the calibration
+    model it was told to drop (interrupted while the engine was built, its thread is a
+    daemon that ends once the build does): the interpreter's exit would stop that thread
+    inside torch's native code, which aborts the process ("terminate called without an
+    active exception", status 134). Everything to keep is done by then: the writer's
+    staging removed as the interrupt unwound, the message written (flushed here)."""
+    if any(t.name == "fusegen-engine" and t.is_alive() for t in threading.enumerate()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)
 
 
 def calibration_prompts(method: str, calibrated: str, calibration: Path | None,

@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from functools import partial
 
 import pytest
@@ -286,3 +287,50 @@ def test_a_missing_last_shard_and_index_are_named(src, tmp_path, second, error):
     assert "the checkpoint is sharded in 2 files and model-00002-of-00002.safetensors is " \
         f"missing from {out} (as is model.safetensors.index.json): copy the missing " \
         "files" in message, message
+
+
+# -- Ctrl-C while the calibration engine loads ----------------------------------------
+
+_LOADING = """
+import sys, pathlib, torch
+from fusegen.engine import llm
+def build(model, options):  # an engine still loading, in torch's native code
+    pathlib.Path(sys.argv[1]).write_text("loading")
+    a = torch.randn(256, 256)
+    while True:
+        a = torch.tanh(a @ a)
+llm.EngineConfig.build = staticmethod(build)
+from fusegen.jobs.cli import main
+main(sys.argv[2:])
+"""
+
+
+@pytest.mark.parametrize("command, extra", [
+    ("sparsify", ("--sparsity", "0.5", "--method", "wanda")),
+    ("quantize", ("--bits", "8", "--group-size", "32", "--method", "awq")),
+])
+def test_ctrl_c_while_the_calibration_engine_loads_exits_130(src, tmp_path, prompts,
+                                                             command, extra):
+    """SIGINT while the engine of the calibration pass is still being built: the command
+    says so and exits 130. Its engine thread (a daemon, still inside torch) must not be
+    stopped by the interpreter's exit, which aborted the process (status 134,
+    "terminate called without an active exception")."""
+    flag, out = tmp_path / "loading", tmp_path / "o"
+    script = tmp_path / "loading.py"
+    script.write_text(_LOADING)
+    child = subprocess.Popen(
+        [sys.executable, str(script), str(flag), command, "--model", str(src), *extra,
+         "--calibration", str(prompts), "--output", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        while not flag.exists() and child.poll() is None:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        child.send_signal(signal.SIGINT)
+        output = child.communicate(timeout=120)[0]
+    finally:
+        child.kill()
+    assert child.returncode == 130, output
+    assert f"interrupted by SIGINT; {out} not written" in output
+    assert "terminate called" not in output
+    assert not out.exists() and not list(tmp_path.glob(".o.*"))
