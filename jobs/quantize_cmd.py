@@ -41,7 +41,8 @@ def calibration_options(method: str):
 def output_options(command):
     """--output (written under a temporary name, then renamed) and --overwrite."""
     command = click.option("--overwrite/--no-overwrite", default=False,
-                           help="Replace an existing --output directory.")(command)
+                           help="Replace an existing --output checkpoint directory (one holding "
+                           "a config.json) or an empty folder; any other folder is refused.")(command)
     return click.option("--output", required=True, type=click.Path(path_type=Path),
                         help="Directory to write (made under a temporary name, renamed when "
                         "complete).")(command)
