@@ -209,15 +209,19 @@ def _dead_pid() -> int:
 
 
 def test_a_killed_writers_staging_is_removed_a_live_ones_kept(src, tmp_path):
-    """A writer killed by SIGKILL leaves `.NAME.partial-PID`; the next writer of NAME
-    removes it, and leaves alone the staging of a writer still running."""
+    """A writer killed by SIGKILL leaves `.NAME.partial-HOST-PID`; the next writer of
+    NAME on that host removes it, and leaves alone the staging of a writer still running
+    and any other host's (a shared file system: its PIDs are not this host's)."""
+    from fusegen.engine.weights.quantize import _writer_tag
     out = tmp_path / "q"
-    dead = tmp_path / f".q.partial-{_dead_pid()}"
+    dead_pid = _dead_pid()
+    dead = tmp_path / f".q.partial-{_writer_tag(dead_pid)}"
     live_writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
-        live = tmp_path / f".q.partial-{live_writer.pid}"
-        other = tmp_path / f".other.partial-{_dead_pid()}"  # another output's: not ours
-        for folder in (dead, live, other):
+        live = tmp_path / f".q.partial-{_writer_tag(live_writer.pid)}"
+        other = tmp_path / f".other.partial-{_writer_tag(_dead_pid())}"  # another output's
+        elsewhere = tmp_path / f".q.partial-{_writer_tag(dead_pid).rpartition('-')[0]}x-{dead_pid}"
+        for folder in (dead, live, other, elsewhere):
             folder.mkdir()
             (folder / "model.safetensors").write_bytes(b"half")
         result = run_quantize("--model", src, *QUANTIZE, "--output", out)
@@ -225,6 +229,7 @@ def test_a_killed_writers_staging_is_removed_a_live_ones_kept(src, tmp_path):
         assert not dead.exists()
         assert (live / "model.safetensors").read_bytes() == b"half"
         assert other.exists()
+        assert elsewhere.exists()  # another host's writer
         assert (out / "config.json").is_file()
     finally:
         live_writer.kill()

@@ -22,6 +22,7 @@ import json
 import math
 import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -285,7 +286,7 @@ def write_checkpoint(source: Source, output: Path, form: LinearForm | None, repo
     at `output` when it fails or is interrupted (an existing one stays as it was).
     A failed write (a full disk, a quota) is a QuantizeError naming --output."""
     remove_dead_staging(output)
-    staging = output.with_name(f".{output.name}.partial-{os.getpid()}")
+    staging = output.with_name(f".{output.name}.partial-{_writer_tag()}")
     shutil.rmtree(staging, ignore_errors=True)
     try:
         staging.mkdir(parents=True)
@@ -300,17 +301,27 @@ def write_checkpoint(source: Source, output: Path, form: LinearForm | None, repo
         raise
 
 
+def _writer_tag(pid: int | None = None) -> str:
+    """HOST-PID of a writer: the host too, since an output's folder may be on a file
+    system other machines write to, where a PID says nothing."""
+    host = socket.gethostname().replace("/", "_") or "localhost"
+    return f"{host}-{os.getpid() if pid is None else pid}"
+
+
 def remove_dead_staging(output: Path) -> list[Path]:
-    """Remove the staging folders (`.NAME.partial-PID`) beside `output` whose writer is
-    no longer running: one killed by SIGKILL (or a lost machine) cannot remove its own.
-    A live writer's staging is left alone. Returns what was removed."""
+    """Remove the staging folders (`.NAME.partial-HOST-PID`) beside `output` whose
+    writer ran on this host and is no longer running: one killed by SIGKILL cannot
+    remove its own. A live writer's staging, and any other host's (whose processes this
+    one cannot see), are left alone. Returns what was removed."""
     removed = []
     parent = output.absolute().parent
     if not parent.is_dir():
         return removed
-    for path in parent.glob(f".{output.name}.partial-*"):
-        pid = path.name.rsplit("-", 1)[1]
-        if pid.isdigit() and path.is_dir() and not _pid_alive(int(pid)):
+    prefix = f".{output.name}.partial-"
+    host = _writer_tag(0).rpartition("-")[0]  # this host, as its writers name it
+    for path in parent.glob(f"{prefix}*"):
+        tag_host, _, pid = path.name[len(prefix):].rpartition("-")
+        if tag_host == host and pid.isdigit() and path.is_dir() and not _pid_alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
