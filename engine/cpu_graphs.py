@@ -99,7 +99,7 @@ def record(forward) -> tuple[CpuGraph, object]:
 
 
 def _build(log: list, out) -> CpuGraph:
-    outputs = {id(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)}
+    outputs = {id(t) for t in _tensors(out)}
     keep, fresh, live, pointers = [], {}, _consumed(log, outputs), _pointers(log)
     steps, num_calls, num_ops = [], 0, 0
     for entry in log:
@@ -109,7 +109,7 @@ def _build(log: list, out) -> CpuGraph:
             num_calls += 1
             continue
         _, func, args, kwargs, result = entry
-        tensors = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
+        tensors = _tensors(result)
         keep.append(result)
         if func in _ALLOCATIONS:
             fresh.update(_storages(tensors))
@@ -121,8 +121,7 @@ def _build(log: list, out) -> CpuGraph:
             steps.append((_run_in_place, (func, args, kwargs), None))
             num_ops += 1
             continue
-        inputs = _storages(t for t in tree_flatten((args, kwargs))[0]
-                           if isinstance(t, torch.Tensor))
+        inputs = _storages(_tensors((args, kwargs)))
         made = {k: v for k, v in _storages(tensors).items() if k not in inputs}
         # a view, or an op that may alias and did (`to` its own dtype, `reshape` of
         # contiguous memory): nothing computed. Else a fresh result, unless nothing
@@ -141,9 +140,21 @@ def _consumed(log: list, outputs: set[int]) -> set[int]:
     live = set(outputs)
     for entry in log:
         if entry[0] is _OP and entry[1] not in _HOST_READS:
-            live.update(id(t) for t in tree_flatten((entry[2], entry[3]))[0]
-                        if isinstance(t, torch.Tensor))
+            live.update(id(t) for t in _tensors((entry[2], entry[3])))
     return live
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or result (nested tuples, lists, dicts), in
+    order: what tree_flatten finds there, without its cost per node (a recording
+    flattens every op's arguments and result, the allocations' among them)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for item in obj for t in _tensors(item)]
+    if isinstance(obj, dict):
+        return [t for item in obj.values() for t in _tensors(item)]
+    return []
 
 
 def _pointers(log: list) -> list[int]:

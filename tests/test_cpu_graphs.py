@@ -189,6 +189,17 @@ def test_every_kernel_of_the_library_records():
     assert [(fn.__name__, args[2:]) for fn, args, _ in calls] == [("argmax_f32", (1, 3, 3, 1))]
 
 
+def test_an_ops_tensors_are_found_as_tree_flatten_finds_them():
+    from torch.utils._pytree import tree_flatten
+
+    from fusegen.engine.cpu_graphs import _tensors
+
+    a, b, c, d = (torch.zeros(i + 1) for i in range(4))
+    nested = ((a, 3, [b, None, {"x": c, "y": (1.5, d)}]), {"out": a}, torch.Size([2]))
+    want = [t for t in tree_flatten(nested)[0] if isinstance(t, torch.Tensor)]
+    assert [id(t) for t in _tensors(nested)] == [id(t) for t in want] and len(want) == 5
+
+
 @torch.inference_mode()
 def test_a_replay_makes_every_kernel_call_of_the_step(runner):
     # Recorded at one step's inputs, replayed at the next step's: bit for bit what the
