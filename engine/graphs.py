@@ -289,7 +289,7 @@ class CpuDecodeGraphs(DecodeGraphs):
     are not crowded out by the large ones a run starts with. A graph past `rows`, or
     one that would pass the cap all the same (both head flags recorded), is dropped,
     and `rows` drops below it. Steps of more than `rows` rows without a graph run
-    eagerly (through the static buffers, unrecorded). No padding rows: they would cost real
+    eagerly, outside the graphs (`serves`). No padding rows: they would cost real
     compute, and could take another kernel path than the rows alone, so outputs would
     differ from eager. Recording IS the step's eager run; a replay makes the same kernel
     calls, so its outputs are eager's bit for bit. `nbytes`: what the graphs keep."""
@@ -300,6 +300,13 @@ class CpuDecodeGraphs(DecodeGraphs):
         self.rows = max_rows
         self.nbytes = 0
         self.num_blocks = next(c for c in runner.kv_caches if c is not None)[0].shape[0]
+
+    def serves(self, inputs: StepInputs) -> bool:
+        """Row counts up to `rows`, and larger ones that kept a graph: the rest take the
+        runner's own eager path, not the static buffers'."""
+        rows = len(inputs.input_ids)
+        return super().serves(inputs) and (rows <= self.rows
+                                           or any(key[0] == rows for key in self.graphs))
 
     def run(self, inputs: StepInputs, head: bool = False) -> tuple[torch.Tensor, ...]:
         problem = bounds_problem(inputs, self.num_blocks, self.runner.block_size)
@@ -319,7 +326,7 @@ class CpuDecodeGraphs(DecodeGraphs):
 
     def _record(self, key, bucket: int, max_seq_len: int, head: bool):
         forward = self._forward(bucket, max_seq_len, head)
-        if bucket > self.rows:  # past the row counts the cap holds: eagerly, unrecorded
+        if bucket > self.rows:  # a larger row count's other head flag: eagerly, unrecorded
             return forward()
         try:
             graph, out = record(forward)  # the step itself, eagerly, recorded as it runs

@@ -313,6 +313,7 @@ def test_memory_cap_leaves_new_row_counts_eager(llama_dir, monkeypatch):
     # each graph recorded lowered `rows` to what its bytes per row plan for
     assert capped.rows == min(rows_within(sizes[rows] / rows, kept) for rows in sizes)
     assert capped.replays == graphs.replays  # the 7-row step never replayed a graph
+    assert not capped.serves(decode_inputs(7, 0))  # 7 rows: the runner's eager path
 
 
 @torch.inference_mode()
@@ -332,12 +333,12 @@ def test_a_graph_past_the_cap_is_dropped_and_larger_row_counts_run_eagerly(runne
     graphs.run(decode_inputs(4, 0), head=True)
     graphs.run(decode_inputs(4, 0), head=False)
     assert graphs.rows == 7 and graphs.nbytes == sizes[4, True] + sizes[4, False]
-    (first,) = graphs.run(decode_inputs(3, 0), head=True)  # past the cap: dropped
+    graphs.run(decode_inputs(3, 0), head=True)  # past the cap: dropped
     assert graphs.rows == 2 and graphs.nbytes == sizes[4, True] + sizes[4, False]
     assert set(graphs.graphs) == {(4, 1)} and set(graphs.graphs[4, 1]) == {True, False}
-    (again,) = graphs.run(decode_inputs(3, 0), head=True)  # eagerly, unrecorded
-    assert torch.equal(first, again) and set(graphs.graphs) == {(4, 1)}
-    # the 4-row graphs kept still replay
+    # 3 rows take the runner's eager path from now on; the 4-row graphs kept replay
+    assert not graphs.serves(decode_inputs(3, 0)) and graphs.serves(decode_inputs(2, 0))
+    assert graphs.serves(decode_inputs(4, 1))
     graphs.run(decode_inputs(4, 1), head=True)
     assert graphs.replays == 1 and graphs.nbytes <= cap
 
