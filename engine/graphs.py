@@ -36,7 +36,7 @@ On CPUs a decode step is bound by the Python around its C kernel calls, and
 the step's kernel calls and torch ops, replayed in one Python loop). What differs from
 the GPU: one graph per exact row count (no padding rows: they would cost real compute,
 and could take another kernel path, so outputs would differ from eager) up to
-max_num_seqs and per head flag, as many row counts as CPU_GRAPH_BYTES holds
+CPU_GRAPH_ROWS and per head flag, as many row counts as CPU_GRAPH_BYTES holds
 (`CpuDecodeGraphs` states the rule); recording is the step's eager run itself (nothing
 runs twice); before each replay the step's tables, lengths and slots are checked
 against the cache (the kernels' wrappers check them eagerly, a replay does not), with
@@ -237,6 +237,12 @@ class DecodeGraphs:
         return graph, out
 
 
+# CPU graphs serve decode steps of up to this many rows: what a replay saves is the
+# Python around a step's kernel calls, a fixed cost per step that a step's own compute
+# outgrows as rows are added, while recording a step costs about half an eager step
+# more; past 16 rows a row count must recur many times to repay its recording, and a
+# run whose batch shrinks meets each count only a few times.
+CPU_GRAPH_ROWS = 16
 # The bytes all CPU graphs of an engine may keep: each keeps every intermediate tensor
 # of its step, about rows x one row's activations (CpuDecodeGraphs: which row counts
 # get a graph within it).
@@ -282,19 +288,20 @@ class CpuDecodeGraphs(DecodeGraphs):
     """Recorded decode steps on a CPU (engine/cpu_graphs.py). The rule: one graph per
     exact row count and head flag, recorded the first time a step of that many rows
     runs, for row counts 1..`rows`, and the graphs kept total at most CPU_GRAPH_BYTES.
-    `rows` starts at max_num_seqs; each graph recorded lowers it to the largest n whose
-    graphs of 1..n rows, at that graph's bytes per row (a graph keeps its step's
-    intermediates: bytes in proportion to rows), fit in CPU_GRAPH_BYTES, so small row
-    counts, which save a step as much Python as large ones at a fraction of the bytes,
-    are not crowded out by the large ones a run starts with. A graph past `rows`, or
-    one that would pass the cap all the same (both head flags recorded), is dropped,
-    and `rows` drops below it. Steps of more than `rows` rows without a graph run
+    `rows` starts at min(max_num_seqs, CPU_GRAPH_ROWS); each graph recorded lowers it
+    to the largest n whose graphs of 1..n rows, at that graph's bytes per row (a graph
+    keeps its step's intermediates: bytes in proportion to rows), fit in
+    CPU_GRAPH_BYTES, so small row counts, which save a step as much Python as large
+    ones at a fraction of the bytes, are not crowded out by the large ones a run
+    starts with. A graph past `rows`, or one that would pass the cap all the same (both
+    head flags recorded), is dropped, and `rows` drops below it. Steps of more than `rows` rows without a graph run
     eagerly, outside the graphs (`serves`). No padding rows: they would cost real
     compute, and could take another kernel path than the rows alone, so outputs would
     differ from eager. Recording IS the step's eager run; a replay makes the same kernel
     calls, so its outputs are eager's bit for bit. `nbytes`: what the graphs keep."""
 
     def __init__(self, runner: GraphedRunner, max_rows: int, max_model_len: int):
+        max_rows = min(max_rows, CPU_GRAPH_ROWS)
         super().__init__(runner, max_rows, max_model_len)
         self.buckets = list(range(1, max_rows + 1))
         self.rows = max_rows

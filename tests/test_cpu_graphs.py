@@ -13,7 +13,7 @@ from checkpoints import make_hf_checkpoint
 from fusegen.engine import LLM, SamplingParams
 from fusegen.engine import graphs as graphs_module
 from fusegen.engine.cpu_graphs import ReplayMismatch, record
-from fusegen.engine.graphs import CpuDecodeGraphs, rows_within
+from fusegen.engine.graphs import CPU_GRAPH_ROWS, CpuDecodeGraphs, rows_within
 from fusegen.engine.step_inputs import StepInputs
 from fusegen.kernels import native
 from gguf_checkpoints import Q, write_gguf
@@ -347,9 +347,11 @@ def test_which_engines_record_cpu_graphs(llama_dir, monkeypatch):
     with LLM(str(llama_dir), dtype="float32", max_num_seqs=20, device="cpu") as llm:
         graphs = llm.engine.runner.graphs
         assert type(graphs) is CpuDecodeGraphs
-        # every row count up to max_num_seqs, until the cap says otherwise
-        assert graphs.buckets == list(range(1, 21)) and graphs.rows == 20
-        assert graphs.serves(decode_inputs(20, 0))
+        # every row count up to CPU_GRAPH_ROWS (16), until the cap says otherwise
+        assert CPU_GRAPH_ROWS == 16
+        assert graphs.buckets == list(range(1, 17)) and graphs.rows == 16
+        assert graphs.serves(decode_inputs(16, 0))
+        assert not graphs.serves(decode_inputs(17, 0))  # the runner's eager path
     monkeypatch.setenv("FUSEGEN_KERNELS", "reference")
     with LLM(str(llama_dir), dtype="float32", device="cpu") as llm:
         assert llm.engine.runner.graphs is None  # the torch reference's loops
