@@ -100,12 +100,15 @@ if stage new; then
   grep -E "^E  |^====" $OUT/failures.log 2>/dev/null | cut -c1-220 | head -50
 fi
 stage profile || stage anchors || stage offload || stage coop || stage benchB || stage bench1k || stage benchA || { date -u; exit 0; }
+if stage profile || stage anchors || stage benchB || stage bench1k || stage benchA; then
+# the gpu-8b checkpoint (offload and coop build their own models)
 CKPT=$(python3 -c "
 from fusegen.jobs.bench.presets import PRESETS
 from fusegen.jobs.bench.checkpoint import default_cache_dir, ensure_checkpoint
 preset = PRESETS['gpu-8b'].shrink(num_layers=$LAYERS)
 print(ensure_checkpoint('gpu-8b', preset.model, default_cache_dir()))" | tail -1)
 echo "checkpoint $CKPT"; date -u
+fi
 if stage profile; then
   timeout "$T_PROF" python3 tests/gpu/decode_profile.py "$CKPT" $OUT > $OUT/profile.log 2>&1
   echo "profile rc=$?"; grep -E "batch|gpu busy|Error|error" $OUT/profile.log | cut -c1-400
