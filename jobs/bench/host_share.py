@@ -151,7 +151,10 @@ def measure(model_dir: str | Path, config: HostShareConfig, device: str = "cpu",
     b, p, n = config.batch_size, config.prompt_len, config.output_len
     engine = LLMEngine(EngineConfig.build(str(model_dir), EngineOptions.from_kwargs(dict(
         device=device, dtype="float32", max_num_seqs=b, max_num_batched_tokens=max(b * p, 256),
-        max_model_len=p + n, enable_prefix_caching=False))))
+        max_model_len=p + n, enable_prefix_caching=False,
+        # the stub is no model to record: every step runs the runner's eager path, whose
+        # host work is what this measures
+        enforce_eager=True))))
     try:
         runner = engine.runner
         runner.model = stub = StubModel(runner.model, max(b * p, 256), runner.device)
