@@ -306,6 +306,7 @@ class CpuDecodeGraphs(DecodeGraphs):
         self.buckets = list(range(1, max_rows + 1))
         self.rows = max_rows
         self.nbytes = 0
+        self._checked: set = set()  # graphs whose first replay matched the eager step
         self.num_blocks = next(c for c in runner.kv_caches if c is not None)[0].shape[0]
 
     def serves(self, inputs: StepInputs) -> bool:
@@ -328,6 +329,20 @@ class CpuDecodeGraphs(DecodeGraphs):
         except ReplayMismatch as failure:
             self._fail(failure, "replaying a decode step's CPU graph")
             return self._forward(bucket, max_seq_len, head)()  # the step again, eagerly
+        if graph not in self._checked:
+            # A graph's first replay is checked against the same step run eagerly after
+            # it (which also rewrites the step's KV slots, should the replay have written
+            # them wrong): work of a step that is neither a fusegen C kernel nor a torch
+            # op (a Triton kernel in the interpreter, numpy on a tensor's memory) is not
+            # recorded, and its stale outputs show here rather than in later tokens.
+            eager = self._forward(bucket, max_seq_len, head)()
+            if not all(torch.equal(a, b) for a, b in zip(out, eager)):
+                self._fail(RuntimeError("its outputs differ from the same step run eagerly: "
+                                        "the step computes outside the C kernels and torch "
+                                        "ops a graph records"),
+                           "replaying a decode step's CPU graph")
+                return eager
+            self._checked.add(graph)
         self.replays += 1
         return out
 

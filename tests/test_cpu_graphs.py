@@ -241,6 +241,23 @@ def test_escaped_call_is_caught(runner, monkeypatch):
         assert not torch.equal(out[0], x)
 
 
+def test_work_outside_the_recorder_is_caught_at_the_first_replay(llama_dir, monkeypatch,
+                                                                caplog):
+    """A step that computes past the recorder (here every RMSNorm, called as the raw
+    ctypes function: as a Triton kernel in the interpreter or numpy on a tensor's memory
+    would be) records a graph that replays wrong; its first replay is checked against
+    the step run eagerly, so the engine goes eager with eager's tokens."""
+    want, _, _ = generate(llama_dir, greedy(), True, dtype="float32")
+    monkeypatch.setattr(native.library(), "rms_norm_f32", native.library().rms_norm_f32.fn)
+    with caplog.at_level(logging.WARNING, logger="fusegen.engine"):
+        got, _, graphs = generate(llama_dir, greedy(), False, dtype="float32")
+    assert got == want
+    assert graphs.failed.startswith("RuntimeError: its outputs differ from the same step")
+    assert graphs.replays == 0
+    warnings = [r.getMessage() for r in caplog.records if "CPU graph" in r.getMessage()]
+    assert len(warnings) == 1 and "runs every step eagerly" in warnings[0]
+
+
 def test_a_kernel_status_other_than_recorded_leaves_the_engine_eager(llama_dir, caplog):
     want, _, _ = generate(llama_dir, greedy(), True, dtype="float32")
     with LLM(str(llama_dir), dtype="float32", **OPTIONS) as llm:
