@@ -298,7 +298,9 @@ class CpuDecodeGraphs(DecodeGraphs):
     eagerly, outside the graphs (`serves`). No padding rows: they would cost real
     compute, and could take another kernel path than the rows alone, so outputs would
     differ from eager. Recording IS the step's eager run; a replay makes the same kernel
-    calls, so its outputs are eager's bit for bit. `nbytes`: what the graphs keep."""
+    calls, so its outputs are eager's bit for bit, which each graph's first replay
+    checks against the step run eagerly (work outside the recorded calls would show
+    there). `nbytes`: what the graphs keep."""
 
     def __init__(self, runner: GraphedRunner, max_rows: int, max_model_len: int):
         max_rows = min(max_rows, CPU_GRAPH_ROWS)
