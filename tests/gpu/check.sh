@@ -18,8 +18,9 @@
 #   anchors   the anchors' workloads (--workload sharegpt-like, 1,000 requests, transformers'
 #             static batch on the first $HF_REQ (16); then with asynchronous scheduling;
 #             random-1k-1k, $REQ_1K requests; sharegpt-like with FP8 weights), each while
-#             the call's time lasts; $ANCHORS picks among sharegpt, sharegpt_async, 1k1k,
-#             sharegpt_fp8 (default: all)
+#             the call's time lasts; then deterministic mode beside the ordinary run on
+#             $REQ_DET (256) requests; $ANCHORS picks among sharegpt, sharegpt_async, 1k1k,
+#             sharegpt_fp8, det (default: all)
 #   offload   gpu-offload (a 32B Llama shape, $OFF_LAYERS layers (32): about 31 GB against
 #             the preset's 24 GiB device budget, so a quarter of the layers stream from
 #             pinned host memory) beside accelerate's offload on the first $OFF_HF (8)
@@ -139,7 +140,7 @@ if stage anchors; then
         --json "/tmp/anchor_$name.json" "$@" > "$OUT/anchor_$name.log" 2>&1
     echo "anchor $name rc=$? ($(( $(date +%s) - END + left + 5 )) s)"; tail -14 "$OUT/anchor_$name.log"
   }
-  ANCHORS=" ${ANCHORS:-sharegpt sharegpt_async 1k1k sharegpt_fp8} "
+  ANCHORS=" ${ANCHORS:-sharegpt sharegpt_async 1k1k sharegpt_fp8 det} "
   [[ $ANCHORS == *" sharegpt "* ]] && anchor sharegpt 60 --workload sharegpt-like \
       --hf-requests "${HF_REQ:-16}" --hf-batch-size "${HF_REQ:-16}" --skip-hf-continuous
   [[ $ANCHORS == *" sharegpt_async "* ]] && anchor sharegpt_async 50 --workload sharegpt-like \
@@ -148,6 +149,9 @@ if stage anchors; then
       --requests "${REQ_1K:-256}" --skip-hf
   [[ $ANCHORS == *" sharegpt_fp8 "* ]] && anchor sharegpt_fp8 50 --workload sharegpt-like \
       --skip-hf --quantization fp8
+  # deterministic mode's cost on the GPU (batch-invariant kernels) beside the ordinary run
+  [[ $ANCHORS == *" det "* ]] && anchor det 60 --requests "${REQ_DET:-256}" --skip-hf \
+      --deterministic-too
 fi
 if stage offload; then  # its own checkpoint: the 32B shape, cut to OFF_LAYERS layers
   LEFT=$(( END - $(date +%s) - 5 )); T=$(( LEFT < ${T_OFF:-300} ? LEFT : ${T_OFF:-300} ))
