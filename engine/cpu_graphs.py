@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from fusegen.kernels import native
 
@@ -187,8 +186,8 @@ def _run_into(func, args, kwargs, captured) -> None:
         if result is not captured:
             captured.copy_(result)
         return
-    for dst, src in zip(tree_flatten(captured)[0], tree_flatten(result)[0]):
-        if isinstance(dst, torch.Tensor) and src is not dst:
+    for dst, src in zip(_tensors(captured), _tensors(result)):
+        if src is not dst:
             dst.copy_(src)
 
 

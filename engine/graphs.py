@@ -272,16 +272,16 @@ def cpu_graphable(model: CausalLM) -> bool:
 def bounds_problem(inputs: StepInputs, num_blocks: int, block_size: int) -> str | None:
     """What the eager step's kernels would refuse in the step's tables, lengths and
     slots (their bounds checks do not run in a replay), in their words; None: fine."""
-    tables = np.asarray(inputs.block_tables)
-    low, high, longest = int(tables.min()), int(tables.max()), int(np.max(inputs.seq_lens))
-    if longest > tables.shape[1] * block_size or not 0 <= low <= high < num_blocks:
-        return (f"block tables [{tables.shape}, ids {low}..{high}] do not cover "
-                f"sequences of up to {longest} tokens in a cache of {num_blocks} blocks of "
-                f"{block_size}")
-    slots = np.asarray(inputs.slots)
-    if int(slots.max()) >= num_blocks * block_size:
-        return f"slot {int(slots.max())} outside a KV cache of {num_blocks} blocks of {block_size}"
-    return None
+    from fusegen.kernels.paged_attention_cpu import table_bounds_problem
+
+    problem = table_bounds_problem(torch.from_numpy(np.asarray(inputs.block_tables)),
+                                   torch.from_numpy(np.asarray(inputs.seq_lens)),
+                                   num_blocks, block_size)
+    if problem is None:
+        slots = int(np.max(inputs.slots))
+        if slots >= num_blocks * block_size:
+            return f"slot {slots} outside a KV cache of {num_blocks} blocks of {block_size}"
+    return problem
 
 
 class CpuDecodeGraphs(DecodeGraphs):

@@ -228,13 +228,15 @@ def _step_args(num_blocks: int, block_size: int, block_tables, seq_lens, query_s
     reach = seq_lens if kv_end is None else kv_end
     read = (block_tables, reach) if seq_ids is None else \
         (block_tables[seq_ids.long()], reach[seq_ids.long()])
-    problem = _bounds_problem(*read, num_blocks, block_size) if num_items else None
+    problem = table_bounds_problem(*read, num_blocks, block_size) if num_items else None
     return _StepArgs(block_tables.data_ptr(), seq_lens.data_ptr(), query_start_loc.data_ptr(),
                      None if seq_ids is None else seq_ids.data_ptr(), block_tables.stride(0),
                      num_items, problem, (block_tables, seq_lens, query_start_loc, seq_ids))
 
 
-def _bounds_problem(block_tables, seq_lens, num_blocks: int, block_size: int) -> str | None:
+def table_bounds_problem(block_tables, seq_lens, num_blocks: int, block_size: int) -> str | None:
+    """What the kernels would read outside the cache in these tables and lengths, in
+    words (None: nothing); CPU graphs check each replayed step with it too."""
     low, high, longest = int(block_tables.min()), int(block_tables.max()), int(seq_lens.max())
     if longest > block_tables.shape[1] * block_size or not 0 <= low <= high < num_blocks:
         return (f"block tables [{tuple(block_tables.shape)}, ids {low}..{high}] do not cover "
