@@ -112,7 +112,7 @@ class EngineOptions:
     enforce_eager: bool = option(
         False, "Run every step op by op: no recorded decode steps. On GPUs those are CUDA "
         "graphs (a step's kernels replayed with one launch; deterministic mode never uses "
-        "them); on CPUs, CPU graphs of steps of up to 8 rows (a step's C kernel calls "
+        "them); on CPUs, CPU graphs of steps of up to 16 rows (a step's C kernel calls "
         "replayed without the Python around them). Streamed layers and MoE models never "
         "use either.", kind=bool)
     # The same tokens either way (a request that stops runs one extra token, discarded):
